@@ -1,0 +1,124 @@
+"""``remat.checkpoint``: the decorator users put around a block."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+
+from ._frame import CheckpointFrame
+from ._state_hooks import validate_state_hooks
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_DETERMINISM_CHECKS = ("default", "none", "bitwise")
+
+
+def _refuse_positional(args: tuple) -> None:
+    what = type(args[0]).__name__ if args else ""
+    raise TypeError(
+        f"remat.checkpoint takes keyword arguments only and returns a decorator; it was "
+        f"called with a positional argument ({what}). Write "
+        "remat.checkpoint(region_name=...)(fn)(*args, **kwargs). The form "
+        "remat.checkpoint(fn) is refused on purpose: it reads like "
+        "torch.utils.checkpoint.checkpoint(fn, *args), whose arguments mean something else."
+    )
+
+
+def checkpoint(
+    *args: Any,
+    region_name: str | None = None,
+    recompute_state_hooks: Iterable[Any] = (),
+    early_stop: bool = True,
+    determinism_check: str = "default",
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool | None = None,
+) -> Callable[[F], F]:
+    """Return a decorator that runs a function as a non-reentrant checkpoint.
+
+    ``remat.checkpoint(region_name="layers.0")(block)(x)`` runs ``block(x)`` keeping
+    only what backward cannot recreate: the inputs the replay reads and whatever
+    ``remat.region(..., recompute=False)`` calls inside ``block`` save. Everything
+    else is dropped after the forward and recomputed when backward first needs it.
+
+    Args:
+        region_name: name of this checkpoint in reports and error messages
+            (``apply_remat`` uses the module's qualified name). Defaults to the
+            function's name.
+        recompute_state_hooks: objects with ``snapshot()`` and ``restore(state)``
+            (see :class:`RecomputeStateHook`). They are snapshotted when the
+            checkpoint starts and after each SAVE region, and restored at the start
+            of the recompute and at each skipped SAVE region, so code that reads
+            mutable state (RNG) sees the same values in forward and recompute.
+        early_stop: stop the recompute as soon as every tensor backward still needs
+            has been recreated (default True).
+        determinism_check: ``"default"`` compares shape, dtype and device of each
+            recreated tensor with the forward; ``"bitwise"`` also compares their bits
+            (costs a checksum per dropped tensor in forward); ``"none"`` checks nothing.
+        use_reentrant: accepted for compatibility with ``torch.utils.checkpoint``;
+            only ``False`` (or None) is supported.
+        preserve_rng_state: only ``False`` (or None) is supported; pass RNG state
+            hooks through ``recompute_state_hooks`` instead.
+
+    Under ``torch.no_grad()`` or ``torch.inference_mode()`` the function simply runs
+    once. Errors: ``TypeError`` for a positional argument (``remat.checkpoint(fn)``)
+    or unknown option types, ``ValueError`` for unsupported option values.
+    """
+    if args:
+        _refuse_positional(args)
+    if region_name is not None and (not isinstance(region_name, str) or not region_name):
+        raise ValueError(
+            f"remat.checkpoint: region_name must be a non-empty string or None, got "
+            f"{region_name!r}."
+        )
+    if preserve_rng_state:
+        raise ValueError(
+            "remat.checkpoint does not support preserve_rng_state=True. The recompute "
+            "restores state many times per checkpoint (at entry and at every skipped "
+            "SAVE region), and snapshotting the CPU generator costs a 5 KB copy each "
+            "time while modern code samples RNG on the device. Pass the state you need "
+            "restored as recompute_state_hooks=(hook, ...), objects with snapshot() and "
+            "restore(state) (see remat.RecomputeStateHook)."
+        )
+    if use_reentrant:
+        raise ValueError(
+            "remat.checkpoint is always non-reentrant; use_reentrant=True is not "
+            "supported. Drop the argument or pass use_reentrant=False."
+        )
+    if not isinstance(early_stop, bool):
+        raise TypeError(f"remat.checkpoint: early_stop must be a bool, got {early_stop!r}.")
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"remat.checkpoint: determinism_check must be one of {_DETERMINISM_CHECKS}, "
+            f"got {determinism_check!r}."
+        )
+    hooks = validate_state_hooks(recompute_state_hooks)
+    check_metadata = determinism_check != "none"
+    bitwise = determinism_check == "bitwise"
+
+    def decorator(fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(
+                f"remat.checkpoint(...) must decorate a callable, got {type(fn).__name__}."
+            )
+        name = region_name or _default_name(fn)
+
+        def checkpointed(*a: Any, **kw: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return fn(*a, **kw)
+            frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise)
+            return frame.run_forward(a, kw)
+
+        checkpointed.__wrapped__ = fn  # type: ignore[attr-defined]
+        checkpointed.__name__ = f"remat_checkpoint_{name}"
+        checkpointed.__qualname__ = checkpointed.__name__
+        checkpointed.__doc__ = getattr(fn, "__doc__", None)
+        return checkpointed  # type: ignore[return-value]
+
+    return decorator
+
+
+def _default_name(fn: Any) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name or type(fn).__name__

@@ -1,0 +1,393 @@
+"""The per-call state of one ``remat.checkpoint``: its forward bookkeeping and the
+recompute that backward triggers.
+
+Mechanism (the same saved-tensor-hook scheme as non-reentrant
+``torch.utils.checkpoint``, plus SAVE regions):
+
+* During the forward a pack hook sees every tensor autograd saves. Inside a SAVE
+  region the tensor is kept (a :class:`RegionSaved`). Elsewhere only a
+  :class:`Holder` is packed and the tensor is dropped.
+* When backward unpacks a holder, the function is replayed under a second pack hook
+  that refills the holders in order. SAVE regions are not replayed: they return
+  their kept outputs, or placeholders, and restore the state snapshots taken when
+  they returned in forward. The replay stops as soon as every live holder is
+  refilled (early stop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._errors import RecomputeMismatchError, RematError, _StopRecompute
+from ._outputs import flatten_region_outputs
+from ._profiling import profiler_range
+from ._records import Holder, RegionRecord, RegionSaved
+from ._replay import ReplayScope, replay_unpack
+from ._sources import INPUT, OUTPUT, SourceIndex, TensorSource
+from ._state import _tls
+from ._tensor_meta import storage_root
+from ._walk import mark_inputs_read_by_replayed_code
+
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _unpack_hook(packed):
+    return packed.unpack()
+
+
+def _graph_task_key() -> Any:
+    group = torch._C._get_graph_exec_group()
+    if group is not None:
+        return group
+    gid = torch._C._current_graph_task_id()
+    if gid == -1:
+        # Unpacked outside of a backward (e.g. grad_fn._saved_self): a key of its own.
+        return object()
+    return gid
+
+
+def _autocast_devices(leaves: Sequence[Any]) -> list[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            dt = x.device.type
+            if dt not in devices and dt != "meta":
+                devices.append(dt)
+    return devices
+
+
+class CheckpointFrame:
+    """State of one checkpointed call, from its forward until its graph dies."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        state_hooks: tuple[Any, ...],
+        early_stop: bool,
+        check_metadata: bool,
+        bitwise_check: bool,
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.state_hooks = state_hooks
+        self.early_stop = early_stop
+        self.check_metadata = check_metadata
+        self.bitwise_check = bitwise_check
+        self.holders: list[weakref.ref] = []
+        self.holder_meta: list[tuple] = []
+        self.holder_checksums: list[Any] = []
+        self.regions: list[RegionRecord] = []
+        self.replay_regions: list[RegionRecord] = []
+        self.region_names: set[str] = set()
+        self.region_stack: list[RegionRecord] = []
+        self.save_depth = 0
+        self.sources = SourceIndex()
+        self.inputs: list[TensorSource] = []
+        self.output_sources: list[TensorSource] = []
+        self.save_output_nodes: list[Any] = []
+        self.leaves: list[Any] = []
+        self.spec = None
+        self.entry_states: list[Any] = []
+        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+        self.autocast_cache = True
+        self.outer_hooks = None
+        self.start_seq = 0
+        self.forward_done = False
+        self.recomputed_keys: set[Any] = set()
+        self.trace_scope: Any = None
+        self.save_name: str | None = None
+
+    # ------------------------------------------------------------------ forward
+
+    def run_forward(self, args: tuple, kwargs: dict) -> Any:
+        if not kwargs and all(
+            isinstance(a, torch.Tensor) or not isinstance(a, (list, tuple, dict)) for a in args
+        ):
+            leaves, spec = list(args), None
+        else:
+            leaves, spec = tree_flatten((args, kwargs))
+        self.leaves, self.spec = leaves, spec
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                src = TensorSource(INPUT, i, x)
+                self.inputs.append(src)
+                self.sources.add(x, src)
+        self.entry_states = [h.snapshot() for h in self.state_hooks]
+        for dev in _autocast_devices(leaves):
+            self.autocast.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.outer_hooks = _top_hooks(False)
+        self.start_seq = torch._C._autograd._get_sequence_nr()
+        try:
+            _push_hooks(self.pack, _unpack_hook)
+        except RuntimeError as e:
+            raise RematError(
+                f"torch_remat: remat.checkpoint '{self.name}' needs saved-tensor hooks, "
+                "but they are disabled here (torch.autograd.graph."
+                f"disable_saved_tensors_hooks) with the message: {e}. Call the function "
+                "without remat.checkpoint in this context, or leave that context first."
+            ) from e
+        tls = _tls
+        tls.stack.append(self)
+        try:
+            with profiler_range(f"remat.forward:{self.name}"):
+                out = self.fn(*args, **kwargs)
+        finally:
+            tls.stack.pop()
+            _pop_hooks()
+        self._finish(out)
+        return out
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.save_depth:
+            return self._pack_in_save_region(t)
+        holder = Holder(self, len(self.holders))
+        if self.sources:
+            sources = self.sources.lookup(t)
+            if sources is not None:
+                for s in sources:
+                    s.mark_kept(t)
+                d = t.detach()
+                holder.static = d
+                holder.static_version = d._version
+        self.holders.append(weakref.ref(holder))
+        stack = self.region_stack
+        self.holder_meta.append((t.shape, t.dtype, t.device, stack[-1].qualname if stack else None))
+        if self.bitwise_check:
+            from ._determinism import checksum
+
+            self.holder_checksums.append(checksum(t))
+        return holder
+
+    def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved:
+        region = self.region_stack[-1]
+        name = self.save_name
+        if name is None:
+            name = f"saved.{len(region.saved)}"
+        saved = RegionSaved(region, name, t, self.outer_hooks)
+        region.saved.append(weakref.ref(saved))
+        return saved
+
+    def qualify(self, name: str) -> str:
+        stack = self.region_stack
+        return f"{stack[-1].qualname}.{name}" if stack else name
+
+    def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
+        qualname = self.qualify(name)
+        if qualname in self.region_names:
+            raise ValueError(
+                f"torch_remat: region name '{qualname}' is used twice in one forward of "
+                f"checkpoint '{self.name}'. Region names identify regions between the "
+                "forward and the recompute; give each call its own name (for example "
+                "f'expert.{i}' inside a loop)."
+            )
+        in_save = self.save_depth > 0
+        if in_save and recompute:
+            raise ValueError(
+                f"torch_remat: region '{qualname}' asks to be recomputed, but it is "
+                f"nested inside SAVE region '{self.region_stack[-1].qualname}' whose "
+                "body is never replayed. Make the outer region recompute=True, or the "
+                "inner one recompute=False."
+            )
+        self.region_names.add(qualname)
+        parent = self.region_stack[-1] if self.region_stack else None
+        record = RegionRecord(self.name, name, qualname, recompute, parent, not in_save)
+        self.regions.append(record)
+        if not in_save:
+            self.replay_regions.append(record)
+        if self.sources:
+            self._consume(args, kwargs, recompute and not in_save)
+        self.region_stack.append(record)
+        if not recompute:
+            self.save_depth += 1
+        try:
+            with profiler_range(f"remat.region:{self.name}::{qualname}"):
+                out = fn(*args, **kwargs)
+        finally:
+            self.region_stack.pop()
+            if not recompute:
+                self.save_depth -= 1
+        if not recompute and not in_save:
+            self._record_outputs(record, out)
+            record.exit_states = [h.snapshot() for h in self.state_hooks]
+        return out
+
+    def _consume(self, args, kwargs, by_replayed_code: bool) -> None:
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+            leaves = tree_flatten((args, kwargs))[0]
+        else:
+            leaves = args
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                sources = self.sources.lookup(x)
+                if sources is None:
+                    continue
+                for s in sources:
+                    if s.kind == OUTPUT or by_replayed_code:
+                        s.mark_kept(x)
+                    else:
+                        s.save_consumed = True
+
+    def _record_outputs(self, record: RegionRecord, out: Any) -> None:
+        leaves, record.output_spec = flatten_region_outputs(out, record.qualname, self.name)
+        pending = [r() for r in record.pending_keep]
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                src = TensorSource(OUTPUT, i, leaf, record)
+                self.sources.add(leaf, src)
+                self.output_sources.append(src)
+                if leaf.grad_fn is not None:
+                    self.save_output_nodes.append(leaf.grad_fn)
+                if pending and any(p is storage_root(leaf) for p in pending):
+                    src.mark_kept(leaf)
+                record.outputs.append(src)
+            else:
+                record.outputs.append(leaf)
+        record.pending_keep = []
+
+    def keep(self, t: torch.Tensor) -> bool:
+        """``recompute_needs_tensor`` during the forward. False if ``t`` is unknown."""
+        sources = self.sources.lookup(t) if self.sources else None
+        if sources is None:
+            if self.save_depth:
+                self.region_stack[-1].pending_keep.append(weakref.ref(storage_root(t)))
+                return True
+            return False
+        for s in sources:
+            s.mark_kept(t)
+        return True
+
+    def _finish(self, out: Any) -> None:
+        candidates = []
+        for s in self.inputs:
+            if not s.keep:
+                if s.save_consumed and s.ref.requires_grad:
+                    candidates.append(s)
+                else:
+                    s.keep = True
+        if candidates:
+            mark_inputs_read_by_replayed_code(out, candidates, self.save_output_nodes, self.start_seq)
+        for s in self.inputs:
+            s.store(self.name)
+        for s in self.output_sources:
+            s.store(self.name)
+        self.sources = SourceIndex()
+        self.save_output_nodes = []
+        self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
+        self.forward_done = True
+
+    # ----------------------------------------------------------------- backward
+
+    def unpack_holder(self, holder: Holder) -> torch.Tensor:
+        static = holder.static
+        if static is not None:
+            if static._version != holder.static_version:
+                raise self._modified_error(holder.index, holder.static_version, static._version)
+            return static
+        key = _graph_task_key()
+        rec = holder.recomputed
+        if rec is None or key not in rec:
+            if key in self.recomputed_keys:
+                raise RematError(
+                    f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
+                    "unpacked twice in the same backward. If a custom autograd Function "
+                    "reads ctx.saved_tensors more than once, read it once and reuse it."
+                )
+            self.recompute(key)
+            rec = holder.recomputed
+        t, version = rec.pop(key)
+        if t._version != version:
+            raise self._modified_error(holder.index, version, t._version)
+        return t
+
+    def _modified_error(self, index: int, old: int, new: int) -> RematError:
+        from ._errors import SavedTensorModifiedError
+
+        shape, dtype, _, region = self.holder_meta[index]
+        where = f"region '{region}'" if region else "code outside regions"
+        return SavedTensorModifiedError(
+            f"torch_remat: tensor #{index} saved for backward by {where} of checkpoint "
+            f"'{self.name}' (shape {tuple(shape)}, {str(dtype).replace('torch.', '')}) "
+            f"was modified in place after it was saved (version {old} -> {new}). Its "
+            "gradient would be wrong. Clone the tensor before modifying it."
+        )
+
+    def replay_args(self) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        for s in self.inputs:
+            leaves[s.index] = s.replay_value(self.name)
+        if self.spec is None:
+            return tuple(leaves), {}
+        return tree_unflatten(leaves, self.spec)
+
+    def _autocast_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for dev, enabled, dtype in self.autocast:
+            if torch.is_autocast_enabled(dev) != enabled or (
+                enabled and torch.get_autocast_dtype(dev) != dtype
+            ):
+                stack.enter_context(
+                    torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
+                )
+        return stack
+
+    def recompute(self, key: Any) -> None:
+        if not self.forward_done:
+            raise RematError(
+                f"torch_remat: backward reached tensors saved inside checkpoint "
+                f"'{self.name}' while its forward was still running (autograd.grad or "
+                "backward called inside the checkpointed function). This is not "
+                "supported; compute such gradients outside remat.checkpoint."
+            )
+        needed = 0
+        for ref in self.holders:
+            h = ref()
+            if h is not None and h.static is None and (h.recomputed is None or key not in h.recomputed):
+                needed += 1
+        scope = ReplayScope(self, key, needed)
+        args, kwargs = self.replay_args()
+        hooks = self.state_hooks
+        caller_states = [h.snapshot() for h in hooks]
+        for h, s in zip(hooks, self.entry_states):
+            h.restore(s)
+        tls = _tls
+        tls.stack.append(scope)
+        tls.recompute_depth += 1
+        try:
+            _push_hooks(scope.pack, replay_unpack)
+            try:
+                with torch.enable_grad(), self._autocast_context(), profiler_range(
+                    f"remat.recompute:{self.name}"
+                ):
+                    self.fn(*args, **kwargs)
+            except _StopRecompute:
+                pass
+            finally:
+                _pop_hooks()
+        finally:
+            tls.stack.pop()
+            tls.recompute_depth -= 1
+            for h, s in zip(hooks, caller_states):
+                h.restore(s)
+        if scope.filled < needed:
+            raise RecomputeMismatchError(
+                f"torch_remat: the recompute of checkpoint '{self.name}' saved "
+                f"{scope.counter} tensors for backward, but its forward saved "
+                f"{len(self.holders)} outside SAVE regions, so {needed - scope.filled} "
+                "needed tensor(s) were never recreated. "
+                + scope.region_sequences()
+                + " The replay must take the same path as the forward."
+            )
+        if type(key) is not object:
+            self.recomputed_keys.add(key)

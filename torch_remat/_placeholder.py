@@ -1,0 +1,168 @@
+"""Placeholders: stand-ins for tensors that a recompute may not read.
+
+During a recompute, a skipped SAVE region returns its outputs. Outputs that were
+not kept are returned as placeholders: tensors with the right shape, strides, dtype,
+device and ``requires_grad`` but no storage. Metadata queries and view ops work on
+them (a view of a placeholder is a placeholder), so replayed code that only reshapes
+or slices the output runs unchanged. Any op that reads data raises
+:class:`~torch_remat.PlaceholderReadError` naming where the tensor came from.
+
+Placeholders are a tensor subclass, not a dispatch mode: only ops that touch a
+placeholder go through Python, and placeholders exist only during a recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ._errors import PlaceholderReadError
+
+
+@dataclass(frozen=True)
+class PlaceholderOrigin:
+    """Where a placeholder comes from, for error messages."""
+
+    checkpoint: str
+    # "output" of a SAVE region, or "input" of the checkpoint
+    kind: str
+    index: int
+    region: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "input":
+            return f"checkpoint input {self.index}"
+        return f"output {self.index} of SAVE region '{self.region}'"
+
+    def advice(self) -> str:
+        if self.kind == "input":
+            return (
+                "It was not kept because, as far as autograd could see, only SAVE "
+                "regions consumed it in forward (a read through a non-differentiable "
+                "op, or under no_grad, is invisible to autograd). Call "
+                "remat.recompute_needs_tensor(t) on that input inside the "
+                "checkpointed function."
+            )
+        return (
+            "SAVE region bodies are not replayed, and an output is only kept when a "
+            "later remat.region consumes it, when it is saved for backward, or when "
+            "remat.recompute_needs_tensor(t) is called on it. Call "
+            "remat.recompute_needs_tensor(t) on that output after the region returns "
+            "and before the bare op that reads it."
+        )
+
+
+def _storage_numel(shape, stride, offset: int) -> int:
+    if any(s == 0 for s in shape):
+        return offset
+    return offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+
+
+def _as_meta(t: torch.Tensor) -> torch.Tensor:
+    shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+    base = torch.empty(_storage_numel(shape, stride, offset), dtype=t.dtype, device="meta")
+    return base.as_strided(shape, stride, offset)
+
+
+class Placeholder(torch.Tensor):
+    """A storage-less tensor standing in for a value that was not kept."""
+
+    _origin: PlaceholderOrigin
+
+    @staticmethod
+    def __new__(
+        cls,
+        shape,
+        stride,
+        storage_offset: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        requires_grad: bool,
+        origin: PlaceholderOrigin,
+    ) -> Placeholder:
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            strides=stride,
+            storage_offset=storage_offset,
+            dtype=dtype,
+            device=device,
+            requires_grad=requires_grad,
+        )
+        out._origin = origin
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # never reads data
+        return (
+            f"Placeholder(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, for {self._origin.describe()} of checkpoint "
+            f"'{self._origin.checkpoint}')"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        origin = _first_origin(args, kwargs)
+        if func.is_view:
+            device = _first_device(args, kwargs)
+            meta_out = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+            return tree_map(
+                lambda m: _from_meta(m, device, origin) if isinstance(m, torch.Tensor) else m,
+                meta_out,
+            )
+        raise PlaceholderReadError(read_error_message(origin, f"the op {func}"))
+
+
+def read_error_message(origin: PlaceholderOrigin, reader: str) -> str:
+    return (
+        f"torch_remat: during the recompute of checkpoint '{origin.checkpoint}', "
+        f"{reader} read {origin.describe()}, which was not kept. "
+        f"{origin.advice()}"
+    )
+
+
+def _first_origin(args, kwargs) -> PlaceholderOrigin:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, Placeholder):
+            return a._origin
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Placeholder):
+                    return b._origin
+    raise AssertionError("Placeholder.__torch_dispatch__ called without a placeholder")
+
+
+def _first_device(args, kwargs) -> torch.device:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    raise AssertionError("no tensor argument")
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return _as_meta(x)
+    return x
+
+
+def _from_meta(m: torch.Tensor, device: torch.device, origin: PlaceholderOrigin) -> Placeholder:
+    return Placeholder(
+        m.shape, m.stride(), m.storage_offset(), m.dtype, device, False, origin
+    )
+
+
+def make_placeholder(meta, origin: PlaceholderOrigin) -> Placeholder:
+    """Build a placeholder from a recorded ``TensorMeta``."""
+    return Placeholder(
+        meta.shape,
+        meta.stride,
+        meta.storage_offset,
+        meta.dtype,
+        meta.device,
+        meta.requires_grad,
+        origin,
+    )

@@ -1,0 +1,143 @@
+"""What a checkpoint's forward leaves behind for backward: holders for tensors the
+recompute refills, records of tensors saved inside SAVE regions, and one record
+per region call."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from ._errors import SavedTensorModifiedError
+from ._tensor_meta import TensorMeta
+
+
+class Holder:
+    """Packed in place of a tensor saved outside SAVE regions.
+
+    The tensor itself is not kept: the recompute refills ``recomputed[gid]`` for the
+    backward (graph task) ``gid`` that needs it, and unpacking removes it again so
+    recomputed tensors die as soon as backward has used them. A holder is *static*
+    when the saved tensor is one the checkpoint keeps anyway (an input or a kept
+    SAVE output); then it holds that tensor and never triggers a recompute.
+    """
+
+    __slots__ = ("frame", "index", "static", "static_version", "recomputed", "__weakref__")
+
+    def __init__(self, frame: Any, index: int) -> None:
+        self.frame = frame
+        self.index = index
+        self.static: torch.Tensor | None = None
+        self.static_version = 0
+        self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
+
+    def unpack(self) -> torch.Tensor:
+        return self.frame.unpack_holder(self)
+
+
+class RegionSaved:
+    """Packed in place of a tensor saved for backward inside a SAVE region."""
+
+    __slots__ = (
+        "region",
+        "name",
+        "tensor",
+        "version",
+        "packed",
+        "unpack_fn",
+        "meta",
+        "site",
+        "__weakref__",
+    )
+
+    def __init__(self, region: RegionRecord, name: str, t: torch.Tensor, outer_hooks) -> None:
+        self.region = region
+        self.name = name
+        self.meta = TensorMeta.of(t)
+        self.site: str | None = None
+        if outer_hooks is None:
+            d = t.detach()
+            self.tensor = d
+            self.version = d._version
+            self.packed = None
+            self.unpack_fn = None
+        else:
+            # The user's own hooks (e.g. save_on_cpu) were active around the
+            # checkpoint: they decide where a SAVE region's tensors live.
+            pack_fn, self.unpack_fn = outer_hooks
+            self.packed = pack_fn(t)
+            self.tensor = None
+            self.version = 0
+
+    def unpack(self) -> torch.Tensor:
+        if self.unpack_fn is not None:
+            return self.unpack_fn(self.packed)
+        t = self.tensor
+        if t._version != self.version:
+            raise SavedTensorModifiedError(
+                f"torch_remat: the tensor '{self.name}' ({self.meta.describe()}) saved for "
+                f"backward by SAVE region '{self.region.qualname}' of checkpoint "
+                f"'{self.region.checkpoint}' was modified in place after it was saved "
+                f"(version {self.version} -> {t._version}). Its gradient would be "
+                "wrong. Clone the tensor before modifying it, or modify a copy."
+            )
+        return t
+
+
+class Constant:
+    """A non-tensor leaf of a SAVE region's output, replayed as the same value."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class RegionRecord:
+    """One call of ``remat.region`` during a checkpoint's forward."""
+
+    __slots__ = (
+        "checkpoint",
+        "name",
+        "qualname",
+        "recompute",
+        "parent",
+        "replayed",
+        "saved",
+        "outputs",
+        "output_spec",
+        "exit_states",
+        "pending_keep",
+        "metadata",
+    )
+
+    def __init__(
+        self, checkpoint: str, name: str, qualname: str, recompute: bool, parent, replayed: bool
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.name = name
+        self.qualname = qualname
+        self.recompute = recompute
+        self.parent = parent
+        # False for regions nested inside a SAVE region: their body is never replayed.
+        self.replayed = replayed
+        self.saved: list[weakref.ref] = []
+        self.outputs: list[Any] = []
+        self.output_spec = None
+        self.exit_states: list[Any] = []
+        # roots passed to recompute_needs_tensor inside this SAVE region's body
+        self.pending_keep: list[weakref.ref] = []
+        self.metadata: Any = None
+
+    @property
+    def kind(self) -> str:
+        return "recompute" if self.recompute else "save"
+
+    def live_saved(self) -> list[RegionSaved]:
+        out = []
+        for ref in self.saved:
+            r = ref()
+            if r is not None:
+                out.append(r)
+        return out

@@ -1,0 +1,89 @@
+"""``remat.region`` and ``remat.recompute_needs_tensor``: the annotations used inside
+a checkpointed function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ._state import current_scope
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def region(fn: F, name: str, *, recompute: bool) -> F:
+    """Mark one call inside a checkpoint as a named region.
+
+    ``remat.region(self.attention, "attention", recompute=False)(x)`` calls
+    ``self.attention(x)`` as a SAVE region: the tensors it saves for backward are
+    kept, and during the recompute its body is not run again; it hands back its
+    kept outputs (or placeholders for outputs that were not kept). With
+    ``recompute=True`` the call is an ordinary part of the replay, named so that
+    reports and traces can refer to it.
+
+    Outside a checkpoint (or under ``no_grad``) the wrapper is a plain call, so the
+    same model code runs with and without checkpointing.
+
+    Region names must be unique within one forward of a checkpoint; nested regions
+    are named ``outer.inner``.
+    """
+    if not callable(fn):
+        raise TypeError(
+            f"remat.region: the first argument must be the callable to run, got "
+            f"{type(fn).__name__}. Write remat.region(fn, 'name', recompute=False)(*args)."
+        )
+    if not isinstance(name, str):
+        raise TypeError(f"remat.region: name must be a string, got {type(name).__name__}.")
+    if not name:
+        raise ValueError(
+            "remat.region: name must be a non-empty string; it identifies the region "
+            "between the forward and the recompute and in reports."
+        )
+    if recompute is not True and recompute is not False:
+        raise TypeError(
+            f"remat.region '{name}': recompute must be True or False, got {recompute!r}. "
+            "Use recompute=False to keep the region's activations, recompute=True to "
+            "replay it in backward."
+        )
+
+    def call_region(*args: Any, **kwargs: Any) -> Any:
+        scope = current_scope()
+        if scope is None:
+            return fn(*args, **kwargs)
+        return scope.run_region(fn, name, recompute, args, kwargs)
+
+    call_region.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call_region  # type: ignore[return-value]
+
+
+def recompute_needs_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Declare that the recompute reads ``t``, an output of a SAVE region.
+
+    SAVE regions are not replayed, so their outputs exist during the recompute only
+    if they were kept. Outputs consumed by a later ``remat.region`` or saved for
+    backward are kept automatically; call this for an output that bare code (not a
+    region) reads during the replay, e.g. ``h = h + attn``. It may also be called on
+    a checkpoint input, or inside a SAVE region on a tensor the region returns.
+    Returns ``t``. Outside a checkpoint, and during the recompute, it does nothing.
+
+    If you forget it, the recompute raises :class:`PlaceholderReadError` naming the
+    region and output.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(
+            f"remat.recompute_needs_tensor expects a tensor, got {type(t).__name__}."
+        )
+    scope = current_scope()
+    if scope is None:
+        return t
+    if not scope.keep(t):
+        raise ValueError(
+            f"remat.recompute_needs_tensor: the tensor (shape {tuple(t.shape)}) is "
+            f"neither an output of a SAVE region nor an input of checkpoint "
+            f"'{scope.name}'. Tensors computed outside SAVE regions are recomputed "
+            "anyway; call this on the SAVE region's output itself (or a view of it), "
+            "right after the region returns."
+        )
+    return t

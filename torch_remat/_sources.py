@@ -1,0 +1,172 @@
+"""Tensors a recompute may need that it cannot recreate: checkpoint inputs and the
+outputs of SAVE regions.
+
+Each such tensor is a :class:`TensorSource`. During the forward a source is only
+*observed* (weakly); it is *kept* when the rules of producer responsibility say the
+recompute needs it:
+
+* a later ``remat.region`` consumes it (or a view of it);
+* code outside SAVE regions saves it (or a view of it) for backward;
+* ``remat.recompute_needs_tensor`` is called on it;
+* for checkpoint inputs only: anything other than SAVE regions consumes it.
+
+When the forward finishes, kept sources are stored as autograd ``SavedTensor``\\ s, so
+the user's own ``saved_tensors_hooks`` (offloading) apply to them and, without such
+hooks, autograd's in-place check guards them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch._C._autograd import _make_saved_tensor
+
+from ._errors import RematError, SavedTensorModifiedError
+from ._placeholder import PlaceholderOrigin, make_placeholder
+from ._tensor_meta import TensorMeta, storage_root
+
+INPUT = "input"
+OUTPUT = "output"
+
+
+class TensorSource:
+    __slots__ = (
+        "kind",
+        "index",
+        "region",
+        "meta",
+        "ref",
+        "hold",
+        "hold_is_root",
+        "version",
+        "keep",
+        "save_consumed",
+        "saved",
+        "nbytes_hint",
+    )
+
+    def __init__(self, kind: str, index: int, t: torch.Tensor, region: Any = None) -> None:
+        self.kind = kind
+        self.index = index
+        self.region = region
+        self.meta = TensorMeta.of(t)
+        # Inputs are referenced strongly until the forward ends (the caller holds
+        # them anyway); outputs weakly, so observing them costs no memory.
+        self.ref = t if kind == INPUT else weakref.ref(t)
+        self.hold: torch.Tensor | None = None
+        self.hold_is_root = False
+        self.version = t._version
+        self.keep = False
+        self.save_consumed = False
+        self.saved = None
+        self.nbytes_hint = 0
+
+    def describe(self, checkpoint: str) -> str:
+        return PlaceholderOrigin(checkpoint, self.kind, self.index, self._region_name()).describe()
+
+    def _region_name(self) -> str | None:
+        return None if self.region is None else self.region.qualname
+
+    def mark_kept(self, alias: torch.Tensor) -> None:
+        """Keep this source; ``alias`` is any tensor sharing its storage."""
+        self.keep = True
+        if self.kind == OUTPUT and self.hold is None:
+            t = self.ref()
+            if t is not None:
+                self.hold = t
+            else:
+                self.hold = storage_root(alias)
+                self.hold_is_root = True
+
+    def store(self, checkpoint: str) -> None:
+        """End of forward: turn a kept source into a SavedTensor; forget the rest."""
+        if self.kind == INPUT:
+            t, self.ref = self.ref, None
+        else:
+            t, self.hold, self.ref = self.hold, None, None
+        if not self.keep:
+            return
+        if t._version != self.version:
+            raise SavedTensorModifiedError(self._modified_message(checkpoint))
+        self.nbytes_hint = t.untyped_storage().nbytes()
+        self.saved = _make_saved_tensor(t.detach(), is_output=False)
+
+    def _modified_message(self, checkpoint: str) -> str:
+        what = self.describe(checkpoint)
+        if self.kind == INPUT:
+            return (
+                f"torch_remat: {what} of checkpoint '{checkpoint}' was modified in place "
+                "by the checkpointed function. The recompute would replay that in-place "
+                "op on the already modified input. Clone the input before modifying it "
+                "(x = x.clone()) or modify it outside the checkpoint."
+            )
+        return (
+            f"torch_remat: {what} of checkpoint '{checkpoint}' was modified in place "
+            "after the region returned. torch_remat keeps that output for the "
+            "recompute, which would then see the modified value. Clone it before "
+            "modifying it, or do the in-place op inside the region."
+        )
+
+    def replay_value(self, checkpoint: str) -> torch.Tensor:
+        """The value the recompute sees: the kept tensor, or a placeholder."""
+        meta = self.meta
+        if self.saved is None:
+            origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self._region_name())
+            return make_placeholder(meta, origin)
+        try:
+            t = self.saved.unpack().detach()
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):
+                raise
+            raise SavedTensorModifiedError(
+                f"torch_remat: {self.describe(checkpoint)} of checkpoint '{checkpoint}' "
+                "was modified in place after the forward, before backward recomputed "
+                "the checkpoint. Don't modify tensors that backward still needs; clone "
+                "them first."
+            ) from e
+        if self.hold_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
+            meta.shape,
+            meta.stride,
+            meta.storage_offset,
+        ):
+            if t.dtype != meta.dtype:
+                raise RematError(
+                    f"torch_remat: {self.describe(checkpoint)} of checkpoint "
+                    f"'{checkpoint}' is a dtype view whose tensor object no longer "
+                    "exists; return it from the region as its own tensor (e.g. "
+                    ".clone()) instead."
+                )
+            t = t.as_strided(meta.shape, meta.stride, meta.storage_offset)
+        if meta.requires_grad:
+            t.requires_grad_()
+        return t
+
+
+class SourceIndex:
+    """Find the sources that share storage with a tensor (the tensor or a view)."""
+
+    __slots__ = ("by_root",)
+
+    def __init__(self) -> None:
+        self.by_root: dict[int, tuple[weakref.ref, list[TensorSource]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_root)
+
+    def add(self, t: torch.Tensor, source: TensorSource) -> None:
+        root = storage_root(t)
+        key = id(root)
+        entry = self.by_root.get(key)
+        if entry is not None and entry[0]() is root:
+            entry[1].append(source)
+        else:
+            self.by_root[key] = (weakref.ref(root), [source])
+
+    def lookup(self, t: torch.Tensor) -> list[TensorSource] | None:
+        root = storage_root(t)
+        entry = self.by_root.get(id(root))
+        if entry is None or entry[0]() is not root:
+            return None
+        return entry[1]

@@ -1,0 +1,58 @@
+"""The protocol for state that a recompute must replay (RNG, counters)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class RecomputeStateHook(Protocol):
+    """State that code inside a checkpoint reads and that the recompute must replay.
+
+    ``snapshot()`` returns an opaque value describing the current state;
+    ``restore(state)`` makes a state current again. Restores are absolute, so the
+    same snapshot may be restored any number of times (a second backward with
+    ``retain_graph=True`` replays identically).
+
+    torch_remat snapshots each hook when a checkpoint starts and after each SAVE
+    region returns. When backward recomputes the checkpoint it snapshots the
+    caller's state, restores the entry snapshot, restores each skipped SAVE
+    region's exit snapshot in turn, and finally restores the caller's state (fork
+    semantics: the recompute never moves the caller's RNG).
+
+    Example, for the CUDA generator of one device::
+
+        class CudaRNGStateHook:
+            def __init__(self, device):
+                self.device = device
+
+            def snapshot(self):
+                return torch.cuda.get_rng_state(self.device)
+
+            def restore(self, state):
+                torch.cuda.set_rng_state(state, self.device)
+    """
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, state: Any) -> None: ...
+
+
+def validate_state_hooks(hooks: Iterable[Any]) -> tuple[Any, ...]:
+    if hooks is None:
+        return ()
+    if isinstance(hooks, (str, bytes)) or not hasattr(hooks, "__iter__"):
+        raise TypeError(
+            "remat.checkpoint: recompute_state_hooks must be a tuple of objects with "
+            f"snapshot() and restore(state), got {type(hooks).__name__}."
+        )
+    hooks = tuple(hooks)
+    for i, h in enumerate(hooks):
+        if not (callable(getattr(h, "snapshot", None)) and callable(getattr(h, "restore", None))):
+            raise TypeError(
+                f"remat.checkpoint: recompute_state_hooks[{i}] ({type(h).__name__}) "
+                "needs both snapshot() and restore(state) methods (see "
+                "remat.RecomputeStateHook)."
+            )
+    return hooks
