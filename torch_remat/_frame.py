@@ -244,7 +244,7 @@ class CheckpointFrame:
         pending = [r() for r in record.pending_keep]
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                src = TensorSource(OUTPUT, i, leaf, record)
+                src = TensorSource(OUTPUT, i, leaf, record.qualname)
                 self.sources.add(leaf, src)
                 self.output_sources.append(src)
                 if leaf.grad_fn is not None:

@@ -66,7 +66,10 @@ def recompute_needs_tensor(t: torch.Tensor) -> torch.Tensor:
     backward are kept automatically; call this for an output that bare code (not a
     region) reads during the replay, e.g. ``h = h + attn``. It may also be called on
     a checkpoint input, or inside a SAVE region on a tensor the region returns.
-    Returns ``t``. Outside a checkpoint, and during the recompute, it does nothing.
+    Returns ``t``. Outside a checkpoint, during the recompute, and for tensors that
+    are recomputed anyway (produced outside SAVE regions, e.g. by a region that is
+    switched to ``recompute=True``) it does nothing, so model code can keep the call
+    whatever policy is applied.
 
     If you forget it, the recompute raises :class:`PlaceholderReadError` naming the
     region and output.
@@ -78,12 +81,5 @@ def recompute_needs_tensor(t: torch.Tensor) -> torch.Tensor:
     scope = current_scope()
     if scope is None:
         return t
-    if not scope.keep(t):
-        raise ValueError(
-            f"remat.recompute_needs_tensor: the tensor (shape {tuple(t.shape)}) is "
-            f"neither an output of a SAVE region nor an input of checkpoint "
-            f"'{scope.name}'. Tensors computed outside SAVE regions are recomputed "
-            "anyway; call this on the SAVE region's output itself (or a view of it), "
-            "right after the region returns."
-        )
+    scope.keep(t)
     return t

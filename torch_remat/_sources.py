@@ -18,7 +18,6 @@ hooks, autograd's in-place check guards them.
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 from torch._C._autograd import _make_saved_tensor
@@ -47,9 +46,11 @@ class TensorSource:
         "nbytes_hint",
     )
 
-    def __init__(self, kind: str, index: int, t: torch.Tensor, region: Any = None) -> None:
+    def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
         self.kind = kind
         self.index = index
+        # The region's qualified name; not the RegionRecord, which refers back to its
+        # sources (a cycle would delay freeing kept tensors to the garbage collector).
         self.region = region
         self.meta = TensorMeta.of(t)
         # Inputs are referenced strongly until the forward ends (the caller holds
@@ -64,10 +65,7 @@ class TensorSource:
         self.nbytes_hint = 0
 
     def describe(self, checkpoint: str) -> str:
-        return PlaceholderOrigin(checkpoint, self.kind, self.index, self._region_name()).describe()
-
-    def _region_name(self) -> str | None:
-        return None if self.region is None else self.region.qualname
+        return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
 
     def mark_kept(self, alias: torch.Tensor) -> None:
         """Keep this source; ``alias`` is any tensor sharing its storage."""
@@ -113,7 +111,7 @@ class TensorSource:
         """The value the recompute sees: the kept tensor, or a placeholder."""
         meta = self.meta
         if self.saved is None:
-            origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self._region_name())
+            origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self.region)
             return make_placeholder(meta, origin)
         try:
             t = self.saved.unpack().detach()

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+
+def _live_bytes(prof) -> int:
+    return sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+class MemoryProbe:
+    """Net CPU bytes allocated (and not freed) inside a ``with`` block, from the
+    profiler's memory events."""
+
+    def __enter__(self):
+        self._prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        )
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        self.bytes = _live_bytes(self._prof)
+        return False
+
+
+@pytest.fixture
+def memory_probe():
+    return MemoryProbe
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

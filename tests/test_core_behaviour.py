@@ -1,0 +1,375 @@
+"""What remat.checkpoint does, one behaviour per test."""
+
+import gc
+import threading
+import weakref
+
+import torch
+from helpers import Block, CPURNGStateHook, assert_bitwise_equal, grads
+
+import torch_remat as remat
+
+
+def test_save_bodies_run_once_and_recompute_regions_twice():
+    runs = {"save": [], "recompute": []}
+
+    def save_body(x):
+        runs["save"].append(remat.is_recomputing())
+        return x.exp()
+
+    def recompute_body(x):
+        runs["recompute"].append(remat.is_recomputing())
+        return x.sin()
+
+    def fn(x):
+        h = remat.region(save_body, "s", recompute=False)(x)
+        return remat.region(recompute_body, "r", recompute=True)(h).tanh()
+
+    x = torch.randn(5, requires_grad=True)
+    out = remat.checkpoint(region_name="c")(fn)(x)
+    assert runs == {"save": [False], "recompute": [False]}
+    out.sum().backward()
+    assert runs == {"save": [False], "recompute": [False, True]}
+
+
+def test_is_recomputing_only_inside_recompute():
+    seen = []
+
+    def fn(x):
+        seen.append(remat.is_recomputing())
+        return x.sin().exp()  # exp saves its result: needs a recompute
+
+    assert remat.is_recomputing() is False
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c")(fn)(x)
+    assert remat.is_recomputing() is False
+    out.sum().backward()
+    assert seen == [False, True]
+    assert remat.is_recomputing() is False
+
+
+def test_regions_outside_a_checkpoint_are_plain_calls():
+    calls = []
+    f = remat.region(lambda t: calls.append(1) or t.sin(), "sin", recompute=False)
+    x = torch.randn(3, requires_grad=True)
+    f(x).sum().backward()
+    assert calls == [1]
+    assert torch.equal(x.grad, x.detach().cos())
+    assert remat.recompute_needs_tensor(x) is x
+
+
+def test_no_grad_and_inference_mode_run_the_function_once():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return remat.region(torch.sin, "s", recompute=False)(x)
+
+    ckpt = remat.checkpoint(region_name="c")(fn)
+    x = torch.randn(3)
+    with torch.no_grad():
+        assert torch.equal(ckpt(x), x.sin())
+    with torch.inference_mode():
+        assert torch.equal(ckpt(x), x.sin())
+    assert calls == [1, 1]
+
+
+class CounterHook:
+    """A user counter advanced by the function (like an RNG offset)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def snapshot(self):
+        return self.value
+
+    def restore(self, state):
+        self.value = state
+
+
+def _counter_fn(counter, seen):
+    def fn(x):
+        seen.append(counter.value)
+        counter.value += 1
+        h = remat.region(lambda t: (counter.__setattr__("value", counter.value + 10), t.exp())[1], "s", recompute=False)(x)
+        seen.append(counter.value)
+        counter.value += 1
+        return (h * x).sin()
+
+    return fn
+
+
+def test_state_hook_makes_recompute_see_forward_values():
+    counter, seen = CounterHook(), []
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c", recompute_state_hooks=(counter,))(_counter_fn(counter, seen))(x)
+    counter.value = 100  # the caller moves on
+    out.sum().backward()
+    # forward saw 0 then 11 (the SAVE body added 10); the replay sees the same
+    assert seen == [0, 11, 0, 11]
+    assert counter.value == 100  # caller's state restored after the recompute
+
+
+def test_without_state_hook_recompute_sees_other_values():
+    counter, seen = CounterHook(), []
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c")(_counter_fn(counter, seen))(x)
+    out.sum().backward()
+    assert seen[:2] == [0, 11] and seen[2:] != [0, 11]
+
+
+def test_second_backward_with_retain_graph_replays_identically():
+    counter, seen = CounterHook(), []
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c", recompute_state_hooks=(counter,))(_counter_fn(counter, seen))(x)
+    out.sum().backward(retain_graph=True)
+    g1 = x.grad.clone()
+    x.grad = None
+    out.sum().backward()
+    assert torch.equal(g1, x.grad)
+    assert seen == [0, 11, 0, 11, 0, 11]
+
+
+def test_several_state_hooks_are_independent():
+    a, b = CounterHook(), CounterHook()
+    seen = []
+
+    def fn(x):
+        seen.append((a.value, b.value))
+        a.value += 1
+        h = remat.region(lambda t: (b.__setattr__("value", b.value + 5), t.exp())[1], "s", recompute=False)(x)
+        seen.append((a.value, b.value))
+        return (h * x).sin()
+
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c", recompute_state_hooks=(a, b))(fn)(x)
+    a.value, b.value = 50, 60
+    out.sum().backward()
+    assert seen == [(0, 0), (1, 5), (0, 0), (1, 5)]
+    assert (a.value, b.value) == (50, 60)
+
+
+def test_early_stop_skips_trailing_ops_that_save_nothing():
+    trailing = []
+
+    def fn(x):
+        h = x.sin()  # saves x (static: an input) — no replay needed for it
+        h = h.exp()  # saves its result: needs the replay
+        trailing.append(remat.is_recomputing())
+        return h + 1  # saves nothing
+
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c")(fn)(x)
+    out.sum().backward()
+    assert trailing == [False]  # the replay stopped inside exp
+
+
+def test_early_stop_false_replays_everything():
+    trailing = []
+
+    def fn(x):
+        h = x.sin().exp()
+        trailing.append(remat.is_recomputing())
+        return h + 1
+
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c", early_stop=False)(fn)(x)
+    out.sum().backward()
+    assert trailing == [False, True]
+
+
+def test_all_saves_kept_means_no_recompute():
+    calls = []
+
+    def fn(x):
+        calls.append(remat.is_recomputing())
+        y = remat.region(torch.exp, "exp", recompute=False)(x)
+        return y.sin()  # saves y, a SAVE output: kept, not recomputed
+
+    x = torch.randn(3, requires_grad=True)
+    remat.checkpoint(region_name="c")(fn)(x).sum().backward()
+    assert calls == [False]
+
+
+def _train_in_thread(seed, results, key):
+    # No dropout: torch's CPU generator is shared by all threads, so the threads'
+    # draws would interleave in any order.
+    gen = torch.Generator().manual_seed(seed)
+    block = Block(dim=16, heads=2, dropout=0.0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    block.save.update(attention=True, mlp=True)
+    params = list(block.parameters())
+    x = torch.randn(2, 6, 16, dtype=torch.float64, generator=gen).requires_grad_()
+    ckpt = remat.checkpoint(region_name=f"t{seed}")(block)
+    out = []
+    for _ in range(5):
+        expected = grads(params, [x], lambda x: block(x).square().sum(), seed=seed)
+        actual = grads(params, [x], lambda x: ckpt(x).square().sum(), seed=seed)
+        out.append((expected, actual))
+    results[key] = out
+
+
+def test_two_threads_training_at_once_both_get_exact_gradients():
+    results = {}
+    threads = [threading.Thread(target=_train_in_thread, args=(s, results, s)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results) == {1, 2}
+    for pairs in results.values():
+        for expected, actual in pairs:
+            assert_bitwise_equal(actual, expected)
+
+
+def test_nothing_is_retained_after_backward():
+    block = Block(dim=8, heads=2, dropout=0.0)
+    block.save.update(qkv=True, mlp=True)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    refs = []
+
+    # every region output (kept or not) and the block output
+    for name in ("attn_norm", "qkv", "out_proj", "mlp_norm", "mlp"):
+        getattr(block, name).register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    gc.collect()
+    gc.disable()  # prove that freeing does not wait for the cycle collector
+    try:
+        out = remat.checkpoint(region_name="c")(block)(x * 1.0)
+        refs.append(weakref.ref(out))
+        out.sum().backward()
+        del out
+        assert len(refs) >= 6  # RECOMPUTE regions ran again in the recompute
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
+def test_live_bytes_stay_constant_over_200_steps(memory_probe):
+    torch.manual_seed(0)
+    block = Block(dim=8, heads=2, dropout=0.1)
+    block.save.update(attention=True, mlp_norm=True)
+    hook = CPURNGStateHook()
+    ckpt = remat.checkpoint(region_name="c", recompute_state_hooks=(hook,))(block)
+    opt = torch.optim.SGD(block.parameters(), lr=1e-3)
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        ckpt(x).square().sum().backward()
+        opt.step()
+
+    for _ in range(3):
+        step()  # warm-up: grads and optimizer state exist from here on
+    with memory_probe() as probe:
+        for _ in range(200):
+            step()
+    assert probe.bytes == 0
+
+
+def test_kwargs_non_tensor_args_and_container_outputs():
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, scale, *, bias, mode="tanh"):
+        h = remat.region(lambda t: {"a": t @ w, "n": 3}, "proj", recompute=False)(x)
+        remat.recompute_needs_tensor(h["a"])
+        act = getattr(torch, mode)(h["a"] * scale + bias)
+        return {"out": act, "parts": [act.sin(), (act.cos(), h["n"])]}
+
+    def loss_of(f):
+        def loss(x, bias):
+            o = f(x, 0.5, bias=bias, mode="sigmoid")
+            return o["out"].sum() + o["parts"][0].sum() + o["parts"][1][0].sum() * o["parts"][1][1]
+
+        return loss
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    expected = grads([w], [x, bias], loss_of(fn))
+    actual = grads([w], [x, bias], loss_of(remat.checkpoint(region_name="c")(fn)))
+    assert_bitwise_equal(actual, expected)
+
+
+def test_frozen_inputs_still_give_parameter_gradients():
+    # LoRA-style: the embedding output does not require grad; adapters do.
+    emb = torch.nn.Embedding(10, 8, dtype=torch.float64).requires_grad_(False)
+    base = torch.nn.Linear(8, 8, dtype=torch.float64).requires_grad_(False)
+    lora_a = torch.randn(8, 2, dtype=torch.float64, requires_grad=True)
+    lora_b = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+
+    def fn(h):
+        frozen = remat.region(base, "base", recompute=False)(h)
+        remat.recompute_needs_tensor(frozen)
+        return (frozen + h @ lora_a @ lora_b).tanh()
+
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    expected = grads([lora_a, lora_b], [], lambda: fn(emb(ids)).sum())
+    actual = grads([lora_a, lora_b], [], lambda: remat.checkpoint(region_name="c")(fn)(emb(ids)).sum())
+    assert_bitwise_equal(actual, expected)
+    assert actual[1][0] is not None
+
+
+def test_tensors_captured_by_closure():
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(3, 4) > 0.5
+
+    def fn(x):
+        h = (x @ w).masked_fill(mask, 0.0)
+        h = remat.region(torch.tanh, "act", recompute=False)(h)
+        remat.recompute_needs_tensor(h)
+        return (h * w.sum()).exp()
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected = grads([w], [x], lambda x: fn(x).sum())
+    actual = grads([w], [x], lambda x: remat.checkpoint(region_name="c")(fn)(x).sum())
+    assert_bitwise_equal(actual, expected)
+
+
+def test_nested_regions_are_named_outer_dot_inner():
+    seen = []
+
+    def inner(t):
+        return t.exp()
+
+    def outer(t):
+        return remat.region(inner, "inner", recompute=True)(t).sin()
+
+    def fn(x):
+        h = remat.region(outer, "outer", recompute=True)(x)
+        return remat.region(lambda t: t.cos(), "outer.inner", recompute=False)(h)
+
+    x = torch.randn(3, requires_grad=True)
+    try:
+        remat.checkpoint(region_name="c")(fn)(x)
+    except ValueError as e:
+        seen.append(str(e))
+    assert seen and "'outer.inner' is used twice" in seen[0]
+
+
+def test_nested_checkpoint_gives_exact_gradients():
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    inner = remat.checkpoint(region_name="inner")(lambda t: (t @ w).tanh())
+
+    def fn(x):
+        h = remat.region(torch.exp, "exp", recompute=False)(x)
+        remat.recompute_needs_tensor(h)
+        return inner(h * 2).sin()
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected = grads([w], [x], lambda x: remat.region(torch.exp, "e", recompute=True)(x).mul(2).matmul(w).tanh().sin().sum())
+    actual = grads([w], [x], lambda x: remat.checkpoint(region_name="outer")(fn)(x).sum())
+    assert_bitwise_equal(actual, expected)
+
+
+def test_partial_backward_then_full_backward():
+    def fn(x):
+        return x.sin().exp().tanh()
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out = remat.checkpoint(region_name="c")(fn)(x)
+    (g,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
+    out.sum().backward()
+    assert torch.equal(g, x.grad)
+    expected = torch.autograd.grad(fn(x).sum(), x)[0]
+    assert torch.equal(g, expected)

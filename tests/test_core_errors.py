@@ -1,0 +1,206 @@
+"""Every misuse gets a clear error: its type and the words that tell the user what
+happened and what to do."""
+
+import pytest
+import torch
+
+import torch_remat as remat
+
+
+def _lin(dim=4):
+    return torch.nn.Linear(dim, dim, dtype=torch.float64)
+
+
+def test_checkpoint_called_with_function_shows_right_spelling():
+    with pytest.raises(TypeError, match=r"remat\.checkpoint\(region_name=\.\.\.\)\(fn\)\(\*args"):
+        remat.checkpoint(torch.sin)
+
+
+def test_preserve_rng_state_true_is_refused_with_reason():
+    with pytest.raises(ValueError) as e:
+        remat.checkpoint(preserve_rng_state=True)
+    msg = str(e.value)
+    assert "preserve_rng_state" in msg and "recompute_state_hooks" in msg and "5 KB" in msg
+
+
+def test_preserve_rng_state_false_and_use_reentrant_false_are_accepted():
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="c", preserve_rng_state=False, use_reentrant=False)(
+        torch.sin
+    )(x)
+    out.sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())
+
+
+def test_use_reentrant_true_is_refused():
+    with pytest.raises(ValueError, match="non-reentrant"):
+        remat.checkpoint(use_reentrant=True)
+
+
+def test_empty_checkpoint_name_is_refused():
+    with pytest.raises(ValueError, match="non-empty"):
+        remat.checkpoint(region_name="")
+
+
+def test_empty_region_name_is_refused():
+    with pytest.raises(ValueError, match="non-empty"):
+        remat.region(torch.sin, "", recompute=False)
+
+
+def test_non_bool_recompute_is_refused():
+    with pytest.raises(TypeError, match="recompute must be True or False"):
+        remat.region(torch.sin, "sin", recompute=1)
+    with pytest.raises(TypeError, match="recompute must be True or False"):
+        remat.region(torch.sin, "sin", recompute=None)
+
+
+def test_region_first_argument_must_be_callable():
+    with pytest.raises(TypeError, match="callable"):
+        remat.region("sin", "sin", recompute=False)
+
+
+def test_bad_state_hook_is_refused():
+    with pytest.raises(TypeError, match=r"recompute_state_hooks\[0\].*snapshot\(\) and restore"):
+        remat.checkpoint(recompute_state_hooks=(object(),))
+
+
+def test_same_region_name_twice_in_one_forward():
+    def fn(x):
+        x = remat.region(torch.sin, "act", recompute=False)(x)
+        return remat.region(torch.sin, "act", recompute=False)(x)
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="region name 'act' is used twice.*'blk'"):
+        remat.checkpoint(region_name="blk")(fn)(x)
+
+
+def test_forward_and_recompute_taking_different_paths_names_both_sequences():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        name = "left" if len(calls) == 1 else "right"
+        h = remat.region(torch.sin, name, recompute=True)(x)
+        return h.exp()
+
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="blk")(fn)(x)
+    with pytest.raises(remat.RecomputeMismatchError) as e:
+        out.sum().backward()
+    msg = str(e.value)
+    assert "different path" in msg
+    assert "Regions in forward: [left (recompute)]" in msg
+    assert "regions in the recompute so far: [right (recompute)]" in msg
+
+
+def test_bare_op_reading_a_placeholder_names_region_and_fix():
+    lin = _lin()
+
+    def fn(x):
+        h = remat.region(lin, "proj", recompute=False)(x)
+        return (h + 1).sin()  # the add reads h during the recompute
+
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    out = remat.checkpoint(region_name="layers.3")(fn)(x)
+    with pytest.raises(remat.PlaceholderReadError) as e:
+        out.sum().backward()
+    msg = str(e.value)
+    assert "checkpoint 'layers.3'" in msg
+    assert "output 0 of SAVE region 'proj'" in msg
+    assert "aten.add" in msg
+    assert "remat.recompute_needs_tensor(t)" in msg and "before the bare op" in msg
+
+
+def test_saved_tensor_modified_in_place_after_save_in_save_region():
+    def fn(x):
+        y = remat.region(torch.exp, "exp", recompute=False)(x)  # exp saves its result y
+        y.add_(1)
+        return y + x  # add saves nothing: nothing to recompute
+
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="blk")(fn)(x)
+    with pytest.raises(remat.SavedTensorModifiedError) as e:
+        out.sum().backward()
+    assert "saved for backward by SAVE region 'exp' of checkpoint 'blk'" in str(e.value)
+    assert "modified in place after it was saved" in str(e.value)
+
+
+def test_checkpoint_input_modified_after_forward():
+    def fn(x):
+        return x.sin()
+
+    base = torch.randn(3, requires_grad=True)
+    x = base * 1.0
+    out = remat.checkpoint(region_name="blk")(fn)(x)
+    x.add_(1)
+    with pytest.raises(remat.RematError, match="modified by an inplace operation|modified in place"):
+        out.sum().backward()
+
+
+def test_checkpoint_input_modified_in_place_by_the_function():
+    def fn(x):
+        x.mul_(2)
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True) * 1.0
+    with pytest.raises(remat.SavedTensorModifiedError, match="input 0.*modified in place by the checkpointed function"):
+        remat.checkpoint(region_name="blk")(fn)(x)
+
+
+def test_save_output_modified_in_place_before_replay_reads_it():
+    def fn(x):
+        y = remat.region(torch.exp, "exp", recompute=False)(x)
+        remat.recompute_needs_tensor(y)
+        y.mul_(2)  # replayed on the kept y: would double again
+        return y.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(remat.SavedTensorModifiedError, match="SAVE region 'exp'.*after the region returned"):
+        remat.checkpoint(region_name="blk")(fn)(x)
+
+
+def test_recompute_region_nested_in_save_region_is_refused():
+    def outer(x):
+        return remat.region(torch.sin, "inner", recompute=True)(x)
+
+    def fn(x):
+        return remat.region(outer, "outer", recompute=False)(x)
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="'outer.inner'.*nested inside SAVE region 'outer'"):
+        remat.checkpoint(region_name="blk")(fn)(x)
+
+
+def test_save_region_returning_an_opaque_object_is_refused():
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    def fn(x):
+        return remat.region(lambda t: Box(t.sin()), "boxed", recompute=False)(x).t
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match="SAVE region 'boxed'.*Box.*register_pytree_node"):
+        remat.checkpoint(region_name="blk")(fn)(x)
+
+
+def test_disabled_saved_tensor_hooks_error_carries_user_message():
+    x = torch.randn(3, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in functorch land"):
+        with pytest.raises(remat.RematError, match="disabled.*no hooks in functorch land"):
+            remat.checkpoint(region_name="blk")(torch.sin)(x)
+
+
+def test_recompute_needs_tensor_rejects_non_tensors():
+    with pytest.raises(TypeError, match="expects a tensor"):
+        remat.recompute_needs_tensor([1, 2])
+
+
+def test_checkpoint_decorating_a_non_callable():
+    with pytest.raises(TypeError, match="callable"):
+        remat.checkpoint(region_name="c")(3)
+
+
+def test_bad_determinism_check_value():
+    with pytest.raises(ValueError, match="determinism_check"):
+        remat.checkpoint(determinism_check="strict")
