@@ -4,4 +4,23 @@ training (FSDP2, DDP, tensor parallel) and training frameworks.
 Adapters use only the public API of :mod:`torch_remat`.
 """
 
-__all__: list[str] = []
+from .apply import RematConfig, apply_remat, remat_module_names, remove_remat, save_region_names
+from .ddp import ddp_with_remat
+from .fsdp2 import fully_shard_with_remat
+from .rng import DeviceRNGStateHook, default_rng_state_hooks, local_device, prepare_dtensor_rng
+from .tensor_parallel import parallelize_with_remat
+
+__all__: list[str] = [
+    "apply_remat",
+    "remove_remat",
+    "remat_module_names",
+    "save_region_names",
+    "RematConfig",
+    "fully_shard_with_remat",
+    "ddp_with_remat",
+    "parallelize_with_remat",
+    "DeviceRNGStateHook",
+    "default_rng_state_hooks",
+    "local_device",
+    "prepare_dtensor_rng",
+]
