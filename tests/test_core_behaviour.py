@@ -373,3 +373,18 @@ def test_partial_backward_then_full_backward():
     assert torch.equal(g, x.grad)
     expected = torch.autograd.grad(fn(x).sum(), x)[0]
     assert torch.equal(g, expected)
+
+
+def test_double_backward_is_exact():
+    def fn(x):
+        h = remat.region(torch.sin, "sin", recompute=False)(x)
+        remat.recompute_needs_tensor(h)
+        return h.exp() * x
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    (g_ref,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
+    (gg_ref,) = torch.autograd.grad(g_ref.sum(), x)
+    out = remat.checkpoint(region_name="c")(fn)(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), x)
+    assert torch.equal(g, g_ref) and torch.equal(gg, gg_ref)
