@@ -1,0 +1,110 @@
+"""remat.checkpoint next to autocast and the user's own saved-tensor hooks."""
+
+import torch
+from helpers import Block, CPURNGStateHook, assert_bitwise_equal, grads
+
+import torch_remat as remat
+
+
+def test_autocast_is_replayed_in_backward():
+    torch.manual_seed(0)
+    block = Block(dim=16, heads=2, dropout=0.0, dtype=torch.float32)
+    block.save.update(qkv=True, mlp=True)
+    params = list(block.parameters())
+    x = torch.randn(2, 5, 16, requires_grad=True)
+
+    def loss_of(f):
+        def loss(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = f(x)
+            return out.float().square().sum()  # backward runs outside autocast
+
+        return loss
+
+    expected = grads(params, [x], loss_of(block))
+    actual = grads(params, [x], loss_of(remat.checkpoint(region_name="c")(block)))
+    assert_bitwise_equal(actual, expected)
+
+
+class CountingHooks(torch.autograd.graph.saved_tensors_hooks):
+    """An offloading-style hook: stores a copy, counts what it sees."""
+
+    def __init__(self):
+        self.packed, self.unpacked = [], 0
+
+        def pack(t):
+            self.packed.append(tuple(t.shape))
+            return t.clone()
+
+        def unpack(t):
+            self.unpacked += 1
+            return t
+
+        super().__init__(pack, unpack)
+
+
+def test_user_hooks_around_a_checkpoint_see_kept_tensors_only():
+    w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+
+    def fn(x):
+        h = remat.region(lambda t: (t @ w).exp(), "proj", recompute=False)(x)  # saves x, w, exp out
+        remat.recompute_needs_tensor(h)
+        return h.sin().tanh()  # saves h (kept output) and tanh's result (dropped)
+
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    expected = grads([w], [x], lambda x: fn(x).sum())
+    hooks = CountingHooks()
+
+    def run(x):
+        with hooks:
+            return remat.checkpoint(region_name="c")(fn)(x).sum()
+
+    actual = grads([w], [x], run)
+    assert_bitwise_equal(actual, expected)
+    # The SAVE region's three saves and the kept output h go through the user's
+    # hooks; the dropped tanh result does not (it is recomputed instead).
+    assert sorted(hooks.packed) == sorted([(3, 6), (6, 6), (3, 6), (3, 6)])
+    assert hooks.unpacked == 4
+
+
+def test_user_hooks_inside_the_function_keep_their_tensors():
+    def fn(x):
+        with torch.autograd.graph.save_on_cpu():
+            h = x.sin().exp()  # saved by save_on_cpu, not dropped
+        return h.tanh()  # dropped and recomputed
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    expected = grads([], [x], lambda x: fn(x).sum())
+    actual = grads([], [x], lambda x: remat.checkpoint(region_name="c")(fn)(x).sum())
+    assert_bitwise_equal(actual, expected)
+
+
+def test_recompute_needs_tensor_inside_the_save_region_body():
+    def body(t):
+        out = t.exp()
+        remat.recompute_needs_tensor(out)  # marks the value this region returns
+        return out
+
+    def fn(x):
+        return (remat.region(body, "exp", recompute=False)(x) + 1).sin()
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    expected = grads([], [x], lambda x: fn(x).sum())
+    actual = grads([], [x], lambda x: remat.checkpoint(region_name="c")(fn)(x).sum())
+    assert_bitwise_equal(actual, expected)
+
+
+def test_rng_hook_with_save_regions_between_draws():
+    def fn(x):
+        a = torch.nn.functional.dropout(x, 0.5)
+        b = remat.region(lambda t: torch.nn.functional.dropout(t, 0.5).exp(), "drop", recompute=False)(a)
+        remat.recompute_needs_tensor(b)
+        return torch.nn.functional.dropout(b, 0.5).sin()
+
+    x = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    hook = CPURNGStateHook()
+    expected = grads([], [x], lambda x: fn(x).sum(), seed=5)
+    actual = grads(
+        [], [x], lambda x: remat.checkpoint(region_name="c", recompute_state_hooks=(hook,))(fn)(x).sum(), seed=5
+    )
+    assert_bitwise_equal(actual, expected)
