@@ -1,0 +1,327 @@
+"""Train a small GPT with torch_remat, on one process or under torchrun.
+
+    python launch/train.py                                  # one process, CPU
+    torchrun --standalone --nproc-per-node 2 launch/train.py --parallel fsdp2
+
+Data: the character-level text of this repository's documentation, so the loss
+visibly falls. Every rank reads the same text; data-parallel ranks take different
+batches. CPU runs use gloo, GPU runs nccl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import torch_remat as remat
+from torch_remat.integrations import (
+    RematConfig,
+    ddp_with_remat,
+    fully_shard_with_remat,
+    parallelize_with_remat,
+)
+from torch_remat.integrations.apply import apply_remat_to_blocks
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab: int
+    seq_len: int = 64
+    layers: int = 4
+    dim: int = 64
+    heads: int = 4
+    dropout: float = 0.1
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.dropout = c.dropout
+        self.head_dim = c.dim // c.heads
+        self.norm1, self.norm2 = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
+        self.q, self.k, self.v = (nn.Linear(c.dim, c.dim) for _ in range(3))
+        self.proj = nn.Linear(c.dim, c.dim)
+        self.up, self.down = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
+
+    def attention(self, x):
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds heads / tp of them
+        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        att = F.dropout(att.softmax(-1), self.dropout, self.training)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, s, -1))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(c.vocab, c.dim), nn.Embedding(c.seq_len, c.dim)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm, self.head = nn.LayerNorm(c.dim), nn.Linear(c.dim, c.vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        # (batch * seq, vocab) logits: a fresh tensor, not a view, as FSDP2 prefers
+        return self.head(self.norm(x).flatten(0, 1))
+
+
+def tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(1024):  # patterns for every possible block index are cheap
+        plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")})
+        plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("proj", "down")})
+    return plan
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def load_text() -> str:
+    files = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+    return "\n".join(p.read_text() for p in files if p.exists())
+
+
+class Batches:
+    def __init__(self, text: str, seq_len: int, batch_size: int, seed: int, dp_rank: int):
+        self.chars = sorted(set(text))
+        self.data = torch.tensor([self.chars.index(ch) for ch in text])
+        self.seq_len, self.batch_size, self.seed, self.dp_rank = seq_len, batch_size, seed, dp_rank
+
+    def __call__(self, step: int):
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 131 + self.dp_rank)
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=g)
+        x = torch.stack([self.data[s : s + self.seq_len] for s in starts])
+        y = torch.stack([self.data[s + 1 : s + self.seq_len + 1] for s in starts])
+        return x, y
+
+
+# --------------------------------------------------------------------- parallelism
+
+
+def remat_config(args) -> RematConfig:
+    if args.remat == "none":
+        return RematConfig(enabled=False)
+    if args.save_modules:
+        names = set(args.save_modules.split(","))
+        return RematConfig(save_modules=lambda m: type(m).__name__ in names)
+    if args.remat == "selective":
+        # Megatron-style: keep every matmul's activations, replay the attention core,
+        # norms and pointwise ops.
+        return RematConfig(save_modules=nn.Linear)
+    return RematConfig()
+
+
+def build(args, vocab: int, device: torch.device, world: int):
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = GPT(GPTConfig(vocab, args.seq_len, args.layers, args.dim, args.heads)).to(device)
+    config = remat_config(args)
+    mode = args.parallel
+    if mode == "none":
+        apply_remat_to_blocks(model, Block, config)
+        return model, 0, 1
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dtype = device.type
+    if mode == "ddp":
+        return ddp_with_remat(model, Block, remat=config), dist.get_rank(), world
+    if mode == "fsdp2":
+        mesh = init_device_mesh(dtype, (world,))
+        return fully_shard_with_remat(model, Block, mesh=mesh, remat=config), dist.get_rank(), world
+    if mode == "tp":
+        mesh = init_device_mesh(dtype, (world,))
+        return parallelize_with_remat(model, mesh, tp_plan(), Block, remat=config), 0, 1
+    if mode == "fsdp2+tp":
+        tp = 2 if world % 2 == 0 else 1
+        mesh = init_device_mesh(dtype, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        model = fully_shard_with_remat(
+            model, Block, mesh=mesh["dp"], remat=config, tp_mesh=mesh["tp"], tp_plan=tp_plan()
+        )
+        return model, mesh["dp"].get_local_rank(), world // tp
+    raise ValueError(mode)
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+def activation_bytes(model, x) -> int:
+    """Bytes the forward leaves allocated for backward (exact, profiler memory events
+    on CPU; allocator counters on CUDA)."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        logits = model(x)
+        held = torch.cuda.memory_allocated() - before - logits.untyped_storage().nbytes()
+        return held
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = model(x)
+    return sum(e.self_cpu_memory_usage for e in prof.events()) - logits.untyped_storage().nbytes()
+
+
+def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(directory / f"step{step}"))
+    if rank == 0:
+        tmp = directory / "latest.json.tmp"
+        tmp.write_text(json.dumps({"step": step}))
+        tmp.replace(directory / "latest.json")
+
+
+def load_checkpoint(directory: pathlib.Path, model, opt) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    latest = directory / "latest.json"
+    if not latest.exists():
+        return 0
+    step = json.loads(latest.read_text())["step"]
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(directory / f"step{step}"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a small GPT with torch_remat.")
+    p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
+    p.add_argument("--remat", choices=["none", "full", "selective"], default="selective")
+    p.add_argument("--save-modules", default="", help="custom policy: comma-separated class names of block submodules to keep (SAVE regions), e.g. Linear,LayerNorm")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps; resume from the latest")
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the cross-rank memory report at the end")
+    p.add_argument("--log-json", default="", help="rank 0 writes per-step losses here")
+    p.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    distributed = "WORLD_SIZE" in os.environ and args.parallel != "none"
+    use_cuda = torch.cuda.is_available()
+    if distributed:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    elif args.parallel != "none":
+        sys.exit(f"--parallel {args.parallel} needs torchrun (launch/run.sh)")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+    text = load_text()
+    chars = sorted(set(text))
+    model, dp_rank, dp_size = build(args, len(chars), device, world)
+    batches = Batches(text, args.seq_len, args.batch_size, args.seed, dp_rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ckpt_dir = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    start = 0
+    if ckpt_dir is not None:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        start = load_checkpoint(ckpt_dir, model, opt)
+    if rank == 0:
+        print(
+            f"torch_remat train: parallel={args.parallel} remat={args.remat} ranks={world} "
+            f"device={device.type} layers={args.layers} dim={args.dim} seq={args.seq_len}"
+            + (f" (resumed at step {start})" if start else ""),
+            flush=True,
+        )
+    losses = {}
+    tokens = args.batch_size * args.seq_len * dp_size
+    t0 = time.perf_counter()
+    for step in range(start + 1, args.steps + 1):
+        x, y = (t.to(device) for t in batches(step))
+        loss = F.cross_entropy(model(x), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if args.fail_at_step and step == args.fail_at_step and rank == world - 1 and not os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            os._exit(17)  # simulate a crashed rank (tests of --max-restarts)
+        if distributed:
+            loss_avg = loss.detach().clone()
+            dist.all_reduce(loss_avg)
+            loss_avg = loss_avg.item() / world
+        else:
+            loss_avg = loss.item()
+        losses[step] = loss_avg
+        if ckpt_dir is not None and step % args.save_every == 0:
+            save_checkpoint(ckpt_dir, model, opt, step, rank)
+        if step == start + 1 or step % 10 == 0 or step == args.steps:
+            held = activation_bytes(model, x)
+            all_held = [None] * world
+            if distributed:
+                dist.all_gather_object(all_held, held)
+            else:
+                all_held = [held]
+            if rank == 0:
+                rate = tokens * (step - start) / (time.perf_counter() - t0)
+                bar = "#" * (20 * step // args.steps)
+                mem = " ".join(f"r{r}={b / 2**20:.2f}MiB" for r, b in enumerate(all_held))
+                print(
+                    f"[{bar:<20}] step {step:>4}/{args.steps}  loss {loss_avg:.4f}  "
+                    f"{rate:,.0f} tok/s  activations {mem}",
+                    flush=True,
+                )
+    if rank == 0 and args.log_json:
+        pathlib.Path(args.log_json).write_text(json.dumps({"losses": losses, "world": world}))
+    if args.report:
+        print_report(model, batches, device, rank, distributed)
+    if distributed:
+        dist.destroy_process_group()
+
+
+def print_report(model, batches, device, rank, distributed) -> None:
+    x, y = (t.to(device) for t in batches(0))
+    loss = F.cross_entropy(model(x), y.flatten())
+    try:
+        from torch_remat.integrations.reports import gather_memory_report
+    except ImportError:
+        if rank == 0:
+            remat.print_saved_tensors_report(loss)
+        return
+    report = gather_memory_report([loss]) if distributed else None
+    if rank == 0:
+        print(report.format() if report is not None else "")
+    loss.backward()
+
+
+if __name__ == "__main__":
+    main()
