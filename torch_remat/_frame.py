@@ -25,9 +25,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._errors import RecomputeMismatchError, RematError, _StopRecompute
+from ._named_save import link_saved_outputs
 from ._outputs import flatten_region_outputs
 from ._profiling import profiler_range
 from ._records import Holder, RegionRecord, RegionSaved
+from ._registry import frame_created
 from ._replay import ReplayScope, replay_unpack
 from ._sources import INPUT, OUTPUT, SourceIndex, TensorSource
 from ._state import _tls
@@ -107,6 +109,10 @@ class CheckpointFrame:
         self.recomputed_keys: set[Any] = set()
         self.trace_scope: Any = None
         self.save_name: str | None = None
+        # Called as save_observer(region_saved, t) after each SAVE-region pack when
+        # set (named saves, allocation sites); None keeps the pack path unchanged.
+        self.save_observer: Callable[[RegionSaved, torch.Tensor], None] | None = None
+        frame_created(self)
 
     # ------------------------------------------------------------------ forward
 
@@ -177,6 +183,8 @@ class CheckpointFrame:
             name = f"saved.{len(region.saved)}"
         saved = RegionSaved(region, name, t, self.outer_hooks)
         region.saved.append(weakref.ref(saved))
+        if self.save_observer is not None:
+            self.save_observer(saved, t)
         return saved
 
     def qualify(self, name: str) -> str:
@@ -204,6 +212,8 @@ class CheckpointFrame:
         parent = self.region_stack[-1] if self.region_stack else None
         record = RegionRecord(self.name, name, qualname, recompute, parent, not in_save)
         self.regions.append(record)
+        if self.trace_scope is not None:
+            fn = self.trace_scope.wrap_region(fn, record)
         if not in_save:
             self.replay_regions.append(record)
         if self.sources:
@@ -255,6 +265,8 @@ class CheckpointFrame:
             else:
                 record.outputs.append(leaf)
         record.pending_keep = []
+        if record.saved:
+            link_saved_outputs(record)
 
     def keep(self, t: torch.Tensor) -> bool:
         """``recompute_needs_tensor`` during the forward. False if ``t`` is unknown."""

@@ -48,6 +48,8 @@ class RegionSaved:
         "unpack_fn",
         "meta",
         "site",
+        "output_index",
+        "graph_leaf",
         "__weakref__",
     )
 
@@ -56,6 +58,11 @@ class RegionSaved:
         self.name = name
         self.meta = TensorMeta.of(t)
         self.site: str | None = None
+        # For reports: which region output shares this storage (set when the region
+        # returns), and whether this is a parameter (a leaf requiring grad).
+        self.output_index: int | None = None
+        root = t if t._base is None else t._base
+        self.graph_leaf = root.requires_grad and root.is_leaf
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._state import current_scope
+from ._state import _tls, current_scope
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -51,6 +51,8 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     def call_region(*args: Any, **kwargs: Any) -> Any:
         scope = current_scope()
         if scope is None:
+            if _tls.trace is not None:  # remat.collect_trace records it anyway
+                return _tls.trace.run_region(fn, name, recompute, args, kwargs)
             return fn(*args, **kwargs)
         return scope.run_region(fn, name, recompute, args, kwargs)
 

@@ -16,6 +16,10 @@ class _ThreadState(threading.local):
         # replay scope during a recompute.
         self.stack: list[Any] = []
         self.recompute_depth = 0
+        # Diagnostics: the trace being collected (remat.collect_trace) and whether
+        # allocation sites of saved tensors are recorded (remat.record_save_sites).
+        self.trace: Any = None
+        self.record_sites = False
 
 
 _tls = _ThreadState()

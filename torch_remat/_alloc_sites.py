@@ -1,0 +1,157 @@
+"""Allocation sites: the innermost user frame (``file:line function``) behind a storage.
+
+Two sources:
+
+* CUDA: the caching allocator's memory snapshot, when the user has turned history
+  recording on (``torch.cuda.memory._record_memory_history()``). Each active block
+  carries the stack of its allocation; a storage's data pointer falls inside exactly
+  one block. Reports look this up themselves when they hold CUDA storages.
+* Any device, opt in: inside ``with remat.record_save_sites():`` the pack hook of a
+  SAVE region records the innermost user frame of each tensor it keeps. Outside
+  that block the pack path does no extra work.
+
+"User frame" means a Python frame whose file is not inside torch, torch_remat or
+its integrations.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._state import _tls
+from ._storage import StorageInfo
+
+_library_dirs: tuple[str, ...] | None = None
+
+
+def library_dirs() -> tuple[str, ...]:
+    global _library_dirs
+    if _library_dirs is None:
+        dirs = [os.path.dirname(torch.__file__), os.path.dirname(__file__)]
+        try:
+            spec = importlib.util.find_spec("torch_remat.integrations")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(spec.submodule_search_locations)
+        _library_dirs = tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
+    return _library_dirs
+
+
+def is_user_file(filename: str) -> bool:
+    if not filename.endswith(".py"):
+        return False  # C++ frames, <frozen ...>, <string>, ??
+    path = os.path.abspath(filename)
+    return not path.startswith(library_dirs())
+
+
+def format_site(filename: str, line: int, function: str) -> str:
+    return f"{os.path.basename(filename)}:{line} {function}"
+
+
+def current_user_site() -> str | None:
+    """The innermost user frame of the calling thread's Python stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if is_user_file(code.co_filename):
+            return format_site(code.co_filename, frame.f_lineno, code.co_name)
+        frame = frame.f_back
+    return None
+
+
+def choose_user_frame(frames: Sequence[Mapping[str, Any]]) -> str | None:
+    """Pick the innermost user frame of an allocator stack (innermost first)."""
+    for f in frames:
+        filename = f.get("filename", "")
+        if is_user_file(filename):
+            return format_site(filename, f.get("line", 0), f.get("name", "?"))
+    return None
+
+
+class SnapshotIndex:
+    """Active blocks of a ``torch.cuda.memory._snapshot()`` dict, searchable by address."""
+
+    def __init__(self, snapshot: Mapping[str, Any], default_device: int = 0) -> None:
+        blocks: dict[int, list[tuple[int, int, Sequence[Mapping[str, Any]]]]] = {}
+        for seg in snapshot.get("segments", ()):
+            device = seg.get("device", default_device)
+            address = seg.get("address", 0)
+            for b in seg.get("blocks", ()):
+                start = b.get("address", address)
+                size = b.get("size", 0)
+                address = start + size
+                if b.get("state") == "active_allocated":
+                    blocks.setdefault(device, []).append((start, start + size, b.get("frames") or ()))
+        self._starts: dict[int, list[int]] = {}
+        self._blocks = {}
+        for device, items in blocks.items():
+            items.sort(key=lambda x: x[0])
+            self._blocks[device] = items
+            self._starts[device] = [x[0] for x in items]
+
+    def frames_at(self, device: int, ptr: int) -> Sequence[Mapping[str, Any]] | None:
+        """The allocation stack of the active block holding ``ptr``, or None."""
+        starts = self._starts.get(device)
+        if not starts:
+            return None
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0:
+            return None
+        start, end, frames = self._blocks[device][i]
+        return frames if start <= ptr < end else None
+
+    def site_of(self, device: int, ptr: int) -> str | None:
+        frames = self.frames_at(device, ptr)
+        return None if frames is None else choose_user_frame(frames)
+
+
+def cuda_site_lookup(infos: Iterable[StorageInfo]) -> Callable[[StorageInfo], str | None] | None:
+    """A lookup from storage to allocation site, when some storages are on CUDA and
+    the allocator records history; None otherwise (never raises)."""
+    try:
+        if not any(i.device.type == "cuda" for i in infos):
+            return None
+        if not torch.cuda.is_available():
+            return None
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if enabled is not None and not enabled():
+            return None
+        index = SnapshotIndex(torch.cuda.memory._snapshot(), torch.cuda.current_device())
+    except Exception:
+        return None
+
+    def lookup(info: StorageInfo) -> str | None:
+        if info.device.type != "cuda":
+            return None
+        device = info.device.index if info.device.index is not None else 0
+        return index.site_of(device, info.data_ptr)
+
+    return lookup
+
+
+@contextlib.contextmanager
+def record_save_sites() -> Iterator[None]:
+    """Record where each tensor saved inside a SAVE region was saved from.
+
+    Checkpoints started inside this block (in this thread) label every tensor their
+    SAVE regions keep with the innermost user frame (``model.py:42 forward``), and
+    the memory and saved-tensors reports print it after the row. It costs a Python
+    stack walk per saved tensor, so it is off by default. On CUDA, allocation sites
+    also come from the allocator when ``torch.cuda.memory._record_memory_history()``
+    is on, without this block.
+    """
+    previous = _tls.record_sites
+    _tls.record_sites = True
+    try:
+        yield
+    finally:
+        _tls.record_sites = previous

@@ -1,0 +1,138 @@
+"""Walk autograd graphs and collect what their nodes saved, without unpacking.
+
+``node._saved_x`` would call the unpack hook, and for a tensor a checkpoint dropped
+that means running the recompute. ``node._raw_saved_x`` instead returns the
+``SavedTensor`` and its ``.data`` is what was packed: the tensor itself when no
+hooks were active, a torch_remat ``Holder``/``RegionSaved`` inside a checkpoint, or
+whatever the user's own ``saved_tensors_hooks`` returned. Nothing is recomputed,
+copied or moved.
+
+Saves packed by torch_remat are accounted by the checkpoint reports (see
+_holdings); everything else is a save "outside regions" and is listed here per
+autograd node. Leaves that require grad (parameters) are collected so reports can
+leave their storages out.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._records import Holder, RegionSaved
+from ._storage import is_graph_leaf, storages_of, tensors_in
+
+_saved_attrs_of: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_attrs(node: Any) -> tuple[str, ...]:
+    tp = type(node)
+    attrs = _saved_attrs_of.get(tp)
+    if attrs is None:
+        attrs = tuple(a for a in dir(tp) if a.startswith("_raw_saved_"))
+        _saved_attrs_of[tp] = attrs
+    return attrs
+
+
+@dataclass
+class NodeSaves:
+    node_type: str
+    tensors: list[torch.Tensor]
+
+
+@dataclass
+class GraphSaves:
+    outside: list[NodeSaves] = field(default_factory=list)
+    leaf_storages: set[int] = field(default_factory=set)
+    nodes: int = 0
+
+
+def root_nodes(roots: Any) -> list[Any]:
+    """Autograd nodes to start from: tensors' ``grad_fn``\\ s, or nodes themselves."""
+    if roots is None:
+        return []
+    if isinstance(roots, torch.Tensor) or not isinstance(roots, Iterable):
+        roots = [roots]
+    nodes = []
+    for r in roots:
+        if isinstance(r, torch.Tensor):
+            if r.grad_fn is not None:
+                nodes.append(r.grad_fn)
+        elif r is not None and hasattr(r, "next_functions"):
+            nodes.append(r)
+    return nodes
+
+
+def live_graph_roots() -> list[Any]:
+    """``grad_fn`` of every live tensor the garbage collector tracks: the roots of
+    all autograd graphs the program can still reach, found without a loss handle."""
+    nodes = []
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                fn = obj.grad_fn
+            except Exception:
+                continue
+            if fn is not None:
+                nodes.append(fn)
+    return nodes
+
+
+def _saved_values(node: Any) -> list[Any]:
+    out = []
+    for attr in _saved_attrs(node):
+        try:
+            value = getattr(node, attr)
+        except Exception:  # freed by a backward, or not saved
+            continue
+        for st in value if isinstance(value, (list, tuple)) else (value,):
+            if st is None:
+                continue
+            try:
+                data = st.data
+            except Exception:
+                continue
+            if data is not None:
+                out.append(data)
+    return out
+
+
+def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
+    """Every node reachable from ``roots``, once; see the module docstring."""
+    result = GraphSaves()
+    seen: dict[int, Any] = {}  # holds the node objects, so ids stay unique
+    stack = []
+    for node in roots:
+        if id(node) not in seen:
+            seen[id(node)] = node
+            stack.append(node)
+    while stack:
+        node = stack.pop()
+        result.nodes += 1
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):  # AccumulateGrad: a leaf
+            result.leaf_storages.update(s.key for s in storages_of(variable))
+            continue
+        tensors = []
+        for data in _saved_values(node):
+            if isinstance(data, (Holder, RegionSaved)):
+                continue  # a checkpoint's; its report counts it
+            for t in tensors_in(data):
+                if is_graph_leaf(t):
+                    result.leaf_storages.update(s.key for s in storages_of(t))
+                else:
+                    tensors.append(t)
+        if tensors:
+            result.outside.append(NodeSaves(type(node).__name__, tensors))
+        try:
+            nexts = node.next_functions
+        except Exception:
+            continue
+        for nxt, _ in nexts:
+            if nxt is not None and id(nxt) not in seen:
+                seen[id(nxt)] = nxt
+                stack.append(nxt)
+    return result

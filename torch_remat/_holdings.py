@@ -1,0 +1,133 @@
+"""What one checkpoint call holds for backward, read without unpacking anything.
+
+A checkpoint holds (a) the tensors its SAVE regions saved (``RegionSaved``), (b) the
+SAVE-region outputs and checkpoint inputs it keeps for the recompute
+(``TensorSource.saved``), and (c) the state-hook snapshots taken at entry and after
+each SAVE region. Holders of dropped tensors hold nothing. This module lists those
+items per region, in forward order, for a live frame (during or after its forward)
+or for a frame that died while its SAVE regions' tensors live on (see _registry).
+Reading never calls an unpack hook, so it never triggers a recompute or a copy
+back from offloaded memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._registry import FrameEntry
+from ._storage import is_graph_leaf, tensors_in
+from ._tensor_meta import TensorMeta
+
+INPUTS = "(inputs)"
+STATE_SNAPSHOTS = "(state snapshots)"
+
+
+@dataclass
+class HeldItem:
+    """One tensor a checkpoint holds: a saved tensor, a kept output or input."""
+
+    name: str
+    meta: TensorMeta | None
+    tensors: list[torch.Tensor]  # what occupies memory: the tensor, or those packed for it
+    site: str | None = None
+    graph_leaf: bool = False
+    output_index: int | None = None  # a saved tensor sharing storage with this output
+    kept_output: int | None = None  # this item *is* the kept output at this index
+
+
+@dataclass
+class HeldGroup:
+    region: str  # a region's qualified name, INPUTS or STATE_SNAPSHOTS
+    items: list[HeldItem] = field(default_factory=list)
+
+
+@dataclass
+class Holdings:
+    name: str
+    serial: int
+    groups: list[HeldGroup]
+
+
+def _source_tensors(src: Any, forward_done: bool) -> list[torch.Tensor]:
+    if forward_done:
+        saved = src.saved
+        return [] if saved is None else tensors_in(saved.data)
+    if not src.keep:
+        return []
+    t = src.hold if src.kind == "output" else src.ref
+    return [] if t is None else [t]
+
+
+def _saved_item(rs: Any) -> HeldItem:
+    tensors = [rs.tensor] if rs.tensor is not None else tensors_in(rs.packed)
+    return HeldItem(
+        rs.name,
+        rs.meta,
+        tensors,
+        site=rs.site,
+        graph_leaf=bool(getattr(rs, "graph_leaf", False)),
+        output_index=getattr(rs, "output_index", None),
+    )
+
+
+def _region_group(rec: Any, forward_done: bool) -> HeldGroup:
+    group = HeldGroup(rec.qualname)
+    for rs in rec.live_saved():
+        group.items.append(_saved_item(rs))
+    for src in rec.outputs:
+        if not hasattr(src, "saved"):
+            continue  # a constant leaf
+        tensors = _source_tensors(src, forward_done)
+        if tensors:
+            name = f"(output at idx {src.index})"
+            group.items.append(HeldItem(name, src.meta, tensors, kept_output=src.index))
+    return group
+
+
+def _state_items(name: str, states: Any) -> list[HeldItem]:
+    return [HeldItem(name, TensorMeta.of(t), [t]) for t in tensors_in(list(states or ()))]
+
+
+def _state_group(entry_states: Any, regions: list[Any]) -> HeldGroup:
+    group = HeldGroup(STATE_SNAPSHOTS)
+    group.items.extend(_state_items("entry", entry_states))
+    for rec in regions:
+        group.items.extend(_state_items(f"after {rec.qualname}", rec.exit_states))
+    return group
+
+
+def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
+    """Holdings of a live ``CheckpointFrame`` (during or after its forward)."""
+    done = frame.forward_done
+    inputs = HeldGroup(INPUTS)
+    for s in frame.inputs:
+        tensors = _source_tensors(s, done)
+        if tensors:
+            leaf = not done and is_graph_leaf(tensors[0])
+            inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, graph_leaf=leaf))
+    groups = [inputs]
+    groups.extend(_region_group(rec, done) for rec in frame.regions)
+    groups.append(_state_group(frame.entry_states, frame.regions))
+    return Holdings(frame.name, serial, [g for g in groups if g.items])
+
+
+def entry_holdings(entry: FrameEntry) -> Holdings | None:
+    """Holdings of a registered checkpoint, alive or not; None once it holds nothing."""
+    frame = entry.frame()
+    if frame is not None:
+        return frame_holdings(frame, entry.serial)
+    records: list[Any] = []
+    seen: set[int] = set()
+    for ref in entry.dead_saved or ():
+        rs = ref()
+        if rs is not None and id(rs.region) not in seen:
+            seen.add(id(rs.region))
+            records.append(rs.region)
+    if not records:
+        return None
+    groups = [_region_group(rec, True) for rec in records]
+    groups.append(_state_group((), records))
+    return Holdings(entry.name, entry.serial, [g for g in groups if g.items])

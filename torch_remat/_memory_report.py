@@ -1,0 +1,268 @@
+"""Per-checkpoint memory blocks and ``remat.print_current_memory_report``.
+
+A block reads::
+
+    layers.0: 28 B resident in 2 storage(s)
+    layers.0::attn.softmax: 28 B
+      12 B  lse    (3,)  float32
+      16 B  probs  (4,)  float32
+
+One row per storage, in the order the region saved them. A storage is counted once
+(per report): a second tensor on a storage already listed in the same region is a
+``view`` row, or joins the first row's name when it is the very same tensor; one
+counted in another block is a ``shared`` row. Neither adds bytes, so a header is
+always the sum of its rows. Parameters (leaves that require grad) are not listed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from ._alloc_sites import cuda_site_lookup
+from ._format import align_rows, format_bytes, format_dtype, format_shape
+from ._holdings import HeldGroup, Holdings, frame_holdings
+from ._state import current_scope
+from ._storage import StorageInfo, storages_of
+from ._tensor_meta import TensorMeta
+
+_RIGHT = (True, False, False, False, False)
+
+
+@dataclass
+class TensorRow:
+    kind: str  # "storage" (counted here), "view" or "shared" (counted elsewhere)
+    name: str
+    meta: TensorMeta | None
+    nbytes: int  # bytes this row adds to the report
+    storage_bytes: int
+    storages: list[StorageInfo] = field(default_factory=list)
+    site: str | None = None
+    counted_in: str | None = None
+
+    def cells(self) -> list[str]:
+        if self.kind == "storage":
+            size = format_bytes(self.nbytes)
+        else:
+            size = self.kind
+        name = self.name
+        if self.counted_in is not None:
+            name = f"{name} (counted in {self.counted_in})"
+        shape = format_shape(self.meta.shape) if self.meta is not None else "?"
+        dtype = format_dtype(self.meta.dtype) if self.meta is not None else "?"
+        return [size, name, shape, dtype, f"@ {self.site}" if self.site else ""]
+
+    def to_dict(self) -> dict[str, Any]:
+        meta = self.meta
+        devices = sorted({str(s.device) for s in self.storages})
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "bytes": self.nbytes,
+            "storage_bytes": self.storage_bytes,
+            "shape": list(meta.shape) if meta is not None else None,
+            "dtype": format_dtype(meta.dtype) if meta is not None else None,
+            "device": devices[0] if len(devices) == 1 else (devices or None),
+            "site": self.site,
+            "counted_in": self.counted_in,
+        }
+
+
+@dataclass
+class RegionBlock:
+    checkpoint: str
+    region: str
+    rows: list[TensorRow]
+
+    @property
+    def label(self) -> str:
+        return f"{self.checkpoint}::{self.region}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def storages(self) -> int:
+        return sum(len(r.storages) for r in self.rows if r.kind == "storage")
+
+
+@dataclass
+class CheckpointBlock:
+    """What one checkpoint call holds, as rows per region."""
+
+    name: str
+    regions: list[RegionBlock]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    @property
+    def storages(self) -> int:
+        return sum(r.storages for r in self.regions)
+
+    def rows(self) -> list[TensorRow]:
+        return [row for r in self.regions for row in r.rows]
+
+    def lines(self) -> list[str]:
+        out = [f"{self.name}: {format_bytes(self.nbytes)} resident in {self.storages} storage(s)"]
+        for r in self.regions:
+            out.append(f"{r.label}: {format_bytes(r.nbytes)}")
+            out.extend(align_rows([row.cells() for row in r.rows], _RIGHT, indent="  "))
+        return out
+
+    def format(self) -> str:
+        return "\n".join(self.lines())
+
+    def signature(self) -> tuple:
+        """Equal for checkpoints whose blocks read the same apart from their name."""
+        return tuple(
+            (r.region, tuple(tuple(row.cells()) for row in r.rows)) for r in self.regions
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bytes": self.nbytes,
+            "storages": self.storages,
+            "regions": [
+                {
+                    "region": r.region,
+                    "bytes": r.nbytes,
+                    "tensors": [row.to_dict() for row in r.rows],
+                }
+                for r in self.regions
+            ],
+        }
+
+
+class Ledger:
+    """Which storages a report has counted already, and where."""
+
+    def __init__(self, excluded: set[int] | None = None) -> None:
+        self.owner: dict[int, str] = {}
+        self.excluded: set[int] = excluded if excluded is not None else set()
+
+
+def _same_tensor(a: TensorMeta | None, b: TensorMeta | None) -> bool:
+    if a is None or b is None:
+        return False
+    return (a.shape, a.stride, a.storage_offset, a.dtype) == (
+        b.shape,
+        b.stride,
+        b.storage_offset,
+        b.dtype,
+    )
+
+
+def _region_block(checkpoint: str, group: HeldGroup, ledger: Ledger) -> RegionBlock:
+    block = RegionBlock(checkpoint, group.region, [])
+    label = block.label
+    here: dict[int, TensorRow] = {}  # storage key -> the row that counted it
+    for item in group.items:
+        if item.graph_leaf:
+            continue
+        infos = [i for t in item.tensors for i in storages_of(t)]
+        if infos and all(i.key in ledger.excluded for i in infos):
+            continue
+        if item.kept_output is not None:
+            row = next((here[i.key] for i in infos if i.key in here), None)
+            if row is not None:
+                if "(output at idx " not in row.name:
+                    row.name = f"{row.name} (output at idx {item.kept_output})"
+                continue
+        name = item.name
+        if item.output_index is not None:
+            name = f"{name} (output at idx {item.output_index})"
+        new = [i for i in infos if i.key not in ledger.owner]
+        size = sum(i.nbytes for i in infos)
+        if new or not infos:
+            row = TensorRow("storage", name, item.meta, sum(i.nbytes for i in new), size, new)
+            for i in new:
+                ledger.owner[i.key] = label
+                here[i.key] = row
+        else:
+            first = next((here[i.key] for i in infos if i.key in here), None)
+            if first is not None and _same_tensor(first.meta, item.meta):
+                first.name = f"{first.name}, {name}"
+                continue
+            if first is not None:
+                row = TensorRow("view", name, item.meta, 0, size, infos)
+            else:
+                owner = ledger.owner[infos[0].key]
+                row = TensorRow("shared", name, item.meta, 0, size, infos, counted_in=owner)
+        row.site = item.site
+        block.rows.append(row)
+    return block
+
+
+def checkpoint_block(holdings: Holdings, ledger: Ledger) -> CheckpointBlock:
+    blocks = [_region_block(holdings.name, g, ledger) for g in holdings.groups]
+    return CheckpointBlock(holdings.name, [b for b in blocks if b.rows])
+
+
+def add_allocation_sites(rows: list[TensorRow]) -> None:
+    """Label rows without a site from the CUDA allocator's history, if it is on."""
+    lookup: Callable[[StorageInfo], str | None] | None = cuda_site_lookup(
+        [s for row in rows for s in row.storages]
+    )
+    if lookup is None:
+        return
+    for row in rows:
+        if row.site is None:
+            for s in row.storages:
+                site = lookup(s)
+                if site is not None:
+                    row.site = site
+                    break
+
+
+def current_memory_block() -> CheckpointBlock | None:
+    """The block of the checkpoint whose forward is running in this thread."""
+    scope = current_scope()
+    if scope is None or not hasattr(scope, "forward_done"):
+        return None
+    block = checkpoint_block(frame_holdings(scope), Ledger())
+    add_allocation_sites(block.rows())
+    return block
+
+
+def format_current_memory_report() -> str:
+    """What the checkpoint whose forward is running holds so far, as text.
+
+    Call it from code running inside a ``remat.checkpoint`` forward. The first line
+    is ``<checkpoint>: <bytes> resident in N storage(s)``; then, per region that
+    holds something, ``<checkpoint>::<region>: <bytes>`` and one row per storage
+    (bytes, name, shape, dtype, and ``@ file:line function`` when the allocation
+    site is known). Names come from :func:`save_for_backward` where it was used,
+    else ``saved.<i>``; kept region outputs read ``(output at idx i)`` and kept
+    checkpoint inputs ``(input i)``.
+    """
+    scope = current_scope()
+    if scope is None:
+        return (
+            "torch_remat: no checkpoint forward is running in this thread; "
+            "print_current_memory_report() describes the checkpoint whose forward calls it."
+        )
+    block = current_memory_block()
+    if block is None:
+        frame = getattr(scope, "frame", None)
+        name = getattr(frame, "name", "?")
+        return (
+            f"torch_remat: checkpoint '{name}' is being recomputed; the memory report "
+            "describes the original forward only. Guard the call with "
+            "`if not remat.is_recomputing():`."
+        )
+    return block.format()
+
+
+def print_current_memory_report(file: IO[str] | None = None) -> None:
+    """Print :func:`format_current_memory_report` (to stdout by default)::
+
+        if not remat.is_recomputing():
+            remat.print_current_memory_report()
+    """
+    print(format_current_memory_report(), file=file if file is not None else sys.stdout)

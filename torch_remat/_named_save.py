@@ -1,0 +1,115 @@
+"""Names for tensors saved inside SAVE regions.
+
+By default a tensor saved inside a SAVE region is called ``saved.<i>`` in reports.
+``remat.save_for_backward(ctx, lse=lse, probs=probs)`` saves through
+``ctx.save_for_backward`` and names the tensors, so reports say ``lse`` and
+``probs``. Autograd packs a custom Function's saved tensors only after its
+``forward`` returns, so the names wait on the frame until the pack hook sees a
+tensor with the same storage, offset, shape, stride and dtype.
+
+Also here: linking saved tensors to the region's outputs (``y (output at idx 0)``),
+done once when a SAVE region returns, while its outputs are still alive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._state import current_scope
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    try:
+        st = t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        st = id(t)
+    return (st, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class SaveAnnotator:
+    """Installed as a frame's ``save_observer`` while names are pending or allocation
+    sites are being recorded; called with each ``RegionSaved`` right after it is packed."""
+
+    __slots__ = ("pending", "record_sites")
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple, list[str]] = {}
+        self.record_sites = False
+
+    def add_names(self, named: dict[str, torch.Tensor]) -> None:
+        for name, t in named.items():
+            self.pending.setdefault(_tensor_key(t), []).append(name)
+
+    def __call__(self, saved: Any, t: torch.Tensor) -> None:
+        pending = self.pending
+        if pending:
+            key = _tensor_key(t)
+            names = pending.get(key)
+            if names:
+                saved.name = names.pop(0)
+                if not names:
+                    del pending[key]
+        if self.record_sites:
+            from ._alloc_sites import current_user_site
+
+            saved.site = current_user_site()
+
+
+def annotator_of(frame: Any) -> SaveAnnotator:
+    annotator = frame.save_observer
+    if not isinstance(annotator, SaveAnnotator):
+        annotator = SaveAnnotator()
+        frame.save_observer = annotator
+    return annotator
+
+
+def save_for_backward(ctx: Any, *tensors: torch.Tensor | None, **named: torch.Tensor | None) -> None:
+    """``ctx.save_for_backward`` that also names the tensors in torch_remat's reports.
+
+    Inside a custom ``torch.autograd.Function.forward``::
+
+        remat.save_for_backward(ctx, lse=lse, probs=probs)
+        ...
+        lse, probs = ctx.saved_tensors  # in backward: positional first, then named
+
+    Positional tensors are saved first (and keep their default names), then the
+    named ones in keyword order. Inside a SAVE region of a checkpoint the names
+    appear in ``print_current_memory_report`` and ``print_saved_tensors_report``;
+    anywhere else this is exactly ``ctx.save_for_backward(*tensors, *named.values())``.
+    """
+    ctx.save_for_backward(*tensors, *named.values())
+    scope = current_scope()
+    if scope is None or not getattr(scope, "save_depth", 0):
+        return
+    live = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+    if live:
+        annotator_of(scope).add_names(live)
+
+
+def link_saved_outputs(record: Any) -> None:
+    """Mark each tensor a SAVE region saved that shares storage with one of the
+    region's outputs, so reports can say ``(output at idx i)`` after the forward."""
+    outputs: dict[int, int] = {}
+    for src in record.outputs:
+        ref = getattr(src, "ref", None)
+        out = ref() if callable(ref) else None
+        if out is None:
+            continue
+        try:
+            outputs.setdefault(out.untyped_storage()._cdata, src.index)
+        except (RuntimeError, NotImplementedError):
+            continue
+    if not outputs:
+        return
+    for saved in record.live_saved():
+        t = saved.tensor
+        if t is None:
+            continue
+        try:
+            index = outputs.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            continue
+        if index is not None:
+            saved.output_index = index

@@ -1,0 +1,107 @@
+"""An out-of-memory observer for the CUDA caching allocator.
+
+``remat.attach_oom_observer()`` registers :func:`oom_observer` with
+``torch._C._cuda_attach_out_of_memory_observer``. When an allocation fails, the
+allocator calls it (before raising ``torch.OutOfMemoryError``) and it prints to
+stderr the failed request, the checkpoint and region running at the time, and the
+saved-tensors report of every live autograd graph, found without a loss handle.
+
+An observer that raised would replace the OOM error with its own, so it never
+raises: if building the report fails, it prints one failure line instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import IO, Any
+
+import torch
+
+from ._format import format_bytes
+from ._state import _tls
+
+_FAILED = "torch_remat: OOM observer failed while building its report"
+
+
+def describe_active_checkpoint() -> str | None:
+    """Which checkpoint (and region) this thread is running, for the OOM message."""
+    stack = _tls.stack
+    if not stack:
+        return None
+    scope = stack[-1]
+    frame = getattr(scope, "frame", scope)
+    phase = "recompute" if getattr(scope, "frame", None) is not None else "forward"
+    regions = getattr(scope, "region_stack", None) or []
+    where = f"checkpoint '{frame.name}' ({phase})"
+    if regions:
+        where += f", region '{regions[-1].qualname}'"
+    return where
+
+
+def format_oom_report(device: int, alloc: int, device_alloc: int, device_free: int) -> str:
+    from ._saved_report import saved_tensors_report
+
+    lines = [
+        f"torch_remat: CUDA out of memory on device {device}: a request for "
+        f"{format_bytes(alloc)} failed ({format_bytes(device_alloc)} allocated by "
+        f"PyTorch, {format_bytes(device_free)} free on the device)"
+    ]
+    active = describe_active_checkpoint()
+    if active is not None:
+        lines.append(f"while running {active}")
+    lines.append(saved_tensors_report(None).format())
+    return "\n".join(lines)
+
+
+def oom_observer(
+    device: int, alloc: int, device_alloc: int, device_free: int, *, file: IO[str] | None = None
+) -> None:
+    """Print the failed request and the saved-tensors report of all live graphs.
+
+    The signature is the one ``torch._C._cuda_attach_out_of_memory_observer``
+    calls. It never raises; a failure of its own is printed as one line starting
+    with ``torch_remat: OOM observer failed``.
+    """
+    out = file if file is not None else sys.stderr
+    try:
+        text = format_oom_report(device, alloc, device_alloc, device_free)
+    except BaseException as e:  # an observer must never raise
+        try:
+            text = (
+                f"{_FAILED} ({type(e).__name__}: {e}); the allocator's request for "
+                f"{int(alloc)} bytes on device {device} failed"
+            )
+        except BaseException:
+            text = _FAILED
+    try:
+        print(text, file=out, flush=True)
+    except BaseException:
+        pass
+
+
+def attach_oom_observer(observer: Any = None) -> bool:
+    """Attach :func:`oom_observer` (or ``observer``) to the CUDA caching allocator.
+
+    Returns True when attached. Where there is no CUDA (a CPU-only build, no
+    visible device) there is no allocator to observe: it warns saying which, and
+    returns False; on CPU catch ``torch.OutOfMemoryError`` and call
+    ``remat.print_saved_tensors_report()`` instead.
+    """
+    reason = None
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if attach is None or not torch.backends.cuda.is_built():
+        reason = "this PyTorch build has no CUDA support"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA device is available"
+    if reason is not None:
+        warnings.warn(
+            f"torch_remat.attach_oom_observer: not attached, {reason}. The observer "
+            "hooks the CUDA caching allocator; elsewhere catch torch.OutOfMemoryError "
+            "and call remat.print_saved_tensors_report().",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    attach(observer if observer is not None else oom_observer)
+    return True

@@ -1,0 +1,88 @@
+"""A weak registry of checkpoint calls whose saved tensors may still be alive.
+
+Reports without a loss handle (the OOM observer, ``print_saved_tensors_report()``)
+need every checkpoint that still holds memory. A frame lives as long as its
+holders, i.e. as long as backward may still recompute it; but a checkpoint whose
+saves all happen inside SAVE regions packs no holder, so its frame dies right after
+the forward while the region's saved tensors live on in the autograd graph.
+
+So each frame gets an entry here. While the frame lives the entry reads it; when it
+dies a weakref callback keeps only weak references to the tensors its SAVE regions
+saved, in forward order. The entry never holds a tensor, and it is dropped once
+nothing it refers to is alive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from functools import partial
+from typing import Any
+
+from ._state import _tls
+
+_serials = itertools.count()
+_entries: dict[int, FrameEntry] = {}
+_PRUNE_EVERY = 512
+
+
+class FrameEntry:
+    __slots__ = ("serial", "name", "ref", "regions", "dead_saved")
+
+    def __init__(self, frame: Any, serial: int) -> None:
+        self.serial = serial
+        self.name: str = frame.name
+        # The frame's own list: holding it costs nothing while the frame lives.
+        self.regions: list[Any] | None = frame.regions
+        self.dead_saved: list[weakref.ref] | None = None
+        self.ref = weakref.ref(frame, partial(_frame_died, serial))
+
+    def frame(self) -> Any:
+        return self.ref()
+
+    def alive(self) -> bool:
+        if self.ref() is not None:
+            return True
+        saved = self.dead_saved
+        return bool(saved) and any(r() is not None for r in saved)
+
+
+def _frame_died(serial: int, _ref: weakref.ref) -> None:
+    entry = _entries.get(serial)
+    if entry is None:
+        return
+    regions, entry.regions = entry.regions, None
+    saved = [r for rec in regions or () for r in rec.saved if r() is not None]
+    if saved:
+        entry.dead_saved = saved
+    else:
+        _entries.pop(serial, None)
+
+
+def frame_created(frame: Any) -> None:
+    """Called once by every ``CheckpointFrame`` when it is built."""
+    serial = next(_serials)
+    _entries[serial] = FrameEntry(frame, serial)
+    if serial % _PRUNE_EVERY == 0:
+        prune()
+    tls = _tls
+    if tls.recompute_depth:
+        return
+    if tls.trace is not None:
+        tls.trace.checkpoint_created(frame)
+    if tls.record_sites:
+        from ._named_save import annotator_of
+
+        annotator_of(frame).record_sites = True
+
+
+def prune() -> None:
+    for serial, entry in list(_entries.items()):
+        if not entry.alive():
+            _entries.pop(serial, None)
+
+
+def live_entries() -> list[FrameEntry]:
+    """Entries of checkpoints that still hold something, in creation order."""
+    prune()
+    return [e for _, e in sorted(_entries.items())]
