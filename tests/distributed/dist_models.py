@@ -62,3 +62,31 @@ def assert_grads_equal(a: dict, b: dict) -> None:
             assert ga is None and gb is None, f"{name}: one gradient is None"
         else:
             assert torch.equal(ga, gb), f"{name}: max abs diff {(ga - gb).abs().max().item()}"
+
+
+def sequence_parallel_plan(depth: int = 2) -> dict:
+    """TP plan for TinyNet on [batch, seq, dim] inputs whose sequence is split over
+    the TP ranks: blocks run on DTensors sharded on the sequence (SequenceParallel
+    LayerNorm, Colwise up, Rowwise down), so dropout draws on a DTensor; the embed
+    runs on each rank's slice and the head on the gathered sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {
+        "layers.0": PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Shard(1), use_local_output=False
+        ),
+        "head": PrepareModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        ),
+    }
+    for i in range(depth):
+        plan[f"layers.{i}.norm"] = SequenceParallel()
+        plan[f"layers.{i}.up"] = ColwiseParallel(input_layouts=Shard(1))
+        plan[f"layers.{i}.down"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan

@@ -19,6 +19,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     offload_wrapper,
 )
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_based_auto_wrap_policy
+
+import torch_remat as remat
 from torch_remat.integrations import (
     DeviceRNGStateHook,
     apply_remat,
@@ -27,8 +29,6 @@ from torch_remat.integrations import (
     save_region_names,
 )
 from torch_remat.integrations.apply import RematForward, SaveRegionForward
-
-import torch_remat as remat
 
 
 def IS_BLOCK(module):

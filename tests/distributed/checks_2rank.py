@@ -1,0 +1,314 @@
+"""Checks run on 2 gloo ranks (see dist_worker.py); each raises on failure and
+returns the numbers it measured. Listed in CHECKS in launch order."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+from dist_memory import resident_bytes_outside_fsdp
+from dist_models import (
+    MLPBlock,
+    assert_grads_equal,
+    param_grads,
+    sequence_parallel_plan,
+    tiny_net,
+)
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_remat as remat
+from torch_remat.integrations import (
+    RematConfig,
+    apply_remat,
+    ddp_with_remat,
+    fully_shard_with_remat,
+    parallelize_with_remat,
+    remat_module_names,
+)
+
+NO_REMAT = RematConfig(enabled=False)
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Test-only: records every c10d collective and whether a recompute issued it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.calls.append((func.name().split("::")[1], remat.is_recomputing()))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str, *, during_recompute: bool | None = None) -> int:
+        return sum(
+            1
+            for n, r in self.calls
+            if n == name and (during_recompute is None or r == during_recompute)
+        )
+
+
+def _batch(ctx, shape=(8, 16), seed=10):
+    torch.manual_seed(seed + ctx.rank)
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _fsdp_step(ctx, model, x, *, seed=20):
+    """One forward/backward; returns (loss, grads, collectives)."""
+    torch.manual_seed(seed + ctx.rank)  # each rank draws its own dropout masks
+    with CollectiveLog() as log:
+        loss = model(x).pow(2).sum()
+        loss.backward()
+    return loss.detach(), param_grads(model), log
+
+
+def _profiled_forward(model, x):
+    """The profile of one forward (no dispatch mode active: it would move allocations
+    out of FSDP2's profiler scopes)."""
+    # Objects of earlier steps (FSDP2 state holds reference cycles) must not be
+    # collected inside the measured forward.
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.profiler.profile(profile_memory=True) as prof:
+            loss = model(x).pow(2).sum()
+    finally:
+        gc.enable()
+    loss.backward()
+    return prof
+
+
+# ----------------------------------------------------------------------- FSDP2
+
+
+def fsdp2_gradients_equal_without_remat(ctx):
+    x = _batch(ctx)
+    results = {}
+    for name, config in (("plain", NO_REMAT), ("remat", RematConfig())):
+        model = tiny_net(dropout=0.2)
+        fully_shard_with_remat(model, MLPBlock, remat=config)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _fsdp_step(ctx, model, x)
+        opt.step()
+        opt.zero_grad()
+        results[name] = _fsdp_step(ctx, model, x, seed=30)  # second step: resharded params
+        if config.enabled:
+            assert remat_module_names(model) == ["layers.0", "layers.1"]
+    assert torch.equal(results["plain"][0], results["remat"][0])
+    assert_grads_equal(results["plain"][1], results["remat"][1])
+
+
+def fsdp2_remat_applied_after_fully_shard_gives_equal_gradients(ctx):
+    x = _batch(ctx)
+    reference = tiny_net(dropout=0.2)
+    fully_shard_with_remat(reference, MLPBlock, remat=NO_REMAT)
+    model = tiny_net(dropout=0.2)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    assert apply_remat(model, check_fn=lambda m: isinstance(m, MLPBlock)) == [
+        "layers.0",
+        "layers.1",
+    ]
+    assert type(model.layers[0]).__name__ == "FSDPMLPBlock"
+    assert_grads_equal(_fsdp_step(ctx, reference, x)[1], _fsdp_step(ctx, model, x)[1])
+
+
+def fsdp2_recompute_issues_no_all_gather(ctx):
+    x = _batch(ctx)
+    logs = {}
+    for name, config in (("plain", NO_REMAT), ("remat", RematConfig())):
+        model = tiny_net(dropout=0.2)
+        fully_shard_with_remat(model, MLPBlock, remat=config)
+        logs[name] = _fsdp_step(ctx, model, x)[2]
+    plain, with_remat = logs["plain"], logs["remat"]
+    # root (embed+head) and 2 blocks gathered in forward, the 2 blocks again in backward
+    assert plain.count("_allgather_base_") == with_remat.count("_allgather_base_") == 5
+    assert plain.count("_reduce_scatter_base_") == with_remat.count("_reduce_scatter_base_") == 3
+    assert with_remat.count("_allgather_base_", during_recompute=True) == 0
+    assert with_remat.calls == plain.calls
+    return {
+        "all_gather": with_remat.count("_allgather_base_"),
+        "reduce_scatter": with_remat.count("_reduce_scatter_base_"),
+        "all_gather_during_recompute": with_remat.count("_allgather_base_", during_recompute=True),
+    }
+
+
+def fsdp2_activation_bytes_per_rank_are_lower_with_remat(ctx):
+    """Bytes the forward leaves allocated on each rank (dist_memory.py), exact."""
+    batch, seq, dim, hidden, depth = 4, 32, 16, 32, 2
+    x = _batch(ctx, (batch, seq, dim))
+
+    def forward_bytes(config):
+        model = tiny_net(depth=depth)  # no dropout: its masks would add 1 byte per element
+        fully_shard_with_remat(model, MLPBlock, remat=config)
+        return resident_bytes_outside_fsdp(_profiled_forward(model, x))
+
+    resident = {
+        "plain": forward_bytes(NO_REMAT),
+        "remat": forward_bytes(RematConfig(rng_state_hooks=False)),
+        "remat_with_cpu_rng_hooks": forward_bytes(RematConfig()),
+    }
+    f64, rows = 8, batch * seq
+    # Each block without remat keeps LayerNorm's mean and rstd, its output (saved by
+    # `up`) and tanh's output (saved by tanh and `down`); remat drops all of it.
+    per_block = 2 * rows * f64 + rows * dim * f64 + rows * hidden * f64
+    assert resident["plain"] - resident["remat"] == depth * per_block, resident
+    # What stays with remat: the embed output, both block outputs (each the next
+    # one's checkpoint input), the head output and the loss.
+    assert resident["remat"] == 3 * rows * dim * f64 + rows * f64 + f64, resident
+    # The CPU generator snapshot taken at each checkpoint's entry: 5056 bytes.
+    assert resident["remat_with_cpu_rng_hooks"] - resident["remat"] == depth * 5056, resident
+    return {"forward_resident_bytes_per_rank": resident, "dropped_per_block": per_block}
+
+
+def fsdp2_mixed_precision_and_reshard_after_forward_pass_through(ctx):
+    x = _batch(ctx)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
+    out = {}
+    for reshard in (True, False):
+        runs = {}
+        for name, config in (("plain", NO_REMAT), ("remat", RematConfig())):
+            model = tiny_net(dropout=0.2)
+            fully_shard_with_remat(
+                model, MLPBlock, remat=config, mp_policy=mp, reshard_after_forward=reshard
+            )
+            torch.manual_seed(40 + ctx.rank)
+            with CollectiveLog() as log:
+                output = model(x)
+                output.pow(2).sum().backward()
+            assert output.dtype == torch.float32  # blocks ran in the param dtype
+            runs[name] = (param_grads(model), log)
+        assert_grads_equal(runs["plain"][0], runs["remat"][0])
+        gathers = runs["remat"][1].count("_allgather_base_")
+        assert gathers == runs["plain"][1].count("_allgather_base_") == (5 if reshard else 3)
+        out[f"all_gather_reshard_{reshard}"] = gathers
+    return out
+
+
+# ------------------------------------------------------------------------- DCP
+
+
+def dcp_keys_unchanged_and_round_trip_between_remat_and_plain(ctx):
+    import torch.distributed.checkpoint as dcp
+
+    plain = tiny_net()
+    names = (
+        list(plain.state_dict()),
+        [n for n, _ in plain.named_parameters()],
+        [n for n, _ in plain.named_modules()],
+    )
+    models = {}
+    for name, config in (("remat", RematConfig()), ("plain", NO_REMAT)):
+        model = tiny_net(dropout=0.2)
+        fully_shard_with_remat(model, MLPBlock, remat=config)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        _fsdp_step(ctx, model, _batch(ctx))
+        opt.step()  # values differ from the initialisation
+        assert (
+            list(model.state_dict()),
+            [n for n, _ in model.named_parameters()],
+            [n for n, _ in model.named_modules()],
+        ) == names
+        models[name] = model
+    for source, target in (("remat", "plain"), ("plain", "remat")):
+        path = os.path.join(ctx.scratch, f"dcp_from_{source}")
+        dcp.save(models[source].state_dict(), checkpoint_id=path)
+        fresh = tiny_net(seed=123)
+        fully_shard_with_remat(fresh, MLPBlock, remat=RematConfig(enabled=target == "remat"))
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        fresh.load_state_dict(state)
+        for (n, p), (_, q) in zip(models[source].named_parameters(), fresh.named_parameters()):
+            assert torch.equal(p.full_tensor(), q.full_tensor()), n
+        assert bool(remat_module_names(fresh)) == (target == "remat")
+
+
+# ------------------------------------------------------------------------- DDP
+
+
+def _ddp_accumulated_grads(ctx, config, static_graph, find_unused):
+    model = tiny_net(dropout=0.2)
+    if find_unused:
+        model.unused = nn.Linear(4, 4).double()  # never called: DDP must find it
+    ddp = ddp_with_remat(
+        model,
+        MLPBlock,
+        remat=config,
+        static_graph=static_graph,
+        find_unused_parameters=find_unused,
+    )
+    # One synced iteration first: DDP's static_graph cannot start with no_sync (it
+    # raises "expect_autograd_hooks_ INTERNAL ASSERT FAILED", with or without remat).
+    torch.manual_seed(1000 + ctx.rank)
+    ddp(torch.randn(4, 16, dtype=torch.float64)).pow(2).sum().backward()
+    ddp.zero_grad()
+    for step in range(2):
+        for micro in range(2):
+            torch.manual_seed(100 * step + 10 * micro + ctx.rank)
+            x = torch.randn(4, 16, dtype=torch.float64)
+            if micro == 0:
+                with ddp.no_sync():
+                    ddp(x).pow(2).sum().backward()
+            else:
+                ddp(x).pow(2).sum().backward()
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def ddp_gradients_equal_for_static_graph_find_unused_and_no_sync(ctx):
+    for static_graph in (False, True):
+        for find_unused in (False, True):
+            plain = _ddp_accumulated_grads(ctx, NO_REMAT, static_graph, find_unused)
+            with_remat = _ddp_accumulated_grads(ctx, RematConfig(), static_graph, find_unused)
+            assert_grads_equal(plain, with_remat)
+    # gradients are averaged: both ranks hold the same values
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, with_remat["layers.0.up.weight"])
+    assert torch.equal(gathered[0], gathered[1])
+
+
+# -------------------------------------------------------------- tensor parallel
+
+
+def _tp_run(ctx, config):
+    mesh = init_device_mesh("cpu", (ctx.world_size,))
+    model = tiny_net(dropout=0.2)
+    parallelize_with_remat(model, mesh, sequence_parallel_plan(), MLPBlock, remat=config)
+    torch.manual_seed(10)
+    x = torch.randn(2, 8, 16, dtype=torch.float64).chunk(ctx.world_size, dim=1)[ctx.rank]
+    torch.manual_seed(20)  # the same seed on every rank, as DTensor expects
+    with CollectiveLog() as log:
+        loss = model(x).pow(2).sum()
+        loss.backward()
+    return loss.detach(), param_grads(model), log
+
+
+def tp_dropout_on_dtensors_replays_exactly(ctx):
+    plain = _tp_run(ctx, NO_REMAT)
+    with_remat = _tp_run(ctx, RematConfig())
+    assert torch.equal(plain[0], with_remat[0])
+    assert_grads_equal(plain[1], with_remat[1])
+    # the TP collectives of the blocks are replayed by the recompute
+    replayed = [n for n, r in with_remat[2].calls if r]
+    # control: without the RNG hooks the recompute draws other dropout masks
+    unhooked = _tp_run(ctx, RematConfig(rng_state_hooks=False))
+    assert not torch.equal(unhooked[1]["layers.0.up.weight"], plain[1]["layers.0.up.weight"])
+    return {"collectives_replayed_by_recompute": replayed}
+
+
+CHECKS = [
+    fsdp2_gradients_equal_without_remat,
+    fsdp2_remat_applied_after_fully_shard_gives_equal_gradients,
+    fsdp2_recompute_issues_no_all_gather,
+    fsdp2_activation_bytes_per_rank_are_lower_with_remat,
+    fsdp2_mixed_precision_and_reshard_after_forward_pass_through,
+    dcp_keys_unchanged_and_round_trip_between_remat_and_plain,
+    ddp_gradients_equal_for_static_graph_find_unused_and_no_sync,
+    tp_dropout_on_dtensors_replays_exactly,
+]
