@@ -84,7 +84,9 @@ def test_nothing_is_recorded_outside_the_block_or_in_other_threads():
     x = torch.randn(3, requires_grad=True)
     other = []
     with remat.collect_trace() as trace:
-        t = threading.Thread(target=lambda: other.append(remat.checkpoint(region_name="t")(sin_cos)(x)))
+        t = threading.Thread(
+            target=lambda: other.append(remat.checkpoint(region_name="t")(sin_cos)(x))
+        )
         t.start()
         t.join()
     remat.checkpoint(region_name="after")(sin_cos)(x)

@@ -90,7 +90,9 @@ class SnapshotIndex:
                 size = b.get("size", 0)
                 address = start + size
                 if b.get("state") == "active_allocated":
-                    blocks.setdefault(device, []).append((start, start + size, b.get("frames") or ()))
+                    blocks.setdefault(device, []).append(
+                        (start, start + size, b.get("frames") or ())
+                    )
         self._starts: dict[int, list[int]] = {}
         self._blocks = {}
         for device, items in blocks.items():

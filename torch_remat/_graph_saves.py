@@ -9,8 +9,8 @@ copied or moved.
 
 Saves packed by torch_remat are accounted by the checkpoint reports (see
 _holdings); everything else is a save "outside regions" and is listed here per
-autograd node. Leaves that require grad (parameters) are collected so reports can
-leave their storages out.
+autograd node. Parameters (from the graph's AccumulateGrad nodes, and saved
+parameters or views of them) are collected so reports can leave their storages out.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ._records import Holder, RegionSaved
-from ._storage import is_graph_leaf, storages_of, tensors_in
+from ._storage import is_parameter, storages_of, tensors_in
 
 _saved_attrs_of: dict[type, tuple[str, ...]] = {}
 
@@ -46,7 +46,7 @@ class NodeSaves:
 @dataclass
 class GraphSaves:
     outside: list[NodeSaves] = field(default_factory=list)
-    leaf_storages: set[int] = field(default_factory=set)
+    parameter_storages: set[int] = field(default_factory=set)
     nodes: int = 0
 
 
@@ -70,8 +70,11 @@ def live_graph_roots() -> list[Any]:
     """``grad_fn`` of every live tensor the garbage collector tracks: the roots of
     all autograd graphs the program can still reach, found without a loss handle."""
     nodes = []
+    tensor = torch.Tensor
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        # type(), not isinstance(): proxies that fake __class__ (deprecated
+        # attributes) would warn or run code.
+        if issubclass(type(obj), tensor):
             try:
                 fn = obj.grad_fn
             except Exception:
@@ -114,15 +117,16 @@ def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
         result.nodes += 1
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):  # AccumulateGrad: a leaf
-            result.leaf_storages.update(s.key for s in storages_of(variable))
+            if is_parameter(variable):
+                result.parameter_storages.update(s.key for s in storages_of(variable))
             continue
         tensors = []
         for data in _saved_values(node):
             if isinstance(data, (Holder, RegionSaved)):
                 continue  # a checkpoint's; its report counts it
             for t in tensors_in(data):
-                if is_graph_leaf(t):
-                    result.leaf_storages.update(s.key for s in storages_of(t))
+                if is_parameter(t):
+                    result.parameter_storages.update(s.key for s in storages_of(t))
                 else:
                     tensors.append(t)
         if tensors:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ._registry import FrameEntry
-from ._storage import is_graph_leaf, tensors_in
+from ._storage import is_parameter, tensors_in
 from ._tensor_meta import TensorMeta
 
 INPUTS = "(inputs)"
@@ -33,7 +33,7 @@ class HeldItem:
     meta: TensorMeta | None
     tensors: list[torch.Tensor]  # what occupies memory: the tensor, or those packed for it
     site: str | None = None
-    graph_leaf: bool = False
+    parameter: bool = False
     output_index: int | None = None  # a saved tensor sharing storage with this output
     kept_output: int | None = None  # this item *is* the kept output at this index
 
@@ -68,7 +68,7 @@ def _saved_item(rs: Any) -> HeldItem:
         rs.meta,
         tensors,
         site=rs.site,
-        graph_leaf=bool(getattr(rs, "graph_leaf", False)),
+        parameter=bool(getattr(rs, "parameter", False)),
         output_index=getattr(rs, "output_index", None),
     )
 
@@ -106,8 +106,8 @@ def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
     for s in frame.inputs:
         tensors = _source_tensors(s, done)
         if tensors:
-            leaf = not done and is_graph_leaf(tensors[0])
-            inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, graph_leaf=leaf))
+            param = not done and is_parameter(tensors[0])
+            inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, parameter=param))
     groups = [inputs]
     groups.extend(_region_group(rec, done) for rec in frame.regions)
     groups.append(_state_group(frame.entry_states, frame.regions))

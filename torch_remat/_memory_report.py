@@ -34,7 +34,8 @@ _RIGHT = (True, False, False, False, False)
 @dataclass
 class TensorRow:
     kind: str  # "storage" (counted here), "view" or "shared" (counted elsewhere)
-    name: str
+    names: list[str]  # of the saved tensors on this row (one, or several identical)
+    output_index: int | None  # the region output on this storage, if any
     meta: TensorMeta | None
     nbytes: int  # bytes this row adds to the report
     storage_bytes: int
@@ -42,14 +43,29 @@ class TensorRow:
     site: str | None = None
     counted_in: str | None = None
 
-    def cells(self) -> list[str]:
+    @property
+    def name(self) -> str:
+        names = list(self.names)
+        if self.output_index is not None:
+            names.append(f"(output at idx {self.output_index})")
+        if len(names) > 1 and self.output_index is not None:
+            names[-2:] = [f"{names[-2]} {names[-1]}"]
+        return ", ".join(names)
+
+    def cells(self, checkpoint: str = "") -> list[str]:
+        """Text cells; a storage counted elsewhere in the same ``checkpoint`` is
+        named by region only, so identical layers read identically."""
         if self.kind == "storage":
             size = format_bytes(self.nbytes)
         else:
             size = self.kind
         name = self.name
-        if self.counted_in is not None:
-            name = f"{name} (counted in {self.counted_in})"
+        where = self.counted_in
+        if where is not None:
+            prefix = f"{checkpoint}::"
+            if checkpoint and where.startswith(prefix):
+                where = where[len(prefix) :]
+            name = f"{name} (counted in {where})"
         shape = format_shape(self.meta.shape) if self.meta is not None else "?"
         dtype = format_dtype(self.meta.dtype) if self.meta is not None else "?"
         return [size, name, shape, dtype, f"@ {self.site}" if self.site else ""]
@@ -111,7 +127,8 @@ class CheckpointBlock:
         out = [f"{self.name}: {format_bytes(self.nbytes)} resident in {self.storages} storage(s)"]
         for r in self.regions:
             out.append(f"{r.label}: {format_bytes(r.nbytes)}")
-            out.extend(align_rows([row.cells() for row in r.rows], _RIGHT, indent="  "))
+            cells = [row.cells(self.name) for row in r.rows]
+            out.extend(align_rows(cells, _RIGHT, indent="  "))
         return out
 
     def format(self) -> str:
@@ -120,7 +137,7 @@ class CheckpointBlock:
     def signature(self) -> tuple:
         """Equal for checkpoints whose blocks read the same apart from their name."""
         return tuple(
-            (r.region, tuple(tuple(row.cells()) for row in r.rows)) for r in self.regions
+            (r.region, tuple(tuple(row.cells(self.name)) for row in r.rows)) for r in self.regions
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,40 +177,45 @@ def _same_tensor(a: TensorMeta | None, b: TensorMeta | None) -> bool:
 
 def _region_block(checkpoint: str, group: HeldGroup, ledger: Ledger) -> RegionBlock:
     block = RegionBlock(checkpoint, group.region, [])
-    label = block.label
-    here: dict[int, TensorRow] = {}  # storage key -> the row that counted it
+    here: dict[int, TensorRow] = {}  # storage key -> this block's first row on it
     for item in group.items:
-        if item.graph_leaf:
+        if item.parameter:
             continue
         infos = [i for t in item.tensors for i in storages_of(t)]
         if infos and all(i.key in ledger.excluded for i in infos):
             continue
+        first = next((here[i.key] for i in infos if i.key in here), None)
         if item.kept_output is not None:
-            row = next((here[i.key] for i in infos if i.key in here), None)
-            if row is not None:
-                if "(output at idx " not in row.name:
-                    row.name = f"{row.name} (output at idx {item.kept_output})"
+            if first is not None:  # already listed as a saved tensor: just say so
+                if first.output_index is None:
+                    first.output_index = item.kept_output
                 continue
-        name = item.name
-        if item.output_index is not None:
-            name = f"{name} (output at idx {item.output_index})"
-        new = [i for i in infos if i.key not in ledger.owner]
-        size = sum(i.nbytes for i in infos)
-        if new or not infos:
-            row = TensorRow("storage", name, item.meta, sum(i.nbytes for i in new), size, new)
-            for i in new:
-                ledger.owner[i.key] = label
-                here[i.key] = row
+            names, output = [], item.kept_output
         else:
-            first = next((here[i.key] for i in infos if i.key in here), None)
-            if first is not None and _same_tensor(first.meta, item.meta):
-                first.name = f"{first.name}, {name}"
+            names, output = [item.name], item.output_index
+        size = sum(i.nbytes for i in infos)
+        if first is not None:
+            if _same_tensor(first.meta, item.meta):
+                first.names.extend(names)
+                if first.output_index is None:
+                    first.output_index = output
                 continue
-            if first is not None:
-                row = TensorRow("view", name, item.meta, 0, size, infos)
+            row = TensorRow("view", names, output, item.meta, 0, size, infos)
+        else:
+            new = [i for i in infos if i.key not in ledger.owner]
+            if new or not infos:
+                row = TensorRow(
+                    "storage", names, output, item.meta, sum(i.nbytes for i in new), size, new
+                )
+                for i in new:
+                    ledger.owner[i.key] = block.label
             else:
                 owner = ledger.owner[infos[0].key]
-                row = TensorRow("shared", name, item.meta, 0, size, infos, counted_in=owner)
+                row = TensorRow(
+                    "shared", names, output, item.meta, 0, size, infos, counted_in=owner
+                )
+            for i in infos:
+                here.setdefault(i.key, row)
         row.site = item.site
         block.rows.append(row)
     return block
@@ -262,7 +284,7 @@ def format_current_memory_report() -> str:
 def print_current_memory_report(file: IO[str] | None = None) -> None:
     """Print :func:`format_current_memory_report` (to stdout by default)::
 
-        if not remat.is_recomputing():
-            remat.print_current_memory_report()
+    if not remat.is_recomputing():
+        remat.print_current_memory_report()
     """
     print(format_current_memory_report(), file=file if file is not None else sys.stdout)

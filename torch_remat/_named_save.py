@@ -65,7 +65,9 @@ def annotator_of(frame: Any) -> SaveAnnotator:
     return annotator
 
 
-def save_for_backward(ctx: Any, *tensors: torch.Tensor | None, **named: torch.Tensor | None) -> None:
+def save_for_backward(
+    ctx: Any, *tensors: torch.Tensor | None, **named: torch.Tensor | None
+) -> None:
     """``ctx.save_for_backward`` that also names the tensors in torch_remat's reports.
 
     Inside a custom ``torch.autograd.Function.forward``::

@@ -49,7 +49,7 @@ class RegionSaved:
         "meta",
         "site",
         "output_index",
-        "graph_leaf",
+        "parameter",
         "__weakref__",
     )
 
@@ -59,10 +59,9 @@ class RegionSaved:
         self.meta = TensorMeta.of(t)
         self.site: str | None = None
         # For reports: which region output shares this storage (set when the region
-        # returns), and whether this is a parameter (a leaf requiring grad).
+        # returns), and whether this is (a view of) a parameter, which reports skip.
         self.output_index: int | None = None
-        root = t if t._base is None else t._base
-        self.graph_leaf = root.requires_grad and root.is_leaf
+        self.parameter = isinstance(t if t._base is None else t._base, torch.nn.Parameter)
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d

@@ -202,7 +202,7 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
     garbage collector's objects)."""
     nodes = root_nodes(roots) if roots is not None else live_graph_roots()
     graph = walk_graph_saves(nodes)
-    ledger = Ledger(graph.leaf_storages)
+    ledger = Ledger(graph.parameter_storages)
     blocks = []
     for entry in live_entries():
         holdings = entry_holdings(entry)
@@ -230,7 +230,12 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
 
 def _add_sites(blocks: list[CheckpointBlock], outside: list[OutsideGroup]) -> None:
     # An outside group shows the site of its largest storage.
-    largest = [TensorRow("storage", g.node_type, None, 0, 0, [max(g.storages, key=lambda s: s.nbytes)]) for g in outside]
+    largest = [
+        TensorRow(
+            "storage", [g.node_type], None, None, 0, 0, [max(g.storages, key=lambda s: s.nbytes)]
+        )
+        for g in outside
+    ]
     add_allocation_sites([row for b in blocks for row in b.rows()] + largest)
     for g, row in zip(outside, largest):
         g.site = row.site

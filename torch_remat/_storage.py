@@ -57,9 +57,8 @@ def tensors_in(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-def is_graph_leaf(t: torch.Tensor) -> bool:
-    """A leaf that requires grad (a parameter, or an input the user marked): autograd
-    holds it for its ``.grad``, so reports never count it as an activation."""
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one: reports never count it as saved activation
+    memory (the module holds it anyway)."""
     base = t._base
-    root = t if base is None else base
-    return root.is_leaf and root.requires_grad
+    return isinstance(t if base is None else base, torch.nn.Parameter)
