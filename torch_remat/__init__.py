@@ -24,6 +24,7 @@ from ._saved_report import (
     print_saved_tensors_report,
     saved_tensors_report,
 )
+from ._scope import gradient_checkpoint_scope
 from ._state import is_recomputing
 from ._state_hooks import RecomputeStateHook
 from ._trace import Trace, collect_trace, trace_scope
@@ -36,6 +37,7 @@ __all__ = [
     "recompute_needs_tensor",
     "RecomputeStateHook",
     "is_recomputing",
+    "gradient_checkpoint_scope",
     "RematError",
     "PlaceholderReadError",
     "RecomputeMismatchError",

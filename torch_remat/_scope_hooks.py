@@ -1,0 +1,300 @@
+"""The saved-tensor hooks behind ``gradient_checkpoint_scope`` and their place on
+PyTorch's hook stack.
+
+PyTorch keeps default saved-tensor hooks on a per-thread stack and applies only the
+innermost pair; ``saved_tensors_hooks.__exit__`` pops whatever is on top. A scope
+needs a hook *after* it exits (a scope tensor saved by a later op must not be
+stored), for as long as a tensor it created is alive. So:
+
+* While the scope is open, its own hook sits on top of the stack. It claims the
+  tensors of scopes made at its level and hands everything else to the hooks that
+  were active around it (a user's ``save_on_cpu``, a ``remat.checkpoint``).
+* After it exits, one persistent hook per thread claims scope tensors. It is kept at
+  the *bottom* of the stack (inserted below every hook present, by popping and
+  re-pushing them), so every ``with saved_tensors_hooks(...)`` block pops its own
+  entry, and hooks a user enters later apply to what is saved inside them, as they
+  would without the scope. It is removed as soon as the last scope tensor of the
+  thread dies (weakref callbacks on the recorded tensors; no garbage collection
+  involved). A tensor that dies in another thread defers the removal to this
+  thread's next use of a scope or of the hook.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from ._errors import SavedTensorModifiedError
+from ._scope_record import ScopeRecord, paused_recording, storage_key
+
+_push = torch._C._autograd._push_saved_tensors_default_hooks
+_pop = torch._C._autograd._pop_saved_tensors_default_hooks
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+_disabled_message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
+
+_ANY = object()
+
+
+class _Kept:
+    """A tensor stored as it is (not a scope tensor), with autograd's own check that
+    it was not modified in place before backward reads it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        d = t.detach()  # never the tensor itself: an output would form a cycle
+        self.tensor = d
+        self.version = d._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise SavedTensorModifiedError(
+                f"torch_remat: a tensor saved for backward (shape {tuple(t.shape)}, "
+                f"{str(t.dtype).replace('torch.', '')}) was modified by an in-place "
+                f"operation after it was saved (version {self.version} -> {t._version}); "
+                "its gradient would be wrong. Clone it before modifying it."
+            )
+        return t
+
+
+class _Delegated:
+    """What the hooks below a scope's hook packed for a tensor the scope does not own."""
+
+    __slots__ = ("unpack_fn", "packed")
+
+    def __init__(self, unpack_fn: Any, packed: Any) -> None:
+        self.unpack_fn = unpack_fn
+        self.packed = packed
+
+    def unpack(self) -> torch.Tensor:
+        return self.unpack_fn(self.packed)
+
+
+def unpack_packed(packed: Any) -> torch.Tensor:
+    if "torch._dynamo" in sys.modules:
+        return _unpack_outside_dynamo(packed)
+    return packed.unpack()
+
+
+@torch._disable_dynamo
+def _unpack_outside_dynamo(packed: Any) -> torch.Tensor:
+    # Compiled autograd runs unpack hooks from a graph Dynamo compiles; the replay
+    # must run eagerly (see torch_remat._frame._unpack_outside_dynamo).
+    return packed.unpack()
+
+
+class ScopeRegistry:
+    """The scopes of one thread: open records, which storages they own, and whether
+    the persistent hook is on this thread's hook stack."""
+
+    def __init__(self) -> None:
+        self.owner = threading.get_ident()
+        self.lock = threading.RLock()
+        self.records: dict[int, ScopeRecord] = {}
+        self.index: dict[int, list[tuple[ScopeRecord, int]]] = {}
+        self.active: list[Any] = []
+        self.hook_installed = False
+        self.pending_removal = False
+        self.in_surgery = False
+
+    # records and the storage index
+    def register(self, record: ScopeRecord) -> None:
+        with self.lock:
+            self.records[record.rid] = record
+
+    def index_add(self, key: int, record: ScopeRecord, sid: int) -> None:
+        with self.lock:
+            self.index.setdefault(key, []).append((record, sid))
+
+    def index_remove(self, key: int, record: ScopeRecord) -> None:
+        with self.lock:
+            entries = self.index.get(key)
+            if entries is None:
+                return
+            entries[:] = [e for e in entries if e[0] is not record]
+            if not entries:
+                del self.index[key]
+
+    def find(self, t: torch.Tensor, marker: Any) -> tuple[ScopeRecord, int] | None:
+        if not self.index:
+            return None
+        try:
+            key = storage_key(t)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None  # no storage (a wrapper subclass): never a scope tensor
+        with self.lock:
+            entries = self.index.get(key)
+            if not entries:
+                return None
+            for record, _ in reversed(entries):
+                if marker is not _ANY and record.marker is not marker:
+                    continue
+                sid = record.owns(t, key)
+                if sid is not None:
+                    return record, sid
+        return None
+
+    def tensor_died(self, rid: int, ref: Any, sid: int, tid: int) -> None:
+        if sys.is_finalizing():
+            return
+        with self.lock:
+            record = self.records.get(rid)
+            if record is None:
+                return
+            if record.tensor_died(ref, sid, tid) and record.exited:
+                self.close(record)
+
+    def close(self, record: ScopeRecord) -> None:
+        with self.lock:
+            if self.records.pop(record.rid, None) is None:
+                return
+            for key in list(record.sid_by_key):
+                self.index_remove(key, record)
+        self.maybe_remove_hook()
+
+    # the persistent hook
+    def ensure_hook(self) -> None:
+        if self.hook_installed:
+            return
+        self.pending_removal = False
+        self._surgery(_insert_at_bottom)
+        self.hook_installed = True
+
+    def maybe_remove_hook(self) -> None:
+        with self.lock:
+            if not self.hook_installed or self.records or self.active:
+                return
+            if threading.get_ident() != self.owner or self.in_surgery:
+                self.pending_removal = True
+                return
+        self._surgery(_remove_entry, _pack_after_scope)
+        self.hook_installed = False
+        self.pending_removal = False
+
+    def process_pending(self) -> None:
+        if self.pending_removal:
+            self.maybe_remove_hook()
+
+    def _surgery(self, fn: Any, *args: Any) -> Any:
+        self.in_surgery = True
+        try:
+            return _with_hooks_enabled(fn, *args)
+        finally:
+            self.in_surgery = False
+
+
+_local = threading.local()
+
+
+def registry() -> ScopeRegistry:
+    r = getattr(_local, "registry", None)
+    if r is None:
+        r = _local.registry = ScopeRegistry()
+    return r
+
+
+def _pack_after_scope(t: torch.Tensor) -> Any:
+    """The persistent hook (bottom of the stack): claims any live scope tensor."""
+    scopes = registry()
+    with paused_recording():
+        hit = scopes.find(t, _ANY)
+        packed = hit[0].make_recipe(hit[1], t) if hit is not None else _Kept(t)
+    scopes.process_pending()
+    return packed
+
+
+class ScopeHook:
+    """The hook on top of the stack while a scope is open."""
+
+    def __init__(self, scopes: ScopeRegistry, marker: Any, outer: tuple[Any, Any] | None) -> None:
+        self.scopes = scopes
+        self.marker = marker
+        self.outer = outer
+        self.pack_fn = self.pack  # one bound-method object: found again by identity
+
+    def pack(self, t: torch.Tensor) -> Any:
+        with paused_recording():
+            hit = self.scopes.find(t, self.marker)
+            if hit is not None:
+                return hit[0].make_recipe(hit[1], t)
+            if self.outer is not None:
+                pack, unpack = self.outer
+                return _Delegated(unpack, pack(t))
+            return _Kept(t)
+
+
+# ---------------------------------------------------------------- stack surgery
+
+
+def _with_hooks_enabled(fn: Any, *args: Any) -> Any:
+    # Pushing is refused while hooks are disabled, so a pop-and-re-push would lose
+    # entries: enable them for the surgery and restore the user's message after.
+    message = _disabled_message()
+    if message is None:
+        return fn(*args)
+    torch._C._autograd._saved_tensors_hooks_enable()
+    try:
+        return fn(*args)
+    finally:
+        torch._C._autograd._saved_tensors_hooks_disable(message, False)
+
+
+def hook_stack() -> list[tuple[Any, Any]]:
+    """This thread's default saved-tensor hooks, bottom first (for tests/reports)."""
+
+    def read() -> list[tuple[Any, Any]]:
+        popped = _pop_all()
+        _push_all(popped)
+        return popped
+
+    return _with_hooks_enabled(read)
+
+
+def _pop_all() -> list[tuple[Any, Any]]:
+    popped = []
+    while True:
+        top = _top(True)
+        if top is None:
+            break
+        popped.append(top)
+        _pop()
+    popped.reverse()
+    return popped
+
+
+def _push_all(entries: list[tuple[Any, Any]]) -> None:
+    for pack, unpack in entries:
+        _push(pack, unpack)
+
+
+def _insert_at_bottom() -> None:
+    entries = _pop_all()
+    _push(_pack_after_scope, unpack_packed)
+    _push_all(entries)
+
+
+def _remove_entry(pack_fn: Any) -> bool:
+    """Remove the entry whose pack hook is ``pack_fn`` wherever it is; the order of
+    the others is kept, so each owner still pops its own entry."""
+    above = []
+    found = False
+    while True:
+        top = _top(True)
+        if top is None:
+            break
+        _pop()
+        if top[0] is pack_fn:
+            found = True
+            break
+        above.append(top)
+    above.reverse()
+    _push_all(above)
+    return found
+
+
+def remove_hook(scopes: ScopeRegistry, pack_fn: Any) -> bool:
+    return scopes._surgery(_remove_entry, pack_fn)
