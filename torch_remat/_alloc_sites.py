@@ -91,7 +91,7 @@ class SnapshotIndex:
                 address = start + size
                 if b.get("state") == "active_allocated":
                     blocks.setdefault(device, []).append(
-                        (start, start + size, b.get("frames") or ())
+                        (start, start + size, list(b.get("frames") or ()))
                     )
         self._starts: dict[int, list[int]] = {}
         self._blocks = {}

@@ -1,0 +1,65 @@
+"""checkpoint(determinism_check="bitwise"): the recompute must reproduce the forward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import CPURNGStateHook
+
+import torch_remat as remat
+from torch_remat import _determinism
+
+
+def block(x):
+    h = remat.region(lambda t: F.dropout(t.exp(), 0.5, training=True), "drop", recompute=True)(x)
+    return remat.region(torch.sin, "sin", recompute=False)(h)
+
+
+def test_dropout_without_its_rng_hook_is_caught():
+    x = torch.randn(64, requires_grad=True)
+    out = remat.checkpoint(region_name="layers.0", determinism_check="bitwise")(block)(x)
+    with pytest.raises(remat.RecomputeMismatchError) as info:
+        out.sum().backward()
+    assert str(info.value).startswith(
+        "torch_remat: determinism check failed for checkpoint 'layers.0': tensor #1 saved "
+        "for backward by region 'drop' ((64,), float32) has different bits in the recompute "
+        "than in the forward."
+    )
+
+
+def test_default_check_misses_it_silently():
+    x = torch.randn(64, requires_grad=True)
+    out = remat.checkpoint(region_name="layers.0")(block)(x)
+    out.sum().backward()  # wrong gradient, no error: hence the opt-in check
+    ref = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    block(ref).sum().backward()
+    assert not torch.equal(x.grad, ref.grad)
+
+
+def test_with_the_rng_hook_it_passes_and_gradients_are_exact():
+    x = torch.randn(64, requires_grad=True)
+    ref = x.detach().clone().requires_grad_()
+    torch.manual_seed(1)
+    block(ref).sum().backward()
+    torch.manual_seed(1)
+    out = remat.checkpoint(
+        region_name="layers.0",
+        determinism_check="bitwise",
+        recompute_state_hooks=(CPURNGStateHook(),),
+    )(block)(x)
+    out.sum().backward()
+    assert torch.equal(x.grad, ref.grad)
+
+
+def test_checksums_are_only_computed_when_asked(monkeypatch):
+    calls = []
+    real = _determinism.checksum
+    monkeypatch.setattr(_determinism, "checksum", lambda t: calls.append(1) or real(t))
+    hook = (CPURNGStateHook(),)
+    x = torch.randn(64, requires_grad=True)
+    remat.checkpoint(region_name="a", recompute_state_hooks=hook)(block)(x).sum().backward()
+    assert calls == []
+    remat.checkpoint(region_name="b", determinism_check="bitwise", recompute_state_hooks=hook)(
+        block
+    )(x).sum().backward()
+    assert len(calls) == 4  # exp's result and dropout's mask, in forward and in recompute
