@@ -7,6 +7,12 @@ Adapters use only the public API of :mod:`torch_remat`.
 from .apply import RematConfig, apply_remat, remat_module_names, remove_remat, save_region_names
 from .ddp import ddp_with_remat
 from .fsdp2 import fully_shard_with_remat
+from .reports import (
+    ClusterMemoryReport,
+    MemoryReportTimeout,
+    RegionAcrossRanks,
+    gather_memory_report,
+)
 from .rng import DeviceRNGStateHook, default_rng_state_hooks, local_device, prepare_dtensor_rng
 from .tensor_parallel import parallelize_with_remat
 
@@ -23,4 +29,8 @@ __all__: list[str] = [
     "default_rng_state_hooks",
     "local_device",
     "prepare_dtensor_rng",
+    "gather_memory_report",
+    "ClusterMemoryReport",
+    "RegionAcrossRanks",
+    "MemoryReportTimeout",
 ]

@@ -4,6 +4,7 @@ returns the numbers it measured. Listed in CHECKS in launch order."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 
 import torch
@@ -23,11 +24,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_remat as remat
 from torch_remat.integrations import (
+    MemoryReportTimeout,
     RematConfig,
     apply_remat,
     ddp_with_remat,
     fully_shard_with_remat,
+    gather_memory_report,
     parallelize_with_remat,
+    prepare_dtensor_rng,
     remat_module_names,
 )
 
@@ -292,6 +296,8 @@ def _tp_run(ctx, config):
 def tp_dropout_on_dtensors_replays_exactly(ctx):
     plain = _tp_run(ctx, NO_REMAT)
     with_remat = _tp_run(ctx, RematConfig())
+    # on a CPU mesh DTensor has no RNG tracker: dropout draws from the CPU generator
+    assert not prepare_dtensor_rng(init_device_mesh("cpu", (ctx.world_size,)))
     assert torch.equal(plain[0], with_remat[0])
     assert_grads_equal(plain[1], with_remat[1])
     # the TP collectives of the blocks are replayed by the recompute
@@ -300,6 +306,90 @@ def tp_dropout_on_dtensors_replays_exactly(ctx):
     unhooked = _tp_run(ctx, RematConfig(rng_state_hooks=False))
     assert not torch.equal(unhooked[1]["layers.0.up.weight"], plain[1]["layers.0.up.weight"])
     return {"collectives_replayed_by_recompute": replayed}
+
+
+# --------------------------------------------------------------------- reports
+
+
+def _report_run(ctx, batch, dst, tag):
+    """A DDP step with remat and Linear SAVE regions; the gathered report on dst."""
+    ddp = ddp_with_remat(tiny_net(dropout=0.1), MLPBlock, remat=RematConfig(save_modules=nn.Linear))
+    torch.manual_seed(ctx.rank)
+    loss = ddp(torch.randn(batch, 16, dtype=torch.float64)).pow(2).sum()
+    local = remat.saved_tensors_report(loss).to_dict()
+    report = gather_memory_report(loss, dst=dst, tag=tag, timeout=30)
+    loss.backward()
+    every_local = [None] * ctx.world_size
+    dist.all_gather_object(every_local, local)
+    return report, every_local
+
+
+def report_uneven_batches_show_min_median_max_and_flag_imbalance(ctx):
+    batches = [4, 8]
+    report, local = _report_run(ctx, batches[ctx.rank], dst=1, tag="uneven")
+    if ctx.rank != 1:
+        assert report is None
+        return {}
+    assert report.ranks == [0, 1]
+    assert report.totals == [r["total_bytes"] for r in local]
+    # A block holds its input, each Linear SAVE region its saved input and kept
+    # output (batch x (16 + 16 + 32 + 32 + 16) float64), and 3 CPU RNG snapshots.
+    block = [b * (16 + 16 + 32 + 32 + 16) * 8 + 3 * 5056 for b in batches]
+    by_name = {r.name: r for r in report.regions}
+    assert list(by_name) == ["layers.0", "layers.1", "(outside regions)"]
+    layer = by_name["layers.0"]
+    assert layer.bytes_per_rank == block == [18752, 22336]
+    assert (layer.min_bytes, layer.median_bytes, layer.max_bytes) == (18752, 20544, 22336)
+    assert report.ranks[layer.max_rank_index] == 1
+    # outside checkpoints: embed and head keep their inputs, pow its input
+    assert by_name["(outside regions)"].bytes_per_rank == [b * (16 + 16 + 1) * 8 for b in batches]
+    assert report.is_imbalanced and [r.name for r in report.imbalanced()] == [
+        "layers.0",
+        "layers.1",
+        "(outside regions)",
+    ]
+    as_json = json.loads(report.to_json())
+    assert as_json["regions"][0] == {
+        "name": "layers.0",
+        "bytes_per_rank": [18752, 22336],
+        "calls_per_rank": [1, 1],
+        "min": 18752,
+        "median": 20544,
+        "max": 22336,
+        "max_rank": 1,
+        "spread": (22336 - 18752) / 22336,
+    }
+    assert "! 16% spread" in report.format()
+    return {"report": report.format()}
+
+
+def report_even_batches_are_balanced(ctx):
+    report, _ = _report_run(ctx, 8, dst=0, tag="even")
+    if ctx.rank != 0:
+        return {}
+    assert not report.is_imbalanced
+    assert all(r.spread == 0 for r in report.regions)
+    return {"report": report.format()}
+
+
+def report_names_a_rank_that_skips_the_call(ctx):
+    model = tiny_net()
+    apply_remat(model, check_fn=lambda m: isinstance(m, MLPBlock))
+    loss = model(_batch(ctx)).sum()
+    message = ""
+    if ctx.rank == 0:  # rank 1 skips the call
+        try:
+            gather_memory_report(loss, timeout=2, tag="skipped")
+        except MemoryReportTimeout as e:
+            assert e.missing_ranks == [1]
+            message = str(e)
+            assert message.startswith("gather_memory_report: rank(s) 1 did not send")
+        else:
+            raise AssertionError("gather_memory_report returned without rank 1")
+    dist.barrier()  # no collective was left half-done: the group still works
+    report = gather_memory_report(loss, tag="after-skip", timeout=30)
+    assert (report is not None) == (ctx.rank == 0)
+    return {"error": message}
 
 
 CHECKS = [
@@ -311,4 +401,7 @@ CHECKS = [
     dcp_keys_unchanged_and_round_trip_between_remat_and_plain,
     ddp_gradients_equal_for_static_graph_find_unused_and_no_sync,
     tp_dropout_on_dtensors_replays_exactly,
+    report_uneven_batches_show_min_median_max_and_flag_imbalance,
+    report_even_batches_are_balanced,
+    report_names_a_rank_that_skips_the_call,
 ]

@@ -84,6 +84,17 @@ def test_forward_is_an_instance_attribute_and_module_tree_is_unchanged():
     assert remat_module_names(model) == ["layers.0", "layers.1"]
 
 
+def test_a_state_dict_saved_without_remat_loads_strictly():
+    plain = tiny_net(seed=3)
+    buffer = io.BytesIO()
+    torch.save(plain.state_dict(), buffer)
+    buffer.seek(0)
+    model = tiny_net()
+    apply_remat(model, check_fn=IS_BLOCK)
+    model.load_state_dict(torch.load(buffer), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+
+
 def test_gradients_with_dropout_equal_the_model_without_remat():
     x = _input()
     reference = _run(tiny_net(dropout=0.25), x)
