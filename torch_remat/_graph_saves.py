@@ -105,6 +105,12 @@ def _saved_values(node: Any) -> list[Any]:
 
 def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
     """Every node reachable from ``roots``, once; see the module docstring."""
+    if not hasattr(torch._C._autograd.SavedTensor, "data"):
+        raise RuntimeError(
+            f"torch_remat: the saved-tensors report reads SavedTensor.data, which this "
+            f"PyTorch ({torch.__version__}) lacks; without it the report would have to "
+            "unpack saved tensors and so recompute checkpoints. Upgrade PyTorch."
+        )
     result = GraphSaves()
     seen: dict[int, Any] = {}  # holds the node objects, so ids stay unique
     stack = []
