@@ -107,6 +107,32 @@ class RematForward(_ModuleForward):
         self.state_hooks = state_hooks
         self.checkpoint_options = checkpoint_options
         self.offload = offload
+        self.compile_options: dict[str, Any] | None = None
+        self._compiled: Callable[..., Any] | None = None
+
+    def compile(self, **options: Any) -> None:
+        """Run the checkpointed function through ``torch.compile(**options)``.
+
+        The compiled function sits inside the checkpoint, so the forward and the
+        recompute run the same compiled code and save the same tensors. Compiling
+        around the checkpoint instead (``module.compile()``) traces torch_remat's own
+        hooks, and the recompute, which replays the uncompiled forward, would save
+        different tensors than the compiled forward did.
+        """
+        self.compile_options = dict(options)
+        self._compiled = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_compiled"] = None  # compiled code is rebuilt on the copy's first call
+        return state
+
+    def _function(self) -> Callable[..., Any]:
+        if self.compile_options is None:
+            return self.original_forward
+        if self._compiled is None:
+            self._compiled = torch.compile(self.original_forward, **self.compile_options)
+        return self._compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Decorated per call (cheap: the options were validated at apply time) so that
@@ -115,7 +141,7 @@ class RematForward(_ModuleForward):
             region_name=self.region_name,
             recompute_state_hooks=self.state_hooks,
             **self.checkpoint_options,
-        )(self.original_forward)
+        )(self._function())
         if self.offload:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return fn(*args, **kwargs)

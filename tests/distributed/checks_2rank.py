@@ -94,9 +94,13 @@ def _profiled_forward(model, x):
 def fsdp2_gradients_equal_without_remat(ctx):
     x = _batch(ctx)
     results = {}
-    for name, config in (("plain", NO_REMAT), ("remat", RematConfig())):
+    for name, config, compile_options in (
+        ("plain", NO_REMAT, False),
+        ("remat", RematConfig(), False),
+        ("remat_compiled", RematConfig(), {"backend": "eager"}),
+    ):
         model = tiny_net(dropout=0.2)
-        fully_shard_with_remat(model, MLPBlock, remat=config)
+        fully_shard_with_remat(model, MLPBlock, remat=config, compile=compile_options)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _fsdp_step(ctx, model, x)
         opt.step()
@@ -104,8 +108,9 @@ def fsdp2_gradients_equal_without_remat(ctx):
         results[name] = _fsdp_step(ctx, model, x, seed=30)  # second step: resharded params
         if config.enabled:
             assert remat_module_names(model) == ["layers.0", "layers.1"]
-    assert torch.equal(results["plain"][0], results["remat"][0])
-    assert_grads_equal(results["plain"][1], results["remat"][1])
+    for name in ("remat", "remat_compiled"):
+        assert torch.equal(results["plain"][0], results[name][0])
+        assert_grads_equal(results["plain"][1], results[name][1])
 
 
 def fsdp2_remat_applied_after_fully_shard_gives_equal_gradients(ctx):

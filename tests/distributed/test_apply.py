@@ -353,6 +353,18 @@ def test_deepcopy_and_pickle_carry_the_wrapped_forward_to_the_copy():
         assert all(p.grad is None for p in model.parameters())
 
 
+def test_compiled_inside_the_checkpoint_gives_equal_gradients():
+    x = _input()
+    reference = _run(tiny_net(dropout=0.2), x)
+    model = tiny_net(dropout=0.2)
+    apply_remat(model, check_fn=IS_BLOCK, save_modules=nn.Linear)
+    for block in model.layers:
+        block.forward.compile(backend="aot_eager")
+    assert_grads_equal(_run(model, x)[1], reference[1])
+    # a copy rebuilds its compiled function
+    assert copy.deepcopy(model).layers[0].forward._compiled is None
+
+
 def _saved(model):
     buffer = io.BytesIO()
     torch.save(model, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
