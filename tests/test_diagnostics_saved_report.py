@@ -255,3 +255,79 @@ def test_compress_names():
     assert compress_names(["block", "block"]) == "block"
     assert compress_names(["a", "b.1"]) == "a, b.1"
     assert compress_names([f"n{i}x" for i in range(6)]) == "n0x, n1x, n2x, n3x, ... (+2)"
+
+
+def test_saves_packed_by_a_gradient_checkpoint_scope_are_counted(memory_probe):
+    a = torch.randn(16, requires_grad=True)
+    with memory_probe() as probe:
+        b = torch.randn(16, requires_grad=True)
+        with remat.gradient_checkpoint_scope():
+            x = a * 2 + b
+        y = x.sin()  # x is recomputed by the scope: not held
+        z = (y * b).tanh()  # packed by the scope's persistent hook
+        out = remat.checkpoint(region_name="c")(
+            lambda t: remat.region(torch.exp, "e", recompute=False)(t)
+        )(z)
+        loss = out.sum()
+        del x, y, z, out, b
+    report = remat.saved_tensors_report(loss)
+    assert report.total_bytes == probe.bytes - 4
+    assert report.checkpoints[0].format() == (
+        "c: 64 B resident in 1 storage(s)\nc::e: 64 B\n  64 B  saved.0 (output at idx 0)  (16,)  float32"
+    )
+
+
+class Boxed:
+    """A pack hook's object with the tensor in a slot."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t):
+        self.tensor = t
+
+
+class Declared:
+    """A packed object that says what it keeps alive."""
+
+    def __init__(self, t):
+        self.hidden = [[[t]]]  # deeper than the generic look
+
+    @property
+    def tensor(self):
+        return self.hidden[0][0][0]
+
+    def _remat_resident_tensors(self):
+        return [self.tensor]
+
+
+@pytest.mark.parametrize("box", [Boxed, Declared])
+def test_objects_packed_by_user_hooks_are_looked_into(memory_probe, box):
+    x = torch.randn(10, requires_grad=True)
+    with memory_probe() as probe:
+        with torch.autograd.graph.saved_tensors_hooks(box, lambda b: b.tensor):
+            y = (x * x).sin()  # MulBackward0 saves x twice (held anyway), sin its input
+        loss = y.sum()
+        del y
+    report = remat.saved_tensors_report(loss)
+    assert report.total_bytes == probe.bytes - 4 + 40  # + x, allocated before
+    assert [(g.node_type, g.nbytes) for g in report.outside] == [
+        ("MulBackward0", 40),
+        ("SinBackward0", 40),
+    ]
+    loss.backward()
+    assert torch.equal(x.grad, (x * x).detach().cos() * 2 * x.detach())
+
+
+def test_the_registry_forgets_checkpoints_once_their_tensors_are_gone():
+    from torch_remat import _registry
+
+    before = set(_registry._entries)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = two_sq_layers(x)  # frames died after the forward; their saves live on
+    new = set(_registry._entries) - before
+    assert len(new) == 2
+    assert all(_registry._entries[s].frame() is None for s in new)
+    loss.backward()
+    del loss
+    assert [e.serial for e in _registry.live_entries() if e.serial in new] == []
+    assert not new & set(_registry._entries)

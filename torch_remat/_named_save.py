@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._state import current_scope
+from ._storage import tensors_in
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -106,12 +107,13 @@ def link_saved_outputs(record: Any) -> None:
     if not outputs:
         return
     for saved in record.live_saved():
-        t = saved.tensor
-        if t is None:
-            continue
-        try:
-            index = outputs.get(t.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError):
-            continue
-        if index is not None:
-            saved.output_index = index
+        # packed by the user's own hooks when .tensor is None: look inside
+        tensors = [saved.tensor] if saved.tensor is not None else tensors_in(saved.packed)
+        for t in tensors:
+            try:
+                index = outputs.get(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                continue
+            if index is not None:
+                saved.output_index = index
+                break
