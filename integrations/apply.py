@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 import torch_remat as remat
 
 from ._torch_arguments import checkpoint_options, select_like_torch, wrapper_spec
-from .rng import default_rng_state_hooks
+from .rng import default_rng_state_hooks, prepare_dtensor_rng
 
 ModuleSelector = type | tuple | list | set | frozenset | Callable[[nn.Module], bool]
 
@@ -321,7 +321,10 @@ def apply_remat(
             handed to every checkpoint.
         rng_state_hooks: also hand every checkpoint the stock per-rank RNG hooks
             (:func:`torch_remat.integrations.rng.default_rng_state_hooks`: this rank's
-            CUDA generator, or the CPU generator), so dropout replays exactly.
+            CUDA generator, or the CPU generator), so dropout replays exactly. If the
+            model has DTensor parameters, DTensor's RNG tracker is set up now too
+            (:func:`~torch_remat.integrations.rng.prepare_dtensor_rng`; on a CUDA mesh
+            that broadcasts rank 0's generator state, so call it on every rank).
         early_stop, determinism_check: forwarded to ``remat.checkpoint``.
 
     Returns the qualified names of the checkpointed modules. Raises ``ValueError`` if
@@ -362,7 +365,12 @@ def apply_remat(
         use_rng = rng_state_hooks if preserve is None else bool(preserve)
         plans.append((module, name, options, use_rng))
 
-    rng_hooks = default_rng_state_hooks() if any(p[3] for p in plans) else ()
+    rng_hooks: tuple[Any, ...] = ()
+    if any(p[3] for p in plans):
+        rng_hooks = default_rng_state_hooks()
+        mesh = _dtensor_mesh(model)
+        if mesh is not None:
+            prepare_dtensor_rng(mesh)
     for module, name, options, use_rng in plans:
         hooks = (rng_hooks if use_rng else ()) + extra_hooks
         module.forward = RematForward(module, name, hooks, options, offload)
@@ -372,6 +380,15 @@ def apply_remat(
             if _installed(sub) is None:
                 sub.forward = SaveRegionForward(sub, path)
     return [p[1] for p in plans]
+
+
+def _dtensor_mesh(model: nn.Module) -> Any:
+    """The mesh of the model's first DTensor parameter (tensor parallel or FSDP2)."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            return mesh
+    return None
 
 
 def remove_remat(model: nn.Module) -> list[str]:
