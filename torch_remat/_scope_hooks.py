@@ -97,7 +97,6 @@ class ScopeRegistry:
         self.records: dict[int, ScopeRecord] = {}
         self.index: dict[int, list[tuple[ScopeRecord, int]]] = {}
         self.active: list[Any] = []
-        self.hook_installed = False
         self.pending_removal = False
         self.in_surgery = False
 
@@ -158,22 +157,25 @@ class ScopeRegistry:
 
     # the persistent hook
     def ensure_hook(self) -> None:
-        if self.hook_installed:
+        # The autograd engine runs backward under a copy of the caller's thread-local
+        # state and restores it afterwards, hook stack included: a change made during
+        # backward does not last, so none is made then. Presence is read from the stack
+        # itself, never from a flag that such a restore would make stale.
+        if _in_backward():
             return
         self.pending_removal = False
-        self._surgery(_insert_at_bottom)
-        self.hook_installed = True
+        if not self._surgery(_contains, _pack_after_scope):
+            self._surgery(_insert_at_bottom)
 
     def maybe_remove_hook(self) -> None:
         with self.lock:
-            if not self.hook_installed or self.records or self.active:
+            if self.records or self.active:
                 return
-            if threading.get_ident() != self.owner or self.in_surgery:
+            if threading.get_ident() != self.owner or self.in_surgery or _in_backward():
                 self.pending_removal = True
                 return
+            self.pending_removal = False
         self._surgery(_remove_entry, _pack_after_scope)
-        self.hook_installed = False
-        self.pending_removal = False
 
     def process_pending(self) -> None:
         if self.pending_removal:
@@ -269,6 +271,16 @@ def _pop_all() -> list[tuple[Any, Any]]:
 def _push_all(entries: list[tuple[Any, Any]]) -> None:
     for pack, unpack in entries:
         _push(pack, unpack)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _contains(pack_fn: Any) -> bool:
+    entries = _pop_all()
+    _push_all(entries)
+    return any(pack is pack_fn for pack, _ in entries)
 
 
 def _insert_at_bottom() -> None:

@@ -159,8 +159,22 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return generators[index]
 
 
+# Ops that update running statistics in training mode without declaring it in their
+# schema (aten::native_batch_norm has no (a!) annotation on running_mean/var).
+_UNDECLARED_WRITES = {
+    "aten::native_batch_norm": (5, (3, 4)),
+    "aten::cudnn_batch_norm": (5, (3, 4)),
+    "aten::miopen_batch_norm": (5, (3, 4)),
+}
+
+
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
+    undeclared = _UNDECLARED_WRITES.get(func._schema.name)
+    if undeclared is not None:
+        training, written = undeclared
+        if len(args) > training and args[training]:
+            out.extend(args[i] for i in written if isinstance(args[i], torch.Tensor))
     for i, arg in enumerate(func._schema.arguments):
         info = arg.alias_info
         if info is None or not info.is_write:
@@ -249,7 +263,9 @@ class ScopeRecord:
         entry = self.ext_by_id.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
-        ext = _Ext(t.detach(), t._version, key)
+        # The tensor itself while the scope is open (a detach here, below autograd,
+        # would not share its version counter); a detached alias once it exits.
+        ext = _Ext(t, t._version, key)
         self.ext_by_id[id(t)] = (weakref.ref(t), ext)
         return ext
 
@@ -309,7 +325,10 @@ class ScopeRecord:
                 self.tracked[sid] = []
                 self.scopes.index_add(key, self, sid)
                 op.new_outputs.append((pos, sid, tuple(o.shape), o.dtype))
-            self._track(o, sid)
+                # Only the tensor that brought the storage in is watched: views keep it
+                # alive (their _base), while an alias without a base (a detach that a
+                # user's pack hook stores in the graph) must not keep the scope open.
+                self._track(o, sid)
 
     def _track(self, t: torch.Tensor, sid: int) -> None:
         ref = self.tracked_ids.get(id(t))
@@ -340,6 +359,10 @@ class ScopeRecord:
         """The scope exited: remember each live tensor's version, so a later in-place
         change is detected before a recipe would replay a stale value."""
         self.exited = True
+        for _ref, ext in self.ext_by_id.values():
+            # Detached: holding the tensor would keep its grad_fn, which may (after an
+            # in-place op) hold this record's recipes: a cycle only gc could free.
+            ext.tensor = ext.tensor.detach()
         for entries in self.tracked.values():
             for e in entries:
                 t = e[0]()
