@@ -1,15 +1,12 @@
 """A weak registry of checkpoint calls whose saved tensors may still be alive.
 
 Reports without a loss handle (the OOM observer, ``print_saved_tensors_report()``)
-need every checkpoint that still holds memory. A frame lives as long as its
-holders, i.e. as long as backward may still recompute it; but a checkpoint whose
-saves all happen inside SAVE regions packs no holder, so its frame dies right after
-the forward while the region's saved tensors live on in the autograd graph.
-
-So each frame gets an entry here. While the frame lives the entry reads it; when it
-dies a weakref callback keeps only weak references to the tensors its SAVE regions
-saved, in forward order. The entry never holds a tensor, and it is dropped once
-nothing it refers to is alive.
+need every checkpoint that still holds memory. Today a frame lives as long as
+anything it packed, because autograd keeps the pack hook (``frame.pack``) of each
+saved tensor; the registry does not rely on that. Each frame gets an entry: while
+the frame lives the entry reads it; if it dies first, a weakref callback keeps only
+weak references to the tensors its SAVE regions saved, in forward order. The entry
+never holds a tensor, and it is dropped once nothing it refers to is alive.
 """
 
 from __future__ import annotations
