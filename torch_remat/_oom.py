@@ -40,12 +40,14 @@ def describe_active_checkpoint() -> str | None:
 
 
 def format_oom_report(device: int, alloc: int, device_alloc: int, device_free: int) -> str:
+    # c10's OutOfMemoryObserver passes (device, requested bytes, device total or the
+    # per-process memory-fraction limit, free bytes reported by cudaMemGetInfo).
     from ._saved_report import saved_tensors_report
 
     lines = [
         f"torch_remat: CUDA out of memory on device {device}: a request for "
-        f"{format_bytes(alloc)} failed ({format_bytes(device_alloc)} allocated by "
-        f"PyTorch, {format_bytes(device_free)} free on the device)"
+        f"{format_bytes(alloc)} failed ({format_bytes(device_free)} free of "
+        f"{format_bytes(device_alloc)} usable on the device)"
     ]
     active = describe_active_checkpoint()
     if active is not None:
@@ -60,7 +62,9 @@ def oom_observer(
     """Print the failed request and the saved-tensors report of all live graphs.
 
     The signature is the one ``torch._C._cuda_attach_out_of_memory_observer``
-    calls. It never raises; a failure of its own is printed as one line starting
+    calls: the device index, the bytes requested, the memory the process may use on
+    the device (its total, or the ``set_per_process_memory_fraction`` limit) and the
+    bytes free on it. It never raises; a failure of its own is printed as one line starting
     with ``torch_remat: OOM observer failed``.
     """
     out = file if file is not None else sys.stderr
