@@ -65,8 +65,10 @@ class gradient_checkpoint_scope:
     after the block, packs (PyTorch applies only the innermost hooks).
 
     Nesting a scope directly inside another joins the outer one. Inside a
-    ``remat.checkpoint`` the scope works too (the checkpoint's replay re-enters it);
-    around one, the checkpoint's tensors saved in SAVE regions become scope tensors.
+    ``remat.checkpoint`` it does nothing in recomputed code (the checkpoint stores
+    nothing there anyway) and works inside a SAVE region (what the scope creates
+    there is recomputed instead of kept). Around a checkpoint, what the checkpoint's
+    SAVE regions save of the scope's tensors is recomputed by the scope.
     Under ``torch.no_grad()`` the block just runs. Errors: ``RematError`` if
     saved-tensor hooks are disabled (the message carries the reason given to
     ``disable_saved_tensors_hooks``), or for an op the replay cannot follow
@@ -87,6 +89,12 @@ class gradient_checkpoint_scope:
         marker = current_scope()
         if scopes.active and scopes.active[-1].marker is marker:
             self._open.append(_JOINED)  # directly nested: the outer scope records it all
+            return self
+        if marker is not None and getattr(marker, "save_depth", 0) == 0:
+            # Code a remat.checkpoint recomputes (outside its SAVE regions, or its
+            # replay): nothing there is stored anyway, and a scope would only keep
+            # its inputs alive for a second replay.
+            self._open.append(_JOINED)
             return self
         message = _disabled_message()
         if message is not None:
