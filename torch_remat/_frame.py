@@ -17,6 +17,7 @@ Mechanism (the same saved-tensor-hook scheme as non-reentrant
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +43,17 @@ _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _unpack_hook(packed):
+    if "torch._dynamo" in sys.modules:
+        return _unpack_outside_dynamo(packed)
+    return packed.unpack()
+
+
+@torch._disable_dynamo
+def _unpack_outside_dynamo(packed):
+    # Compiled autograd calls unpack hooks from a graph that Dynamo compiles, and
+    # Dynamo would then compile the recompute too (the function, regions and all):
+    # an AOT-compiled replay saves other tensors than the eager forward did. The
+    # replay must run eagerly; functions the user compiled stay compiled.
     return packed.unpack()
 
 
