@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import RematError
 from ._scope_hooks import ScopeHook, registry, remove_hook, unpack_packed
-from ._scope_record import ScopeRecord, scope_tls
+from ._scope_ops import scope_tls
+from ._scope_record import ScopeRecord
 from ._state import current_scope
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks

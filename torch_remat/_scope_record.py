@@ -1,196 +1,36 @@
-"""What a ``gradient_checkpoint_scope`` records, and the replay that recreates its
-tensors in backward.
+"""What a ``gradient_checkpoint_scope`` records while it is open, and which of its
+tensors are still alive.
 
-Tensors are identified by their *storage*, not by their Python object: a view of a
-scope tensor taken after the scope exited shares the storage, so it is recognised
-too, and a recipe (:class:`ScopeRecipe`) is the storage's id plus the geometry of
-the saved view. Every recorded op names its tensor arguments the same way:
-
-* ``_View(sid, dtype, size, stride, offset)`` for a storage the scope created (or an
-  outside storage the scope writes to; it is snapshotted before the first write);
-* ``_Ext(tensor, version)`` for an outside tensor only read: held detached, checked
-  for in-place changes before the replay reads it.
-
-The replay runs only the ops that produce or write a storage backward needs (view
-ops never run: their results are rebuilt from the geometry), with the RNG state each
-random op saw restored, autocast off (recorded ops are already cast), and no grad.
-A storage's replayed value is dropped as soon as no later op or recipe reads it.
+Every op run in the scope is kept as an :class:`Op` whose tensor arguments are named
+by storage (see ``_scope_ops``). The tensor that brought each new storage in is
+watched with a weakref: when the last one dies, no later op can save a tensor of the
+scope any more and the record is closed (its persistent hook may leave the stack).
+The record itself lives as long as a recipe in some autograd graph refers to it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import threading
 import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from ._errors import RecomputeMismatchError, RematError, SavedTensorModifiedError
-from ._frame import _graph_task_key
-from ._profiling import profiler_range
+from ._errors import RematError
+from ._scope_ops import (
+    Ext,
+    Op,
+    View,
+    check_supported,
+    default_generator,
+    is_random,
+    storage_key,
+    written_args,
+)
+from ._scope_replay import ScopeRecipe
 
 _record_ids = itertools.count()
-
-
-class _ScopeLocal(threading.local):
-    def __init__(self) -> None:
-        # > 0 while this thread runs torch_remat's own ops (pack hooks, replays):
-        # recording modes let them through unrecorded.
-        self.paused = 0
-
-
-scope_tls = _ScopeLocal()
-
-
-@contextlib.contextmanager
-def paused_recording():
-    scope_tls.paused += 1
-    try:
-        yield
-    finally:
-        scope_tls.paused -= 1
-
-
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-class _View:
-    __slots__ = ("sid", "dtype", "size", "stride", "offset")
-
-    def __init__(self, sid: int, t: torch.Tensor) -> None:
-        self.sid = sid
-        self.dtype = t.dtype
-        self.size = tuple(t.shape)
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-
-
-class _Ext:
-    __slots__ = ("tensor", "version", "key")
-
-    def __init__(self, tensor: torch.Tensor, version: int, key: int) -> None:
-        self.tensor = tensor
-        self.version = version
-        self.key = key
-
-
-class _Op:
-    __slots__ = (
-        "index",
-        "func",
-        "leaves",
-        "spec",
-        "reads",
-        "writes",
-        "new_outputs",
-        "generator",
-        "rng_state",
-    )
-
-    def __init__(self, index: int, func: Any) -> None:
-        self.index = index
-        self.func = func
-        self.leaves: list[Any] = []
-        self.spec: Any = None
-        self.reads: set[int] = set()
-        self.writes: set[int] = set()
-        # (position among the flattened outputs, sid, shape, dtype) of each new storage
-        self.new_outputs: list[tuple[int, int, tuple, torch.dtype]] = []
-        self.generator: torch.Generator | None = None
-        self.rng_state: torch.Tensor | None = None
-
-
-class ScopeRecipe:
-    """Packed in place of a scope tensor that autograd saves: which storage, which
-    view of it, and after how many recorded ops (its value at save time)."""
-
-    __slots__ = (
-        "record",
-        "sid",
-        "position",
-        "dtype",
-        "size",
-        "stride",
-        "offset",
-        "values",
-        "consumed",
-        "__weakref__",
-    )
-
-    def __init__(self, record: ScopeRecord, sid: int, t: torch.Tensor) -> None:
-        self.record = record
-        self.sid = sid
-        self.position = len(record.ops)
-        self.dtype = t.dtype
-        self.size = tuple(t.shape)
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        # graph-task key -> recomputed tensor, popped when backward unpacks it
-        self.values: dict[Any, torch.Tensor] | None = None
-        self.consumed: set[Any] = set()
-
-    def unpack(self) -> torch.Tensor:
-        return self.record.unpack(self)
-
-
-def _view_of(base: torch.Tensor, d: Any) -> torch.Tensor:
-    if base.dtype == d.dtype:
-        return base.as_strided(d.size, d.stride, d.offset)
-    out = torch.empty((0,), dtype=d.dtype, device=base.device)
-    return out.set_(base.untyped_storage(), d.offset, d.size, d.stride)
-
-
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cpu":
-        return torch.default_generator
-    module = getattr(torch, device.type, None)
-    generators = getattr(module, "default_generators", None)
-    if generators is None:
-        raise RematError(
-            f"torch_remat: gradient_checkpoint_scope cannot replay random ops on "
-            f"'{device.type}': torch.{device.type}.default_generators does not exist. "
-            "Move the random op out of the scope."
-        )
-    index = device.index if device.index is not None else module.current_device()
-    return generators[index]
-
-
-# Ops that update running statistics in training mode without declaring it in their
-# schema (aten::native_batch_norm has no (a!) annotation on running_mean/var).
-_UNDECLARED_WRITES = {
-    "aten::native_batch_norm": (5, (3, 4)),
-    "aten::cudnn_batch_norm": (5, (3, 4)),
-    "aten::miopen_batch_norm": (5, (3, 4)),
-}
-
-
-def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    undeclared = _UNDECLARED_WRITES.get(func._schema.name)
-    if undeclared is not None:
-        training, written = undeclared
-        if len(args) > training and args[training]:
-            out.extend(args[i] for i in written if isinstance(args[i], torch.Tensor))
-    for i, arg in enumerate(func._schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
-
-
-def _is_random(func: Any) -> bool:
-    if torch.Tag.nondeterministic_seeded in func.tags:
-        return True
-    return any(a.name == "generator" for a in func._schema.arguments)
 
 
 class ScopeRecord:
@@ -203,7 +43,7 @@ class ScopeRecord:
         # claims tensors of records made at its own level, so that a checkpoint's
         # replay sees the same saves as its forward.
         self.marker = marker
-        self.ops: list[_Op] = []
+        self.ops: list[Op] = []
         self.exited = False
         self.device_types: set[str] = {"cpu"}
         self._sids = itertools.count()
@@ -217,7 +57,7 @@ class ScopeRecord:
         # outside storages the scope writes to: key -> sid, sid -> snapshot
         self.ext_sid_by_key: dict[int, int] = {}
         self.snapshots: dict[int, torch.Tensor] = {}
-        self.ext_by_id: dict[int, tuple[weakref.ref, _Ext]] = {}
+        self.ext_by_id: dict[int, tuple[weakref.ref, Ext]] = {}
         self.recipes: list[weakref.ref] = []
 
     # ---------------------------------------------------------------- recording
@@ -229,18 +69,18 @@ class ScopeRecord:
                 "(it swaps a tensor's storage, which the replay cannot follow). Move it out "
                 "of the scope."
             )
-        op = _Op(len(self.ops), func)
-        for t in _written_args(func, args, kwargs):
+        op = Op(len(self.ops), func)
+        for t in written_args(func, args, kwargs):
             key = storage_key(t)
             if key not in self.sid_by_key and key not in self.ext_sid_by_key:
                 self._snapshot_outside_storage(t, key)
-        if _is_random(func):
+        if is_random(func):
             op.generator, op.rng_state = self._rng_before(func, args, kwargs)
         leaves, op.spec = tree_flatten((args, kwargs))
         op.leaves = [
             self._describe_arg(x, op) if isinstance(x, torch.Tensor) else x for x in leaves
         ]
-        for t in _written_args(func, args, kwargs):
+        for t in written_args(func, args, kwargs):
             key = storage_key(t)
             op.writes.add(
                 self.sid_by_key[key] if key in self.sid_by_key else self.ext_sid_by_key[key]
@@ -250,8 +90,8 @@ class ScopeRecord:
         self.ops.append(op)
         return out
 
-    def _describe_arg(self, t: torch.Tensor, op: _Op) -> Any:
-        _check_supported(t)
+    def _describe_arg(self, t: torch.Tensor, op: Op) -> Any:
+        check_supported(t)
         self.device_types.add(t.device.type)
         key = storage_key(t)
         sid = self.sid_by_key.get(key)
@@ -259,13 +99,13 @@ class ScopeRecord:
             sid = self.ext_sid_by_key.get(key)
         if sid is not None:
             op.reads.add(sid)
-            return _View(sid, t)
+            return View(sid, t)
         entry = self.ext_by_id.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
         # The tensor itself while the scope is open (a detach here, below autograd,
         # would not share its version counter); a detached alias once it exits.
-        ext = _Ext(t, t._version, key)
+        ext = Ext(t, t._version, key)
         self.ext_by_id[id(t)] = (weakref.ref(t), ext)
         return ext
 
@@ -280,8 +120,8 @@ class ScopeRecord:
         )
         for op in self.ops:  # earlier reads of this storage now read the snapshot
             for i, leaf in enumerate(op.leaves):
-                if isinstance(leaf, _Ext) and leaf.key == key:
-                    op.leaves[i] = _View(sid, leaf.tensor)
+                if isinstance(leaf, Ext) and leaf.key == key:
+                    op.leaves[i] = View(sid, leaf.tensor)
                     op.reads.add(sid)
         for tid, (_ref, ext) in list(self.ext_by_id.items()):
             if ext.key == key:
@@ -302,10 +142,10 @@ class ScopeRecord:
                     (x.device for x in tree_flatten(args)[0] if isinstance(x, torch.Tensor)), None
                 )
             device = torch.device(device) if device is not None else torch.get_default_device()
-            gen = _default_generator(device)
+            gen = default_generator(device)
         return gen, gen.get_state()
 
-    def _record_outputs(self, op: _Op, out: Any, args: tuple, kwargs: dict) -> None:
+    def _record_outputs(self, op: Op, out: Any, args: tuple, kwargs: dict) -> None:
         flat = tree_flatten(out)[0]
         input_keys = {
             storage_key(x) for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)
@@ -313,7 +153,7 @@ class ScopeRecord:
         for pos, o in enumerate(flat):
             if not isinstance(o, torch.Tensor):
                 continue
-            _check_supported(o)
+            check_supported(o)
             key = storage_key(o)
             sid = self.sid_by_key.get(key)
             if sid is None:
@@ -399,144 +239,6 @@ class ScopeRecord:
         recipes.append(weakref.ref(recipe))
         return recipe
 
-    # ----------------------------------------------------------------- backward
-
-    def unpack(self, recipe: ScopeRecipe) -> torch.Tensor:
-        key = _graph_task_key()
-        values = recipe.values
-        if values is not None and key in values:
-            recipe.consumed.add(key)
-            return values.pop(key)
-        targets = [recipe]
-        if type(key) is not object and key not in recipe.consumed:
-            for ref in self.recipes:
-                r = ref()
-                if r is None or r is recipe or key in r.consumed:
-                    continue
-                if r.values is None or key not in r.values:
-                    targets.append(r)
-        self.replay(targets, key)
-        if type(key) is not object:
-            recipe.consumed.add(key)
-        return recipe.values.pop(key)
-
-    def _plan(
-        self, targets: list[ScopeRecipe]
-    ) -> tuple[int, list[bool], dict[int, int], dict[int, int]]:
-        end = max(r.position for r in targets)
-        needed = {r.sid for r in targets}
-        run = [False] * end
-        for i in range(end - 1, -1, -1):
-            op = self.ops[i]
-            if op.writes & needed or any(sid in needed for _, sid, _, _ in op.new_outputs):
-                run[i] = True
-                needed |= op.reads
-        # state s = after s ops; a storage read by op i is needed up to state i + 1,
-        # one a recipe reads at position p up to state p.
-        drop_at: dict[int, int] = {}
-        last_write: dict[int, int] = {}
-        for i in range(end):
-            if run[i]:
-                for sid in self.ops[i].writes:
-                    last_write[sid] = i
-                for sid in self.ops[i].reads:
-                    drop_at[sid] = max(drop_at.get(sid, 0), i + 1)
-                for _, sid, _, _ in self.ops[i].new_outputs:
-                    drop_at[sid] = max(drop_at.get(sid, 0), i + 1)
-        for r in targets:
-            drop_at[r.sid] = max(drop_at.get(r.sid, 0), r.position)
-        return end, run, drop_at, last_write
-
-    def replay(self, targets: list[ScopeRecipe], key: Any) -> None:
-        end, run, drop_at, last_write = self._plan(targets)
-        ops = self.ops
-        env: dict[int, torch.Tensor] = {}
-        for sid, snap in self.snapshots.items():
-            if sid in drop_at:
-                env[sid] = torch.empty((0,), dtype=torch.uint8, device=snap.device).set_(
-                    snap.untyped_storage().clone()
-                )
-        by_position: dict[int, list[ScopeRecipe]] = {}
-        for r in targets:
-            by_position.setdefault(r.position, []).append(r)
-        drops: dict[int, list[int]] = {}
-        for sid, state in drop_at.items():
-            drops.setdefault(state, []).append(sid)
-        generators = {
-            id(op.generator): op.generator
-            for i, op in enumerate(ops[:end])
-            if run[i] and op.generator is not None
-        }
-        caller_states = [(g, g.get_state()) for g in generators.values()]
-        try:
-            with self._replay_context():
-                for state in range(end + 1):
-                    for r in by_position.get(state, ()):
-                        self._materialize(r, env, key, last_write)
-                    for sid in drops.get(state, ()):
-                        env.pop(sid, None)
-                    if state == end:
-                        break
-                    if run[state]:
-                        self._run_op(ops[state], env)
-        finally:
-            for g, s in caller_states:
-                g.set_state(s)
-
-    @contextlib.contextmanager
-    def _replay_context(self):
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            for dev in sorted(self.device_types):
-                if torch.amp.is_autocast_available(dev):
-                    stack.enter_context(torch.autocast(dev, enabled=False))
-            stack.enter_context(paused_recording())
-            stack.enter_context(profiler_range("remat.scope.replay"))
-            yield
-
-    def _run_op(self, op: _Op, env: dict[int, torch.Tensor]) -> None:
-        leaves = []
-        for leaf in op.leaves:
-            if isinstance(leaf, _View):
-                leaves.append(_view_of(env[leaf.sid], leaf))
-            elif isinstance(leaf, _Ext):
-                t = leaf.tensor
-                if t._version != leaf.version:
-                    raise SavedTensorModifiedError(
-                        f"torch_remat: a tensor read inside gradient_checkpoint_scope (shape "
-                        f"{tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}) was modified "
-                        f"in place after the scope read it (version {leaf.version} -> "
-                        f"{t._version}), so the scope's ops cannot be replayed for backward. "
-                        "Clone it before modifying it, or modify it before the scope."
-                    )
-                leaves.append(t)
-            else:
-                leaves.append(leaf)
-        args, kwargs = tree_unflatten(leaves, op.spec)
-        if op.generator is not None:
-            op.generator.set_state(op.rng_state)
-        out = op.func(*args, **kwargs)
-        if op.new_outputs:
-            flat = tree_flatten(out)[0]
-            for pos, sid, shape, dtype in op.new_outputs:
-                t = flat[pos]
-                if tuple(t.shape) != shape or t.dtype != dtype:
-                    raise RecomputeMismatchError(
-                        f"torch_remat: replaying {op.func} (op #{op.index} of a "
-                        f"gradient_checkpoint_scope) gave {tuple(t.shape)} {t.dtype}, but the "
-                        f"forward gave {shape} {dtype}. The scope's ops must be deterministic "
-                        "in their shapes."
-                    )
-                env[sid] = t
-
-    def _materialize(self, r: ScopeRecipe, env: dict, key: Any, last_write: dict[int, int]) -> None:
-        t = _view_of(env[r.sid], r)
-        if last_write.get(r.sid, -1) >= r.position:
-            t = t.clone()  # a later replayed op writes this storage
-        if r.values is None:
-            r.values = {}
-        r.values[key] = t
-
 
 class _TrackedDeath:
     """Weakref callback for a recorded tensor. Holds ids, not the record, so that a
@@ -552,15 +254,3 @@ class _TrackedDeath:
 
     def __call__(self, ref: weakref.ref) -> None:
         self.scopes.tensor_died(self.rid, ref, self.sid, self.tid)
-
-
-def _check_supported(t: torch.Tensor) -> None:
-    if (
-        t.layout != torch.strided
-        or type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
-    ):
-        raise RematError(
-            f"torch_remat: gradient_checkpoint_scope records plain dense tensors only; an "
-            f"op inside the scope used a {type(t).__name__} with layout {t.layout}. Move "
-            "that op out of the scope (or use remat.checkpoint around it)."
-        )

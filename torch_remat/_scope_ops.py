@@ -1,0 +1,151 @@
+"""The pieces a ``gradient_checkpoint_scope`` records: how ops name their tensor
+arguments, and what the schema says about writes and randomness.
+
+Tensors are identified by their *storage*, not by their Python object (a view taken
+after the scope exited shares the storage, so it is recognised too):
+
+* ``View(sid, dtype, size, stride, offset)`` for a storage the scope created (or an
+  outside storage the scope writes to; it is snapshotted before the first write);
+* ``Ext(tensor, version)`` for an outside tensor only read: checked for in-place
+  changes before the replay reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+
+from ._errors import RematError
+
+
+class _ScopeLocal(threading.local):
+    def __init__(self) -> None:
+        # > 0 while this thread runs torch_remat's own ops (pack hooks, replays):
+        # recording modes let them through unrecorded.
+        self.paused = 0
+
+
+scope_tls = _ScopeLocal()
+
+
+@contextlib.contextmanager
+def paused_recording():
+    scope_tls.paused += 1
+    try:
+        yield
+    finally:
+        scope_tls.paused -= 1
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class View:
+    __slots__ = ("sid", "dtype", "size", "stride", "offset")
+
+    def __init__(self, sid: int, t: torch.Tensor) -> None:
+        self.sid = sid
+        self.dtype = t.dtype
+        self.size = tuple(t.shape)
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+
+
+class Ext:
+    __slots__ = ("tensor", "version", "key")
+
+    def __init__(self, tensor: torch.Tensor, version: int, key: int) -> None:
+        self.tensor = tensor
+        self.version = version
+        self.key = key
+
+
+class Op:
+    __slots__ = (
+        "index",
+        "func",
+        "leaves",
+        "spec",
+        "reads",
+        "writes",
+        "new_outputs",
+        "generator",
+        "rng_state",
+    )
+
+    def __init__(self, index: int, func: Any) -> None:
+        self.index = index
+        self.func = func
+        self.leaves: list[Any] = []
+        self.spec: Any = None
+        self.reads: set[int] = set()
+        self.writes: set[int] = set()
+        # (position among the flattened outputs, sid, shape, dtype) of each new storage
+        self.new_outputs: list[tuple[int, int, tuple, torch.dtype]] = []
+        self.generator: torch.Generator | None = None
+        self.rng_state: torch.Tensor | None = None
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, device.type, None)
+    generators = getattr(module, "default_generators", None)
+    if generators is None:
+        raise RematError(
+            f"torch_remat: gradient_checkpoint_scope cannot replay random ops on "
+            f"'{device.type}': torch.{device.type}.default_generators does not exist. "
+            "Move the random op out of the scope."
+        )
+    index = device.index if device.index is not None else module.current_device()
+    return generators[index]
+
+
+# Ops that update running statistics in training mode without declaring it in their
+# schema (aten::native_batch_norm has no (a!) annotation on running_mean/var).
+_UNDECLARED_WRITES = {
+    "aten::native_batch_norm": (5, (3, 4)),
+    "aten::cudnn_batch_norm": (5, (3, 4)),
+    "aten::miopen_batch_norm": (5, (3, 4)),
+}
+
+
+def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    undeclared = _UNDECLARED_WRITES.get(func._schema.name)
+    if undeclared is not None:
+        training, written = undeclared
+        if len(args) > training and args[training]:
+            out.extend(args[i] for i in written if isinstance(args[i], torch.Tensor))
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
+def is_random(func: Any) -> bool:
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return True
+    return any(a.name == "generator" for a in func._schema.arguments)
+
+
+def check_supported(t: torch.Tensor) -> None:
+    if (
+        t.layout != torch.strided
+        or type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+    ):
+        raise RematError(
+            f"torch_remat: gradient_checkpoint_scope records plain dense tensors only; an "
+            f"op inside the scope used a {type(t).__name__} with layout {t.layout}. Move "
+            "that op out of the scope (or use remat.checkpoint around it)."
+        )
