@@ -146,6 +146,33 @@ def test_under_no_grad_the_scope_just_runs():
     assert hook_stack() == []
 
 
+def test_inference_tensors_inside_and_around_the_scope():
+    with torch.inference_mode():
+        buf = torch.randn(5, dtype=D)  # no version counter
+    (a,) = leaves((5,))
+
+    def loss(use):
+        with scope_or_not(use):
+            with torch.inference_mode():
+                k = buf * 2  # an inference tensor created in the scope
+            x = a.exp() + buf + k.clone()
+        return (x * a).sum()
+
+    assert_bitwise_equal(grads([a], [], lambda: loss(True)), grads([a], [], lambda: loss(False)))
+    assert hook_stack() == []
+
+
+def test_exception_inside_the_scope_leaves_only_what_live_tensors_need():
+    (a,) = leaves((5,))
+    with pytest.raises(ValueError, match="boom"):
+        with remat.gradient_checkpoint_scope():
+            x = a.exp()
+            raise ValueError("boom")
+    assert [p for p, _ in hook_stack()] == [_pack_after_scope]  # x is alive
+    del x
+    assert hook_stack() == []
+
+
 def test_set_inside_the_scope_is_refused():
     a = torch.randn(3, dtype=D, requires_grad=True)
     storage = torch.zeros(3, dtype=D).untyped_storage()

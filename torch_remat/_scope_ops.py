@@ -44,6 +44,12 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    # Inference tensors have no version counter (and cannot be modified outside
+    # inference mode): None means "nothing to check".
+    return None if t.is_inference() else t._version
+
+
 class View:
     __slots__ = ("sid", "dtype", "size", "stride", "offset")
 

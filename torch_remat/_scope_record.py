@@ -26,6 +26,7 @@ from ._scope_ops import (
     default_generator,
     is_random,
     storage_key,
+    version_of,
     written_args,
 )
 from ._scope_replay import ScopeRecipe
@@ -105,7 +106,7 @@ class ScopeRecord:
             return entry[1]
         # The tensor itself while the scope is open (a detach here, below autograd,
         # would not share its version counter); a detached alias once it exits.
-        ext = Ext(t, t._version, key)
+        ext = Ext(t, version_of(t), key)
         self.ext_by_id[id(t)] = (weakref.ref(t), ext)
         return ext
 
@@ -207,7 +208,7 @@ class ScopeRecord:
             for e in entries:
                 t = e[0]()
                 if t is not None:
-                    e[1] = t._version
+                    e[1] = version_of(t)
         self.ext_by_id = {}
 
     # ------------------------------------------------------------------- packing
@@ -227,7 +228,7 @@ class ScopeRecord:
             if storage_key(r) != key:
                 return None  # the storage was swapped out (set_ / .data =)
             alive = True
-            if self.exited and version is not None and r._version != version:
+            if self.exited and version is not None and version_of(r) != version:
                 return None  # modified in place after the scope: not replayable
         return sid if alive else None
 

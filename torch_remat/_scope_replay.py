@@ -166,7 +166,7 @@ def _run_op(op: Op, env: dict[int, torch.Tensor]) -> None:
             leaves.append(view_of(env[leaf.sid], leaf))
         elif isinstance(leaf, Ext):
             t = leaf.tensor
-            if t._version != leaf.version:
+            if leaf.version is not None and t._version != leaf.version:
                 raise SavedTensorModifiedError(
                     f"torch_remat: a tensor read inside gradient_checkpoint_scope (shape "
                     f"{tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}) was modified "
