@@ -256,3 +256,49 @@ def test_compiled_function_inside_a_checkpoint_runs_in_forward_and_recompute():
         assert sum("CompiledFunction" in n for n in names) >= 2
     finally:
         torch._dynamo.reset()
+
+
+def test_compiled_function_called_inside_a_scope_runs_eagerly_with_exact_gradients():
+    # Dynamo skips frames while a TorchDispatchMode (the scope's recording) is
+    # active, so the function is recorded and replayed like eager code.
+    a = torch.randn(8, dtype=D, requires_grad=True)
+    w = torch.randn(8, dtype=D, requires_grad=True)
+
+    def inner(t):
+        return (t.exp() * w).sin()
+
+    compiled = torch.compile(inner, backend="aot_eager")
+
+    def loss(fn, use):
+        with remat.gradient_checkpoint_scope() if use else contextlib.nullcontext():
+            x = fn(a)
+        return (x * w).tanh().sum()
+
+    try:
+        expected = grads([a, w], [], lambda: loss(inner, False))
+        actual = grads([a, w], [], lambda: loss(compiled, True))
+        assert_bitwise_equal(actual, expected)
+        assert hook_stack() == []
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin")
+def test_torch_compile_of_code_containing_a_scope():
+    # Dynamo cannot trace the scope's hook-stack calls: it breaks the graph there
+    # (warning once per builtin) and the block runs eagerly.
+    a = torch.randn(8, dtype=D, requires_grad=True)
+    w = torch.randn(8, dtype=D, requires_grad=True)
+
+    def loss(use):
+        with remat.gradient_checkpoint_scope() if use else contextlib.nullcontext():
+            x = a.exp() * w
+        return (x * w).sin().sum()
+
+    try:
+        expected = grads([a, w], [], lambda: loss(False))
+        actual = grads([a, w], [], lambda: torch.compile(loss, backend="aot_eager")(True))
+        assert_bitwise_equal(actual, expected)
+        assert hook_stack() == []
+    finally:
+        torch._dynamo.reset()

@@ -173,6 +173,23 @@ def test_exception_inside_the_scope_leaves_only_what_live_tensors_need():
     assert hook_stack() == []
 
 
+def test_sparse_tensor_inside_the_scope_is_refused():
+    with pytest.raises(remat.RematError, match="plain dense tensors only.*sparse_coo"):
+        with remat.gradient_checkpoint_scope():
+            torch.eye(3).to_sparse() * 2
+    assert hook_stack() == []
+
+
+def test_scope_hook_popped_by_someone_else_is_reported_at_exit():
+    a = torch.randn(3, dtype=D, requires_grad=True)
+    with pytest.raises(remat.RematError, match="removed from the hook stack by someone else"):
+        with remat.gradient_checkpoint_scope():
+            torch._C._autograd._pop_saved_tensors_default_hooks()  # unbalanced
+            x = a.exp()
+    del x
+    assert hook_stack() == []
+
+
 def test_set_inside_the_scope_is_refused():
     a = torch.randn(3, dtype=D, requires_grad=True)
     storage = torch.zeros(3, dtype=D).untyped_storage()
