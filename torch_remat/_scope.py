@@ -127,7 +127,8 @@ class gradient_checkpoint_scope:
         entry.mode.__exit__(exc_type, exc, tb)
         found = remove_hook(scopes, entry.hook.pack_fn)
         record = entry.record
-        record.finish()
+        with scopes.lock:
+            record.finish()
         scopes.active.remove(entry)
         if record.live:
             scopes.ensure_hook()

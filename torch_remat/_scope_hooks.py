@@ -254,7 +254,7 @@ def hook_stack() -> list[tuple[Any, Any]]:
         _push_all(popped)
         return popped
 
-    return _with_hooks_enabled(read)
+    return registry()._surgery(read)
 
 
 def _pop_all() -> list[tuple[Any, Any]]:

@@ -87,7 +87,8 @@ class ScopeRecord:
                 self.sid_by_key[key] if key in self.sid_by_key else self.ext_sid_by_key[key]
             )
         out = func(*args, **kwargs)
-        self._record_outputs(op, out, args, kwargs)
+        with self.scopes.lock:  # a tensor dying in another thread edits the same maps
+            self._record_outputs(op, out, args, kwargs)
         self.ops.append(op)
         return out
 
