@@ -48,6 +48,22 @@ class GraphSaves:
     outside: list[NodeSaves] = field(default_factory=list)
     parameter_storages: set[int] = field(default_factory=set)
     nodes: int = 0
+    # what torch_remat packed in these graphs, to tell which checkpoints they reach
+    frames: dict[int, Any] = field(default_factory=dict)
+    region_records: dict[int, Any] = field(default_factory=dict)
+
+    def reaches(self, entry: Any) -> bool:
+        """Whether the walked graphs hold something the checkpoint call packed."""
+        frame = entry.frame()
+        if frame is not None:
+            if id(frame) in self.frames:
+                return True
+            return any(id(rec) in self.region_records for rec in frame.regions)
+        for ref in entry.dead_saved or ():
+            rs = ref()
+            if rs is not None and id(rs.region) in self.region_records:
+                return True
+        return False
 
 
 def root_nodes(roots: Any) -> list[Any]:
@@ -128,8 +144,12 @@ def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
             continue
         tensors = []
         for data in _saved_values(node):
-            if isinstance(data, (Holder, RegionSaved)):
-                continue  # a checkpoint's; its report counts it
+            if isinstance(data, Holder):  # a checkpoint's; its report counts it
+                result.frames[id(data.frame)] = data.frame
+                continue
+            if isinstance(data, RegionSaved):
+                result.region_records[id(data.region)] = data.region
+                continue
             for t in tensors_in(data):
                 if is_parameter(t):
                     result.parameter_storages.update(s.key for s in storages_of(t))

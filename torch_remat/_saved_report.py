@@ -17,13 +17,13 @@
       48 B  y (output at idx 0)  (3, 4)  float32
       48 B  gf                   (3, 4)  float32
 
-"Regions" are checkpoint calls: every one still holding memory is listed (from the
-registry, so none is missed), and calls whose blocks read the same are grouped.
-"Outside regions" are tensors saved by autograd nodes that no checkpoint packed,
-found by walking the graph from the given roots (from every live tensor when no
-root is given), grouped by node type. Each storage is counted once in the whole
-report, checkpoints first; parameters are never counted. Nothing is unpacked, so
-building the report never recomputes a checkpoint.
+"Regions" are checkpoint calls whose saves the graph from the given roots holds,
+and calls whose blocks read the same are grouped. "Outside regions" are tensors
+saved by autograd nodes that no checkpoint packed, grouped by node type. Without
+roots, every checkpoint call still holding memory (from the registry, so none is
+missed) and the graph of every live tensor. Each storage is counted once in the
+whole report, checkpoints first; parameters are never counted. Nothing is
+unpacked, so building the report never recomputes a checkpoint.
 """
 
 from __future__ import annotations
@@ -195,16 +195,21 @@ class SavedTensorsReport:
 
 
 def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
-    """Build the report: every checkpoint call still holding memory, plus the saves
-    outside checkpoints reachable from ``roots`` (a loss tensor, tensors, or autograd
-    nodes). With ``roots=None`` the graphs of every live tensor are walked, which
-    finds all live autograd graphs without a loss handle (slower: it scans the
-    garbage collector's objects)."""
+    """Build the report for the autograd graphs reachable from ``roots`` (a loss
+    tensor, tensors, or autograd nodes): the checkpoint calls whose saves they hold,
+    and the saves outside checkpoints.
+
+    With ``roots=None`` it covers everything alive: every checkpoint call still
+    holding memory (from a weak registry of calls, so none is missed) and the graphs
+    of every live tensor, found without a loss handle (slower: it scans the garbage
+    collector's objects). This is what the OOM observer prints."""
     nodes = root_nodes(roots) if roots is not None else live_graph_roots()
     graph = walk_graph_saves(nodes)
     ledger = Ledger(graph.parameter_storages)
     blocks = []
     for entry in live_entries():
+        if roots is not None and not graph.reaches(entry):
+            continue
         holdings = entry_holdings(entry)
         if holdings is not None:
             block = checkpoint_block(holdings, ledger)
@@ -254,9 +259,11 @@ def print_saved_tensors_report(loss: Any = None, file: IO[str] | None = None) ->
         loss = model(inputs).sum()
         remat.print_saved_tensors_report(loss)
 
-    Lists every live checkpoint call (identical ones grouped, e.g. ``x2 layer.0-1``)
-    and the tensors saved outside checkpoints that are reachable from ``loss``. The
-    total equals the bytes those storages occupy; parameters are not counted. It
-    never triggers a recompute. Prints to stdout unless ``file`` is given.
+    Lists the checkpoint calls whose saves ``loss``'s graph holds (identical ones
+    grouped, e.g. ``x2 layer.0-1``) and the tensors saved outside checkpoints in
+    that graph. Without ``loss``, everything alive: every checkpoint call still
+    holding memory and every live graph. The total equals the bytes those storages
+    occupy; parameters are not counted. It never triggers a recompute. Prints to
+    stdout unless ``file`` is given.
     """
     print(format_saved_tensors_report(loss), file=file if file is not None else sys.stdout)
