@@ -61,7 +61,9 @@ class RegionSaved:
         # For reports: which region output shares this storage (set when the region
         # returns), and whether this is (a view of) a parameter, which reports skip.
         self.output_index: int | None = None
-        self.parameter = isinstance(t if t._base is None else t._base, torch.nn.Parameter)
+        root = t if t._base is None else t._base
+        # type() first: Parameter's isinstance check runs Python code
+        self.parameter = type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d

@@ -100,4 +100,5 @@ def is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one: reports never count it as saved activation
     memory (the module holds it anyway)."""
     base = t._base
-    return isinstance(t if base is None else base, torch.nn.Parameter)
+    root = t if base is None else base
+    return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
