@@ -168,18 +168,36 @@ def build(args, vocab: int, device: torch.device, world: int):
 # ------------------------------------------------------------------------- helpers
 
 
-def activation_bytes(model, x) -> int:
-    """Bytes the forward leaves allocated for backward (exact, profiler memory events
-    on CPU; allocator counters on CUDA)."""
-    if x.is_cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        logits = model(x)
-        held = torch.cuda.memory_allocated() - before - logits.untyped_storage().nbytes()
-        return held
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        logits = model(x)
-    return sum(e.self_cpu_memory_usage for e in prof.events()) - logits.untyped_storage().nbytes()
+class HeldBytes:
+    """Bytes allocated inside the ``with`` block and still allocated at its end: around
+    the training forward, what the forward keeps for backward (plus its output).
+    Exact: the profiler's memory events on CPU, the allocator's counter on CUDA."""
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled, self.bytes = device, enabled, 0
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self._before = torch.cuda.memory_allocated()
+        else:
+            self._prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.memory_allocated() - self._before
+        else:
+            self._prof.__exit__(*exc)
+            self.bytes = sum(e.self_cpu_memory_usage for e in self._prof.events())
+        return False
 
 
 def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int) -> None:
@@ -212,6 +230,28 @@ def load_checkpoint(directory: pathlib.Path, model, opt) -> int:
 # ---------------------------------------------------------------------------- main
 
 
+def init_process_group(backend: str) -> None:
+    """``dist.init_process_group`` with a key space of its own per torchrun attempt.
+
+    After ``--max-restarts`` restarts the workers, torchrun's agent store may still
+    hold the previous attempt's keys, and gloo then tries to connect to the dead
+    workers' addresses ("connectFullMesh failed ... Connection refused"). A prefix per
+    attempt keeps each group's rendezvous apart.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_store and rank == 0,
+        multi_tenant=not agent_store,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"torch_remat_train/attempt{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a small GPT with torch_remat.")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
@@ -238,7 +278,7 @@ def main(argv=None) -> None:
     distributed = "WORLD_SIZE" in os.environ and args.parallel != "none"
     use_cuda = torch.cuda.is_available()
     if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        init_process_group("nccl" if use_cuda else "gloo")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     elif args.parallel != "none":
@@ -269,12 +309,18 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
-        loss = F.cross_entropy(model(x), y.flatten())
+        log_step = step == start + 1 or step % 10 == 0 or step == args.steps
+        with HeldBytes(device, enabled=log_step) as held:
+            logits = model(x)
+        activations = held.bytes - logits.untyped_storage().nbytes()
+        loss = F.cross_entropy(logits, y.flatten())
+        del logits
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if args.fail_at_step and step == args.fail_at_step and rank == world - 1 and not os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-            os._exit(17)  # simulate a crashed rank (tests of --max-restarts)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if step == args.fail_at_step and rank == world - 1 and first_attempt:
+            os._exit(17)  # a crashed rank, for tests of torchrun --max-restarts
         if distributed:
             loss_avg = loss.detach().clone()
             dist.all_reduce(loss_avg)
@@ -284,13 +330,11 @@ def main(argv=None) -> None:
         losses[step] = loss_avg
         if ckpt_dir is not None and step % args.save_every == 0:
             save_checkpoint(ckpt_dir, model, opt, step, rank)
-        if step == start + 1 or step % 10 == 0 or step == args.steps:
-            held = activation_bytes(model, x)
-            all_held = [None] * world
+        if log_step:
+            all_held = [activations]
             if distributed:
-                dist.all_gather_object(all_held, held)
-            else:
-                all_held = [held]
+                all_held = [None] * world
+                dist.all_gather_object(all_held, activations)
             if rank == 0:
                 rate = tokens * (step - start) / (time.perf_counter() - t0)
                 bar = "#" * (20 * step // args.steps)
