@@ -108,3 +108,18 @@ def test_rng_hook_with_save_regions_between_draws():
         [], [x], lambda x: remat.checkpoint(region_name="c", recompute_state_hooks=(hook,))(fn)(x).sum(), seed=5
     )
     assert_bitwise_equal(actual, expected)
+
+
+def test_torch_compile_around_a_checkpoint_runs_it_eagerly_with_exact_gradients():
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def f(x):
+        h = remat.region(lin, "lin", recompute=False)(torch.nn.functional.layer_norm(x, (4,)))
+        remat.recompute_needs_tensor(h)
+        return h.tanh()
+
+    compiled = torch.compile(lambda x: remat.checkpoint(region_name="c")(f)(x).sum(), backend="eager")
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    expected = grads(list(lin.parameters()), [x], lambda x: f(x).sum())
+    actual = grads(list(lin.parameters()), [x], compiled)
+    assert_bitwise_equal(actual, expected)

@@ -22,6 +22,8 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
     """Order-sensitive checksum of a tensor's bits: (sum, position-weighted sum)."""
     with torch.no_grad():
         x = t.detach()
+        if hasattr(x, "to_local"):  # a DTensor: this rank's shard is what it replays
+            x = x.to_local()
         if x.is_complex():
             x = torch.view_as_real(x)
         if x.dtype == torch.bool:

@@ -310,6 +310,16 @@ def tp_dropout_on_dtensors_replays_exactly(ctx):
     # control: without the RNG hooks the recompute draws other dropout masks
     unhooked = _tp_run(ctx, RematConfig(rng_state_hooks=False))
     assert not torch.equal(unhooked[1]["layers.0.up.weight"], plain[1]["layers.0.up.weight"])
+    # the bitwise replay check works on DTensor activations: passes with the RNG
+    # hooks, names the mismatch without them
+    checked = _tp_run(ctx, RematConfig(determinism_check="bitwise"))
+    assert_grads_equal(plain[1], checked[1])
+    try:
+        _tp_run(ctx, RematConfig(rng_state_hooks=False, determinism_check="bitwise"))
+    except remat.RecomputeMismatchError as e:
+        assert "determinism check failed" in str(e)
+    else:
+        raise AssertionError("bitwise check did not catch dropout replayed without RNG hooks")
     return {"collectives_replayed_by_recompute": replayed}
 
 
