@@ -7,7 +7,9 @@ scalar loss (8 B) and the wrapped number 2 of ``x = a * 2``, which MulBackward s
 """
 
 import contextlib
+import gc
 
+import pytest
 import torch
 from helpers import CPURNGStateHook, assert_bitwise_equal, grads
 
@@ -26,6 +28,16 @@ def scope_or_not(use):
 
 def checkpoint(fn):
     return remat.checkpoint(region_name="c", recompute_state_hooks=(CPURNGStateHook(),))(fn)
+
+
+@pytest.fixture(autouse=True)
+def _no_garbage_collection():
+    # Byte counts must not depend on when gc frees garbage of earlier tests, and
+    # nothing here may rely on gc: collect once, then keep it off for the test.
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 def leaves(n, size=N):

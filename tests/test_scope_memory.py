@@ -10,6 +10,7 @@ loss is 8 B.
 import contextlib
 import gc
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +21,16 @@ N = 1000
 T = 8 * N  # bytes of one tensor
 LOSS = 8
 RNG_STATE = torch.get_rng_state().numel()  # 5056 B: one CPU generator state
+
+
+@pytest.fixture(autouse=True)
+def _no_garbage_collection():
+    # Byte counts must not depend on when gc frees garbage of earlier tests, and
+    # nothing here may rely on gc: collect once, then keep it off for the test.
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 def leaves(n):
