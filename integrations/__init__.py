@@ -1,7 +1,9 @@
 """torch_remat.integrations: adapters that put torch_remat under distributed
 training (FSDP2, DDP, tensor parallel) and training frameworks.
 
-Adapters use only the public API of :mod:`torch_remat`.
+Adapters use only the public API of :mod:`torch_remat`. The accelerate and
+transformers adapters import those packages only when one of their functions is
+called, so importing this package needs neither.
 """
 
 from .apply import RematConfig, apply_remat, remat_module_names, remove_remat, save_region_names
@@ -15,6 +17,7 @@ from .reports import (
 )
 from .rng import DeviceRNGStateHook, default_rng_state_hooks, local_device, prepare_dtensor_rng
 from .tensor_parallel import parallelize_with_remat
+from .transformers import disable_remat, enable_remat, remat_layer_names
 
 __all__: list[str] = [
     "apply_remat",
@@ -33,4 +36,7 @@ __all__: list[str] = [
     "ClusterMemoryReport",
     "RegionAcrossRanks",
     "MemoryReportTimeout",
+    "enable_remat",
+    "disable_remat",
+    "remat_layer_names",
 ]

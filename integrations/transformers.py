@@ -1,0 +1,310 @@
+"""Remat for Hugging Face ``transformers`` models, through their own per-layer hook.
+
+A ``transformers.PreTrainedModel`` that supports gradient checkpointing calls
+``self._gradient_checkpointing_func(function, *args)`` for each of its layers when
+``layer.gradient_checkpointing`` is True and the model is training.
+``model.gradient_checkpointing_enable()`` (``activation_checkpointing_enable()`` in
+transformers 5) sets those flags and installs ``torch.utils.checkpoint.checkpoint``
+as that function. :func:`enable_remat` lets transformers choose and flag the layers
+exactly as it always does (``every_n_layers`` included) and then installs
+``remat.checkpoint`` as the function, one callable per module, so each checkpoint is
+named after its layer (``model.layers.0``).
+
+Nothing in the module tree changes: ``state_dict()``, ``named_parameters()``,
+``save_pretrained`` and FSDP2's wrapping see the model exactly as without
+checkpointing. transformers 5 checkpoints each layer's ``forward`` (module hooks,
+FSDP2's included, stay outside the checkpoint); transformers 4.52 to 4.57 checkpoint
+its ``__call__``; older models call the function from their model-level loop. The
+function receives the layer's callable in each case; :func:`enable_remat` works
+with all three, and the region name is always the layer's qualified name.
+
+``transformers`` is imported only when a function here is called.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+import torch_remat as remat
+
+from .apply import (
+    ModuleSelector,
+    SaveRegionForward,
+    _installed,
+    _matcher,
+    _save_modules_of,
+    remat_module_names,
+)
+from .rng import default_rng_state_hooks
+
+
+class RematLayerCheckpoint:
+    """The ``_gradient_checkpointing_func`` :func:`enable_remat` installs on a module.
+
+    Called by transformers as ``func(layer_callable, *args, **kwargs)``; runs it under
+    ``remat.checkpoint(region_name=<the layer's qualified name>)``. It holds its
+    module weakly (as ``apply_remat``'s forwards do), so a deleted model is freed at
+    once; ``copy.deepcopy`` and pickling carry it along with the model.
+    """
+
+    def __init__(
+        self,
+        owner: nn.Module,
+        owner_name: str,
+        state_hooks: tuple[Any, ...],
+        checkpoint_options: dict[str, Any],
+    ) -> None:
+        self._owner = weakref.ref(owner)
+        self.region_name = owner_name
+        self.state_hooks = state_hooks
+        self.checkpoint_options = checkpoint_options
+        # Region names of the owner's submodules, for models whose model-level loop
+        # calls its own hook with each layer (transformers < 4.52). Built on first use.
+        self._submodule_names: weakref.WeakKeyDictionary[nn.Module, str] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_owner"] = self._owner()
+        state["_submodule_names"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["_owner"] = weakref.ref(state["_owner"])
+        self.__dict__.update(state)
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return remat.checkpoint(
+            region_name=self.region_name_for(function),
+            recompute_state_hooks=self.state_hooks,
+            **self.checkpoint_options,
+        )(function)(*args, **kwargs)
+
+    def region_name_for(self, function: Any) -> str:
+        """The qualified name of the layer ``function`` runs (the owner's by default)."""
+        module = _module_of(function)
+        owner = self._owner()
+        if module is None or owner is None or module is owner:
+            return self.region_name
+        if self._submodule_names is None:
+            self._submodule_names = weakref.WeakKeyDictionary(
+                (m, n) for n, m in owner.named_modules() if n
+            )
+        relative = self._submodule_names.get(module)
+        if relative is None:
+            return self.region_name
+        return f"{self.region_name}.{relative}" if self.region_name else relative
+
+    def __repr__(self) -> str:
+        return f"RematLayerCheckpoint({self.region_name!r})"
+
+
+def _module_of(function: Any) -> nn.Module | None:
+    """The module a layer callable belongs to: ``partial(forward, layer, ...)``
+    (transformers 5), ``partial(layer.__call__, ...)`` (4.52+), ``layer.__call__``."""
+    while isinstance(function, functools.partial):
+        if function.args and isinstance(function.args[0], nn.Module):
+            return function.args[0]
+        function = function.func
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _is_layer(module: nn.Module) -> bool:
+    """True for transformers' repeated per-layer blocks (``GradientCheckpointingLayer``,
+    transformers 4.52+). Model-level modules carry the flag too but run no checkpoint."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    base = getattr(layers, "GradientCheckpointingLayer", None)
+    return base is not None and isinstance(module, base)
+
+
+def _hooked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules whose checkpoint flag is on and whose hook is torch_remat's."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+        and isinstance(module.__dict__.get("_gradient_checkpointing_func"), RematLayerCheckpoint)
+    ]
+
+
+def remat_layer_names(model: nn.Module) -> list[str]:
+    """Qualified names of the layers of ``model`` that :func:`enable_remat` checkpoints."""
+    hooked = _hooked_modules(model)
+    layers = [name for name, module in hooked if _is_layer(module)]
+    return layers if layers else [name for name, _ in hooked]
+
+
+def torch_checkpointed_layer_names(model: nn.Module) -> list[str]:
+    """Qualified names of the modules of ``model`` on which transformers' own gradient
+    checkpointing (``torch.utils.checkpoint``) is switched on."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if getattr(module, "gradient_checkpointing", False) is True
+        and not isinstance(
+            module.__dict__.get("_gradient_checkpointing_func"), RematLayerCheckpoint
+        )
+    ]
+
+
+def _check_supported(model: Any) -> None:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"enable_remat: expected a transformers.PreTrainedModel, got "
+            f"{type(model).__name__}. For any other nn.Module use "
+            "torch_remat.integrations.apply_remat(model, check_fn=...)."
+        )
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"enable_remat: {type(model).__name__} does not support gradient checkpointing "
+            "(its class sets supports_gradient_checkpointing = False), so its layers have no "
+            "checkpoint hook to run remat through. Checkpoint its blocks by module instead: "
+            "torch_remat.integrations.apply_remat(model, check_fn=lambda m: isinstance(m, "
+            "<its layer class>))."
+        )
+    applied = remat_module_names(model)
+    if applied:
+        raise ValueError(
+            f"enable_remat: apply_remat already checkpoints {applied} in this model; "
+            "enabling the layers' own hook as well would checkpoint them twice. Use one of "
+            "the two (torch_remat.integrations.remove_remat(model) undoes apply_remat)."
+        )
+
+
+def _transformers_enable(model: Any, every_n_layers: int) -> None:
+    """Switch on the model's own checkpointing, with torch's non-reentrant function."""
+    extra = {} if every_n_layers == 1 else {"every_n_layers": every_n_layers}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False}, **extra)
+    else:
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}, **extra
+        )
+
+
+def _transformers_disable(model: Any) -> None:
+    disable = getattr(model, "activation_checkpointing_disable", None)  # transformers 5
+    if disable is not None:
+        disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def enable_remat(
+    model: nn.Module,
+    *,
+    every_n_layers: int = 1,
+    save_modules: ModuleSelector | None = None,
+    recompute_state_hooks: Iterable[Any] | None = None,
+    rng_state_hooks: bool = True,
+    early_stop: bool | None = None,
+    determinism_check: str | None = None,
+) -> list[str]:
+    """Checkpoint the layers of a ``transformers`` model with ``torch_remat``.
+
+    Use it where you would call ``model.gradient_checkpointing_enable()``::
+
+        from torch_remat.integrations import enable_remat
+
+        model = LlamaForCausalLM(config)        # or .from_pretrained(...)
+        enable_remat(model)                     # -> ['model.layers.0', 'model.layers.1', ...]
+        model.train()                           # transformers checkpoints only in training
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    transformers flags the layers as ``gradient_checkpointing_enable()`` would (and
+    makes the input embeddings' output require grad, as it does); each flagged
+    module's ``_gradient_checkpointing_func`` then becomes a
+    :class:`RematLayerCheckpoint` that runs the layer in
+    ``remat.checkpoint(region_name=<layer's qualified name>)``. The module tree and
+    every parameter name stay as they are. Calling it again replaces the previous
+    settings; :func:`disable_remat` (or ``model.gradient_checkpointing_disable()``)
+    switches checkpointing off. Do not pass ``gradient_checkpointing=True`` to the
+    ``Trainer`` as well: it would reinstall ``torch.utils.checkpoint``.
+
+    Args:
+        every_n_layers: checkpoint every n-th layer only (transformers 5's option of
+            the same name; other versions accept only 1).
+        save_modules: a module class, a tuple of classes or a predicate. Matching
+            submodules of a checkpointed layer (e.g. its attention) run as SAVE regions
+            and keep their outputs, exactly as with
+            :func:`~torch_remat.integrations.apply_remat`.
+        recompute_state_hooks: extra :class:`torch_remat.RecomputeStateHook` objects
+            for every checkpoint.
+        rng_state_hooks: also replay this process's device generator
+            (:func:`~torch_remat.integrations.rng.default_rng_state_hooks`), so
+            dropout in the recompute draws what the forward drew.
+        early_stop, determinism_check: forwarded to ``remat.checkpoint``.
+
+    Returns the qualified names of the checkpointed layers. Raises ``TypeError`` for a
+    module that is not a ``PreTrainedModel`` and ``ValueError`` for a model that does
+    not support gradient checkpointing, or whose layers are already checkpointed by
+    ``apply_remat``.
+    """
+    _check_supported(model)
+    if remat_layer_names(model):
+        disable_remat(model)
+    is_save = None if save_modules is None else _matcher(save_modules, "enable_remat: save_modules")
+    options: dict[str, Any] = {}
+    if early_stop is not None:
+        options["early_stop"] = early_stop
+    if determinism_check is not None:
+        options["determinism_check"] = determinism_check
+    hooks = (default_rng_state_hooks() if rng_state_hooks else ()) + tuple(
+        recompute_state_hooks or ()
+    )
+
+    _transformers_enable(model, every_n_layers)
+    installed = 0
+    for name, module in model.named_modules():
+        if "_gradient_checkpointing_func" in module.__dict__:
+            module._gradient_checkpointing_func = RematLayerCheckpoint(
+                module, name, hooks, dict(options)
+            )
+            installed += 1
+    if installed == 0:
+        _transformers_disable(model)
+        raise ValueError(
+            f"enable_remat: {type(model).__name__} enabled gradient checkpointing without "
+            "installing a per-layer _gradient_checkpointing_func (a model written for "
+            "transformers' pre-4.35 checkpointing format), so there is no hook to run "
+            "remat through. Use torch_remat.integrations.apply_remat(model, check_fn=...) "
+            "on its layer class instead."
+        )
+
+    layer_names = remat_layer_names(model)
+    if is_save is not None:
+        modules = dict(model.named_modules())
+        layers = {modules[name] for name in layer_names}
+        for layer in layers:
+            for path, sub in _save_modules_of(layer, layers, is_save):
+                if _installed(sub) is None:
+                    sub.forward = SaveRegionForward(sub, path)
+    return layer_names
+
+
+def disable_remat(model: nn.Module) -> list[str]:
+    """Switch off what :func:`enable_remat` switched on: the model's checkpointing
+    (``gradient_checkpointing_disable()``) and the SAVE regions of ``save_modules``.
+    Returns the qualified names of the layers that were checkpointed."""
+    names = remat_layer_names(model)
+    if not names:
+        return []
+    modules = dict(model.named_modules())
+    for name in names:
+        for module in modules[name].modules():
+            forward = _installed(module)
+            if isinstance(forward, SaveRegionForward):
+                forward.uninstall()
+    _transformers_disable(model)
+    return names

@@ -1,0 +1,252 @@
+"""enable_remat: remat through a transformers model's own per-layer checkpoint hook.
+
+A tiny Llama built from a LlamaConfig (no downloads): gradients bitwise equal to
+transformers' own gradient checkpointing and to no checkpointing (with attention
+dropout, replayed by the RNG hooks), exact forward bytes from the profiler, and the
+errors for models without the hook.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers", reason="needs the 'transformers' extra")
+
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaAttention  # noqa: E402
+
+import torch_remat as remat  # noqa: E402
+from torch_remat.integrations import apply_remat  # noqa: E402
+from torch_remat.integrations.transformers import (  # noqa: E402
+    RematLayerCheckpoint,
+    disable_remat,
+    enable_remat,
+    remat_layer_names,
+)
+
+CPU_RNG_STATE_BYTES = 5056  # one snapshot of the Mersenne Twister state
+LAYERS = ["model.layers.0", "model.layers.1"]
+
+
+def tiny_llama(attention_dropout: float = 0.0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=attention_dropout,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.train()  # transformers checkpoints only in training mode
+    return model
+
+
+def transformers_checkpointing(model: PreTrainedModel) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the name changed in transformers 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def input_ids() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    ids = input_ids()
+    torch.manual_seed(2)  # dropout draws
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same(a, b) -> None:
+    assert torch.equal(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+
+
+def forward_bytes(model: nn.Module) -> int:
+    """Bytes the training forward leaves allocated (the loss graph), exact."""
+    ids = input_ids()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        loss = model(input_ids=ids, labels=ids).loss
+    live = sum(e.self_cpu_memory_usage for e in prof.events())
+    loss.backward()
+    return live
+
+
+def checkpoint_names(model: nn.Module) -> list[str]:
+    ids = input_ids()
+    with remat.collect_trace(checkpoints=True) as trace:
+        model(input_ids=ids, labels=ids).loss.backward()
+    return [n.name for n in trace.roots if n.kind == "checkpoint"]
+
+
+def test_each_layer_is_a_checkpoint_named_after_it_and_the_module_tree_is_unchanged():
+    plain = tiny_llama()
+    model = tiny_llama()
+    assert enable_remat(model) == LAYERS
+    assert remat_layer_names(model) == LAYERS
+    assert checkpoint_names(model) == LAYERS
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in plain.named_modules()]
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert isinstance(model.model.layers[0]._gradient_checkpointing_func, RematLayerCheckpoint)
+
+
+def test_gradients_equal_no_checkpointing_and_transformers_checkpointing_with_dropout():
+    expected = loss_and_grads(tiny_llama(attention_dropout=0.1))
+
+    hf = tiny_llama(attention_dropout=0.1)
+    transformers_checkpointing(hf)
+    assert_same(loss_and_grads(hf), expected)
+
+    model = tiny_llama(attention_dropout=0.1)
+    enable_remat(model)
+    assert_same(loss_and_grads(model), expected)
+
+
+def test_attention_as_save_region_keeps_gradients_exact():
+    expected = loss_and_grads(tiny_llama(attention_dropout=0.1))
+    model = tiny_llama(attention_dropout=0.1)
+    enable_remat(model, save_modules=LlamaAttention)
+    with remat.collect_trace() as trace:
+        assert_same(loss_and_grads(model), expected)
+    assert [(n.name, n.kind) for n in trace.roots] == [("self_attn", "save")] * 2
+
+
+def test_forward_keeps_fewer_bytes_than_without_checkpointing_exactly_like_transformers():
+    plain = forward_bytes(tiny_llama())
+    hf = tiny_llama()
+    transformers_checkpointing(hf)
+    with_rng = tiny_llama()
+    enable_remat(with_rng)
+    without_rng = tiny_llama()
+    enable_remat(without_rng, rng_state_hooks=False)
+
+    measured = {
+        "none": plain,
+        "transformers": forward_bytes(hf),
+        "remat": forward_bytes(with_rng),
+        "remat_no_rng": forward_bytes(without_rng),
+    }
+    print(measured)
+    assert measured["remat"] < measured["none"]
+    # torch.utils.checkpoint stashes the CPU generator per layer, as remat's RNG hook does.
+    assert measured["remat"] == measured["transformers"]
+    assert measured["remat"] - measured["remat_no_rng"] == 2 * CPU_RNG_STATE_BYTES
+
+
+@pytest.mark.skipif(
+    not hasattr(PreTrainedModel, "activation_checkpointing_enable"),
+    reason="every_n_layers needs transformers 5",
+)
+def test_every_n_layers_is_transformers_own_selection():
+    model = tiny_llama()
+    assert enable_remat(model, every_n_layers=2) == ["model.layers.0"]
+    assert checkpoint_names(model) == ["model.layers.0"]
+
+
+def test_disable_remat_and_enable_again_with_other_options():
+    model = tiny_llama()
+    enable_remat(model, save_modules=LlamaAttention)
+    assert disable_remat(model) == LAYERS
+    assert remat_layer_names(model) == []
+    assert checkpoint_names(model) == []
+    assert "forward" not in model.model.layers[0].self_attn.__dict__
+    assert enable_remat(model) == LAYERS
+    assert checkpoint_names(model) == LAYERS
+
+
+def test_a_deep_copy_checkpoints_its_own_layers():
+    model = tiny_llama(attention_dropout=0.1)
+    enable_remat(model)
+    copied = copy.deepcopy(model)
+    hook = copied.model.layers[1]._gradient_checkpointing_func
+    assert hook._owner() is copied.model.layers[1]
+    assert checkpoint_names(copied) == LAYERS
+    assert_same(loss_and_grads(copied), loss_and_grads(tiny_llama(attention_dropout=0.1)))
+
+
+class LoopConfig(PretrainedConfig):
+    model_type = "torch_remat_loop_test"
+
+
+class LoopModel(PreTrainedModel):
+    """Checkpoints its layers from the model-level loop, as transformers < 4.52 did."""
+
+    config_class = LoopConfig
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config: LoopConfig) -> None:
+        super().__init__(config)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = self._gradient_checkpointing_func(layer.__call__, x)
+            else:
+                x = layer(x)
+        return x.tanh().sum()
+
+
+def test_a_model_level_loop_names_each_checkpoint_after_its_layer():
+    model = LoopModel(LoopConfig())
+    enable_remat(model)
+    model.train()
+    with remat.collect_trace(checkpoints=True) as trace:
+        model(torch.randn(3, 4)).backward()
+    assert [n.name for n in trace.roots] == ["layers.0", "layers.1"]
+
+
+class NoCheckpointingModel(PreTrainedModel):
+    config_class = LoopConfig
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: LoopConfig) -> None:
+        super().__init__(config)
+        self.layer = nn.Linear(4, 4)
+        self.post_init()
+
+
+def test_a_model_without_gradient_checkpointing_support_is_refused_with_the_alternative():
+    with pytest.raises(ValueError, match="does not support gradient checkpointing.*apply_remat"):
+        enable_remat(NoCheckpointingModel(LoopConfig()))
+
+
+def test_a_plain_module_is_refused():
+    with pytest.raises(TypeError, match="expected a transformers.PreTrainedModel.*apply_remat"):
+        enable_remat(nn.Linear(2, 2))
+
+
+def test_layers_already_checkpointed_by_apply_remat_are_refused():
+    model = tiny_llama()
+    apply_remat(model, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer")
+    with pytest.raises(ValueError, match="apply_remat already checkpoints"):
+        enable_remat(model)
+
+
+def test_importing_the_integrations_imports_neither_transformers_nor_accelerate():
+    code = (
+        "import sys, torch_remat.integrations\n"
+        "print(sorted(m for m in ('transformers', 'accelerate') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
