@@ -5,6 +5,7 @@ source code can be marked to keep their activations
 (``remat.region(fn, name, recompute=False)``) instead of being recomputed.
 """
 
+from ._active_checkpoint import ActiveCheckpoint, active_checkpoint
 from ._alloc_sites import record_save_sites
 from ._checkpoint import checkpoint
 from ._errors import (
@@ -56,5 +57,7 @@ __all__ = [
     "record_save_sites",
     "oom_observer",
     "attach_oom_observer",
+    "active_checkpoint",
+    "ActiveCheckpoint",
     "format_bytes",
 ]

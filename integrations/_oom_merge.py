@@ -1,0 +1,415 @@
+"""Merge a folder of OOM dumps into one view of the cluster.
+
+``python -m torch_remat.integrations.oom DIR`` (or ``torch-remat-oom DIR``) reads every
+``*.json`` file in ``DIR`` with ``json`` only (a dump is never unpickled nor passed to
+``torch.load``), keeps dumps of different jobs apart by their job id, and prints per
+job which ranks ran out first, the bytes each checkpoint region held across those
+ranks (min / max / which rank), and the largest tensors with their allocation sites.
+Files it cannot use (corrupt, cut off, half-written, not a dump, from a newer
+version) are listed with the reason and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch_remat as remat
+
+from ._oom_dump import FORMAT, VERSION
+from .reports import RegionAcrossRanks
+
+READ_LIMIT_BYTES = 64 * 2**20
+NO_JOB = "(no job id)"
+
+
+@dataclass
+class SkippedFile:
+    """A file of the folder that was not merged, and why."""
+
+    path: str
+    reason: str
+
+
+@dataclass
+class RankDump:
+    """One valid dump: ``data`` is the JSON object as read."""
+
+    path: str
+    data: dict[str, Any]
+
+    @property
+    def rank(self) -> int:
+        return self.data["rank"]
+
+    @property
+    def time(self) -> float:
+        return float(self.data["time"])
+
+    @property
+    def job_id(self) -> str | None:
+        return self.data.get("job_id")
+
+    def where(self) -> str:
+        location = self.data.get("location")
+        if not isinstance(location, dict) or not isinstance(location.get("checkpoint"), str):
+            return "outside checkpoints"
+        return remat.ActiveCheckpoint(
+            location["checkpoint"], str(location.get("phase")), location.get("region")
+        ).format()
+
+    def requested(self) -> str:
+        n = self.data.get("requested_bytes")
+        if not _is_int(n):
+            return "?"
+        return ("" if self.data.get("requested_bytes_exact") else "~") + remat.format_bytes(n)
+
+    def error_line(self) -> str:
+        error = self.data.get("error")
+        if not isinstance(error, dict):
+            return "(no exception recorded: written by the CUDA observer)"
+        message = str(error.get("message", "")).strip().splitlines()
+        return f"{error.get('type')}: {message[0] if message else ''}"
+
+    def summary(self, order: int, first_time: float) -> dict[str, Any]:
+        d = self.data
+        return {
+            "order": order,
+            "rank": self.rank,
+            "attempt": d.get("attempt"),
+            "step": d.get("step"),
+            "time": self.time,
+            "time_utc": d.get("time_utc"),
+            "seconds_after_first": self.time - first_time,
+            "host": d.get("host"),
+            "device": d.get("device"),
+            "requested_bytes": d.get("requested_bytes"),
+            "requested_bytes_exact": bool(d.get("requested_bytes_exact")),
+            "location": d.get("location"),
+            "site": d.get("site"),
+            "source": d.get("source"),
+            "error": self.error_line(),
+            "file": os.path.basename(self.path),
+        }
+
+
+@dataclass
+class JobOOMReport:
+    """The dumps of one job, earliest first."""
+
+    job_id: str | None
+    dumps: list[RankDump]
+    top: int = 10
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dumps.sort(key=lambda d: (d.time, d.rank))
+
+    @property
+    def first_per_rank(self) -> list[RankDump]:
+        """Each rank's earliest dump, in the order the ranks ran out."""
+        seen: dict[int, RankDump] = {}
+        for d in self.dumps:
+            seen.setdefault(d.rank, d)
+        return list(seen.values())
+
+    @property
+    def world_size(self) -> int | None:
+        sizes = [d.data.get("world_size") for d in self.dumps if _is_int(d.data.get("world_size"))]
+        return max(sizes) if sizes else None
+
+    @property
+    def ranks_without_dump(self) -> list[int]:
+        if self.world_size is None:
+            return []
+        dumped = {d.rank for d in self.dumps}
+        return [r for r in range(self.world_size) if r not in dumped]
+
+    def regions(self) -> tuple[list[int], list[RegionAcrossRanks]]:
+        """Bytes per region over the ranks whose first dump has a report."""
+        with_report = [d for d in self.first_per_rank if d.data.get("regions")]
+        ranks = [d.rank for d in with_report]
+        per_rank = [{r["name"]: r for r in d.data["regions"]} for d in with_report]
+        names = list(dict.fromkeys(name for held in per_rank for name in held))
+        regions = [
+            RegionAcrossRanks(
+                name,
+                [int(held[name]["bytes"]) if name in held else 0 for held in per_rank],
+                [int(held[name].get("calls", 0)) if name in held else 0 for held in per_rank],
+            )
+            for name in names
+        ]
+        return ranks, regions
+
+    def largest_tensors(self) -> list[dict[str, Any]]:
+        rows = [
+            {**row, "rank": d.rank}
+            for d in self.first_per_rank
+            for row in d.data.get("largest_tensors") or []
+            if isinstance(row, dict) and _is_int(row.get("bytes"))
+        ]
+        rows.sort(key=lambda r: (-r["bytes"], r["rank"]))
+        return rows[: self.top]
+
+    def _report_notes(self) -> list[str]:
+        notes = list(self.notes)
+        for d in self.first_per_rank:
+            if not d.data.get("regions"):
+                why = "; ".join(str(e) for e in d.data.get("errors") or []) or "none recorded"
+                notes.append(f"rank {d.rank}'s dump has no saved-tensors report ({why})")
+            left = d.data.get("regions_left_out")
+            if isinstance(left, dict):
+                notes.append(
+                    f"rank {d.rank}'s dump left out {left.get('count')} smaller regions "
+                    f"({remat.format_bytes(int(left.get('bytes', 0)))}) to stay within its size bound"
+                )
+        later = len(self.dumps) - len(self.first_per_rank)
+        if later:
+            notes.append(f"{later} later dump(s) of ranks that had already run out are not in the tables")
+        return notes
+
+    def format(self) -> str:
+        first = self.dumps[0]
+        name = f"job '{self.job_id}'" if self.job_id is not None else NO_JOB
+        ranks_out = len(self.first_per_rank)
+        total = f" of {self.world_size}" if self.world_size is not None else ""
+        head = f"{name}: {ranks_out}{total} rank(s) ran out of memory"
+        missing = self.ranks_without_dump
+        if missing:
+            head += f"; no dump from rank(s) {', '.join(map(str, missing))}"
+        lines = [head, "", "ran out of memory, earliest first:"]
+        rows = [["#", "rank", "step", "time (UTC)", "after", "device", "requested", "where", "site"]]
+        for i, d in enumerate(self.dumps, 1):
+            after = "" if i == 1 else f"+{d.time - first.time:.3f} s"
+            step = d.data.get("step")
+            rows.append([str(i), str(d.rank), "-" if step is None else str(step),
+                         str(d.data.get("time_utc", "")), after, str(d.data.get("device")),
+                         d.requested(), d.where(), str(d.data.get("site") or "")])
+        lines += _table(rows, right={0, 1, 2, 4, 6})
+        lines += ["", f"first: rank {first.rank} ({first.data.get('host')}, "
+                      f"{os.path.basename(first.path)})", f"  {first.error_line()}"]
+        ranks, regions = self.regions()
+        if regions:
+            lines += ["", "saved for backward when each rank ran out (its first dump):"]
+            rows = [["region", "min", "on", "max", "on"]]
+            for r in regions:
+                low = r.bytes_per_rank.index(r.min_bytes)
+                rows.append([r.name, remat.format_bytes(r.min_bytes), f"rank {ranks[low]}",
+                             remat.format_bytes(r.max_bytes), f"rank {ranks[r.max_rank_index]}"])
+            lines += _table(rows, right={1, 3})
+        tensors = self.largest_tensors()
+        if tensors:
+            lines += ["", "largest tensors held for backward:"]
+            rows = [["bytes", "rank", "region", "tensor", "shape", "dtype", "site"]]
+            for t in tensors:
+                shape = t.get("shape")
+                rows.append([remat.format_bytes(t["bytes"]), str(t["rank"]), str(t.get("region")),
+                             str(t.get("tensor")), "" if shape is None else str(tuple(shape)),
+                             str(t.get("dtype") or ""), str(t.get("site") or "")])
+            lines += _table(rows, right={0, 1})
+        notes = self._report_notes()
+        if notes:
+            lines += ["", "notes:"] + [f"  {n}" for n in notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        first_time = self.dumps[0].time
+        ranks, regions = self.regions()
+        return {
+            "job_id": self.job_id,
+            "world_size": self.world_size,
+            "ranks_with_dump": sorted({d.rank for d in self.dumps}),
+            "ranks_without_dump": self.ranks_without_dump,
+            "ran_out": [d.summary(i, first_time) for i, d in enumerate(self.dumps, 1)],
+            "regions": [
+                {
+                    "name": r.name,
+                    "ranks": ranks,
+                    "bytes_per_rank": r.bytes_per_rank,
+                    "calls_per_rank": r.calls_per_rank,
+                    "min": r.min_bytes,
+                    "min_rank": ranks[r.bytes_per_rank.index(r.min_bytes)],
+                    "max": r.max_bytes,
+                    "max_rank": ranks[r.max_rank_index],
+                }
+                for r in regions
+            ],
+            "largest_tensors": self.largest_tensors(),
+            "notes": self._report_notes(),
+        }
+
+
+@dataclass
+class OOMMerge:
+    """Every job found in a folder of dumps, and the files skipped."""
+
+    folder: str
+    jobs: list[JobOOMReport]
+    skipped: list[SkippedFile]
+
+    def format(self) -> str:
+        dumps = sum(len(j.dumps) for j in self.jobs)
+        lines = [f"torch_remat OOM dumps in {self.folder}: {dumps} dump(s) of {len(self.jobs)} "
+                 f"job(s), {len(self.skipped)} file(s) skipped"]
+        if len(self.jobs) > 1:
+            lines.append("dumps of different jobs are shown apart; --job ID shows one")
+        for job in self.jobs:
+            lines += ["", job.format()]
+        if self.skipped:
+            lines += ["", "skipped:"]
+            lines += [f"  {os.path.basename(s.path)}: {s.reason}" for s in self.skipped]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "folder": self.folder,
+            "jobs": [j.to_dict() for j in self.jobs],
+            "skipped": [{"file": os.path.basename(s.path), "reason": s.reason} for s in self.skipped],
+        }
+
+
+def read_dumps(folder: str) -> tuple[list[RankDump], list[SkippedFile]]:
+    """Every valid dump in ``folder`` (not recursive) and every file skipped."""
+    dumps, skipped = [], []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.startswith(".oom_") and entry.name.endswith(".tmp"):
+            skipped.append(SkippedFile(entry.path, "half-written: its writer stopped before "
+                                       "renaming it into place"))
+            continue
+        if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
+            continue
+        data, reason = _load(entry.path)
+        if reason is None:
+            reason = _invalid(data)
+        if reason is None:
+            dumps.append(RankDump(entry.path, data))
+        else:
+            skipped.append(SkippedFile(entry.path, reason))
+    return dumps, skipped
+
+
+def merge_dumps(folder: str, job_id: str | None = None, *, top: int = 10) -> OOMMerge:
+    """Read ``folder`` and group its dumps by job (all jobs, or only ``job_id``),
+    jobs in the order their first rank ran out."""
+    dumps, skipped = read_dumps(folder)
+    by_job: dict[str | None, list[RankDump]] = {}
+    for d in dumps:
+        by_job.setdefault(d.job_id, []).append(d)
+    if job_id is not None:
+        by_job = {k: v for k, v in by_job.items() if k == job_id}
+    jobs = [JobOOMReport(k, v, top) for k, v in by_job.items()]
+    jobs.sort(key=lambda j: j.dumps[0].time)
+    return OOMMerge(os.path.abspath(folder), jobs, skipped)
+
+
+def _load(path: str) -> tuple[Any, str | None]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(READ_LIMIT_BYTES + 1)
+    except OSError as e:
+        return None, f"could not be read ({e.strerror or e})"
+    if len(raw) > READ_LIMIT_BYTES:
+        return None, f"larger than {remat.format_bytes(READ_LIMIT_BYTES)}; not read"
+    if not raw.strip():
+        return None, "empty: a writer that stopped before writing, or not a dump"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text (binary data; dumps are JSON)"
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        if e.pos >= len(text.rstrip()):
+            return None, "cut off: the JSON ends early (a truncated or half-written file)"
+        return None, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except RecursionError:
+        return None, "not a dump (JSON nested too deeply)"
+
+
+def _invalid(data: Any) -> str | None:
+    """Why ``data`` is not a usable dump, or None."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return f'not a torch_remat OOM dump (no "format": "{FORMAT}")'
+    version = data.get("version")
+    if not _is_int(version):
+        return "malformed dump: version is not an integer"
+    if version > VERSION:
+        return f"written by a newer torch_remat (dump version {version}; this reads {VERSION})"
+    if not _is_int(data.get("rank")) or data["rank"] < 0:
+        return "malformed dump: rank is not a non-negative integer"
+    t = data.get("time")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        return "malformed dump: time is not a number"
+    if data.get("job_id") is not None and not isinstance(data["job_id"], str):
+        return "malformed dump: job_id is not a string"
+    regions = data.get("regions") or []
+    if not isinstance(regions, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("name"), str) and _is_int(r.get("bytes"))
+        for r in regions
+    ):
+        return "malformed dump: regions is not a list of {name, bytes}"
+    return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        ("  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                          for i, (c, w) in enumerate(zip(r, widths)))).rstrip()
+        for r in rows
+    ]
+
+
+def _show(merge: OOMMerge, rank: int) -> str:
+    for job in merge.jobs:
+        for d in job.first_per_rank:
+            if d.rank == rank:
+                allocator = d.data.get("allocator") or {}
+                stats = [f"  {k}: {remat.format_bytes(v) if k.endswith('bytes') and _is_int(v) else v}"
+                         for k, v in allocator.items()]
+                text = d.data.get("saved_tensors_text") or "(no text report in this dump)"
+                return "\n".join([f"rank {rank}, {os.path.basename(d.path)}", d.error_line(),
+                                  f"where: {d.where()}", "allocator:", *stats, "", str(text)])
+    return f"no dump from rank {rank}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="torch-remat-oom",
+        description="Merge the per-rank OOM dumps of torch_remat.integrations.oom into one "
+        "cluster view. Reads JSON only.",
+    )
+    parser.add_argument("dir", help="the folder given to oom.install (or --oom-dump-dir)")
+    parser.add_argument("--json", action="store_true", help="print the merge as JSON")
+    parser.add_argument("--job", help="only this job id (TORCHELASTIC_RUN_ID)")
+    parser.add_argument("--top", type=int, default=10, help="largest tensors to list (default 10)")
+    parser.add_argument("--show", type=int, metavar="RANK",
+                        help="also print this rank's full saved-tensors report and allocator statistics")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.dir):
+        print(f"torch-remat-oom: {args.dir} is not a folder", file=sys.stderr)
+        return 2
+    merge = merge_dumps(args.dir, args.job, top=args.top)
+    if args.json:
+        print(json.dumps(merge.to_dict(), indent=1))
+    else:
+        print(merge.format())
+        if args.show is not None:
+            print("\n" + _show(merge, args.show))
+    if not merge.jobs:
+        which = f" of job '{args.job}'" if args.job is not None else ""
+        print(f"torch-remat-oom: no usable OOM dump{which} in {args.dir}", file=sys.stderr)
+        return 1
+    return 0

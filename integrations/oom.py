@@ -1,0 +1,387 @@
+"""Cluster-wide out-of-memory diagnosis: every rank writes a JSON dump, one command
+merges them.
+
+On every rank::
+
+    from torch_remat.integrations import oom
+
+    dumps = oom.install("/shared/oom")      # on CUDA it also attaches the allocator observer
+    for step in range(1, steps + 1):
+        with dumps.guard(step=step):
+            loss = model(batch).sum()
+            loss.backward()
+            opt.step()
+
+A rank whose step runs out of memory writes ``oom_<job>_rank<R>_<pid>_<n>.json`` into
+the folder, atomically, and the error then fails the step as before (or is
+swallowed with ``guard(..., suppress=True)``). Then, wherever the folder is visible::
+
+    python -m torch_remat.integrations.oom /shared/oom      # or: torch-remat-oom /shared/oom
+
+prints which ranks ran out first, the bytes each checkpoint region held across the
+ranks, and the largest tensors with their allocation sites (``--json`` for
+machines). What a dump holds is listed in ``_oom_dump``'s docstring.
+
+Two ways in, because neither covers every case alone:
+
+* The guard catches the error in the training step on any device:
+  ``torch.OutOfMemoryError``, and the CPU allocator's failure, which torch raises as
+  a plain ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory"). The
+  frames between the failed allocation and the guard are still alive (the
+  exception's traceback holds them), so the activations they reference are in the
+  report, and :func:`torch_remat.active_checkpoint` reads the checkpoint and region
+  from the traceback.
+* On CUDA the caching allocator calls its out-of-memory observers when a request
+  fails, before raising and before anything unwinds, also in autograd's device
+  threads where no guard runs; the request size is exact. The observer writes the
+  dump then; the guard that catches the same error adds the exception to that file
+  instead of writing a second one.
+
+Writing a dump never raises (a failure prints one line to stderr), takes about
+``time_budget_s`` at most (the saved-tensors report, which scans every live object,
+is built in a helper thread and left out if late), and writes at most
+``max_dump_bytes`` (see ``_oom_dump.encode_bounded`` for what is trimmed first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import torch_remat as remat
+
+from ._oom_dump import (
+    FORMAT,
+    MIN_DUMP_BYTES,
+    VERSION,
+    allocator_statistics,
+    device_of_error,
+    encode_bounded,
+    error_record,
+    hostname,
+    is_out_of_memory,
+    largest_tensors,
+    region_totals,
+    requested_bytes,
+    run_bounded,
+    safe_name,
+    saved_tensors,
+    user_site,
+    utc_iso,
+    write_atomically,
+)
+from .rng import local_device
+
+__all__ = ["install", "installed", "uninstall", "OOMDumps", "OOMGuard", "is_out_of_memory", "main"]
+
+DEFAULT_MAX_DUMP_BYTES = 4 * 2**20
+DEFAULT_TIME_BUDGET_S = 10.0
+
+
+class OOMDumps:
+    """This process's OOM dumps: where they go and what identifies them.
+
+    Made by :func:`install`; use :meth:`guard` around the training step.
+    ``written`` lists the paths written so far.
+    """
+
+    def __init__(
+        self,
+        dump_dir: str,
+        *,
+        job_id: str | None = None,
+        rank: int | None = None,
+        max_dump_bytes: int = DEFAULT_MAX_DUMP_BYTES,
+        time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+    ) -> None:
+        if max_dump_bytes < MIN_DUMP_BYTES:
+            raise ValueError(
+                f"oom.install: max_dump_bytes={max_dump_bytes} is too small; a dump needs "
+                f"at least {MIN_DUMP_BYTES} bytes to say which rank failed and where."
+            )
+        if not time_budget_s > 0:
+            raise ValueError(f"oom.install: time_budget_s must be positive, got {time_budget_s!r}.")
+        self.dump_dir = os.path.abspath(dump_dir)
+        self.job_id = job_id
+        self.rank = rank
+        self.max_dump_bytes = int(max_dump_bytes)
+        self.time_budget_s = float(time_budget_s)
+        self.step: int | None = None
+        """The step of the innermost active guard; observer dumps record it."""
+        self.written: list[str] = []
+        self._lock = threading.Lock()
+        self._count = 0
+        self._observed = 0
+        self._last_observed: tuple[dict[str, Any], str] | None = None
+        self._busy = threading.local()
+
+    def guard(self, step: int | None = None, *, suppress: bool = False) -> OOMGuard:
+        """A context manager (or decorator) that dumps this rank's state when the
+        block runs out of memory. ``step`` goes into the dump; ``suppress=True``
+        swallows the error after dumping (the default re-raises it). Other
+        exceptions pass through untouched."""
+        return OOMGuard(self, step, suppress)
+
+    def observe(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        """The CUDA caching allocator's out-of-memory observer (see
+        :func:`torch_remat.oom_observer` for its arguments). Writes a dump; never raises."""
+        if getattr(self._busy, "active", False):
+            return  # an allocation failed while this thread was writing a dump
+        self._busy.active = True
+        started = time.monotonic()
+        try:
+            dump = self._new_dump("cuda_observer", f"cuda:{int(device)}", self.step)
+            dump["requested_bytes"], dump["requested_bytes_exact"] = int(alloc), True
+            dump["site"] = user_site(traceback.extract_stack())
+            dump["location"] = _location(remat.active_checkpoint())
+            device_memory = {"device_usable_bytes": int(device_alloc),
+                             "device_free_bytes": int(device_free)}
+            self._collect(dump, device_memory, started)
+            path = self._write(dump)
+            if path is not None:
+                self._last_observed = (dump, path)
+                self._observed += 1
+        except BaseException as e:  # an observer must never raise
+            _warn(f"the OOM observer failed ({type(e).__name__}: {e})")
+        finally:
+            self._busy.active = False
+
+    def dump_exception(self, exc: BaseException, step: int | None = None) -> str | None:
+        """Write a dump for ``exc``, an out-of-memory error that was just caught,
+        and return its path (None if it could not be written). Never raises."""
+        if getattr(self._busy, "active", False):
+            return None
+        self._busy.active = True
+        started = time.monotonic()
+        try:
+            message = str(exc)
+            dump = self._new_dump("exception", device_of_error(message, str(local_device())), step)
+            dump["requested_bytes"], dump["requested_bytes_exact"] = requested_bytes(message)
+            dump["error"] = error_record(exc)
+            dump["site"] = user_site(traceback.extract_tb(exc.__traceback__))
+            dump["location"] = _location(remat.active_checkpoint(exc))
+            self._collect(dump, {}, started)
+            return self._write(dump)
+        except BaseException as e:
+            _warn(f"writing the OOM dump failed ({type(e).__name__}: {e})")
+            return None
+        finally:
+            self._busy.active = False
+
+    # -------------------------------------------------------------- internals
+
+    def _on_error(self, exc: BaseException, step: int | None, observed_before: int) -> None:
+        last = self._last_observed
+        if self._observed == observed_before or last is None:
+            self.dump_exception(exc, step)
+            return
+        # The observer dumped this error when the allocation failed; add the exception.
+        dump, path = last
+        try:
+            dump["error"] = error_record(exc)
+            if dump.get("step") is None:
+                dump["step"] = step
+            write_atomically(
+                os.path.dirname(path), os.path.basename(path),
+                encode_bounded(dump, self.max_dump_bytes),
+            )
+        except BaseException as e:
+            _warn(f"adding the exception to {path} failed ({type(e).__name__}: {e})")
+
+    def _new_dump(self, source: str, device: str, step: int | None) -> dict[str, Any]:
+        now = time.time()
+        rank, world_size = self._rank_and_world()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "job_id": self.job_id if self.job_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"),
+            "attempt": int(attempt) if attempt and attempt.isdigit() else None,
+            "rank": rank,
+            "world_size": world_size,
+            "local_rank": _int_env("LOCAL_RANK"),
+            "host": hostname(),
+            "pid": os.getpid(),
+            "time": now,
+            "time_utc": utc_iso(now),
+            "step": step,
+            "source": source,
+            "device": device,
+            "requested_bytes": None,
+            "requested_bytes_exact": False,
+            "error": None,
+            "site": None,
+            "location": None,
+            "allocator": {},
+            "regions": [],
+            "largest_tensors": [],
+            "saved_tensors": None,
+            "saved_tensors_text": None,
+            "errors": [],
+            "truncated": [],
+            "build_seconds": None,
+        }
+
+    def _rank_and_world(self) -> tuple[int, int | None]:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                rank, world = dist.get_rank(), dist.get_world_size()
+                return (self.rank if self.rank is not None else rank), world
+        except Exception:
+            pass
+        rank = self.rank if self.rank is not None else (_int_env("RANK") or 0)
+        return rank, _int_env("WORLD_SIZE")
+
+    def _collect(self, dump: dict[str, Any], device_memory: dict[str, int], started: float) -> None:
+        try:
+            dump["allocator"] = {**allocator_statistics(dump["device"]), **device_memory}
+        except Exception as e:
+            dump["errors"].append(f"allocator statistics: {type(e).__name__}: {e}")
+        remaining = max(0.05, self.time_budget_s - (time.monotonic() - started))
+        try:
+            report, text = run_bounded(saved_tensors, remaining)
+            dump["saved_tensors"], dump["saved_tensors_text"] = report, text
+            dump["regions"] = region_totals(report)
+            dump["largest_tensors"] = largest_tensors(report)
+        except BaseException as e:
+            dump["errors"].append(f"saved-tensors report: {type(e).__name__}: {e}")
+        dump["build_seconds"] = round(time.monotonic() - started, 6)
+
+    def _write(self, dump: dict[str, Any]) -> str | None:
+        with self._lock:
+            self._count += 1
+            count = self._count
+        name = f"oom_{safe_name(dump['job_id'])}_rank{dump['rank']}_{dump['pid']}_{count}.json"
+        try:
+            payload = encode_bounded(dump, self.max_dump_bytes)
+            os.makedirs(self.dump_dir, exist_ok=True)
+            path = write_atomically(self.dump_dir, name, payload)
+        except BaseException as e:
+            _warn(f"could not write the OOM dump {name} to {self.dump_dir} ({type(e).__name__}: {e})")
+            return None
+        self.written.append(path)
+        step = f" at step {dump['step']}" if dump.get("step") is not None else ""
+        where = dump.get("location")
+        inside = f" in {remat.ActiveCheckpoint(**where).format()}" if where else ""
+        _warn(f"rank {dump['rank']} ran out of memory{step}{inside}; dump written to {path}")
+        return path
+
+
+class OOMGuard(contextlib.ContextDecorator):
+    """What :meth:`OOMDumps.guard` returns: ``with dumps.guard(step=s): ...`` or
+    ``@dumps.guard()`` on the step function."""
+
+    def __init__(self, dumps: OOMDumps, step: int | None, suppress: bool) -> None:
+        self.dumps = dumps
+        self.step = step
+        self.suppress = suppress
+        self._outer: list[tuple[int | None, int]] = []
+
+    def __enter__(self) -> OOMGuard:
+        self._outer.append((self.dumps.step, self.dumps._observed))
+        self.dumps.step = self.step
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        previous_step, observed_before = self._outer.pop()
+        self.dumps.step = previous_step
+        if exc is None or not is_out_of_memory(exc):
+            return False
+        self.dumps._on_error(exc, self.step, observed_before)
+        return self.suppress
+
+
+_installed: OOMDumps | None = None
+_observer_attached = False
+
+
+def install(
+    dump_dir: str | os.PathLike[str],
+    *,
+    job_id: str | None = None,
+    rank: int | None = None,
+    max_dump_bytes: int = DEFAULT_MAX_DUMP_BYTES,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+    cuda_observer: bool = True,
+) -> OOMDumps:
+    """Make this rank write an OOM dump into ``dump_dir``; call it on every rank.
+
+    Creates the folder, and where CUDA is available attaches the CUDA allocator's
+    out-of-memory observer (once per process: torch cannot detach one; a later
+    ``install`` redirects it). Returns the :class:`OOMDumps` whose ``guard(step=...)``
+    goes around the training step.
+
+    Args:
+        job_id: default ``TORCHELASTIC_RUN_ID`` (read when a dump is written). The
+            merge keeps dumps of different jobs apart by it.
+        rank: default the process group's rank, else ``RANK``, else 0.
+        max_dump_bytes: upper bound of each dump file (at least 4096).
+        time_budget_s: about how long writing one dump may take; the saved-tensors
+            report is left out of the dump if it is not ready by then.
+        cuda_observer: attach the CUDA observer (when CUDA is available).
+    """
+    global _installed, _observer_attached
+    dumps = OOMDumps(
+        os.fspath(dump_dir),
+        job_id=job_id,
+        rank=rank,
+        max_dump_bytes=max_dump_bytes,
+        time_budget_s=time_budget_s,
+    )
+    os.makedirs(dumps.dump_dir, exist_ok=True)
+    _installed = dumps
+    if cuda_observer and not _observer_attached and torch.cuda.is_available():
+        _observer_attached = remat.attach_oom_observer(_observe_installed)
+    return dumps
+
+
+def installed() -> OOMDumps | None:
+    """The :class:`OOMDumps` of the last :func:`install` in this process, if any."""
+    return _installed
+
+
+def uninstall() -> None:
+    """Stop writing dumps (the CUDA observer stays attached but does nothing)."""
+    global _installed
+    _installed = None
+
+
+def _observe_installed(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+    dumps = _installed
+    if dumps is not None:
+        dumps.observe(device, alloc, device_alloc, device_free)
+
+
+def _location(active: remat.ActiveCheckpoint | None) -> dict[str, Any] | None:
+    return active.to_dict() if active is not None else None
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def _warn(message: str) -> None:
+    try:
+        print(f"torch_remat: {message}", file=sys.stderr, flush=True)
+    except BaseException:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torch_remat.integrations.oom DIR [--json] [--job ID] [--rank R]``."""
+    from ._oom_merge import main as merge_main
+
+    return merge_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
