@@ -6,6 +6,7 @@ transformers adapters import those packages only when one of their functions is
 called, so importing this package needs neither.
 """
 
+from .accelerate import apply_remat_for_accelerator, prepare_with_remat
 from .apply import RematConfig, apply_remat, remat_module_names, remove_remat, save_region_names
 from .ddp import ddp_with_remat
 from .fsdp2 import fully_shard_with_remat
@@ -36,6 +37,8 @@ __all__: list[str] = [
     "ClusterMemoryReport",
     "RegionAcrossRanks",
     "MemoryReportTimeout",
+    "apply_remat_for_accelerator",
+    "prepare_with_remat",
     "enable_remat",
     "disable_remat",
     "remat_layer_names",
