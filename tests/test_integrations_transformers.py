@@ -250,3 +250,35 @@ def test_importing_the_integrations_imports_neither_transformers_nor_accelerate(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_accelerate_adapter_keeps_the_layers_hook_and_applies_nothing_more():
+    accelerate = pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
+    from torch_remat.integrations import apply_remat_for_accelerator, remat_module_names
+
+    model = tiny_llama()
+    enable_remat(model)
+    assert apply_remat_for_accelerator(accelerate.Accelerator(cpu=True), model) == LAYERS
+    assert remat_module_names(model) == []
+    assert checkpoint_names(model) == LAYERS
+
+
+def test_accelerate_adapter_refuses_transformers_own_checkpointing():
+    accelerate = pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
+    from torch_remat.integrations import apply_remat_for_accelerator
+
+    model = tiny_llama()
+    transformers_checkpointing(model)
+    with pytest.raises(ValueError, match=r"gradient checkpointing.*twice.*enable_remat"):
+        apply_remat_for_accelerator(accelerate.Accelerator(cpu=True), model)
+
+
+def test_accelerate_adapter_selects_the_no_split_modules_of_a_transformers_model():
+    accelerate = pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
+    from torch_remat.integrations import apply_remat_for_accelerator
+
+    expected = loss_and_grads(tiny_llama(attention_dropout=0.1))
+    model = tiny_llama(attention_dropout=0.1)
+    assert apply_remat_for_accelerator(accelerate.Accelerator(cpu=True), model) == LAYERS
+    assert checkpoint_names(model) == LAYERS
+    assert_same(loss_and_grads(model), expected)
