@@ -13,4 +13,6 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
   # Pin torch: an unpinned install pulls a multi-gigabyte CUDA build.
   python -m pip install --quiet "torch==2.13.0"
 fi
-python -m pip install --quiet -e ".[test]"
+# The extras (accelerate, transformers) require torch too: restate the pin so that
+# pip keeps 2.13.0 instead of resolving another version for them.
+python -m pip install --quiet -e ".[test,accelerate,transformers]" "torch==2.13.0"
