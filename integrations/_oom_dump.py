@@ -160,7 +160,7 @@ def user_site(frames: list[traceback.FrameSummary]) -> str | None:
 def allocator_statistics(device: str) -> dict[str, Any]:
     """Counters of the allocator that served ``device`` (never raises)."""
     stats: dict[str, Any] = {}
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and torch.cuda.is_available():
         try:
             index = int(device.split(":")[1]) if ":" in device else None
             raw = torch.cuda.memory_stats(index)
@@ -261,7 +261,7 @@ def run_bounded(fn: Callable[[], T], timeout_s: float) -> T:
 
     threading.Thread(target=target, name="torch_remat-oom-report", daemon=True).start()
     if not done.wait(timeout_s):
-        raise TimeoutError(f"not finished within {timeout_s:g} s; left out")
+        raise TimeoutError(f"not finished within {timeout_s:g} s")
     if "error" in result:
         raise result["error"]
     return result["value"]

@@ -198,9 +198,11 @@ class JobOOMReport:
             lines += ["", "saved for backward when each rank ran out (its first dump):"]
             rows = [["region", "min", "on", "max", "on"]]
             for r in regions:
-                low = r.bytes_per_rank.index(r.min_bytes)
-                rows.append([r.name, remat.format_bytes(r.min_bytes), f"rank {ranks[low]}",
-                             remat.format_bytes(r.max_bytes), f"rank {ranks[r.max_rank_index]}"])
+                low, high = f"rank {ranks[_min_index(r)]}", f"rank {ranks[r.max_rank_index]}"
+                if len(ranks) > 1 and r.min_bytes == r.max_bytes:
+                    low = high = "all ranks"
+                rows.append([r.name, remat.format_bytes(r.min_bytes), low,
+                             remat.format_bytes(r.max_bytes), high])
             lines += _table(rows, right={1, 3})
         tensors = self.largest_tensors()
         if tensors:
@@ -233,7 +235,7 @@ class JobOOMReport:
                     "bytes_per_rank": r.bytes_per_rank,
                     "calls_per_rank": r.calls_per_rank,
                     "min": r.min_bytes,
-                    "min_rank": ranks[r.bytes_per_rank.index(r.min_bytes)],
+                    "min_rank": ranks[_min_index(r)],
                     "max": r.max_bytes,
                     "max_rank": ranks[r.max_rank_index],
                 }
@@ -327,7 +329,8 @@ def _load(path: str) -> tuple[Any, str | None]:
     try:
         return json.loads(text), None
     except json.JSONDecodeError as e:
-        if e.pos >= len(text.rstrip()):
+        body = text.strip()
+        if e.pos >= len(body) or (body.startswith("{") and not body.endswith("}")):
             return None, "cut off: the JSON ends early (a truncated or half-written file)"
         return None, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
     except RecursionError:
@@ -357,6 +360,10 @@ def _invalid(data: Any) -> str | None:
     ):
         return "malformed dump: regions is not a list of {name, bytes}"
     return None
+
+
+def _min_index(region: RegionAcrossRanks) -> int:
+    return region.bytes_per_rank.index(region.min_bytes)
 
 
 def _is_int(x: Any) -> bool:

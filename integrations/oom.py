@@ -251,6 +251,11 @@ class OOMDumps:
             dump["saved_tensors"], dump["saved_tensors_text"] = report, text
             dump["regions"] = region_totals(report)
             dump["largest_tensors"] = largest_tensors(report)
+        except TimeoutError:
+            dump["errors"].append(
+                f"saved-tensors report: not ready within the time budget "
+                f"({self.time_budget_s:g} s); left out"
+            )
         except BaseException as e:
             dump["errors"].append(f"saved-tensors report: {type(e).__name__}: {e}")
         dump["build_seconds"] = round(time.monotonic() - started, 6)

@@ -33,8 +33,9 @@ _REGION_CODES = (CheckpointFrame.run_region.__code__, ReplayScope.run_region.__c
 @dataclass(frozen=True)
 class ActiveCheckpoint:
     """A checkpoint call being run: its ``region_name``, the phase (``"forward"``,
-    or ``"recompute"`` while backward replays it) and the qualified name of the
-    innermost ``remat.region`` running inside it (None between regions)."""
+    or ``"recompute"`` while backward replays it, as :func:`is_recomputing` says:
+    also for a checkpoint nested in one being replayed) and the qualified name of
+    the innermost ``remat.region`` running inside it (None between regions)."""
 
     checkpoint: str
     phase: str
@@ -74,25 +75,25 @@ def active_checkpoint(exception: BaseException | None = None) -> ActiveCheckpoin
     if not stack:
         return None
     scope = stack[-1]
-    if isinstance(scope, ReplayScope):
-        name, phase = scope.frame.name, RECOMPUTE
-    else:
-        name, phase = scope.name, FORWARD
+    name = scope.frame.name if isinstance(scope, ReplayScope) else scope.name
+    phase = RECOMPUTE if _tls.recompute_depth else FORWARD
     regions = scope.region_stack
     return ActiveCheckpoint(name, phase, regions[-1].qualname if regions else None)
 
 
 def _from_traceback(tb: TracebackType | None) -> ActiveCheckpoint | None:
     found: ActiveCheckpoint | None = None
+    recomputing = False  # the traceback runs outermost first
     while tb is not None:
         frame = tb.tb_frame
         code = frame.f_code
         phase = _CHECKPOINT_CODES.get(code)
         if phase is not None:
+            recomputing = recomputing or phase == RECOMPUTE
             owner = frame.f_locals.get("self")
             name = getattr(owner, "name", None)
             if isinstance(name, str):
-                found = ActiveCheckpoint(name, phase)
+                found = ActiveCheckpoint(name, RECOMPUTE if recomputing else FORWARD)
         elif found is not None and code in _REGION_CODES:
             qualname = frame.f_locals.get("qualname")
             if isinstance(qualname, str):

@@ -1,0 +1,226 @@
+"""The merge command of integrations.oom on synthetic dump folders: ordering,
+per-region bytes across ranks, largest tensors, corrupt and foreign files, jobs."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from torch_remat.integrations import _oom_merge, oom
+
+T0 = 1_750_000_000.0
+
+
+def dump(rank, seconds, *, job="job-a", step=7, regions=(), tensors=(), world_size=4, **extra):
+    """A dump as integrations.oom writes it (the fields the merge reads)."""
+    d = {
+        "format": "torch_remat.oom_dump", "version": 1, "job_id": job, "attempt": 0,
+        "rank": rank, "world_size": world_size, "local_rank": rank, "host": f"node{rank // 2}",
+        "pid": 100 + rank, "time": T0 + seconds, "time_utc": f"2025-06-15T15:06:{40 + seconds:06.3f}Z",
+        "step": step, "source": "exception", "device": "cpu", "requested_bytes": 2**30,
+        "requested_bytes_exact": True,
+        "error": {"type": "RuntimeError", "message": "DefaultCPUAllocator: can't allocate memory\nmore"},
+        "site": "model.py:40 attention",
+        "location": {"checkpoint": "layers.1", "phase": "forward", "region": "attn"},
+        "allocator": {"process_resident_bytes": 3 * 2**20},
+        "regions": [{"name": n, "bytes": b, "calls": 1} for n, b in regions],
+        "largest_tensors": [
+            {"bytes": b, "region": r, "tensor": t, "shape": [b // 4], "dtype": "float32", "site": s}
+            for b, r, t, s in tensors
+        ],
+        "saved_tensors_text": f"saved for backward: report of rank {rank}",
+        "errors": [], "truncated": [],
+    }
+    d.update(extra)
+    return d
+
+
+def write(folder, name, content):
+    path = folder / name
+    if isinstance(content, (bytes, str)):
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    else:
+        path.write_text(json.dumps(content))
+    return path
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Ranks 2 and 1 of a 4-rank job ran out (2 first); 0 and 3 did not."""
+    write(tmp_path, "oom_job-a_rank1_101_1.json", dump(
+        1, 0.5, regions=[("layers.0", 4096), ("layers.1", 2048), ("(outside regions)", 16)],
+        tensors=[(2048, "layers.0::attn", "saved.0", "model.py:41 attention"),
+                 (1024, "layers.1::attn", "saved.0", None)],
+        location={"checkpoint": "layers.0", "phase": "recompute", "region": "mlp"},
+        requested_bytes=2 * 2**30 + 5, requested_bytes_exact=False))
+    write(tmp_path, "oom_job-a_rank2_102_1.json", dump(
+        2, 0.0, regions=[("layers.0", 8192), ("layers.1", 1024), ("(outside regions)", 16)],
+        tensors=[(4096, "layers.0::attn", "saved.0", "model.py:41 attention"),
+                 (512, "(outside regions)", "DivBackward0 (x4)", None)]))
+    return tmp_path
+
+
+def test_merge_names_the_ranks_in_the_order_they_ran_out_and_compares_regions(cluster):
+    text = _oom_merge.merge_dumps(str(cluster)).format()
+    assert text == f"""\
+torch_remat OOM dumps in {cluster}: 2 dump(s) of 1 job(s), 0 file(s) skipped
+
+job 'job-a': 2 of 4 rank(s) ran out of memory; no dump from rank(s) 0, 3
+
+ran out of memory, earliest first:
+  #  rank  step  time (UTC)                   after  device  requested  where                                            site
+  1     2     7  2025-06-15T15:06:40.000Z            cpu      1.00 GiB  checkpoint 'layers.1' (forward), region 'attn'   model.py:40 attention
+  2     1     7  2025-06-15T15:06:40.500Z  +0.500 s  cpu     ~2.00 GiB  checkpoint 'layers.0' (recompute), region 'mlp'  model.py:40 attention
+
+first: rank 2 (node1, oom_job-a_rank2_102_1.json)
+  RuntimeError: DefaultCPUAllocator: can't allocate memory
+
+saved for backward when each rank ran out (its first dump):
+  region                  min  on              max  on
+  layers.0           4.00 KiB  rank 1     8.00 KiB  rank 2
+  layers.1           1.00 KiB  rank 2     2.00 KiB  rank 1
+  (outside regions)      16 B  all ranks      16 B  all ranks
+
+largest tensors held for backward:
+     bytes  rank  region             tensor             shape    dtype    site
+  4.00 KiB     2  layers.0::attn     saved.0            (1024,)  float32  model.py:41 attention
+  2.00 KiB     1  layers.0::attn     saved.0            (512,)   float32  model.py:41 attention
+  1.00 KiB     1  layers.1::attn     saved.0            (256,)   float32
+     512 B     2  (outside regions)  DivBackward0 (x4)  (128,)   float32"""
+
+
+def test_json_output_has_the_same_view_for_machines(cluster, capsys):
+    assert oom.main([str(cluster), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    [job] = out["jobs"]
+    assert (job["job_id"], job["world_size"], job["ranks_with_dump"], job["ranks_without_dump"]) == (
+        "job-a", 4, [1, 2], [0, 3])
+    assert [(r["order"], r["rank"], r["seconds_after_first"]) for r in job["ran_out"]] == [
+        (1, 2, 0.0), (2, 1, 0.5)]
+    assert job["ran_out"][1]["location"] == {"checkpoint": "layers.0", "phase": "recompute", "region": "mlp"}
+    assert job["regions"][0] == {
+        "name": "layers.0", "ranks": [2, 1], "bytes_per_rank": [8192, 4096], "calls_per_rank": [1, 1],
+        "min": 4096, "min_rank": 1, "max": 8192, "max_rank": 2}
+    assert [(t["bytes"], t["rank"], t["site"]) for t in job["largest_tensors"]][:2] == [
+        (4096, 2, "model.py:41 attention"), (2048, 1, "model.py:41 attention")]
+    assert out["skipped"] == []
+
+
+def test_corrupt_half_written_and_foreign_files_are_reported_and_skipped(cluster):
+    good = json.dumps(dump(3, 1.0, regions=[("layers.0", 1)]))
+    write(cluster, "cut.json", good[: len(good) // 2])
+    write(cluster, "garbage.json", '{"format": "torch_remat.oom_dump", oops}')
+    write(cluster, "empty.json", "")
+    write(cluster, "binary.json", pickle.dumps({"rank": 3}))
+    write(cluster, "list.json", [1, 2])
+    write(cluster, "config.json", {"lr": 0.1})
+    write(cluster, "newer.json", dump(3, 1.0, version=2))
+    write(cluster, "badrank.json", {**dump(3, 1.0), "rank": "3"})
+    write(cluster, "badregions.json", {**dump(3, 1.0), "regions": [{"name": "layers.0"}]})
+    write(cluster, ".oom_job-a_rank3_103_1.json.103.tmp", good[:10])
+    write(cluster, "model.pt", b"\x80\x04not read at all")
+    merge = _oom_merge.merge_dumps(str(cluster))
+    assert [d.rank for d in merge.jobs[0].dumps] == [2, 1]
+    assert {os.path.basename(s.path): s.reason for s in merge.skipped} == {
+        ".oom_job-a_rank3_103_1.json.103.tmp": "half-written: its writer stopped before renaming it into place",
+        "badrank.json": "malformed dump: rank is not a non-negative integer",
+        "badregions.json": "malformed dump: regions is not a list of {name, bytes}",
+        "binary.json": "not UTF-8 text (binary data; dumps are JSON)",
+        "config.json": 'not a torch_remat OOM dump (no "format": "torch_remat.oom_dump")',
+        "cut.json": "cut off: the JSON ends early (a truncated or half-written file)",
+        "empty.json": "empty: a writer that stopped before writing, or not a dump",
+        "garbage.json": "not valid JSON (Expecting property name enclosed in double quotes at line 1 column 36)",
+        "list.json": 'not a torch_remat OOM dump (no "format": "torch_remat.oom_dump")',
+        "newer.json": "written by a newer torch_remat (dump version 2; this reads 1)",
+    }
+    text = merge.format()
+    assert "10 file(s) skipped" in text
+    assert "\nskipped:\n  .oom_job-a_rank3_103_1.json.103.tmp: half-written" in text
+
+
+def test_dumps_are_read_as_json_only(cluster, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the merge must never unpickle")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    write(cluster, "evil.json", pickle.dumps(dump(3, 1.0)))
+    merge = _oom_merge.merge_dumps(str(cluster))
+    assert len(merge.jobs[0].dumps) == 2 and len(merge.skipped) == 1
+
+
+def test_a_file_larger_than_the_read_limit_is_not_read(cluster, monkeypatch):
+    monkeypatch.setattr(_oom_merge, "READ_LIMIT_BYTES", 100)
+    merge = _oom_merge.merge_dumps(str(cluster))
+    assert merge.jobs == []
+    assert {s.reason for s in merge.skipped} == {"larger than 100 B; not read"}
+
+
+def test_dumps_of_different_jobs_are_kept_apart(cluster, capsys):
+    write(cluster, "oom_job-b_rank0_200_1.json", dump(
+        0, -60.0, job="job-b", world_size=2, regions=[("layers.0", 999_999)]))
+    write(cluster, "oom_nojob_rank0_300_1.json", dump(0, 30.0, job=None, world_size=None))
+    merge = _oom_merge.merge_dumps(str(cluster))
+    assert [(j.job_id, [d.rank for d in j.dumps]) for j in merge.jobs] == [
+        ("job-b", [0]), ("job-a", [2, 1]), (None, [0])]
+    job_a = merge.jobs[1]
+    assert [r.name for r in job_a.regions()[1]][0] == "layers.0"
+    assert job_a.regions()[1][0].max_bytes == 8192  # job-b's 999,999 B stay in job-b
+    text = merge.format()
+    assert "dumps of different jobs are shown apart; --job ID shows one" in text
+    assert "\njob 'job-b': 1 of 2 rank(s) ran out of memory; no dump from rank(s) 1\n" in text
+    assert "\n(no job id): 1 rank(s) ran out of memory\n" in text
+    assert oom.main([str(cluster), "--job", "job-b", "--json"]) == 0
+    assert [j["job_id"] for j in json.loads(capsys.readouterr().out)["jobs"]] == ["job-b"]
+    assert oom.main([str(cluster), "--job", "job-z"]) == 1
+    assert "no usable OOM dump of job 'job-z'" in capsys.readouterr().err
+
+
+def test_a_rank_that_ran_out_twice_is_listed_twice_and_compared_by_its_first_dump(cluster):
+    write(cluster, "oom_job-a_rank2_102_2.json", dump(2, 9.0, step=8, regions=[("layers.0", 1)]))
+    job = _oom_merge.merge_dumps(str(cluster)).jobs[0]
+    assert [(d.rank, d.data["step"]) for d in job.dumps] == [(2, 7), (1, 7), (2, 8)]
+    assert job.regions()[1][0].bytes_per_rank == [8192, 4096]
+    assert "1 later dump(s) of ranks that had already run out are not in the tables" in job.format()
+
+
+def test_a_dump_without_report_is_named_in_the_notes(tmp_path):
+    write(tmp_path, "a.json", dump(0, 0.0, regions=[], errors=["saved-tensors report: not ready"]))
+    text = _oom_merge.merge_dumps(str(tmp_path)).format()
+    assert "rank 0's dump has no saved-tensors report (saved-tensors report: not ready)" in text
+    assert "saved for backward when each rank ran out" not in text
+
+
+def test_show_prints_one_ranks_full_report(cluster, capsys):
+    assert oom.main([str(cluster), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith(
+        "rank 1, oom_job-a_rank1_101_1.json\n"
+        "RuntimeError: DefaultCPUAllocator: can't allocate memory\n"
+        "where: checkpoint 'layers.0' (recompute), region 'mlp'\n"
+        "allocator:\n"
+        "  process_resident_bytes: 3.00 MiB\n"
+        "\n"
+        "saved for backward: report of rank 1\n"
+    )
+
+
+def test_empty_and_missing_folders(tmp_path, capsys):
+    assert oom.main([str(tmp_path)]) == 1
+    assert "no usable OOM dump in" in capsys.readouterr().err
+    assert oom.main([str(tmp_path / "missing")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_module_runs_with_python_dash_m(cluster):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_remat.integrations.oom", str(cluster), "--json"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # runpy warns when the module was imported before it ran
+    assert [r["rank"] for r in json.loads(proc.stdout)["jobs"][0]["ran_out"]] == [2, 1]
