@@ -349,6 +349,10 @@ def main(argv=None) -> None:
     if args.report:
         print_report(model, batches, device, rank, distributed)
     if distributed:
+        # Free the wrapped model (DDP's reducer holds work on the group) before the
+        # group goes away; destroying it afterwards could hang at exit.
+        del model, opt
+        dist.barrier()
         dist.destroy_process_group()
 
 
