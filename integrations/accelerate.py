@@ -42,8 +42,9 @@ it replaces each module its auto-wrap policy selects by
 With DDP (``MULTI_GPU``, ``MULTI_CPU``) or one process, ``prepare`` never
 checkpoints; pass ``blocks`` (a class, classes or a predicate), or let the model's
 ``_no_split_modules`` (the transformers convention accelerate's
-``transformer_based_wrap`` reads too) name the block classes. Remat is applied
-before DDP wraps the model, so region names carry no ``module.`` prefix.
+``transformer_based_wrap`` reads too) name the block classes; the same holds for an
+FSDP2 plugin without ``auto_wrap_policy``. Remat is applied before DDP wraps the
+model, so region names carry no ``module.`` prefix.
 
 A ``transformers`` model on which :func:`~torch_remat.integrations.enable_remat` was
 called already runs remat through its layers' own hook; the adapter then only turns
@@ -89,20 +90,13 @@ def _fsdp_plugin(accelerator: Any) -> Any:
 
 
 def _plugin_blocks(plugin: Any, model: nn.Module) -> Any:
-    """The module predicate accelerate's FSDP2 path checkpoints and shards with."""
+    """The module predicate accelerate's FSDP2 path checkpoints and shards with, or
+    None when the plugin has no auto-wrap policy (FSDP2 then shards only the root)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     # Idempotent: turns a named policy into its partial; prepare() calls it again.
     plugin.set_auto_wrap_policy(model)
-    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    if policy is None:
-        raise ValueError(
-            "apply_remat_for_accelerator: the FSDP plugin has no auto_wrap_policy "
-            f"({plugin.auto_wrap_policy!r}), so accelerate shards no blocks and there is "
-            "no selection to checkpoint. Set auto_wrap_policy='transformer_based_wrap' "
-            "(with transformer_cls_names_to_wrap) or pass blocks=."
-        )
-    return policy
+    return fsdp2_prepare_auto_wrap_policy(plugin, model)
 
 
 def _no_split_blocks(model: nn.Module) -> tuple[type, ...]:
@@ -110,8 +104,9 @@ def _no_split_blocks(model: nn.Module) -> tuple[type, ...]:
     if not names:
         raise ValueError(
             f"apply_remat_for_accelerator: no blocks to checkpoint: pass blocks= (a module "
-            f"class, classes or a predicate); {type(model).__name__} has no "
-            "_no_split_modules, and without an FSDP plugin accelerate selects none."
+            f"class, classes or a predicate). {type(model).__name__} has no "
+            "_no_split_modules, and no FSDP2 auto_wrap_policy selects any (DDP and an "
+            "FSDP2 plugin without auto_wrap_policy select none)."
         )
     classes = {type(m).__name__: type(m) for m in model.modules()}
     missing = [n for n in names if n not in classes]
@@ -141,22 +136,25 @@ def apply_remat_for_accelerator(
         accelerator: an ``accelerate.Accelerator`` (DDP, one process, or FSDP2).
         model: the model, not yet prepared.
         blocks: the modules to checkpoint: a class, a tuple of classes or a
-            predicate. Default: with the FSDP2 plugin, the modules accelerate would
-            checkpoint and shard (its auto-wrap policy); otherwise the classes named
-            by ``model._no_split_modules``.
+            predicate. Default: with an FSDP2 plugin that has an ``auto_wrap_policy``,
+            the modules accelerate would checkpoint and shard with it; otherwise the
+            classes named by ``model._no_split_modules``.
         remat: how to checkpoint (:class:`~torch_remat.integrations.RematConfig`;
             default ``RematConfig()``). ``RematConfig(enabled=False)`` applies nothing
             and leaves the plugin as it is.
 
-    Returns the qualified names of the checkpointed modules. With the FSDP2 plugin,
-    its ``activation_checkpointing`` and ``activation_checkpointing_offload`` are
-    False afterwards (remat took their place). Raises ``ValueError`` for FSDP1, when
-    no blocks can be determined, and when transformers' own gradient checkpointing
-    is on.
+    Returns the qualified names of the checkpointed modules. If remat is already
+    applied to ``model`` (:func:`~torch_remat.integrations.apply_remat`, or
+    :func:`~torch_remat.integrations.enable_remat` on a transformers model), nothing
+    is applied again and those names are returned. With the FSDP2 plugin, its
+    ``activation_checkpointing`` and ``activation_checkpointing_offload`` are False
+    afterwards (remat took their place; offload is done by ``save_on_cpu`` around
+    each checkpoint). Raises ``ValueError`` for FSDP1, when no module matches the
+    blocks, and when transformers' own gradient checkpointing is on.
     """
     remat = RematConfig() if remat is None else remat
     plugin = _fsdp_plugin(accelerator)
-    if plugin is not None and plugin.fsdp_version != 2:
+    if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError(
             "apply_remat_for_accelerator: FSDP1 (fsdp_version=1) is not supported: "
             "accelerate applies its checkpoint wrapper after wrapping the model in FSDP1. "
@@ -174,14 +172,15 @@ def apply_remat_for_accelerator(
             "the layers' own hook."
         )
 
-    offload = plugin is not None and plugin.activation_checkpointing_offload
+    offload = plugin is not None and getattr(plugin, "activation_checkpointing_offload", False)
     names = remat_module_names(model) or remat_layer_names(model)
     if not names:  # not applied by the caller already (apply_remat or enable_remat)
+        check_fn = None
         if blocks is not None:
             check_fn = _matcher(blocks, "apply_remat_for_accelerator: blocks")
         elif plugin is not None:
             check_fn = _plugin_blocks(plugin, model)
-        else:
+        if check_fn is None:
             check_fn = _matcher(_no_split_blocks(model), "_no_split_modules")
         names = apply_remat(
             model,
@@ -192,11 +191,25 @@ def apply_remat_for_accelerator(
             early_stop=remat.early_stop,
             determinism_check=remat.determinism_check,
         )
-        if offload:
-            for module in model.modules():
-                forward = module.__dict__.get("forward")
-                if isinstance(forward, RematForward):
-                    forward.offload = True
+        if not names:
+            raise ValueError(
+                f"apply_remat_for_accelerator: no module of {type(model).__name__} matches "
+                "the blocks to checkpoint (blocks=, the FSDP2 plugin's auto_wrap_policy or "
+                "_no_split_modules); pass blocks= naming its transformer block class."
+            )
+    if offload:
+        forwards = [m.__dict__.get("forward") for m in model.modules()]
+        forwards = [f for f in forwards if isinstance(f, RematForward)]
+        if not forwards:
+            raise ValueError(
+                "apply_remat_for_accelerator: the FSDP2 plugin asks for "
+                "activation_checkpointing_offload, which applies to modules checkpointed "
+                "by apply_remat; the layers of this model are checkpointed through "
+                "enable_remat. Call disable_remat(model) and let this function apply remat, "
+                "or set activation_checkpointing_offload=False."
+            )
+        for forward in forwards:
+            forward.offload = True
     if plugin is not None:
         plugin.activation_checkpointing = False
         plugin.activation_checkpointing_offload = False
