@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 
@@ -11,6 +13,11 @@ class MemoryProbe:
     profiler's memory events."""
 
     def __enter__(self):
+        # Leftovers of earlier tests freed by the cycle collector mid-measurement
+        # would show up as negative bytes: collect now, and not while measuring.
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         self._prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
         )
@@ -19,6 +26,8 @@ class MemoryProbe:
 
     def __exit__(self, *exc):
         self._prof.__exit__(*exc)
+        if self._gc_was_enabled:
+            gc.enable()
         self.bytes = _live_bytes(self._prof)
         return False
 

@@ -388,3 +388,31 @@ def test_double_backward_is_exact():
     (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     (gg,) = torch.autograd.grad(g.sum(), x)
     assert torch.equal(g, g_ref) and torch.equal(gg, gg_ref)
+
+
+def _three_save_regions(dropout_in_middle):
+    def fn(x):
+        h = remat.region(torch.exp, "a", recompute=False)(x)
+        mid = (lambda t: torch.nn.functional.dropout(t, 0.5)) if dropout_in_middle else torch.sin
+        h = remat.region(mid, "b", recompute=False)(h)
+        return remat.region(torch.exp, "c", recompute=False)(h)
+
+    return fn
+
+
+def test_unchanged_state_snapshots_are_stored_once(memory_probe):
+    x = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    rng_state_bytes = torch.get_rng_state().numel()
+    measured = {}
+    for dropout in (False, True):
+        for hooks in ((), (CPURNGStateHook(),)):
+            with memory_probe() as probe:
+                out = remat.checkpoint(region_name="c", recompute_state_hooks=hooks)(
+                    _three_save_regions(dropout)
+                )(x)
+            measured[dropout, bool(hooks)] = probe.bytes
+            del out
+    # no random numbers drawn: the entry snapshot is the only one stored
+    assert measured[False, True] - measured[False, False] == rng_state_bytes
+    # dropout in region b: entry and after-b snapshots; after-a and after-c are shared
+    assert measured[True, True] - measured[True, False] == 2 * rng_state_bytes

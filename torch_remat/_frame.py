@@ -34,6 +34,7 @@ from ._registry import frame_created
 from ._replay import ReplayScope, replay_unpack
 from ._sources import INPUT, OUTPUT, SourceIndex, TensorSource
 from ._state import _tls
+from ._state_hooks import same_state
 from ._tensor_meta import storage_root
 from ._walk import mark_inputs_read_by_replayed_code
 
@@ -113,6 +114,7 @@ class CheckpointFrame:
         self.leaves: list[Any] = []
         self.spec = None
         self.entry_states: list[Any] = []
+        self.last_states: list[Any] = []
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
         self.outer_hooks = None
@@ -141,7 +143,7 @@ class CheckpointFrame:
                 src = TensorSource(INPUT, i, x)
                 self.inputs.append(src)
                 self.sources.add(x, src)
-        self.entry_states = [h.snapshot() for h in self.state_hooks]
+        self.entry_states = self.last_states = [h.snapshot() for h in self.state_hooks]
         for dev in _autocast_devices(leaves):
             self.autocast.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
         self.autocast_cache = torch.is_autocast_cache_enabled()
@@ -242,8 +244,19 @@ class CheckpointFrame:
                 self.save_depth -= 1
         if not recompute and not in_save:
             self._record_outputs(record, out)
-            record.exit_states = [h.snapshot() for h in self.state_hooks]
+            record.exit_states = self._snapshot_after_region()
         return out
+
+    def _snapshot_after_region(self) -> list[Any]:
+        # A state that did not change since the last snapshot (no random numbers
+        # drawn in between) is shared rather than stored again: a CPU generator
+        # state is 5 KB per snapshot.
+        states = []
+        for hook, previous in zip(self.state_hooks, self.last_states):
+            state = hook.snapshot()
+            states.append(previous if same_state(previous, state) else state)
+        self.last_states = states
+        return states
 
     def _consume(self, args, kwargs, by_replayed_code: bool) -> None:
         if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):

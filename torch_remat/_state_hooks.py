@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+import torch
+
 
 @runtime_checkable
 class RecomputeStateHook(Protocol):
@@ -37,6 +39,26 @@ class RecomputeStateHook(Protocol):
     def snapshot(self) -> Any: ...
 
     def restore(self, state: Any) -> None: ...
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """True if two snapshots are certainly equal (CPU tensors, scalars, tuples of
+    them). Never synchronizes a device: device tensors compare unequal."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (
+            a.device.type == "cpu"
+            and b.device.type == "cpu"
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
+    if isinstance(a, (int, float, str, bytes, type(None))) and type(a) is type(b):
+        return a == b
+    return False
 
 
 def validate_state_hooks(hooks: Iterable[Any]) -> tuple[Any, ...]:
