@@ -14,7 +14,9 @@ import torch
 import torch_remat as remat
 from torch_remat.integrations import _oom_dump, oom
 
-CPU_REQUEST = 2**36 * 4 * 4 * 4  # the expanded matmul below: (2**36, 4, 4) float32
+# The expanded matmul below materialises (2**44, 4, 4) float32: 1 PiB, more than a
+# process can address, so the allocator fails whatever the kernel's overcommit policy.
+CPU_REQUEST = 2**44 * 4 * 4 * 4
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +29,8 @@ def _clean(monkeypatch):
 
 
 def impossible_allocation(h):
-    """A real allocator failure: the matmul materialises 4 TiB."""
-    return torch.randn(1, 4, 4).expand(2**36, 4, 4) @ torch.randn(4, 4) + h.sum()
+    """A real allocator failure (see CPU_REQUEST)."""
+    return torch.randn(1, 4, 4).expand(2**44, 4, 4) @ torch.randn(4, 4) + h.sum()
 
 
 def two_region_block(inner):

@@ -1,0 +1,71 @@
+"""Cluster OOM diagnosis on 3 real gloo ranks: one launch runs every check of
+checks_oom_3rank.py (one rank runs out, its dump is written, the others keep
+their state); the tests below assert each check and merge the dump folder with the
+command a user runs, ``python -m torch_remat.integrations.oom DIR``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from checks_oom_3rank import JOB, OTHER_JOB
+from dist_harness import assert_check_passed, check_names, launch
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("oom3"))
+    return launch("checks_oom_3rank", 3, out_dir), os.path.join(out_dir, "scratch", "oom")
+
+
+def merge(folder, *args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_remat.integrations.oom", folder, *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("check", check_names("checks_oom_3rank"))
+def test_3_ranks(launched, check):
+    assert_check_passed(launched[0], check)
+
+
+def test_merge_names_the_rank_that_ran_out_first_and_its_region(launched):
+    _, folder = launched
+    out = json.loads(merge(folder, "--json"))
+    jobs = {j["job_id"]: j for j in out["jobs"]}
+    assert set(jobs) == {JOB, OTHER_JOB} and out["skipped"] == []
+    job = jobs[JOB]
+    assert (job["world_size"], job["ranks_with_dump"], job["ranks_without_dump"]) == (3, [1, 2], [0])
+    first, second = job["ran_out"]
+    assert (first["rank"], first["step"], first["location"]) == (
+        1, 2, {"checkpoint": "layers.1", "phase": "forward", "region": "attn"})
+    assert (second["rank"], second["step"], second["location"]) == (
+        2, 3, {"checkpoint": "layers.0", "phase": "recompute", "region": "mlp"})
+    assert second["seconds_after_first"] > 0
+    regions = {r["name"]: r for r in job["regions"]}
+    assert regions["layers.0"]["ranks"] == [1, 2]
+    assert {r["rank"] for r in job["largest_tensors"]} == {1, 2}
+    # the other job's dump stays in its own job
+    assert [r["rank"] for r in jobs[OTHER_JOB]["ran_out"]] == [0]
+
+
+def test_merge_text_for_one_job(launched):
+    _, folder = launched
+    text = merge(folder, "--job", JOB)
+    lines = text.splitlines()
+    assert lines[2] == f"job '{JOB}': 2 of 3 rank(s) ran out of memory; no dump from rank(s) 0"
+    row1, row2 = lines[6], lines[7]
+    assert row1.split()[:3] == ["1", "1", "2"]
+    assert "checkpoint 'layers.1' (forward), region 'attn'" in row1
+    assert row2.split()[:3] == ["2", "2", "3"]
+    assert "checkpoint 'layers.0' (recompute), region 'mlp'" in row2
+    assert "largest tensors held for backward:" in text
+    print(text)
