@@ -282,3 +282,22 @@ def test_accelerate_adapter_selects_the_no_split_modules_of_a_transformers_model
     assert apply_remat_for_accelerator(accelerate.Accelerator(cpu=True), model) == LAYERS
     assert checkpoint_names(model) == LAYERS
     assert_same(loss_and_grads(model), expected)
+
+
+class OldFormatModel(NoCheckpointingModel):
+    """Written for transformers < 4.35: sets its flags itself, installs no hook."""
+
+    supports_gradient_checkpointing = True
+
+    def _set_gradient_checkpointing(self, module, value=False):
+        if isinstance(module, OldFormatModel):
+            module.gradient_checkpointing = value
+
+
+def test_a_model_in_the_pre_4_35_checkpointing_format_is_refused_and_left_off():
+    model = OldFormatModel(LoopConfig())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="pre-4.35 checkpointing format.*apply_remat"):
+            enable_remat(model)
+    assert model.gradient_checkpointing is False
