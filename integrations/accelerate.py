@@ -74,7 +74,7 @@ from .apply import (
     RematConfig,
     RematForward,
     _matcher,
-    apply_remat,
+    apply_remat_to_blocks,
     remat_module_names,
 )
 from .transformers import remat_layer_names, torch_checkpointed_layer_names
@@ -182,15 +182,7 @@ def apply_remat_for_accelerator(
             check_fn = _plugin_blocks(plugin, model)
         if check_fn is None:
             check_fn = _matcher(_no_split_blocks(model), "_no_split_modules")
-        names = apply_remat(
-            model,
-            check_fn=check_fn,
-            save_modules=remat.save_modules,
-            recompute_state_hooks=remat.recompute_state_hooks,
-            rng_state_hooks=remat.rng_state_hooks,
-            early_stop=remat.early_stop,
-            determinism_check=remat.determinism_check,
-        )
+        names = apply_remat_to_blocks(model, check_fn, remat)
         if not names:
             raise ValueError(
                 f"apply_remat_for_accelerator: no module of {type(model).__name__} matches "

@@ -7,7 +7,9 @@ both ranks.
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -30,8 +32,6 @@ LAUNCH_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import json
-
     out_dir = str(tmp_path_factory.mktemp("accelerate"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
@@ -51,17 +51,14 @@ def results(tmp_path_factory):
         text=True,
         timeout=LAUNCH_TIMEOUT_S,
     )
-    per_rank = []
-    for rank in range(2):
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        if not os.path.exists(path):
-            raise RuntimeError(
-                f"rank {rank} wrote no results (torchrun exit code {proc.returncode}).\n"
-                f"stderr:\n{proc.stderr[-6000:]}"
-            )
-        with open(path) as f:
-            per_rank.append(json.load(f))
-    return per_rank
+    paths = [os.path.join(out_dir, f"rank{rank}.json") for rank in range(2)]
+    missing = [path for path in paths if not os.path.exists(path)]
+    if missing:
+        raise RuntimeError(
+            f"no results in {missing} (torchrun exit code {proc.returncode}).\n"
+            f"stderr:\n{proc.stderr[-6000:]}"
+        )
+    return [json.loads(pathlib.Path(path).read_text()) for path in paths]
 
 
 @pytest.mark.parametrize("check", CHECK_NAMES)

@@ -33,6 +33,14 @@ def fsdp(**plugin_kwargs):
     return accelerator(DistributedType.FSDP, plugin), plugin
 
 
+def fsdp_sharding_blocks():
+    return fsdp(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["MLPBlock"],
+    )
+
+
 class Net(TinyNet):
     _no_split_modules = ["MLPBlock"]
 
@@ -80,11 +88,7 @@ def test_no_blocks_is_refused_with_what_to_pass():
 
 
 def test_a_selection_that_matches_nothing_is_refused():
-    acc, _ = fsdp(
-        fsdp_version=2,
-        auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["MLPBlock"],
-    )
+    acc, _ = fsdp_sharding_blocks()
     with pytest.raises(ValueError, match="no module of Net matches"):
         apply_remat_for_accelerator(acc, Net(), blocks=lambda m: False)
 
@@ -98,11 +102,7 @@ def test_no_split_modules_naming_a_missing_class_is_refused():
 
 
 def test_an_fsdp2_plugin_selects_the_modules_its_auto_wrap_policy_shards():
-    acc, _ = fsdp(
-        fsdp_version=2,
-        auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["MLPBlock"],
-    )
+    acc, _ = fsdp_sharding_blocks()
     model = TinyNet()
     assert apply_remat_for_accelerator(acc, model) == ["layers.0", "layers.1"]
     assert all(isinstance(model.get_submodule(n), MLPBlock) for n in remat_module_names(model))
