@@ -101,6 +101,7 @@ class OOMDumps:
         rank: int | None = None,
         max_dump_bytes: int = DEFAULT_MAX_DUMP_BYTES,
         time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+        record_sites: bool = False,
     ) -> None:
         if max_dump_bytes < MIN_DUMP_BYTES:
             raise ValueError(
@@ -114,6 +115,7 @@ class OOMDumps:
         self.rank = rank
         self.max_dump_bytes = int(max_dump_bytes)
         self.time_budget_s = float(time_budget_s)
+        self.record_sites = record_sites
         self.step: int | None = None
         """The step of the innermost active guard; observer dumps record it."""
         self.written: list[str] = []
@@ -288,15 +290,19 @@ class OOMGuard(contextlib.ContextDecorator):
         self.dumps = dumps
         self.step = step
         self.suppress = suppress
-        self._outer: list[tuple[int | None, int]] = []
+        self._outer: list[tuple[int | None, int, contextlib.ExitStack]] = []
 
     def __enter__(self) -> OOMGuard:
-        self._outer.append((self.dumps.step, self.dumps._observed))
+        sites = contextlib.ExitStack()
+        if self.dumps.record_sites:
+            sites.enter_context(remat.record_save_sites())
+        self._outer.append((self.dumps.step, self.dumps._observed, sites))
         self.dumps.step = self.step
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        previous_step, observed_before = self._outer.pop()
+        previous_step, observed_before, sites = self._outer.pop()
+        sites.close()
         self.dumps.step = previous_step
         if exc is None or not is_out_of_memory(exc):
             return False
@@ -316,6 +322,7 @@ def install(
     max_dump_bytes: int = DEFAULT_MAX_DUMP_BYTES,
     time_budget_s: float = DEFAULT_TIME_BUDGET_S,
     cuda_observer: bool = True,
+    record_sites: bool = False,
 ) -> OOMDumps:
     """Make this rank write an OOM dump into ``dump_dir``; call it on every rank.
 
@@ -332,6 +339,10 @@ def install(
         time_budget_s: about how long writing one dump may take; the saved-tensors
             report is left out of the dump if it is not ready by then.
         cuda_observer: attach the CUDA observer (when CUDA is available).
+        record_sites: run guarded blocks under :func:`torch_remat.record_save_sites`,
+            so that tensors saved by SAVE regions carry their allocation site on any
+            device (a Python stack walk per saved tensor). On CUDA, sites also come
+            from the allocator when ``torch.cuda.memory._record_memory_history()`` is on.
     """
     global _installed, _observer_attached
     dumps = OOMDumps(
@@ -340,6 +351,7 @@ def install(
         rank=rank,
         max_dump_bytes=max_dump_bytes,
         time_budget_s=time_budget_s,
+        record_sites=record_sites,
     )
     os.makedirs(dumps.dump_dir, exist_ok=True)
     _installed = dumps

@@ -11,6 +11,7 @@ batches. CPU runs use gloo, GPU runs nccl.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -29,6 +30,7 @@ from torch_remat.integrations import (
     RematConfig,
     ddp_with_remat,
     fully_shard_with_remat,
+    oom,
     parallelize_with_remat,
 )
 from torch_remat.integrations.apply import apply_remat_to_blocks
@@ -200,6 +202,18 @@ class HeldBytes:
         return False
 
 
+def request_impossible_memory(model) -> None:
+    """--oom-at-step (for tests and docs): the last block's forward asks its allocator
+    for 1 PiB once, a request that fails on any machine, inside the checkpoint."""
+    block = getattr(model, "module", model).blocks[-1]
+
+    def allocate(module, args):
+        handle.remove()
+        torch.empty(2**50, dtype=torch.uint8, device=args[0].device)
+
+    handle = block.norm2.register_forward_pre_hook(allocate)
+
+
 def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -270,6 +284,8 @@ def parse_args(argv=None):
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the cross-rank memory report at the end")
     p.add_argument("--log-json", default="", help="rank 0 writes per-step losses here")
     p.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
+    p.add_argument("--oom-at-step", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -293,6 +309,7 @@ def main(argv=None) -> None:
     batches = Batches(text, args.seq_len, args.batch_size, args.seed, dp_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt_dir = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    oom_dumps = oom.install(args.oom_dump_dir) if args.oom_dump_dir else None
     start = 0
     if ckpt_dir is not None:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -310,14 +327,17 @@ def main(argv=None) -> None:
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps
-        with HeldBytes(device, enabled=log_step) as held:
-            logits = model(x)
-        activations = held.bytes - logits.untyped_storage().nbytes()
-        loss = F.cross_entropy(logits, y.flatten())
-        del logits
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        if step == args.oom_at_step and rank == world - 1:
+            request_impossible_memory(model)
+        with oom_dumps.guard(step=step) if oom_dumps else contextlib.nullcontext():
+            with HeldBytes(device, enabled=log_step) as held:
+                logits = model(x)
+            activations = held.bytes - logits.untyped_storage().nbytes()
+            loss = F.cross_entropy(logits, y.flatten())
+            del logits
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if step == args.fail_at_step and rank == world - 1 and first_attempt:
             os._exit(17)  # a crashed rank, for tests of torchrun --max-restarts

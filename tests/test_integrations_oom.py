@@ -357,3 +357,16 @@ def test_a_write_that_fails_midway_leaves_no_dump_and_no_temporary_file(tmp_path
     with pytest.raises(OSError, match="disk full"):
         _oom_dump.write_atomically(str(tmp_path), "oom_x.json", b"{}")
     assert os.listdir(tmp_path) == []
+
+
+def test_record_sites_labels_saved_tensors_in_guarded_steps(tmp_path):
+    dumps = oom.install(tmp_path, record_sites=True)
+    block = two_region_block(impossible_allocation)
+    with pytest.raises(RuntimeError):
+        with dumps.guard(step=1):
+            remat.checkpoint(region_name="oomtest.sites")(block)(torch.randn(4, 8))
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if 'remat.region(lin, "proj"' in text)
+    rows = [t for t in read(dumps.written[0])["largest_tensors"] if t["region"] == "oomtest.sites::proj"]
+    assert [(t["tensor"], t["site"]) for t in rows] == [
+        ("saved.0", f"test_integrations_oom.py:{line} block"), ("(output at idx 0)", None)]
