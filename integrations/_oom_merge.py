@@ -409,12 +409,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torch-remat-oom: {args.dir} is not a folder", file=sys.stderr)
         return 2
     merge = merge_dumps(args.dir, args.job, top=args.top)
-    if args.json:
-        print(json.dumps(merge.to_dict(), indent=1))
-    else:
-        print(merge.format())
-        if args.show is not None:
-            print("\n" + _show(merge, args.show))
+    try:
+        if args.json:
+            print(json.dumps(merge.to_dict(), indent=1))
+        else:
+            print(merge.format())
+            if args.show is not None:
+                print("\n" + _show(merge, args.show))
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader (e.g. `| head`) stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if not merge.jobs:
         which = f" of job '{args.job}'" if args.job is not None else ""
         print(f"torch-remat-oom: no usable OOM dump{which} in {args.dir}", file=sys.stderr)
