@@ -302,7 +302,13 @@ def encode_bounded(dump: dict[str, Any], max_bytes: int) -> bytes:
             payload = encode(dump)
     if len(payload) <= max_bytes:
         return payload
-    return encode(_identification(dump, max_bytes))
+    small = _identification(dump, max_bytes)
+    payload = encode(small)
+    if len(payload) <= max_bytes:
+        return payload
+    # Names that JSON escapes six-fold (non-ASCII) can still overflow: keep numbers only.
+    numbers = ("format", "version", "rank", "world_size", "pid", "time", "step", "requested_bytes")
+    return encode({k: small.get(k) for k in numbers} | {"truncated": small["truncated"]})
 
 
 def _trim_text(dump: dict[str, Any], max_bytes: int) -> str | None:

@@ -370,3 +370,19 @@ def test_record_sites_labels_saved_tensors_in_guarded_steps(tmp_path):
     rows = [t for t in read(dumps.written[0])["largest_tensors"] if t["region"] == "oomtest.sites::proj"]
     assert [(t["tensor"], t["site"]) for t in rows] == [
         ("saved.0", f"test_integrations_oom.py:{line} block"), ("(output at idx 0)", None)]
+
+
+def test_the_size_bound_holds_for_any_content():
+    snow = "\u2603" * 5000  # JSON writes each as six bytes
+    dump = {"format": "torch_remat.oom_dump", "version": 1, "rank": 3, "time": 1.0, "job_id": snow,
+            "host": snow, "device": snow, "error": {"type": snow, "message": snow},
+            "location": {"checkpoint": snow, "phase": "forward", "region": snow},
+            "regions": [{"name": f"{snow}{i}", "bytes": i} for i in range(50)],
+            "largest_tensors": [{"bytes": 1, "tensor": snow}] * 50, "errors": [snow] * 50,
+            "saved_tensors": {"checkpoints": [{"name": snow, "bytes": 1, "regions": []}] * 200},
+            "saved_tensors_text": snow * 10}
+    payload = _oom_dump.encode_bounded(dump, 4096)
+    small = json.loads(payload)
+    assert len(payload) <= 4096
+    assert (small["format"], small["rank"], small["time"]) == ("torch_remat.oom_dump", 3, 1.0)
+    assert small["truncated"] == ["everything but what identifies the event: the dump exceeded 4096 bytes"]
