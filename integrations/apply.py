@@ -102,11 +102,15 @@ class RematForward(_ModuleForward):
         state_hooks: tuple[Any, ...],
         checkpoint_options: dict[str, Any],
         offload: bool = False,
+        checkpointed: bool = True,
     ) -> None:
         super().__init__(module, region_name)
         self.state_hooks = state_hooks
         self.checkpoint_options = checkpoint_options
+        # offload: keep what the forward saves on the host (save_on_cpu).
+        # checkpointed=False with offload is torch's offload_wrapper: offload only.
         self.offload = offload
+        self.checkpointed = checkpointed
         self.compile_options: dict[str, Any] | None = None
         self._compiled: Callable[..., Any] | None = None
 
@@ -135,6 +139,9 @@ class RematForward(_ModuleForward):
         return self._compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.checkpointed:
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return self._function()(*args, **kwargs)
         # Decorated per call (cheap: the options were validated at apply time) so that
         # no closure ties this object to itself.
         fn = remat.checkpoint(
@@ -310,7 +317,8 @@ def apply_remat(
             RNG hooks off, ``determinism_check`` and ``early_stop`` pass through;
             reentrant checkpointing and custom ``checkpoint_fn``/``context_fn`` are
             refused with an explanation. ``offload_wrapper`` keeps the activations of
-            the selected modules on the CPU (``save_on_cpu``) instead of checkpointing.
+            the selected modules on the CPU (``save_on_cpu``) instead of checkpointing,
+            as torch's does.
         save_modules: a module class, a tuple of classes, or a predicate. Matching
             submodules inside a selected module run as SAVE regions
             (``remat.region(..., recompute=False)``, named by their path inside the
@@ -373,7 +381,7 @@ def apply_remat(
             prepare_dtensor_rng(mesh)
     for module, name, options, use_rng in plans:
         hooks = (rng_hooks if use_rng else ()) + extra_hooks
-        module.forward = RematForward(module, name, hooks, options, offload)
+        module.forward = RematForward(module, name, hooks, options, offload, checkpointed=not offload)
         if is_save is None or offload:
             continue
         for path, sub in _save_modules_of(module, blocks, is_save):

@@ -416,3 +416,23 @@ def test_unchanged_state_snapshots_are_stored_once(memory_probe):
     assert measured[False, True] - measured[False, False] == rng_state_bytes
     # dropout in region b: entry and after-b snapshots; after-a and after-c are shared
     assert measured[True, True] - measured[True, False] == 2 * rng_state_bytes
+
+
+def test_a_forward_that_raises_after_a_save_region_frees_everything(memory_probe):
+    x = torch.randn(400, dtype=torch.float64, requires_grad=True)
+
+    def fn(x):
+        h = remat.region(torch.exp, "exp", recompute=False)(x)  # saves its output
+        remat.recompute_needs_tensor(h)
+        raise KeyError("boom")
+
+    gc.disable()
+    try:
+        with memory_probe() as probe:
+            try:
+                remat.checkpoint(region_name="c")(fn)(x * 1.0)
+            except KeyError:
+                pass
+    finally:
+        gc.enable()
+    assert probe.bytes == 0

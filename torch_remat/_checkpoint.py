@@ -104,22 +104,10 @@ def checkpoint(
             )
         name = region_name or _default_name(fn)
 
-        def run(a: tuple, kw: dict) -> Any:
-            if not torch.is_grad_enabled():
-                return fn(*a, **kw)
-            frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise)
-            return frame.run_forward(a, kw)
-
-        # Under torch.compile the checkpoint is a graph break and runs eagerly: a
-        # compiled forward saves other tensors than the eager replay would recreate.
-        # Compile inside the checkpoint instead (e.g. remat.checkpoint(...)(
-        # torch.compile(block))), which replays the same compiled code.
-        run_eagerly = torch._disable_dynamo(run)
-
         def checkpointed(*a: Any, **kw: Any) -> Any:
             if torch.compiler.is_compiling():
-                return run_eagerly(a, kw)
-            return run(a, kw)
+                return _run_eagerly(fn, name, hooks, early_stop, check_metadata, bitwise, a, kw)
+            return _run(fn, name, hooks, early_stop, check_metadata, bitwise, a, kw)
 
         checkpointed.__wrapped__ = fn  # type: ignore[attr-defined]
         checkpointed.__name__ = f"remat_checkpoint_{name}"
@@ -128,6 +116,20 @@ def checkpoint(
         return checkpointed  # type: ignore[return-value]
 
     return decorator
+
+
+def _run(fn, name, hooks, early_stop, check_metadata, bitwise, args, kwargs) -> Any:
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise)
+    return frame.run_forward(args, kwargs)
+
+
+# Under torch.compile the checkpoint is a graph break and runs eagerly: a compiled
+# forward saves other tensors than the eager replay would recreate. Compile inside
+# the checkpoint instead (remat.checkpoint(...)(torch.compile(block))), so that the
+# forward and the replay run the same compiled code.
+_run_eagerly = torch._disable_dynamo(_run)
 
 
 def _default_name(fn: Any) -> str:

@@ -163,11 +163,27 @@ class CheckpointFrame:
         try:
             with profiler_range(f"remat.forward:{self.name}"):
                 out = self.fn(*args, **kwargs)
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             tls.stack.pop()
             _pop_hooks()
         self._finish(out)
         return out
+
+    def _abandon(self) -> None:
+        # The forward raised: drop what only _finish would have released. The output
+        # sources and the SAVE output nodes reach the graph, whose saved tensors
+        # reach this frame through the pack hook: a cycle through autograd nodes,
+        # which the garbage collector cannot see.
+        for source in self.inputs + self.output_sources:  # also listed by RegionRecords
+            source.ref = source.hold = None
+        self.inputs = []
+        self.output_sources = []
+        self.save_output_nodes = []
+        self.sources = SourceIndex()
+        self.leaves = []
 
     def pack(self, t: torch.Tensor) -> Any:
         if self.save_depth:
