@@ -67,8 +67,7 @@ class GPT(nn.Module):
 
 def text_windows(seq_len: int) -> tuple[int, torch.Tensor]:
     """(vocabulary size, [n, seq_len + 1] windows of the docs' characters)."""
-    files = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
-    text = "\n".join(p.read_text() for p in files if p.exists())
+    text = (ROOT / "launch" / "data" / "corpus.txt").read_text()
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text])
     n = (len(data) - 1) // seq_len
