@@ -48,6 +48,21 @@ class CPURNGStateHook:
         torch.set_rng_state(state)
 
 
+class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    """``save_on_cpu`` that records the shapes it offloads."""
+
+    def __init__(self):
+        super().__init__()
+        self.offloaded = []
+        pack = self.pack_hook
+
+        def counting_pack(t):
+            self.offloaded.append(tuple(t.shape))
+            return pack(t)
+
+        self.pack_hook = counting_pack
+
+
 BLOCK_REGIONS = ("attn_norm", "qkv", "attention", "out_proj", "mlp_norm", "mlp")
 
 

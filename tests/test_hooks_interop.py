@@ -11,27 +11,12 @@ import gc
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, grads
+from helpers import CountingSaveOnCpu, assert_bitwise_equal, grads
 
 import torch_remat as remat
 from torch_remat._scope_hooks import hook_stack
 
 D = torch.float64
-
-
-class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
-    """``save_on_cpu`` that records the shapes it offloads."""
-
-    def __init__(self):
-        super().__init__()
-        self.offloaded = []
-        pack = self.pack_hook
-
-        def counting_pack(t):
-            self.offloaded.append(tuple(t.shape))
-            return pack(t)
-
-        self.pack_hook = counting_pack
 
 
 @pytest.fixture
@@ -90,13 +75,6 @@ def test_save_on_cpu_inside_a_checkpoint_offloads_in_forward_and_in_the_replay()
 
 
 # ------------------------------------------------------ disable_saved_tensors_hooks
-
-
-def test_checkpoint_under_disabled_hooks_raises_with_the_users_message():
-    x = torch.randn(3, requires_grad=True)
-    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in my transform"):
-        with pytest.raises(remat.RematError, match="disabled.*no hooks in my transform"):
-            remat.checkpoint(region_name="c")(torch.sin)(x)
 
 
 def test_scope_under_disabled_hooks_raises_with_the_users_message():

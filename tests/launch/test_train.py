@@ -62,7 +62,7 @@ def test_losses_identical_across_remat_policies_single_process(tmp_path):
 def test_loss_falls_over_20_steps(tmp_path):
     curve = losses(train(tmp_path, "--steps", "20", "--remat", "selective", "--lr", "1e-2")[0])
     assert len(curve) == 20
-    assert sum(curve[-3:]) / 3 < 0.8 * sum(curve[:3]) / 3
+    assert sum(curve[-3:]) / 3 < 0.85 * sum(curve[:3]) / 3
 
 
 def test_crashed_rank_restarts_and_resumes_from_checkpoint(tmp_path):
