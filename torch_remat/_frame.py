@@ -17,6 +17,8 @@ Mechanism (the same saved-tensor-hook scheme as non-reentrant
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -56,6 +58,26 @@ def _unpack_outside_dynamo(packed):
     # an AOT-compiled replay saves other tensors than the eager forward did. The
     # replay must run eagerly; functions the user compiled stay compiled.
     return packed.unpack()
+
+
+def _queue_callback(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _forget(frame_ref: weakref.ref, key: Any) -> None:
+    frame = frame_ref()
+    if frame is not None:
+        frame.forget(key)
+
+
+def _replayable_copy(e: Exception) -> Exception:
+    """A copy of ``e`` without its traceback (which would keep the forward's frames
+    and tensors alive); ``e`` itself if it cannot be copied."""
+    try:
+        copied = copy.copy(e)
+    except Exception:
+        return e
+    return copied.with_traceback(None)
 
 
 def _graph_task_key() -> Any:
@@ -111,6 +133,7 @@ class CheckpointFrame:
         self.inputs: list[TensorSource] = []
         self.output_sources: list[TensorSource] = []
         self.save_output_nodes: list[Any] = []
+        self.walk_roots: list[Any] = []
         self.leaves: list[Any] = []
         self.spec = None
         self.entry_states: list[Any] = []
@@ -161,15 +184,18 @@ class CheckpointFrame:
         tls = _tls
         tls.stack.append(self)
         try:
-            with profiler_range(f"remat.forward:{self.name}"):
-                out = self.fn(*args, **kwargs)
+            try:
+                with profiler_range(f"remat.forward:{self.name}"):
+                    out = self.fn(*args, **kwargs)
+            finally:
+                tls.stack.pop()
+                _pop_hooks()
+            self._finish(out)
         except BaseException:
+            # Includes an outer replay stopping early inside _finish (nested
+            # checkpoints store their kept tensors through the outer pack hook).
             self._abandon()
             raise
-        finally:
-            tls.stack.pop()
-            _pop_hooks()
-        self._finish(out)
         return out
 
     def _abandon(self) -> None:
@@ -179,6 +205,7 @@ class CheckpointFrame:
         # which the garbage collector cannot see.
         for source in self.inputs + self.output_sources:  # also listed by RegionRecords
             source.ref = source.hold = None
+        self.walk_roots = []
         self.inputs = []
         self.output_sources = []
         self.save_output_nodes = []
@@ -189,17 +216,23 @@ class CheckpointFrame:
         if self.save_depth:
             return self._pack_in_save_region(t)
         holder = Holder(self, len(self.holders))
+        # A tensor the checkpoint keeps anyway fills its holder now, unless the
+        # user's own hooks (offloading) were active around the checkpoint: then the
+        # kept copy lives where those hooks put it, and the replay refills the holder.
         if self.sources:
             sources = self.sources.lookup(t)
             if sources is not None:
                 for s in sources:
                     s.mark_kept(t)
-                d = t.detach()
-                holder.static = d
-                holder.static_version = d._version
+                if self.outer_hooks is None:
+                    d = t.detach()
+                    holder.static = d
+                    holder.static_version = d._version
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
-        self.holder_meta.append((t.shape, t.dtype, t.device, stack[-1].qualname if stack else None))
+        self.holder_meta.append(
+            (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, t._version)
+        )
         if self.bitwise_check:
             from ._determinism import checksum
 
@@ -247,13 +280,26 @@ class CheckpointFrame:
         if not in_save:
             self.replay_regions.append(record)
         if self.sources:
-            self._consume(args, kwargs, recompute and not in_save)
+            self._consume(args, kwargs, recompute and not in_save, not in_save)
+        for outer in _tls.stack[:-1]:
+            # A checkpoint nested in the replayed code of an outer one is re-run whole
+            # (SAVE bodies included) by the outer replay: for the outer frame, this
+            # region reads its arguments in replayed code.
+            if type(outer) is CheckpointFrame and outer.save_depth == 0 and outer.sources:
+                outer._consume(args, kwargs, True, False)
         self.region_stack.append(record)
         if not recompute:
             self.save_depth += 1
         try:
             with profiler_range(f"remat.region:{self.name}::{qualname}"):
                 out = fn(*args, **kwargs)
+        except Exception as e:
+            if not recompute and not in_save:
+                # The replay skips this body, so it re-raises the same error for
+                # code that catches it and falls back to another path.
+                record.raised = _replayable_copy(e)
+                record.exit_states = self._snapshot_after_region()
+            raise
         finally:
             self.region_stack.pop()
             if not recompute:
@@ -274,7 +320,7 @@ class CheckpointFrame:
         self.last_states = states
         return states
 
-    def _consume(self, args, kwargs, by_replayed_code: bool) -> None:
+    def _consume(self, args, kwargs, by_replayed_code: bool, replay_level: bool) -> None:
         if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
             leaves = tree_flatten((args, kwargs))[0]
         else:
@@ -283,6 +329,10 @@ class CheckpointFrame:
             if isinstance(x, torch.Tensor):
                 sources = self.sources.lookup(x)
                 if sources is None:
+                    # Computed by replayed code and handed to a region: where the
+                    # input walk starts too, besides the checkpoint's outputs.
+                    if replay_level and x.grad_fn is not None:
+                        self.walk_roots.append(x.grad_fn)
                     continue
                 for s in sources:
                     if s.kind == OUTPUT or by_replayed_code:
@@ -330,13 +380,16 @@ class CheckpointFrame:
                 else:
                     s.keep = True
         if candidates:
-            mark_inputs_read_by_replayed_code(out, candidates, self.save_output_nodes, self.start_seq)
+            mark_inputs_read_by_replayed_code(
+                out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
+            )
         for s in self.inputs:
             s.store(self.name)
         for s in self.output_sources:
             s.store(self.name)
         self.sources = SourceIndex()
         self.save_output_nodes = []
+        self.walk_roots = []
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
 
@@ -360,14 +413,26 @@ class CheckpointFrame:
             self.recompute(key)
             rec = holder.recomputed
         t, version = rec.pop(key)
+        if type(key) is object:
+            self.forget(key)  # unpacked outside a backward: nothing else will use them
         if t._version != version:
             raise self._modified_error(holder.index, version, t._version)
         return t
 
+    def forget(self, key: Any) -> None:
+        """Drop the tensors refilled for ``key`` that nothing unpacked (a backward
+        that reached only part of the graph, e.g. ``autograd.grad(..., inputs=...)``
+        with ``retain_graph=True``)."""
+        for ref in self.holders:
+            h = ref()
+            if h is not None and h.recomputed:
+                h.recomputed.pop(key, None)
+        self.recomputed_keys.discard(key)
+
     def _modified_error(self, index: int, old: int, new: int) -> RematError:
         from ._errors import SavedTensorModifiedError
 
-        shape, dtype, _, region = self.holder_meta[index]
+        shape, dtype, _, region, _ = self.holder_meta[index]
         where = f"region '{region}'" if region else "code outside regions"
         return SavedTensorModifiedError(
             f"torch_remat: tensor #{index} saved for backward by {where} of checkpoint "
@@ -444,3 +509,6 @@ class CheckpointFrame:
             )
         if type(key) is not object:
             self.recomputed_keys.add(key)
+        if type(key) is int:
+            # At the end of this backward, free what it refilled but did not use.
+            _queue_callback(functools.partial(_forget, weakref.ref(self), key))

@@ -118,6 +118,7 @@ class RegionRecord:
         "exit_states",
         "pending_keep",
         "metadata",
+        "raised",
     )
 
     def __init__(
@@ -137,6 +138,8 @@ class RegionRecord:
         # roots passed to recompute_needs_tensor inside this SAVE region's body
         self.pending_keep: list[weakref.ref] = []
         self.metadata: Any = None
+        # the exception a SAVE region's body raised in forward (re-raised in replay)
+        self.raised: BaseException | None = None
 
     @property
     def kind(self) -> str:

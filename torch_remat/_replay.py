@@ -8,7 +8,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from ._errors import PlaceholderReadError, RecomputeMismatchError, RematError, _StopRecompute
+from ._errors import (
+    PlaceholderReadError,
+    RecomputeMismatchError,
+    RematError,
+    SavedTensorModifiedError,
+    _StopRecompute,
+)
 from ._placeholder import Placeholder, read_error_message
 from ._profiling import profiler_range
 from ._records import RegionRecord
@@ -60,7 +66,19 @@ class ReplayScope:
             raise PlaceholderReadError(
                 read_error_message(t._origin, "code outside SAVE regions saved for backward a tensor that")
             )
-        shape, dtype, device, region = frame.holder_meta[i]
+        shape, dtype, device, region, version = frame.holder_meta[i]
+        if t._version != version:
+            # The replay recreates fresh tensors with the versions the forward saw;
+            # a differing version means a tensor both passes share (a closure tensor,
+            # a buffer) was modified in place after the forward saved it.
+            where = f"region '{region}'" if region else "code outside regions"
+            raise SavedTensorModifiedError(
+                f"torch_remat: tensor #{i} saved for backward by {where} of checkpoint "
+                f"'{frame.name}' ({tuple(shape)}, {str(dtype).replace('torch.', '')}) was "
+                f"at version {version} when the forward saved it and is at version "
+                f"{t._version} in the recompute: it was modified in place after it was "
+                "saved, and its gradient would be wrong. Clone it before modifying it."
+            )
         if frame.check_metadata and (t.shape != shape or t.dtype != dtype or t.device != device):
             where = f"region '{region}'" if region else "code outside regions"
             raise RecomputeMismatchError(
@@ -111,6 +129,8 @@ class ReplayScope:
         if not recompute:
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
+            if expected.raised is not None:
+                raise expected.raised.with_traceback(None)
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
                 for o in expected.outputs

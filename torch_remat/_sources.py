@@ -137,6 +137,10 @@ class TensorSource:
                     ".clone()) instead."
                 )
             t = t.as_strided(meta.shape, meta.stride, meta.storage_offset)
+        # A copy made by the user's own hooks (offloading) starts at version 0; give
+        # it the version the forward saw, which the replay's in-place check expects.
+        for _ in range(self.version - t._version):
+            torch.autograd.graph.increment_version(t)
         if meta.requires_grad:
             t.requires_grad_()
         return t

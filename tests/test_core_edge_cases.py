@@ -1,0 +1,148 @@
+"""Edge cases: closure tensors modified in place, partial backwards, regions that
+raise, inputs read through arguments of later regions, nested checkpoints, and
+offloading hooks around a checkpoint."""
+
+import gc
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, grads
+
+import torch_remat as remat
+
+R = remat.region
+
+
+def test_closure_tensor_modified_after_forward_is_an_error_not_a_wrong_gradient():
+    b = torch.ones(3, dtype=torch.float64)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = remat.checkpoint(region_name="ck")(lambda x: x * b)(x)  # mul saves b
+    b.add_(1)
+    with pytest.raises(remat.SavedTensorModifiedError, match="version 0 when the forward saved it"):
+        y.sum().backward()
+
+
+def _retained_elements(frame_holders):
+    return sum(
+        t.numel() for h in frame_holders if h.recomputed for t, _ in h.recomputed.values()
+    )
+
+
+def test_partial_backwards_with_retain_graph_do_not_accumulate_recomputed_tensors():
+    x = torch.randn(1000, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1000, dtype=torch.float64, requires_grad=True)
+    holders = []
+    real_pack = remat._frame.CheckpointFrame.pack
+
+    def spy(self, t):
+        packed = real_pack(self, t)
+        holders.append(packed)
+        return packed
+
+    remat._frame.CheckpointFrame.pack = spy
+    try:
+        y = remat.checkpoint(region_name="ck")(lambda x, w: ((x * 1.5).sin() * w).cos())(x, w)
+    finally:
+        remat._frame.CheckpointFrame.pack = real_pack
+    for _ in range(3):
+        torch.autograd.grad(y.sum(), inputs=[w], retain_graph=True)
+        assert _retained_elements(holders) == 0
+
+
+def test_a_save_region_that_raises_and_is_caught_replays_the_fallback():
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def fast_kernel(t):
+        raise NotImplementedError("no fast kernel for this shape")
+
+    def f(x):
+        try:
+            y = R(fast_kernel, "attn", recompute=False)(x)
+        except NotImplementedError:
+            y = (x @ w).exp()
+        return y.sin()
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected = grads([w], [x], lambda x: f(x).sum())
+    actual = grads([w], [x], lambda x: remat.checkpoint(region_name="ck")(f)(x).sum())
+    assert_bitwise_equal(actual, expected)
+
+
+def test_input_read_by_bare_code_feeding_a_later_save_region_is_kept():
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        a = R(lambda t: t @ w, "A", recompute=False)(x)
+        h = (x * 2).sin()  # bare read of x, result only reaches the output through B
+        return R(lambda u, v: u * v, "B", recompute=False)(a, h)
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected = grads([w], [x], lambda x: f(x).sum())
+    actual = grads([w], [x], lambda x: remat.checkpoint(region_name="ck")(f)(x).sum())
+    assert_bitwise_equal(actual, expected)
+
+
+def test_outer_save_output_read_only_by_an_inner_checkpoints_save_region():
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def inner(y):
+        return R(lambda t: (t + w).exp(), "B", recompute=False)(y).sin()
+
+    def outer(x):
+        y = R(lambda t: (t @ w).tanh(), "A", recompute=False)(x)
+        return remat.checkpoint(region_name="inner")(inner)(y).cos()
+
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    expected = grads([w], [x], lambda x: outer(x).sum())
+    actual = grads([w], [x], lambda x: remat.checkpoint(region_name="outer")(outer)(x).sum())
+    assert_bitwise_equal(actual, expected)
+
+
+def test_nested_checkpoints_free_everything_after_each_step():
+    w = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+
+    def inner(t):
+        return R(lambda u: (u @ w).exp(), "A", recompute=False)(t).sin()
+
+    def outer(x):
+        return remat.checkpoint(region_name="inner")(inner)(x.cos())
+
+    def frames():
+        return sum(type(o).__name__ == "CheckpointFrame" for o in gc.get_objects())
+
+    gc.collect()
+    before = frames()
+    for _ in range(3):
+        x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+        remat.checkpoint(region_name="outer")(outer)(x).sum().backward()
+    gc.collect()
+    assert frames() == before
+
+
+def test_copying_hooks_around_a_checkpoint_hold_the_only_copy_of_kept_inputs():
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        h = R(lambda t: (t @ w).exp(), "A", recompute=True)(x)
+        return (x * h).sin()  # mul saves x, a kept input
+
+    x0 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    x = x0 * 1.0
+    x.add_(1)  # an input at version 1
+    ptr = x.untyped_storage().data_ptr()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out = remat.checkpoint(region_name="c")(f)(x)
+    del x
+    gc.collect()
+    alive = [
+        o for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() == ptr
+    ]
+    assert alive == []  # only the hook's clone is kept, as without the checkpoint
+    out.sum().backward()
+    got = x0.grad.clone()
+    x0.grad = None
+    x = x0 * 1.0
+    x.add_(1)
+    f(x).sum().backward()
+    assert torch.equal(got, x0.grad)
