@@ -185,7 +185,7 @@ class CheckpointFrame:
         tls.stack.append(self)
         try:
             try:
-                with profiler_range(f"remat.forward:{self.name}"):
+                with profiler_range("remat.forward:", self.name):
                     out = self.fn(*args, **kwargs)
             finally:
                 tls.stack.pop()
@@ -291,7 +291,7 @@ class CheckpointFrame:
         if not recompute:
             self.save_depth += 1
         try:
-            with profiler_range(f"remat.region:{self.name}::{qualname}"):
+            with profiler_range("remat.region:", self.name, "::", qualname):
                 out = fn(*args, **kwargs)
         except Exception as e:
             if not recompute and not in_save:
@@ -486,7 +486,7 @@ class CheckpointFrame:
             _push_hooks(scope.pack, replay_unpack)
             try:
                 with torch.enable_grad(), self._autocast_context(), profiler_range(
-                    f"remat.recompute:{self.name}"
+                    "remat.recompute:", self.name
                 ):
                     self.fn(*args, **kwargs)
             except _StopRecompute:

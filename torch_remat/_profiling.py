@@ -10,7 +10,9 @@ _profiler_enabled = torch._C._autograd._profiler_enabled
 _NULL = contextlib.nullcontext()
 
 
-def profiler_range(name: str) -> contextlib.AbstractContextManager:
+def profiler_range(*name_parts: str) -> contextlib.AbstractContextManager:
+    """``record_function("".join(name_parts))`` while a profiler runs; otherwise a
+    shared no-op (the name is not even built)."""
     if _profiler_enabled():
-        return torch.profiler.record_function(name)
+        return torch.profiler.record_function("".join(name_parts))
     return _NULL

@@ -140,7 +140,7 @@ class ReplayScope:
             return tree_unflatten(leaves, expected.output_spec)
         self.region_stack.append(expected)
         try:
-            with profiler_range(f"remat.region:{frame.name}::{qualname}"):
+            with profiler_range("remat.region:", frame.name, "::", qualname):
                 return fn(*args, **kwargs)
         finally:
             self.region_stack.pop()
