@@ -148,5 +148,3 @@ class ReplayScope:
     def keep(self, t: torch.Tensor) -> bool:
         return True
 
-
-__all__ = ["ReplayScope", "replay_unpack", "_StopRecompute"]

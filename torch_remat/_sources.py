@@ -43,7 +43,6 @@ class TensorSource:
         "keep",
         "save_consumed",
         "saved",
-        "nbytes_hint",
     )
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
@@ -62,7 +61,6 @@ class TensorSource:
         self.keep = False
         self.save_consumed = False
         self.saved = None
-        self.nbytes_hint = 0
 
     def describe(self, checkpoint: str) -> str:
         return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
@@ -88,7 +86,6 @@ class TensorSource:
             return
         if t._version != self.version:
             raise SavedTensorModifiedError(self._modified_message(checkpoint))
-        self.nbytes_hint = t.untyped_storage().nbytes()
         self.saved = _make_saved_tensor(t.detach(), is_output=False)
 
     def _modified_message(self, checkpoint: str) -> str:
