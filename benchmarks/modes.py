@@ -50,20 +50,6 @@ MEGATRON = RegionPolicy(
 )
 
 
-class CPURNGStateHook:
-    """Replays the default CPU generator (dropout) in the recompute.
-
-    Each snapshot is a 5056-byte copy of the MT19937 state; it is allocated in the
-    forward and counted in the measured bytes like any other kept tensor.
-    """
-
-    def snapshot(self) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def restore(self, state: torch.Tensor) -> None:
-        torch.set_rng_state(state)
-
-
 @dataclass(frozen=True)
 class Mode:
     """One way of running every block of a stack."""
@@ -99,7 +85,7 @@ class Mode:
                 for b in blocks
             ]
         if self.kind == "remat":
-            hooks = (CPURNGStateHook(),) if rng else ()
+            hooks = (remat.CPURNGStateHook(),) if rng else ()
             return [
                 remat.checkpoint(region_name=f"blocks.{i}", recompute_state_hooks=hooks)(b)
                 for i, b in enumerate(blocks)

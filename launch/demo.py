@@ -22,14 +22,6 @@ import torch_remat as remat
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-class CPURNGStateHook:
-    def snapshot(self):
-        return torch.get_rng_state()
-
-    def restore(self, state):
-        torch.set_rng_state(state)
-
-
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float, save_matmuls: bool):
         super().__init__()
@@ -68,7 +60,7 @@ class GPT(nn.Module):
             Block(dim, heads, 0.1, save_matmuls=(mode == "selective")) for _ in range(layers)
         )
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-        self.rng = CPURNGStateHook()
+        self.rng = remat.CPURNGStateHook()
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))

@@ -38,16 +38,6 @@ def assert_bitwise_equal(a, b):
             assert torch.equal(ga, gb), f"gradient {i} differs: max abs diff {(ga - gb).abs().max()}"
 
 
-class CPURNGStateHook:
-    """Replays torch's CPU generator (what dropout on CPU draws from)."""
-
-    def snapshot(self):
-        return torch.get_rng_state()
-
-    def restore(self, state):
-        torch.set_rng_state(state)
-
-
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
     """``save_on_cpu`` that records the shapes it offloads."""
 

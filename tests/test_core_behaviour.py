@@ -5,7 +5,7 @@ import threading
 import weakref
 
 import torch
-from helpers import Block, CPURNGStateHook, assert_bitwise_equal, grads
+from helpers import Block, assert_bitwise_equal, grads
 
 import torch_remat as remat
 
@@ -250,7 +250,7 @@ def test_live_bytes_stay_constant_over_200_steps(memory_probe):
     torch.manual_seed(0)
     block = Block(dim=8, heads=2, dropout=0.1)
     block.save.update(attention=True, mlp_norm=True)
-    hook = CPURNGStateHook()
+    hook = remat.CPURNGStateHook()
     ckpt = remat.checkpoint(region_name="c", recompute_state_hooks=(hook,))(block)
     opt = torch.optim.SGD(block.parameters(), lr=1e-3)
     x = torch.randn(2, 4, 8, dtype=torch.float64)
@@ -405,7 +405,7 @@ def test_unchanged_state_snapshots_are_stored_once(memory_probe):
     rng_state_bytes = torch.get_rng_state().numel()
     measured = {}
     for dropout in (False, True):
-        for hooks in ((), (CPURNGStateHook(),)):
+        for hooks in ((), (remat.CPURNGStateHook(),)):
             with memory_probe() as probe:
                 out = remat.checkpoint(region_name="c", recompute_state_hooks=hooks)(
                     _three_save_regions(dropout)

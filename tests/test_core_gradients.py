@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import BLOCK_REGIONS, Block, CPURNGStateHook, assert_bitwise_equal, grads
+from helpers import BLOCK_REGIONS, Block, assert_bitwise_equal, grads
 
 import torch_remat as remat
 
@@ -23,7 +23,7 @@ def test_transformer_block_gradients_are_bitwise_equal(block, saves):
     block.save = dict(zip(BLOCK_REGIONS, saves))
     params = list(block.parameters())
     x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
-    hook = CPURNGStateHook()
+    hook = remat.CPURNGStateHook()
     ckpt = remat.checkpoint(region_name="layers.0", recompute_state_hooks=(hook,))(block)
     expected = grads(params, [x], lambda x: (block(x) ** 2).sum(), seed=7)
     actual = grads(params, [x], lambda x: (ckpt(x) ** 2).sum(), seed=7)
@@ -36,7 +36,7 @@ def test_two_blocks_in_sequence_with_mixed_policies():
     b0.save.update(attention=True, mlp=True)
     b1.save.update(qkv=True, out_proj=True)
     params = list(b0.parameters()) + list(b1.parameters())
-    hook = CPURNGStateHook()
+    hook = remat.CPURNGStateHook()
     c0 = remat.checkpoint(region_name="layers.0", recompute_state_hooks=(hook,))(b0)
     c1 = remat.checkpoint(region_name="layers.1", recompute_state_hooks=(hook,))(b1)
     x = torch.randn(3, 4, 16, dtype=torch.float64, requires_grad=True)

@@ -1,7 +1,7 @@
 """remat.checkpoint next to autocast and the user's own saved-tensor hooks."""
 
 import torch
-from helpers import Block, CPURNGStateHook, assert_bitwise_equal, grads
+from helpers import Block, assert_bitwise_equal, grads
 
 import torch_remat as remat
 
@@ -102,7 +102,7 @@ def test_rng_hook_with_save_regions_between_draws():
         return torch.nn.functional.dropout(b, 0.5).sin()
 
     x = torch.randn(64, dtype=torch.float64, requires_grad=True)
-    hook = CPURNGStateHook()
+    hook = remat.CPURNGStateHook()
     expected = grads([], [x], lambda x: fn(x).sum(), seed=5)
     actual = grads(
         [], [x], lambda x: remat.checkpoint(region_name="c", recompute_state_hooks=(hook,))(fn)(x).sum(), seed=5

@@ -3,10 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CPURNGStateHook
 
 import torch_remat as remat
-from torch_remat import _determinism
+from torch_remat import CPURNGStateHook, _determinism
 
 
 def block(x):

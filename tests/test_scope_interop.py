@@ -11,7 +11,7 @@ import gc
 
 import pytest
 import torch
-from helpers import CountingSaveOnCpu, CPURNGStateHook, assert_bitwise_equal, grads
+from helpers import CountingSaveOnCpu, assert_bitwise_equal, grads
 
 import torch_remat as remat
 from torch_remat._scope_hooks import hook_stack
@@ -27,7 +27,7 @@ def scope_or_not(use):
 
 
 def checkpoint(fn):
-    return remat.checkpoint(region_name="c", recompute_state_hooks=(CPURNGStateHook(),))(fn)
+    return remat.checkpoint(region_name="c", recompute_state_hooks=(remat.CPURNGStateHook(),))(fn)
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ from ._saved_report import (
 )
 from ._scope import gradient_checkpoint_scope
 from ._state import is_recomputing
-from ._state_hooks import RecomputeStateHook
+from ._state_hooks import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
 from ._trace import Trace, collect_trace, trace_scope
 
 __version__ = "0.2.0"
@@ -37,6 +37,8 @@ __all__ = [
     "region",
     "recompute_needs_tensor",
     "RecomputeStateHook",
+    "CPURNGStateHook",
+    "DeviceRNGStateHook",
     "is_recomputing",
     "gradient_checkpoint_scope",
     "RematError",

@@ -41,6 +41,59 @@ class RecomputeStateHook(Protocol):
     def restore(self, state: Any) -> None: ...
 
 
+class DeviceRNGStateHook:
+    """A :class:`RecomputeStateHook` for one device's default generator.
+
+    ``DeviceRNGStateHook("cpu")`` replays ``torch.default_generator``;
+    ``DeviceRNGStateHook("cuda:1")`` replays the generator of CUDA device 1.
+    Restores are absolute, so a snapshot can be restored any number of times.
+    """
+
+    def __init__(self, device: torch.device | str | int) -> None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"DeviceRNGStateHook({device}): CUDA is not available in this process."
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        elif device.type != "cpu":
+            raise ValueError(
+                f"DeviceRNGStateHook: device type '{device.type}' is not supported; "
+                "use 'cpu' or 'cuda[:N]', or write a RecomputeStateHook for it."
+            )
+        self.device = device
+
+    def snapshot(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def restore(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def __repr__(self) -> str:
+        return f"DeviceRNGStateHook({str(self.device)!r})"
+
+
+class CPURNGStateHook(DeviceRNGStateHook):
+    """Replays torch's default CPU generator (what dropout on CPU tensors draws from).
+
+    Each snapshot is a 5056-byte copy of the Mersenne Twister state; snapshots that
+    did not change since the previous one are shared, not stored again.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+
+    def __repr__(self) -> str:
+        return "CPURNGStateHook()"
+
+
 def same_state(a: Any, b: Any) -> bool:
     """True if two snapshots are certainly equal (CPU tensors, scalars, tuples of
     them). Never synchronizes a device: device tensors compare unequal."""
