@@ -5,12 +5,12 @@ import os
 import torch
 
 import torch_remat as remat
-from torch_remat import _alloc_sites
-from torch_remat._alloc_sites import SnapshotIndex, choose_user_frame, cuda_site_lookup
-from torch_remat._storage import StorageInfo
+from torch_remat.diagnostics import alloc_sites as _alloc_sites
+from torch_remat.diagnostics.alloc_sites import SnapshotIndex, choose_user_frame, cuda_site_lookup
+from torch_remat.diagnostics.storage import StorageInfo
 
 TORCH_FILE = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py")
-REMAT_FILE = os.path.join(os.path.dirname(remat.__file__), "_frame.py")
+REMAT_FILE = os.path.join(os.path.dirname(remat.__file__), "engine", "frame.py")
 USER_FILE = "/home/me/project/model.py"
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_remat as remat
-from torch_remat import _saved_report
+from torch_remat.diagnostics import saved_report as _saved_report
 
 
 @pytest.fixture(autouse=True)

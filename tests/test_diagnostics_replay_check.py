@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_remat as remat
-from torch_remat import CPURNGStateHook, _determinism
+from torch_remat import CPURNGStateHook
+from torch_remat.engine import determinism as _determinism
 
 
 def block(x):

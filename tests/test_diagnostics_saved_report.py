@@ -10,9 +10,9 @@ from helpers import BLOCK_REGIONS, Block
 from torch import nn
 
 import torch_remat as remat
-from torch_remat import _registry
-from torch_remat._records import RegionRecord, RegionSaved
-from torch_remat._saved_report import compress_names
+from torch_remat.diagnostics import registry as _registry
+from torch_remat.diagnostics.saved_report import compress_names
+from torch_remat.engine.records import RegionRecord, RegionSaved
 
 
 class Sq(torch.autograd.Function):

@@ -14,7 +14,7 @@ import torch
 from helpers import CountingSaveOnCpu, assert_bitwise_equal, grads
 
 import torch_remat as remat
-from torch_remat._scope_hooks import hook_stack
+from torch_remat.scope.hooks import hook_stack
 
 D = torch.float64
 

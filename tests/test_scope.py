@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from helpers import assert_bitwise_equal, grads
 
 import torch_remat as remat
-from torch_remat._scope_hooks import _pack_after_scope, hook_stack
+from torch_remat.scope.hooks import _pack_after_scope, hook_stack
 
 D = torch.float64
 

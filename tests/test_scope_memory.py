@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_remat as remat
-from torch_remat._scope_hooks import hook_stack
+from torch_remat.scope.hooks import hook_stack
 
 N = 1000
 T = 8 * N  # bytes of one tensor

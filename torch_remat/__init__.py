@@ -5,30 +5,30 @@ source code can be marked to keep their activations
 (``remat.region(fn, name, recompute=False)``) instead of being recomputed.
 """
 
-from ._active_checkpoint import ActiveCheckpoint, active_checkpoint
-from ._alloc_sites import record_save_sites
-from ._checkpoint import checkpoint
 from ._errors import (
     PlaceholderReadError,
     RecomputeMismatchError,
     RematError,
     SavedTensorModifiedError,
 )
-from ._format import format_bytes
-from ._memory_report import format_current_memory_report, print_current_memory_report
-from ._named_save import save_for_backward
-from ._oom import attach_oom_observer, oom_observer
-from ._region import recompute_needs_tensor, region
-from ._saved_report import (
+from .diagnostics.alloc_sites import record_save_sites
+from .diagnostics.format import format_bytes
+from .diagnostics.memory_report import format_current_memory_report, print_current_memory_report
+from .diagnostics.named_save import save_for_backward
+from .diagnostics.oom import attach_oom_observer, oom_observer
+from .diagnostics.saved_report import (
     SavedTensorsReport,
     format_saved_tensors_report,
     print_saved_tensors_report,
     saved_tensors_report,
 )
-from ._scope import gradient_checkpoint_scope
-from ._state import is_recomputing
-from ._state_hooks import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
-from ._trace import Trace, collect_trace, trace_scope
+from .diagnostics.trace import Trace, collect_trace, trace_scope
+from .engine.active import ActiveCheckpoint, active_checkpoint
+from .engine.api import checkpoint
+from .engine.regions import recompute_needs_tensor, region
+from .engine.state import is_recomputing
+from .engine.state_hooks import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
+from .scope.api import gradient_checkpoint_scope
 
 __version__ = "0.2.0"
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ._records import Constant
-from ._tensor_meta import CONSTANT_TYPES
+from .._tensors import CONSTANT_TYPES
+from .records import Constant
 
 
 def flatten_region_outputs(out: Any, region: str, checkpoint: str) -> tuple[list[Any], Any]:

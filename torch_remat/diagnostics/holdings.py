@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ._registry import FrameEntry
-from ._storage import is_parameter, tensors_in
-from ._tensor_meta import TensorMeta
+from .._tensors import TensorMeta
+from .registry import FrameEntry
+from .storage import is_parameter, tensors_in
 
 INPUTS = "(inputs)"
 STATE_SNAPSHOTS = "(state snapshots)"

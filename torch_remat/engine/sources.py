@@ -22,9 +22,9 @@ import weakref
 import torch
 from torch._C._autograd import _make_saved_tensor
 
-from ._errors import RematError, SavedTensorModifiedError
-from ._placeholder import PlaceholderOrigin, make_placeholder
-from ._tensor_meta import TensorMeta, storage_root
+from .._errors import RematError, SavedTensorModifiedError
+from .._tensors import TensorMeta, storage_root
+from .placeholder import PlaceholderOrigin, make_placeholder
 
 INPUT = "input"
 OUTPUT = "output"

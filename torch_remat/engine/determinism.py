@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._errors import RecomputeMismatchError
+from .._errors import RecomputeMismatchError
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

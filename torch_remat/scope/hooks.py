@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ._errors import SavedTensorModifiedError
-from ._scope_ops import paused_recording, storage_key
-from ._scope_record import ScopeRecord
+from .._errors import SavedTensorModifiedError
+from .ops import paused_recording, storage_key
+from .record import ScopeRecord
 
 _push = torch._C._autograd._push_saved_tensors_default_hooks
 _pop = torch._C._autograd._pop_saved_tensors_default_hooks

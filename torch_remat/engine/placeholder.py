@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
-from ._errors import PlaceholderReadError
+from .._errors import PlaceholderReadError
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from ._errors import (
+from .._errors import (
     PlaceholderReadError,
     RecomputeMismatchError,
     RematError,
     SavedTensorModifiedError,
     _StopRecompute,
 )
-from ._placeholder import Placeholder, read_error_message
-from ._profiling import profiler_range
-from ._records import RegionRecord
-from ._sources import TensorSource
+from .placeholder import Placeholder, read_error_message
+from .profiling import profiler_range
+from .records import RegionRecord
+from .sources import TensorSource
 
 # Packed for tensors saved during a replay; the replay's own graph is never run.
 _REPLAYED = object()
@@ -90,7 +90,7 @@ class ReplayScope:
                 "recompute_state_hooks."
             )
         if frame.bitwise_check:
-            from ._determinism import check_bitwise
+            from .determinism import check_bitwise
 
             check_bitwise(frame, i, t, region)
         d = t.detach()

@@ -16,7 +16,7 @@ import weakref
 from functools import partial
 from typing import Any
 
-from ._state import _tls
+from ..engine.state import _tls
 
 _serials = itertools.count()
 _entries: dict[int, FrameEntry] = {}
@@ -68,7 +68,7 @@ def frame_created(frame: Any) -> None:
     if tls.trace is not None:
         tls.trace.checkpoint_created(frame)
     if tls.record_sites:
-        from ._named_save import annotator_of
+        from .named_save import annotator_of
 
         annotator_of(frame).record_sites = True
 

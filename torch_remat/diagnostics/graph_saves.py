@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ._records import Holder, RegionSaved
-from ._storage import is_parameter, storages_of, tensors_in
+from ..engine.records import Holder, RegionSaved
+from .storage import is_parameter, storages_of, tensors_in
 
 _saved_attrs_of: dict[type, tuple[str, ...]] = {}
 

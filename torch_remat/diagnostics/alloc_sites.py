@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ._state import _tls
-from ._storage import StorageInfo
+from ..engine.state import _tls
+from .storage import StorageInfo
 
 _library_dirs: tuple[str, ...] | None = None
 
@@ -35,7 +35,7 @@ _library_dirs: tuple[str, ...] | None = None
 def library_dirs() -> tuple[str, ...]:
     global _library_dirs
     if _library_dirs is None:
-        dirs = [os.path.dirname(torch.__file__), os.path.dirname(__file__)]
+        dirs = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))]
         try:
             spec = importlib.util.find_spec("torch_remat.integrations")
         except (ImportError, ValueError):

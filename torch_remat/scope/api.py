@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import RematError
-from ._scope_hooks import ScopeHook, registry, remove_hook, unpack_packed
-from ._scope_ops import scope_tls
-from ._scope_record import ScopeRecord
-from ._state import current_scope
+from .._errors import RematError
+from ..engine.state import current_scope
+from .hooks import ScopeHook, registry, remove_hook, unpack_packed
+from .ops import scope_tls
+from .record import ScopeRecord
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ._alloc_sites import cuda_site_lookup
-from ._format import align_rows, format_bytes, format_dtype, format_shape
-from ._holdings import HeldGroup, Holdings, frame_holdings
-from ._state import current_scope
-from ._storage import StorageInfo, storages_of
-from ._tensor_meta import TensorMeta
+from .._tensors import TensorMeta
+from ..engine.state import current_scope
+from .alloc_sites import cuda_site_lookup
+from .format import align_rows, format_bytes, format_dtype, format_shape
+from .holdings import HeldGroup, Holdings, frame_holdings
+from .storage import StorageInfo, storages_of
 
 _RIGHT = (True, False, False, False, False)
 

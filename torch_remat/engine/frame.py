@@ -27,18 +27,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._errors import RecomputeMismatchError, RematError, _StopRecompute
-from ._named_save import link_saved_outputs
-from ._outputs import flatten_region_outputs
-from ._profiling import profiler_range
-from ._records import Holder, RegionRecord, RegionSaved
-from ._registry import frame_created
-from ._replay import ReplayScope, replay_unpack
-from ._sources import INPUT, OUTPUT, SourceIndex, TensorSource
-from ._state import _tls
-from ._state_hooks import same_state
-from ._tensor_meta import storage_root
-from ._walk import mark_inputs_read_by_replayed_code
+from .._errors import RecomputeMismatchError, RematError, _StopRecompute
+from .._tensors import storage_root
+from ..diagnostics.named_save import link_saved_outputs
+from ..diagnostics.registry import frame_created
+from .outputs import flatten_region_outputs
+from .profiling import profiler_range
+from .records import Holder, RegionRecord, RegionSaved
+from .replay import ReplayScope, replay_unpack
+from .sources import INPUT, OUTPUT, SourceIndex, TensorSource
+from .state import _tls
+from .state_hooks import same_state
+from .walk import mark_inputs_read_by_replayed_code
 
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -234,7 +234,7 @@ class CheckpointFrame:
             (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, t._version)
         )
         if self.bitwise_check:
-            from ._determinism import checksum
+            from .determinism import checksum
 
             self.holder_checksums.append(checksum(t))
         return holder
@@ -430,7 +430,7 @@ class CheckpointFrame:
         self.recomputed_keys.discard(key)
 
     def _modified_error(self, index: int, old: int, new: int) -> RematError:
-        from ._errors import SavedTensorModifiedError
+        from .._errors import SavedTensorModifiedError
 
         shape, dtype, _, region, _ = self.holder_meta[index]
         where = f"region '{region}'" if region else "code outside regions"

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from ._frame import CheckpointFrame
-from ._replay import ReplayScope
-from ._state import _tls
+from .frame import CheckpointFrame
+from .replay import ReplayScope
+from .state import _tls
 
 FORWARD = "forward"
 RECOMPUTE = "recompute"

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ._errors import SavedTensorModifiedError
-from ._tensor_meta import TensorMeta
+from .._errors import SavedTensorModifiedError
+from .._tensors import TensorMeta
 
 
 class Holder:

@@ -33,18 +33,18 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ._format import align_rows, format_bytes, plural
-from ._graph_saves import live_graph_roots, root_nodes, walk_graph_saves
-from ._holdings import entry_holdings
-from ._memory_report import (
+from .format import align_rows, format_bytes, plural
+from .graph_saves import live_graph_roots, root_nodes, walk_graph_saves
+from .holdings import entry_holdings
+from .memory_report import (
     CheckpointBlock,
     Ledger,
     TensorRow,
     add_allocation_sites,
     checkpoint_block,
 )
-from ._registry import live_entries
-from ._storage import StorageInfo, storages_of
+from .registry import live_entries
+from .storage import StorageInfo, storages_of
 
 OUTSIDE = "outside regions"
 

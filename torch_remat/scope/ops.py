@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._errors import RematError
+from .._errors import RematError
 
 
 class _ScopeLocal(threading.local):

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ._state import current_scope
-from ._storage import tensors_in
+from ..engine.state import current_scope
+from .storage import tensors_in
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -53,7 +53,7 @@ class SaveAnnotator:
                 if not names:
                     del pending[key]
         if self.record_sites:
-            from ._alloc_sites import current_user_site
+            from .alloc_sites import current_user_site
 
             saved.site = current_user_site()
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._state import _tls, current_scope
+from .state import _tls, current_scope
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._errors import RecomputeMismatchError, SavedTensorModifiedError
-from ._frame import _graph_task_key
-from ._profiling import profiler_range
-from ._scope_ops import Ext, Op, View, paused_recording
+from .._errors import RecomputeMismatchError, SavedTensorModifiedError
+from ..engine.frame import _graph_task_key
+from ..engine.profiling import profiler_range
+from .ops import Ext, Op, View, paused_recording
 
 
 class ScopeRecipe:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ._state import _tls
+from ..engine.state import _tls
 
 F = TypeVar("F", bound=Callable[..., Any])
 

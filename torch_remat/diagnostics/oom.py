@@ -18,8 +18,8 @@ from typing import IO, Any
 
 import torch
 
-from ._format import format_bytes
-from ._state import _tls
+from ..engine.state import _tls
+from .format import format_bytes
 
 _FAILED = "torch_remat: OOM observer failed while building its report"
 
@@ -42,7 +42,7 @@ def describe_active_checkpoint() -> str | None:
 def format_oom_report(device: int, alloc: int, device_alloc: int, device_free: int) -> str:
     # c10's OutOfMemoryObserver passes (device, requested bytes, device total or the
     # per-process memory-fraction limit, free bytes reported by cudaMemGetInfo).
-    from ._saved_report import saved_tensors_report
+    from .saved_report import saved_tensors_report
 
     lines = [
         f"torch_remat: CUDA out of memory on device {device}: a request for "

@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._frame import CheckpointFrame
-from ._state_hooks import validate_state_hooks
+from .frame import CheckpointFrame
+from .state_hooks import validate_state_hooks
 
 F = TypeVar("F", bound=Callable[..., Any])
 

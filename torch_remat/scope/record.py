@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ._errors import RematError
-from ._scope_ops import (
+from .._errors import RematError
+from .ops import (
     Ext,
     Op,
     View,
@@ -29,7 +29,7 @@ from ._scope_ops import (
     version_of,
     written_args,
 )
-from ._scope_replay import ScopeRecipe
+from .replay import ScopeRecipe
 
 _record_ids = itertools.count()
 
