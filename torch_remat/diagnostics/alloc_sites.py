@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..engine.state import _tls
 from .storage import StorageInfo
 
@@ -124,8 +125,7 @@ def cuda_site_lookup(infos: Iterable[StorageInfo]) -> Callable[[StorageInfo], st
             return None
         if not torch.cuda.is_available():
             return None
-        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
-        if enabled is not None and not enabled():
+        if not _compat.cuda_memory_history_may_be_enabled():
             return None
         index = SnapshotIndex(torch.cuda.memory._snapshot(), torch.cuda.current_device())
     except Exception:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..engine.records import Holder, RegionSaved
 from .storage import is_parameter, storages_of, tensors_in
 
@@ -121,7 +122,7 @@ def _saved_values(node: Any) -> list[Any]:
 
 def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
     """Every node reachable from ``roots``, once; see the module docstring."""
-    if not hasattr(torch._C._autograd.SavedTensor, "data"):
+    if not hasattr(_compat.SavedTensor, "data"):
         raise RuntimeError(
             f"torch_remat: the saved-tensors report reads SavedTensor.data, which this "
             f"PyTorch ({torch.__version__}) lacks; without it the report would have to "

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import torch
 
+from .. import _compat
 from ..engine.state import _tls
 from .format import format_bytes
 
@@ -93,7 +94,7 @@ def attach_oom_observer(observer: Any = None) -> bool:
     ``remat.print_saved_tensors_report()`` instead.
     """
     reason = None
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    attach = _compat.cuda_oom_observer_attacher()
     if attach is None or not torch.backends.cuda.is_built():
         reason = "this PyTorch build has no CUDA support"
     elif not torch.cuda.is_available():

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .. import _compat
 from .frame import CheckpointFrame
 from .state_hooks import validate_state_hooks
 
@@ -129,7 +130,7 @@ def _run(fn, name, hooks, early_stop, check_metadata, bitwise, args, kwargs) -> 
 # forward saves other tensors than the eager replay would recreate. Compile inside
 # the checkpoint instead (remat.checkpoint(...)(torch.compile(block))), so that the
 # forward and the replay run the same compiled code.
-_run_eagerly = torch._disable_dynamo(_run)
+_run_eagerly = _compat.disable_dynamo(_run)
 
 
 def _default_name(fn: Any) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import _compat
+from .._autograd_hooks import graph_task_key, pop_hooks, push_hooks, top_hooks, unpack_packed
 from .._errors import RecomputeMismatchError, RematError, _StopRecompute
 from .._tensors import storage_root
 from ..diagnostics.named_save import link_saved_outputs
@@ -39,29 +40,6 @@ from .sources import INPUT, OUTPUT, SourceIndex, TensorSource
 from .state import _tls
 from .state_hooks import same_state
 from .walk import mark_inputs_read_by_replayed_code
-
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-def _unpack_hook(packed):
-    if "torch._dynamo" in sys.modules:
-        return _unpack_outside_dynamo(packed)
-    return packed.unpack()
-
-
-@torch._disable_dynamo
-def _unpack_outside_dynamo(packed):
-    # Compiled autograd calls unpack hooks from a graph that Dynamo compiles, and
-    # Dynamo would then compile the recompute too (the function, regions and all):
-    # an AOT-compiled replay saves other tensors than the eager forward did. The
-    # replay must run eagerly; functions the user compiled stay compiled.
-    return packed.unpack()
-
-
-def _queue_callback(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _forget(frame_ref: weakref.ref, key: Any) -> None:
@@ -78,17 +56,6 @@ def _replayable_copy(e: Exception) -> Exception:
     except Exception:
         return e
     return copied.with_traceback(None)
-
-
-def _graph_task_key() -> Any:
-    group = torch._C._get_graph_exec_group()
-    if group is not None:
-        return group
-    gid = torch._C._current_graph_task_id()
-    if gid == -1:
-        # Unpacked outside of a backward (e.g. grad_fn._saved_self): a key of its own.
-        return object()
-    return gid
 
 
 def _autocast_devices(leaves: Sequence[Any]) -> list[str]:
@@ -170,10 +137,10 @@ class CheckpointFrame:
         for dev in _autocast_devices(leaves):
             self.autocast.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.outer_hooks = _top_hooks(False)
-        self.start_seq = torch._C._autograd._get_sequence_nr()
+        self.outer_hooks = top_hooks(False)
+        self.start_seq = _compat.autograd_sequence_nr()
         try:
-            _push_hooks(self.pack, _unpack_hook)
+            push_hooks(self.pack, unpack_packed)
         except RuntimeError as e:
             raise RematError(
                 f"torch_remat: remat.checkpoint '{self.name}' needs saved-tensor hooks, "
@@ -189,7 +156,7 @@ class CheckpointFrame:
                     out = self.fn(*args, **kwargs)
             finally:
                 tls.stack.pop()
-                _pop_hooks()
+                pop_hooks()
             self._finish(out)
         except BaseException:
             # Includes an outer replay stopping early inside _finish (nested
@@ -401,7 +368,7 @@ class CheckpointFrame:
             if static._version != holder.static_version:
                 raise self._modified_error(holder.index, holder.static_version, static._version)
             return static
-        key = _graph_task_key()
+        key = graph_task_key()
         rec = holder.recomputed
         if rec is None or key not in rec:
             if key in self.recomputed_keys:
@@ -483,7 +450,7 @@ class CheckpointFrame:
         tls.stack.append(scope)
         tls.recompute_depth += 1
         try:
-            _push_hooks(scope.pack, replay_unpack)
+            push_hooks(scope.pack, replay_unpack)
             try:
                 with torch.enable_grad(), self._autocast_context(), profiler_range(
                     "remat.recompute:", self.name
@@ -492,7 +459,7 @@ class CheckpointFrame:
             except _StopRecompute:
                 pass
             finally:
-                _pop_hooks()
+                pop_hooks()
         finally:
             tls.stack.pop()
             tls.recompute_depth -= 1
@@ -511,4 +478,4 @@ class CheckpointFrame:
             self.recomputed_keys.add(key)
         if type(key) is int:
             # At the end of this backward, free what it refilled but did not use.
-            _queue_callback(functools.partial(_forget, weakref.ref(self), key))
+            _compat.queue_backward_callback(functools.partial(_forget, weakref.ref(self), key))

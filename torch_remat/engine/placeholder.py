@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
+from .. import _compat
 from .._errors import PlaceholderReadError
 
 
@@ -94,7 +95,7 @@ class Placeholder(torch.Tensor):
         out._origin = origin
         return out
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _compat.disabled_torch_function_impl
 
     def __repr__(self, *, tensor_contents=None) -> str:  # never reads data
         return (

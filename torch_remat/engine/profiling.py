@@ -6,7 +6,8 @@ import contextlib
 
 import torch
 
-_profiler_enabled = torch._C._autograd._profiler_enabled
+from .._compat import profiler_enabled as _profiler_enabled
+
 _NULL = contextlib.nullcontext()
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._C._autograd import _make_saved_tensor
 
+from .._compat import make_saved_tensor
 from .._errors import RematError, SavedTensorModifiedError
 from .._tensors import TensorMeta, storage_root
 from .placeholder import PlaceholderOrigin, make_placeholder
@@ -86,7 +86,7 @@ class TensorSource:
             return
         if t._version != self.version:
             raise SavedTensorModifiedError(self._modified_message(checkpoint))
-        self.saved = _make_saved_tensor(t.detach(), is_output=False)
+        self.saved = make_saved_tensor(t.detach(), is_output=False)
 
     def _modified_message(self, checkpoint: str) -> str:
         what = self.describe(checkpoint)

@@ -7,6 +7,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .. import _compat
+
 
 @runtime_checkable
 class RecomputeStateHook(Protocol):
@@ -106,7 +108,7 @@ def same_state(a: Any, b: Any) -> bool:
             return False
         # Below any dispatch mode: a recording mode (gradient_checkpoint_scope)
         # would otherwise keep both snapshots alive as inputs it read.
-        with torch._C._DisableTorchDispatch():
+        with _compat.DisableTorchDispatch():
             return bool(torch.equal(a, b))
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))

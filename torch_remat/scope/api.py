@@ -8,15 +8,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._autograd_hooks import disabled_message as _disabled_message
+from .._autograd_hooks import push_hooks as _push_hooks
+from .._autograd_hooks import top_hooks as _top_hooks
+from .._autograd_hooks import unpack_packed
 from .._errors import RematError
 from ..engine.state import current_scope
-from .hooks import ScopeHook, registry, remove_hook, unpack_packed
+from .hooks import ScopeHook, registry, remove_hook
 from .ops import scope_tls
 from .record import ScopeRecord
-
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_disabled_message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
 
 _JOINED = object()
 

@@ -27,14 +27,15 @@ from typing import Any
 
 import torch
 
+from .. import _compat
+from .._autograd_hooks import disabled_message as _disabled_message
+from .._autograd_hooks import in_backward, unpack_packed
+from .._autograd_hooks import pop_hooks as _pop
+from .._autograd_hooks import push_hooks as _push
+from .._autograd_hooks import top_hooks as _top
 from .._errors import SavedTensorModifiedError
 from .ops import paused_recording, storage_key
 from .record import ScopeRecord
-
-_push = torch._C._autograd._push_saved_tensors_default_hooks
-_pop = torch._C._autograd._pop_saved_tensors_default_hooks
-_top = torch._C._autograd._top_saved_tensors_default_hooks
-_disabled_message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
 
 _ANY = object()
 
@@ -73,19 +74,6 @@ class _Delegated:
 
     def unpack(self) -> torch.Tensor:
         return self.unpack_fn(self.packed)
-
-
-def unpack_packed(packed: Any) -> torch.Tensor:
-    if "torch._dynamo" in sys.modules:
-        return _unpack_outside_dynamo(packed)
-    return packed.unpack()
-
-
-@torch._disable_dynamo
-def _unpack_outside_dynamo(packed: Any) -> torch.Tensor:
-    # Compiled autograd runs unpack hooks from a graph Dynamo compiles; the replay
-    # must run eagerly (see torch_remat._frame._unpack_outside_dynamo).
-    return packed.unpack()
 
 
 class ScopeRegistry:
@@ -162,7 +150,7 @@ class ScopeRegistry:
         # state and restores it afterwards, hook stack included: a change made during
         # backward does not last, so none is made then. Presence is read from the stack
         # itself, never from a flag that such a restore would make stale.
-        if _in_backward():
+        if in_backward():
             return
         self.pending_removal = False
         if not self._surgery(_contains, _pack_after_scope):
@@ -172,7 +160,7 @@ class ScopeRegistry:
         with self.lock:
             if self.records or self.active:
                 return
-            if threading.get_ident() != self.owner or self.in_surgery or _in_backward():
+            if threading.get_ident() != self.owner or self.in_surgery or in_backward():
                 self.pending_removal = True
                 return
             self.pending_removal = False
@@ -239,11 +227,11 @@ def _with_hooks_enabled(fn: Any, *args: Any) -> Any:
     message = _disabled_message()
     if message is None:
         return fn(*args)
-    torch._C._autograd._saved_tensors_hooks_enable()
+    _compat.enable_saved_tensors_hooks()
     try:
         return fn(*args)
     finally:
-        torch._C._autograd._saved_tensors_hooks_disable(message, False)
+        _compat.disable_saved_tensors_hooks(message, False)
 
 
 def hook_stack() -> list[tuple[Any, Any]]:
@@ -272,10 +260,6 @@ def _pop_all() -> list[tuple[Any, Any]]:
 def _push_all(entries: list[tuple[Any, Any]]) -> None:
     for pack, unpack in entries:
         _push(pack, unpack)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _contains(pack_fn: Any) -> bool:

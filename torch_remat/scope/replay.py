@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._autograd_hooks import graph_task_key as _graph_task_key
 from .._errors import RecomputeMismatchError, SavedTensorModifiedError
-from ..engine.frame import _graph_task_key
 from ..engine.profiling import profiler_range
 from .ops import Ext, Op, View, paused_recording
 

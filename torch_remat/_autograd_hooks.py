@@ -1,0 +1,51 @@
+"""Saved-tensor-hook primitives shared by the checkpoint engine and the scope API.
+
+Both push their own default hooks (no context manager per call), key recomputed
+tensors by the backward that needs them, and unpack outside Dynamo.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from . import _compat
+
+push_hooks = _compat.push_saved_tensors_hooks
+pop_hooks = _compat.pop_saved_tensors_hooks
+top_hooks = _compat.top_saved_tensors_hooks
+disabled_message = _compat.saved_tensors_hooks_disabled_message
+
+
+def graph_task_key() -> Any:
+    """Which backward is unpacking: its graph-exec group or graph task id; a fresh
+    key of its own for an unpack outside any backward (``grad_fn._saved_self``)."""
+    group = _compat.get_graph_exec_group()
+    if group is not None:
+        return group
+    gid = _compat.current_graph_task_id()
+    if gid == -1:
+        return object()
+    return gid
+
+
+def in_backward() -> bool:
+    return _compat.current_graph_task_id() != -1
+
+
+def unpack_packed(packed: Any) -> torch.Tensor:
+    """The unpack hook of both subsystems: ``packed.unpack()``, run eagerly."""
+    if "torch._dynamo" in sys.modules:
+        return _unpack_outside_dynamo(packed)
+    return packed.unpack()
+
+
+@_compat.disable_dynamo
+def _unpack_outside_dynamo(packed: Any) -> torch.Tensor:
+    # Compiled autograd calls unpack hooks from a graph that Dynamo compiles, and
+    # Dynamo would then compile the recompute too (the function, regions and all):
+    # an AOT-compiled replay saves other tensors than the eager forward did. The
+    # replay must run eagerly; functions the user compiled stay compiled.
+    return packed.unpack()

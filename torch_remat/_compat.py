@@ -1,0 +1,72 @@
+"""Every private PyTorch API torch_remat uses, in one place.
+
+torch_remat is tested on torch 2.13.0, the floor declared in pyproject.toml. Each
+name below is an internal of that release; when a torch upgrade moves one, this is
+the only module to change. Uses outside this module are only of public names.
+
+===============================================  =============================================
+private name                                      why torch_remat needs it
+===============================================  =============================================
+``_C._autograd._push/_pop/_top_saved_tensors_    push hooks without a context manager object
+default_hooks``                                   per checkpoint (the pack path is hot), and
+                                                  read the hooks active around a checkpoint
+``_C._autograd._saved_tensors_hooks_*``           tell ``disable_saved_tensors_hooks`` apart
+                                                  and keep its message across stack surgery
+``_C._autograd._make_saved_tensor``               store kept inputs as autograd SavedTensors
+                                                  (user hooks and the in-place check apply)
+``_C._autograd._get_sequence_nr``                 which autograd nodes a checkpoint created
+``_C._current_graph_task_id``,                    key recomputed tensors by the backward
+``_C._get_graph_exec_group``                      (graph task) that needs them
+``autograd.Variable._execution_engine``           free refills a backward did not use when it
+                                                  ends (``queue_callback``)
+``_C._autograd._profiler_enabled``                build profiler range names only when profiling
+``_C._DisableTorchDispatch``                      compare state snapshots below dispatch modes
+``_C._disabled_torch_function_impl``              placeholder subclass without torch_function
+``_disable_dynamo``                               run the replay eagerly under compiled autograd
+``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
+``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
+===============================================  =============================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+TESTED_TORCH = "2.13.0"
+
+push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+pop_saved_tensors_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+saved_tensors_hooks_disabled_message = (
+    torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
+)
+enable_saved_tensors_hooks = torch._C._autograd._saved_tensors_hooks_enable
+disable_saved_tensors_hooks = torch._C._autograd._saved_tensors_hooks_disable
+make_saved_tensor = torch._C._autograd._make_saved_tensor
+SavedTensor = torch._C._autograd.SavedTensor
+autograd_sequence_nr = torch._C._autograd._get_sequence_nr
+current_graph_task_id = torch._C._current_graph_task_id
+# Newer than the rest: absent, every backward is its own group.
+get_graph_exec_group = getattr(torch._C, "_get_graph_exec_group", lambda: None)
+profiler_enabled = torch._C._autograd._profiler_enabled
+DisableTorchDispatch = torch._C._DisableTorchDispatch
+disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+disable_dynamo = torch._disable_dynamo
+
+
+def cuda_memory_history_may_be_enabled() -> bool:
+    """False only when the allocator says it records no history (then a snapshot
+    has no frames to read)."""
+    enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    return enabled is None or bool(enabled())
+
+
+def queue_backward_callback(callback) -> None:
+    """Run ``callback`` when the current backward (graph task) finishes."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def cuda_oom_observer_attacher():
+    """``torch._C._cuda_attach_out_of_memory_observer``, or None on builds without
+    CUDA; looked up at call time."""
+    return getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
