@@ -340,17 +340,16 @@ class _FrameStandIn:
     def __init__(self, name):
         self.name = name
         self.regions = []
-        self.save_observer = None
 
 
 def test_saves_outliving_their_frame_are_still_reported_in_forward_order():
     # Autograd keeps each saved tensor's pack hook, so today a frame lives as long
     # as anything it packed; the registry does not rely on that.
     frame = _FrameStandIn("gone")
-    _registry.frame_created(frame)
+    _registry._Registrar().checkpoint_created(frame)
     keep = []
     for name, n in (("first", 2), ("second", 3)):
-        rec = RegionRecord("gone", name, name, False, None, True)
+        rec = RegionRecord("gone", name, name, False)
         saved = RegionSaved(rec, "saved.0", torch.ones(n), None)
         rec.saved.append(weakref.ref(saved))
         frame.regions.append(rec)

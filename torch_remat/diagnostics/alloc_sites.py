@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..engine.state import _tls
+from ..engine.observers import CheckpointObserver, observe
 from .storage import StorageInfo
 
 _library_dirs: tuple[str, ...] | None = None
@@ -140,6 +140,11 @@ def cuda_site_lookup(infos: Iterable[StorageInfo]) -> Callable[[StorageInfo], st
     return lookup
 
 
+class _SiteRecorder(CheckpointObserver):
+    def tensor_kept(self, frame: Any, saved: Any, tensor: torch.Tensor) -> None:
+        saved.site = current_user_site()
+
+
 @contextlib.contextmanager
 def record_save_sites() -> Iterator[None]:
     """Record where each tensor saved inside a SAVE region was saved from.
@@ -151,9 +156,5 @@ def record_save_sites() -> Iterator[None]:
     also come from the allocator when ``torch.cuda.memory._record_memory_history()``
     is on, without this block.
     """
-    previous = _tls.record_sites
-    _tls.record_sites = True
-    try:
+    with observe(_SiteRecorder()):
         yield
-    finally:
-        _tls.record_sites = previous

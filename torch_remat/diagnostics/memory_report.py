@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._tensors import TensorMeta
-from ..engine.state import current_scope
+from ..engine.state import FORWARD, current_scope
 from .alloc_sites import cuda_site_lookup
 from .format import align_rows, format_bytes, format_dtype, format_shape
 from .holdings import HeldGroup, Holdings, frame_holdings
@@ -245,7 +245,7 @@ def add_allocation_sites(rows: list[TensorRow]) -> None:
 def current_memory_block() -> CheckpointBlock | None:
     """The block of the checkpoint whose forward is running in this thread."""
     scope = current_scope()
-    if scope is None or not hasattr(scope, "forward_done"):
+    if scope is None or scope.phase != FORWARD:
         return None
     block = checkpoint_block(frame_holdings(scope), Ledger())
     add_allocation_sites(block.rows())
@@ -271,8 +271,7 @@ def format_current_memory_report() -> str:
         )
     block = current_memory_block()
     if block is None:
-        frame = getattr(scope, "frame", None)
-        name = getattr(frame, "name", "?")
+        name = scope.frame.name
         return (
             f"torch_remat: checkpoint '{name}' is being recomputed; the memory report "
             "describes the original forward only. Guard the call with "

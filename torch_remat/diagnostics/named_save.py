@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..engine.observers import CheckpointObserver
 from ..engine.state import current_scope
 from .storage import tensors_in
 
@@ -29,41 +30,35 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (st, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-class SaveAnnotator:
-    """Installed as a frame's ``save_observer`` while names are pending or allocation
-    sites are being recorded; called with each ``RegionSaved`` right after it is packed."""
-
-    __slots__ = ("pending", "record_sites")
+class SaveNamer(CheckpointObserver):
+    """Subscribed to one checkpoint while ``save_for_backward`` names are pending:
+    renames each tensor its SAVE regions keep that matches a pending name."""
 
     def __init__(self) -> None:
         self.pending: dict[tuple, list[str]] = {}
-        self.record_sites = False
 
     def add_names(self, named: dict[str, torch.Tensor]) -> None:
         for name, t in named.items():
             self.pending.setdefault(_tensor_key(t), []).append(name)
 
-    def __call__(self, saved: Any, t: torch.Tensor) -> None:
+    def tensor_kept(self, frame: Any, saved: Any, tensor: torch.Tensor) -> None:
         pending = self.pending
         if pending:
-            key = _tensor_key(t)
+            key = _tensor_key(tensor)
             names = pending.get(key)
             if names:
                 saved.name = names.pop(0)
                 if not names:
                     del pending[key]
-        if self.record_sites:
-            from .alloc_sites import current_user_site
-
-            saved.site = current_user_site()
 
 
-def annotator_of(frame: Any) -> SaveAnnotator:
-    annotator = frame.save_observer
-    if not isinstance(annotator, SaveAnnotator):
-        annotator = SaveAnnotator()
-        frame.save_observer = annotator
-    return annotator
+def _namer_of(frame: Any) -> SaveNamer:
+    for observer in frame.observers.kept:
+        if isinstance(observer, SaveNamer):
+            return observer
+    namer = SaveNamer()
+    frame.subscribe(namer)
+    return namer
 
 
 def save_for_backward(
@@ -84,11 +79,11 @@ def save_for_backward(
     """
     ctx.save_for_backward(*tensors, *named.values())
     scope = current_scope()
-    if scope is None or not getattr(scope, "save_depth", 0):
+    if scope is None or not scope.in_save_region:
         return
     live = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
     if live:
-        annotator_of(scope).add_names(live)
+        _namer_of(scope.frame).add_names(live)
 
 
 def link_saved_outputs(record: Any) -> None:

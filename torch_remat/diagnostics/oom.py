@@ -19,7 +19,7 @@ from typing import IO, Any
 import torch
 
 from .. import _compat
-from ..engine.state import _tls
+from ..engine.active import active_checkpoint
 from .format import format_bytes
 
 _FAILED = "torch_remat: OOM observer failed while building its report"
@@ -27,17 +27,8 @@ _FAILED = "torch_remat: OOM observer failed while building its report"
 
 def describe_active_checkpoint() -> str | None:
     """Which checkpoint (and region) this thread is running, for the OOM message."""
-    stack = _tls.stack
-    if not stack:
-        return None
-    scope = stack[-1]
-    frame = getattr(scope, "frame", scope)
-    phase = "recompute" if getattr(scope, "frame", None) is not None else "forward"
-    regions = getattr(scope, "region_stack", None) or []
-    where = f"checkpoint '{frame.name}' ({phase})"
-    if regions:
-        where += f", region '{regions[-1].qualname}'"
-    return where
+    active = active_checkpoint()
+    return None if active is None else active.format()
 
 
 def format_oom_report(device: int, alloc: int, device_alloc: int, device_free: int) -> str:

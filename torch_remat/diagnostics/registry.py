@@ -16,7 +16,8 @@ import weakref
 from functools import partial
 from typing import Any
 
-from ..engine.state import _tls
+from ..engine.observers import CheckpointObserver, add_process_observer
+from .named_save import link_saved_outputs
 
 _serials = itertools.count()
 _entries: dict[int, FrameEntry] = {}
@@ -56,21 +57,22 @@ def _frame_died(serial: int, _ref: weakref.ref) -> None:
         _entries.pop(serial, None)
 
 
-def frame_created(frame: Any) -> None:
-    """Called once by every ``CheckpointFrame`` when it is built."""
-    serial = next(_serials)
-    _entries[serial] = FrameEntry(frame, serial)
-    if serial % _PRUNE_EVERY == 0:
-        prune()
-    tls = _tls
-    if tls.recompute_depth:
-        return
-    if tls.trace is not None:
-        tls.trace.checkpoint_created(frame)
-    if tls.record_sites:
-        from .named_save import annotator_of
+class _Registrar(CheckpointObserver):
+    """Subscribed to every checkpoint of the process: enters it in the registry,
+    and links each SAVE region's saved tensors to its outputs when it returns."""
 
-        annotator_of(frame).record_sites = True
+    def checkpoint_created(self, frame: Any) -> None:
+        serial = next(_serials)
+        _entries[serial] = FrameEntry(frame, serial)
+        if serial % _PRUNE_EVERY == 0:
+            prune()
+
+    def region_exited(self, frame: Any, record: Any) -> None:
+        if record.saved and not record.recompute:
+            link_saved_outputs(record)
+
+
+add_process_observer(_Registrar())
 
 
 def prune() -> None:

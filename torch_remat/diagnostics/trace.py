@@ -16,11 +16,21 @@ checkpoint a region is a plain call, but the configuration is still shown).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..engine.state import _tls
+from ..engine.observers import CheckpointObserver, observe
+from ..engine.state import is_recomputing
+
+
+class _TraceState(threading.local):
+    def __init__(self) -> None:
+        self.trace: Trace | None = None  # the innermost collect_trace of this thread
+
+
+_trace_state = _TraceState()
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,7 +57,7 @@ class TraceNode:
         }
 
 
-class Trace:
+class Trace(CheckpointObserver):
     """What :func:`collect_trace` recorded; ``format()`` renders it as text."""
 
     def __init__(self, checkpoints: bool = False) -> None:
@@ -56,49 +66,41 @@ class Trace:
         self._open: list[TraceNode] = []
 
     # -------------------------------------------------------------- recording
+    # A Trace is an engine observer (torch_remat.engine.observers) for the
+    # checkpoints and regions that start inside its collect_trace block.
 
     def _recording(self) -> bool:
-        return _tls.trace is self and not _tls.recompute_depth
+        return _trace_state.trace is self and not is_recomputing()
 
-    def _call(self, node: TraceNode, fn: Callable[..., Any], args, kwargs) -> Any:
+    def _open_node(self, node: TraceNode) -> None:
         (self._open[-1].children if self._open else self.roots).append(node)
         self._open.append(node)
+
+    def _close_node(self) -> None:
+        self._open.pop()
+
+    def _call(self, node: TraceNode, fn: Callable[..., Any], args, kwargs) -> Any:
+        self._open_node(node)
         try:
             return fn(*args, **kwargs)
         finally:
-            self._open.pop()
+            self._close_node()
 
-    def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
-        """A ``remat.region`` called outside any checkpoint."""
-        if not self._recording():
-            return fn(*args, **kwargs)
-        kind = "recompute" if recompute else "save"
-        return self._call(TraceNode(kind, name), fn, args, kwargs)
+    def forward_entered(self, frame: Any) -> None:
+        if self.checkpoints and self._recording():
+            self._open_node(TraceNode("checkpoint", frame.name))
 
-    def wrap_region(self, fn: Callable[..., Any], record: Any) -> Callable[..., Any]:
-        """A region inside a checkpoint's forward (``record`` is its RegionRecord)."""
+    def forward_exited(self, frame: Any) -> None:
+        if self.checkpoints and self._recording():
+            self._close_node()
 
-        def traced_region(*args: Any, **kwargs: Any) -> Any:
-            if not self._recording():
-                return fn(*args, **kwargs)
-            node = TraceNode(record.kind, record.name, record.metadata)
-            return self._call(node, fn, args, kwargs)
+    def region_entered(self, frame: Any, record: Any) -> None:
+        if self._recording():
+            self._open_node(TraceNode(record.kind, record.name))
 
-        return traced_region
-
-    def checkpoint_created(self, frame: Any) -> None:
-        frame.trace_scope = self
-        if not self.checkpoints:
-            return
-        fn = frame.fn
-
-        def traced_checkpoint(*args: Any, **kwargs: Any) -> Any:
-            if not self._recording():
-                return fn(*args, **kwargs)
-            return self._call(TraceNode("checkpoint", frame_name), fn, args, kwargs)
-
-        frame_name = frame.name
-        frame.fn = traced_checkpoint
+    def region_exited(self, frame: Any, record: Any) -> None:
+        if self._recording():
+            self._close_node()
 
     def scope(self, fn: Callable[..., Any], name: str, metadata: Any, args, kwargs) -> Any:
         if not self._recording():
@@ -145,12 +147,13 @@ def collect_trace(*, checkpoints: bool = False) -> Iterator[Trace]:
     fine. Nested ``collect_trace`` blocks record into the innermost one.
     """
     trace = Trace(checkpoints)
-    previous = _tls.trace
-    _tls.trace = trace
+    previous = _trace_state.trace
+    _trace_state.trace = trace
     try:
-        yield trace
+        with observe(trace):
+            yield trace
     finally:
-        _tls.trace = previous
+        _trace_state.trace = previous
 
 
 def trace_scope(fn: F, name: str, metadata: Any = None) -> F:
@@ -169,7 +172,7 @@ def trace_scope(fn: F, name: str, metadata: Any = None) -> F:
         raise ValueError(f"remat.trace_scope: name must be a non-empty string, got {name!r}.")
 
     def scoped(*args: Any, **kwargs: Any) -> Any:
-        trace = _tls.trace
+        trace = _trace_state.trace
         if trace is None:
             return fn(*args, **kwargs)
         return trace.scope(fn, name, metadata, args, kwargs)

@@ -17,10 +17,7 @@ from typing import Any
 
 from .frame import CheckpointFrame
 from .replay import ReplayScope
-from .state import _tls
-
-FORWARD = "forward"
-RECOMPUTE = "recompute"
+from .state import FORWARD, RECOMPUTE, _tls
 
 # Frames of the core that mark where a traceback entered a checkpoint or a region.
 _CHECKPOINT_CODES = {
@@ -75,7 +72,7 @@ def active_checkpoint(exception: BaseException | None = None) -> ActiveCheckpoin
     if not stack:
         return None
     scope = stack[-1]
-    name = scope.frame.name if isinstance(scope, ReplayScope) else scope.name
+    name = scope.frame.name
     phase = RECOMPUTE if _tls.recompute_depth else FORWARD
     regions = scope.region_stack
     return ActiveCheckpoint(name, phase, regions[-1].qualname if regions else None)

@@ -30,14 +30,13 @@ from .. import _compat
 from .._autograd_hooks import graph_task_key, pop_hooks, push_hooks, top_hooks, unpack_packed
 from .._errors import RecomputeMismatchError, RematError, _StopRecompute
 from .._tensors import storage_root
-from ..diagnostics.named_save import link_saved_outputs
-from ..diagnostics.registry import frame_created
+from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
 from .records import Holder, RegionRecord, RegionSaved
 from .replay import ReplayScope, replay_unpack
 from .sources import INPUT, OUTPUT, SourceIndex, TensorSource
-from .state import _tls
+from .state import FORWARD, _tls
 from .state_hooks import same_state
 from .walk import mark_inputs_read_by_replayed_code
 
@@ -111,12 +110,25 @@ class CheckpointFrame:
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()
-        self.trace_scope: Any = None
-        self.save_name: str | None = None
-        # Called as save_observer(region_saved, t) after each SAVE-region pack when
-        # set (named saves, allocation sites); None keeps the pack path unchanged.
-        self.save_observer: Callable[[RegionSaved, torch.Tensor], None] | None = None
-        frame_created(self)
+        self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
+        for observer in self.observers.all:
+            observer.checkpoint_created(self)
+
+    # ------------------------------------------------------ the active-scope protocol
+
+    phase = FORWARD
+
+    @property
+    def frame(self) -> CheckpointFrame:
+        return self
+
+    @property
+    def in_save_region(self) -> bool:
+        return self.save_depth > 0
+
+    def subscribe(self, observer: Any) -> None:
+        """Send this checkpoint's remaining events to ``observer`` too."""
+        self.observers = self.observers.with_(observer)
 
     # ------------------------------------------------------------------ forward
 
@@ -150,13 +162,18 @@ class CheckpointFrame:
             ) from e
         tls = _tls
         tls.stack.append(self)
+        observers = self.observers.all
         try:
             try:
+                for observer in observers:
+                    observer.forward_entered(self)
                 with profiler_range("remat.forward:", self.name):
                     out = self.fn(*args, **kwargs)
             finally:
                 tls.stack.pop()
                 pop_hooks()
+                for observer in observers:
+                    observer.forward_exited(self)
             self._finish(out)
         except BaseException:
             # Includes an outer replay stopping early inside _finish (nested
@@ -208,13 +225,10 @@ class CheckpointFrame:
 
     def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved:
         region = self.region_stack[-1]
-        name = self.save_name
-        if name is None:
-            name = f"saved.{len(region.saved)}"
-        saved = RegionSaved(region, name, t, self.outer_hooks)
+        saved = RegionSaved(region, f"saved.{len(region.saved)}", t, self.outer_hooks)
         region.saved.append(weakref.ref(saved))
-        if self.save_observer is not None:
-            self.save_observer(saved, t)
+        for observer in self.observers.kept:
+            observer.tensor_kept(self, saved, t)
         return saved
 
     def qualify(self, name: str) -> str:
@@ -239,11 +253,8 @@ class CheckpointFrame:
                 "inner one recompute=False."
             )
         self.region_names.add(qualname)
-        parent = self.region_stack[-1] if self.region_stack else None
-        record = RegionRecord(self.name, name, qualname, recompute, parent, not in_save)
+        record = RegionRecord(self.name, name, qualname, recompute)
         self.regions.append(record)
-        if self.trace_scope is not None:
-            fn = self.trace_scope.wrap_region(fn, record)
         if not in_save:
             self.replay_regions.append(record)
         if self.sources:
@@ -252,13 +263,25 @@ class CheckpointFrame:
             # A checkpoint nested in the replayed code of an outer one is re-run whole
             # (SAVE bodies included) by the outer replay: for the outer frame, this
             # region reads its arguments in replayed code.
-            if type(outer) is CheckpointFrame and outer.save_depth == 0 and outer.sources:
+            if outer.phase == FORWARD and not outer.in_save_region and outer.sources:
                 outer._consume(args, kwargs, True, False)
+        observers = self.observers.regions
+        for observer in observers:
+            observer.region_entered(self, record)
+        try:
+            out = self._run_region_body(fn, record, in_save, args, kwargs)
+        finally:
+            for observer in observers:
+                observer.region_exited(self, record)
+        return out
+
+    def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs) -> Any:
+        recompute = record.recompute
         self.region_stack.append(record)
         if not recompute:
             self.save_depth += 1
         try:
-            with profiler_range("remat.region:", self.name, "::", qualname):
+            with profiler_range("remat.region:", self.name, "::", record.qualname):
                 out = fn(*args, **kwargs)
         except Exception as e:
             if not recompute and not in_save:
@@ -323,8 +346,6 @@ class CheckpointFrame:
             else:
                 record.outputs.append(leaf)
         record.pending_keep = []
-        if record.saved:
-            link_saved_outputs(record)
 
     def keep(self, t: torch.Tensor) -> bool:
         """``recompute_needs_tensor`` during the forward. False if ``t`` is unknown."""
@@ -449,6 +470,9 @@ class CheckpointFrame:
         tls = _tls
         tls.stack.append(scope)
         tls.recompute_depth += 1
+        observers = self.observers.all
+        for observer in observers:
+            observer.replay_started(self)
         try:
             push_hooks(scope.pack, replay_unpack)
             try:
@@ -465,6 +489,8 @@ class CheckpointFrame:
             tls.recompute_depth -= 1
             for h, s in zip(hooks, caller_states):
                 h.restore(s)
+            for observer in observers:
+                observer.replay_ended(self)
         if scope.filled < needed:
             raise RecomputeMismatchError(
                 f"torch_remat: the recompute of checkpoint '{self.name}' saved "

@@ -110,34 +110,25 @@ class RegionRecord:
         "name",
         "qualname",
         "recompute",
-        "parent",
-        "replayed",
         "saved",
         "outputs",
         "output_spec",
         "exit_states",
         "pending_keep",
-        "metadata",
         "raised",
     )
 
-    def __init__(
-        self, checkpoint: str, name: str, qualname: str, recompute: bool, parent, replayed: bool
-    ) -> None:
+    def __init__(self, checkpoint: str | None, name: str, qualname: str, recompute: bool) -> None:
         self.checkpoint = checkpoint
         self.name = name
         self.qualname = qualname
         self.recompute = recompute
-        self.parent = parent
-        # False for regions nested inside a SAVE region: their body is never replayed.
-        self.replayed = replayed
         self.saved: list[weakref.ref] = []
         self.outputs: list[Any] = []
         self.output_spec = None
         self.exit_states: list[Any] = []
         # roots passed to recompute_needs_tensor inside this SAVE region's body
         self.pending_keep: list[weakref.ref] = []
-        self.metadata: Any = None
         # the exception a SAVE region's body raised in forward (re-raised in replay)
         self.raised: BaseException | None = None
 

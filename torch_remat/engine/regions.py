@@ -8,7 +8,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from .state import _tls, current_scope
+from .observers import thread_observers
+from .records import RegionRecord
+from .state import current_scope
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,11 +52,21 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
 
     def call_region(*args: Any, **kwargs: Any) -> Any:
         scope = current_scope()
-        if scope is None:
-            if _tls.trace is not None:  # remat.collect_trace records it anyway
-                return _tls.trace.run_region(fn, name, recompute, args, kwargs)
+        if scope is not None:
+            return scope.run_region(fn, name, recompute, args, kwargs)
+        observers = thread_observers()
+        if not observers:
             return fn(*args, **kwargs)
-        return scope.run_region(fn, name, recompute, args, kwargs)
+        # Outside any checkpoint a region is a plain call; observers (a trace) still
+        # see it, with no checkpoint.
+        record = RegionRecord(None, name, name, recompute)
+        for observer in observers:
+            observer.region_entered(None, record)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for observer in observers:
+                observer.region_exited(None, record)
 
     call_region.__wrapped__ = fn  # type: ignore[attr-defined]
     return call_region  # type: ignore[return-value]

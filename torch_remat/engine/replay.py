@@ -19,6 +19,7 @@ from .placeholder import Placeholder, read_error_message
 from .profiling import profiler_range
 from .records import RegionRecord
 from .sources import TensorSource
+from .state import RECOMPUTE
 
 # Packed for tensors saved during a replay; the replay's own graph is never run.
 _REPLAYED = object()
@@ -33,7 +34,13 @@ def replay_unpack(packed: Any) -> torch.Tensor:
 
 
 class ReplayScope:
-    """Refills a frame's holders for one backward (graph task) ``key``."""
+    """Refills a frame's holders for one backward (graph task) ``key``.
+
+    While it runs it is the active scope (see :class:`~torch_remat.engine.state.ActiveScope`).
+    """
+
+    phase = RECOMPUTE
+    in_save_region = False
 
     def __init__(self, frame: Any, key: Any, needed: int) -> None:
         self.frame = frame

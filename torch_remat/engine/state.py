@@ -7,7 +7,7 @@ checkpoints at the same time never see each other's frames.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 
 class _ThreadState(threading.local):
@@ -16,16 +16,40 @@ class _ThreadState(threading.local):
         # replay scope during a recompute.
         self.stack: list[Any] = []
         self.recompute_depth = 0
-        # Diagnostics: the trace being collected (remat.collect_trace) and whether
-        # allocation sites of saved tensors are recorded (remat.record_save_sites).
-        self.trace: Any = None
-        self.record_sites = False
 
 
 _tls = _ThreadState()
 
 
-def current_scope() -> Any:
+class ActiveScope(Protocol):
+    """What code running inside a checkpoint can ask of the scope around it: the
+    forward of a checkpoint (a ``CheckpointFrame``) or its recompute (a
+    ``ReplayScope``). ``remat.region`` and ``recompute_needs_tensor`` call into it;
+    diagnostics read it. Nothing else is assumed of the objects on the stack."""
+
+    phase: str
+    """``"forward"`` or ``"recompute"``."""
+    frame: Any
+    """The ``CheckpointFrame`` of the checkpoint call."""
+    region_stack: list[Any]
+    """RegionRecords of the regions running, outermost first."""
+
+    @property
+    def in_save_region(self) -> bool:
+        """True while a SAVE region's body runs (forward only)."""
+        ...
+
+    def run_region(self, fn: Any, name: str, recompute: bool, args: tuple, kwargs: dict) -> Any: ...
+
+    def keep(self, t: Any) -> bool: ...
+
+
+FORWARD = "forward"
+RECOMPUTE = "recompute"
+
+
+def current_scope() -> ActiveScope | None:
+    """The innermost checkpoint forward or recompute running in this thread."""
     stack = _tls.stack
     return stack[-1] if stack else None
 

@@ -91,7 +91,7 @@ class gradient_checkpoint_scope:
         if scopes.active and scopes.active[-1].marker is marker:
             self._open.append(_JOINED)  # directly nested: the outer scope records it all
             return self
-        if marker is not None and getattr(marker, "save_depth", 0) == 0:
+        if marker is not None and not marker.in_save_region:
             # Code a remat.checkpoint recomputes (outside its SAVE regions, or its
             # replay): nothing there is stored anyway, and a scope would only keep
             # its inputs alive for a second replay.
