@@ -31,6 +31,21 @@ class SavedTensorModifiedError(RematError):
     """A tensor needed for backward was modified in place after it was saved."""
 
 
+def modified_in_place(
+    tensor: str, when: str, fix: str, versions: tuple[int, int] | None = None
+) -> SavedTensorModifiedError:
+    """The error for a tensor backward needs that changed in place: ``tensor`` says
+    which one and where it was saved, ``when`` when it changed, ``fix`` what to do."""
+    changed = "" if versions is None else f" (version {versions[0]} -> {versions[1]})"
+    return SavedTensorModifiedError(
+        f"torch_remat: {tensor} was modified in place {when}{changed}. Its gradient "
+        f"would be wrong. {fix}"
+    )
+
+
+CLONE_FIRST = "Clone it before modifying it."
+
+
 class _StopRecompute(BaseException):
     # Raised from the replay pack hook once every needed tensor is refilled (early
     # stop). A BaseException so that a user's ``except Exception`` inside the

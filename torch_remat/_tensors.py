@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,30 @@ class TensorMeta(NamedTuple):
         )
 
     def describe(self) -> str:
-        return f"shape {self.shape}, {str(self.dtype).replace('torch.', '')}"
+        return describe_tensor(self.shape, self.dtype)
+
+
+def format_dtype(dtype: torch.dtype) -> str:
+    """``float32``, not ``torch.float32``."""
+    return str(dtype).replace("torch.", "")
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    return str(tuple(int(s) for s in shape))
+
+
+def describe_tensor(shape: Sequence[int], dtype: torch.dtype) -> str:
+    """``shape (3, 4), float32``: how every message names a tensor's layout."""
+    return f"shape {format_shape(shape)}, {format_dtype(dtype)}"
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one: the module holds it anyway, so reports never
+    count it as saved activation memory."""
+    base = t._base
+    root = t if base is None else base
+    # type() first: Parameter's isinstance check runs Python code
+    return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
 
 
 def storage_root(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+from .._tensors import format_dtype, format_shape
+
+__all__ = ["align_rows", "format_bytes", "format_dtype", "format_shape", "plural"]
 
 _UNITS = ("KiB", "MiB", "GiB")
 
@@ -28,14 +30,6 @@ def format_bytes(n: int) -> str:
         if abs(value) < 1024.0 or unit == _UNITS[-1]:
             return f"{value:.2f} {unit}"
     raise AssertionError("unreachable")
-
-
-def format_dtype(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def format_shape(shape: Sequence[int]) -> str:
-    return str(tuple(int(s) for s in shape))
 
 
 def plural(count: int, word: str) -> str:

@@ -12,6 +12,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._tensors import is_parameter
+
+__all__ = ["StorageInfo", "is_parameter", "storages_of", "tensors_in"]
+
 
 class StorageInfo(NamedTuple):
     key: int  # the StorageImpl's address: same allocation, same key
@@ -94,11 +98,3 @@ def tensors_in(obj: Any, depth: int = 0) -> list[torch.Tensor]:
         for value in attrs.values():
             out.extend(tensors_in(value, depth + 1))
     return out
-
-
-def is_parameter(t: torch.Tensor) -> bool:
-    """A parameter or a view of one: reports never count it as saved activation
-    memory (the module holds it anyway)."""
-    base = t._base
-    root = t if base is None else base
-    return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import RecomputeMismatchError
+from .._tensors import format_dtype
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -41,7 +42,7 @@ def check_bitwise(frame: Any, index: int, t: torch.Tensor, region: str | None) -
     raise RecomputeMismatchError(
         f"torch_remat: determinism check failed for checkpoint '{frame.name}': tensor "
         f"#{index} saved for backward by {where} ({tuple(t.shape)}, "
-        f"{str(t.dtype).replace('torch.', '')}) has different bits in the recompute than "
+        f"{format_dtype(t.dtype)}) has different bits in the recompute than "
         "in the forward. Something the replay depends on changed: usually RNG state "
         "(dropout) that needs a recompute_state_hooks entry, or a non-deterministic "
         "kernel."

@@ -16,35 +16,29 @@ Mechanism (the same saved-tensor-hook scheme as non-reentrant
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from .. import _compat
-from .._autograd_hooks import graph_task_key, pop_hooks, push_hooks, top_hooks, unpack_packed
-from .._errors import RecomputeMismatchError, RematError, _StopRecompute
+from .._autograd_hooks import pop_hooks, push_hooks, top_hooks, unpack_packed
+from .._errors import (
+    RematError,
+)
 from .._tensors import storage_root
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
+from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved
-from .replay import ReplayScope, replay_unpack
 from .sources import INPUT, OUTPUT, SourceIndex, TensorSource
 from .state import FORWARD, _tls
 from .state_hooks import same_state
 from .walk import mark_inputs_read_by_replayed_code
-
-
-def _forget(frame_ref: weakref.ref, key: Any) -> None:
-    frame = frame_ref()
-    if frame is not None:
-        frame.forget(key)
 
 
 def _replayable_copy(e: Exception) -> Exception:
@@ -57,19 +51,7 @@ def _replayable_copy(e: Exception) -> Exception:
     return copied.with_traceback(None)
 
 
-def _autocast_devices(leaves: Sequence[Any]) -> list[str]:
-    devices = ["cpu"]
-    if torch.cuda.is_available():
-        devices.append("cuda")
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            dt = x.device.type
-            if dt not in devices and dt != "meta":
-                devices.append(dt)
-    return devices
-
-
-class CheckpointFrame:
+class CheckpointFrame(FrameBackward):
     """State of one checkpointed call, from its forward until its graph dies."""
 
     def __init__(
@@ -146,8 +128,7 @@ class CheckpointFrame:
                 self.inputs.append(src)
                 self.sources.add(x, src)
         self.entry_states = self.last_states = [h.snapshot() for h in self.state_hooks]
-        for dev in _autocast_devices(leaves):
-            self.autocast.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+        self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.outer_hooks = top_hooks(False)
         self.start_seq = _compat.autograd_sequence_nr()
@@ -380,128 +361,3 @@ class CheckpointFrame:
         self.walk_roots = []
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
-
-    # ----------------------------------------------------------------- backward
-
-    def unpack_holder(self, holder: Holder) -> torch.Tensor:
-        static = holder.static
-        if static is not None:
-            if static._version != holder.static_version:
-                raise self._modified_error(holder.index, holder.static_version, static._version)
-            return static
-        key = graph_task_key()
-        rec = holder.recomputed
-        if rec is None or key not in rec:
-            if key in self.recomputed_keys:
-                raise RematError(
-                    f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
-                    "unpacked twice in the same backward. If a custom autograd Function "
-                    "reads ctx.saved_tensors more than once, read it once and reuse it."
-                )
-            self.recompute(key)
-            rec = holder.recomputed
-        t, version = rec.pop(key)
-        if type(key) is object:
-            self.forget(key)  # unpacked outside a backward: nothing else will use them
-        if t._version != version:
-            raise self._modified_error(holder.index, version, t._version)
-        return t
-
-    def forget(self, key: Any) -> None:
-        """Drop the tensors refilled for ``key`` that nothing unpacked (a backward
-        that reached only part of the graph, e.g. ``autograd.grad(..., inputs=...)``
-        with ``retain_graph=True``)."""
-        for ref in self.holders:
-            h = ref()
-            if h is not None and h.recomputed:
-                h.recomputed.pop(key, None)
-        self.recomputed_keys.discard(key)
-
-    def _modified_error(self, index: int, old: int, new: int) -> RematError:
-        from .._errors import SavedTensorModifiedError
-
-        shape, dtype, _, region, _ = self.holder_meta[index]
-        where = f"region '{region}'" if region else "code outside regions"
-        return SavedTensorModifiedError(
-            f"torch_remat: tensor #{index} saved for backward by {where} of checkpoint "
-            f"'{self.name}' (shape {tuple(shape)}, {str(dtype).replace('torch.', '')}) "
-            f"was modified in place after it was saved (version {old} -> {new}). Its "
-            "gradient would be wrong. Clone the tensor before modifying it."
-        )
-
-    def replay_args(self) -> tuple[tuple, dict]:
-        leaves = list(self.leaves)
-        for s in self.inputs:
-            leaves[s.index] = s.replay_value(self.name)
-        if self.spec is None:
-            return tuple(leaves), {}
-        return tree_unflatten(leaves, self.spec)
-
-    def _autocast_context(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        for dev, enabled, dtype in self.autocast:
-            if torch.is_autocast_enabled(dev) != enabled or (
-                enabled and torch.get_autocast_dtype(dev) != dtype
-            ):
-                stack.enter_context(
-                    torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
-                )
-        return stack
-
-    def recompute(self, key: Any) -> None:
-        if not self.forward_done:
-            raise RematError(
-                f"torch_remat: backward reached tensors saved inside checkpoint "
-                f"'{self.name}' while its forward was still running (autograd.grad or "
-                "backward called inside the checkpointed function). This is not "
-                "supported; compute such gradients outside remat.checkpoint."
-            )
-        needed = 0
-        for ref in self.holders:
-            h = ref()
-            if h is not None and h.static is None and (h.recomputed is None or key not in h.recomputed):
-                needed += 1
-        scope = ReplayScope(self, key, needed)
-        args, kwargs = self.replay_args()
-        hooks = self.state_hooks
-        caller_states = [h.snapshot() for h in hooks]
-        for h, s in zip(hooks, self.entry_states):
-            h.restore(s)
-        tls = _tls
-        tls.stack.append(scope)
-        tls.recompute_depth += 1
-        observers = self.observers.all
-        for observer in observers:
-            observer.replay_started(self)
-        try:
-            push_hooks(scope.pack, replay_unpack)
-            try:
-                with torch.enable_grad(), self._autocast_context(), profiler_range(
-                    "remat.recompute:", self.name
-                ):
-                    self.fn(*args, **kwargs)
-            except _StopRecompute:
-                pass
-            finally:
-                pop_hooks()
-        finally:
-            tls.stack.pop()
-            tls.recompute_depth -= 1
-            for h, s in zip(hooks, caller_states):
-                h.restore(s)
-            for observer in observers:
-                observer.replay_ended(self)
-        if scope.filled < needed:
-            raise RecomputeMismatchError(
-                f"torch_remat: the recompute of checkpoint '{self.name}' saved "
-                f"{scope.counter} tensors for backward, but its forward saved "
-                f"{len(self.holders)} outside SAVE regions, so {needed - scope.filled} "
-                "needed tensor(s) were never recreated. "
-                + scope.region_sequences()
-                + " The replay must take the same path as the forward."
-            )
-        if type(key) is not object:
-            self.recomputed_keys.add(key)
-        if type(key) is int:
-            # At the end of this backward, free what it refilled but did not use.
-            _compat.queue_backward_callback(functools.partial(_forget, weakref.ref(self), key))

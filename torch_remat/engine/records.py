@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from .._errors import SavedTensorModifiedError
-from .._tensors import TensorMeta
+from .._errors import modified_in_place
+from .._tensors import TensorMeta, is_parameter
 
 
 class Holder:
@@ -61,9 +61,7 @@ class RegionSaved:
         # For reports: which region output shares this storage (set when the region
         # returns), and whether this is (a view of) a parameter, which reports skip.
         self.output_index: int | None = None
-        root = t if t._base is None else t._base
-        # type() first: Parameter's isinstance check runs Python code
-        self.parameter = type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
+        self.parameter = is_parameter(t)
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d
@@ -83,14 +81,20 @@ class RegionSaved:
             return self.unpack_fn(self.packed)
         t = self.tensor
         if t._version != self.version:
-            raise SavedTensorModifiedError(
-                f"torch_remat: the tensor '{self.name}' ({self.meta.describe()}) saved for "
-                f"backward by SAVE region '{self.region.qualname}' of checkpoint "
-                f"'{self.region.checkpoint}' was modified in place after it was saved "
-                f"(version {self.version} -> {t._version}). Its gradient would be "
-                "wrong. Clone the tensor before modifying it, or modify a copy."
+            raise modified_in_place(
+                f"the tensor '{self.name}' ({self.meta.describe()}) saved for backward by "
+                f"SAVE region '{self.region.qualname}' of checkpoint '{self.region.checkpoint}'",
+                "after it was saved",
+                "Clone the tensor before modifying it, or modify a copy.",
+                (self.version, t._version),
             )
         return t
+
+
+def describe_region(qualname: str | None) -> str:
+    """How messages name where a tensor was saved: ``region 'attn'``, or ``code
+    outside regions``."""
+    return f"region '{qualname}'" if qualname else "code outside regions"
 
 
 class Constant:

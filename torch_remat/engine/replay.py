@@ -9,15 +9,16 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from .._errors import (
+    CLONE_FIRST,
     PlaceholderReadError,
     RecomputeMismatchError,
     RematError,
-    SavedTensorModifiedError,
     _StopRecompute,
+    modified_in_place,
 )
 from .placeholder import Placeholder, read_error_message
 from .profiling import profiler_range
-from .records import RegionRecord
+from .records import RegionRecord, describe_region
 from .sources import TensorSource
 from .state import RECOMPUTE
 
@@ -78,19 +79,16 @@ class ReplayScope:
             # The replay recreates fresh tensors with the versions the forward saw;
             # a differing version means a tensor both passes share (a closure tensor,
             # a buffer) was modified in place after the forward saved it.
-            where = f"region '{region}'" if region else "code outside regions"
-            raise SavedTensorModifiedError(
-                f"torch_remat: tensor #{i} saved for backward by {where} of checkpoint "
-                f"'{frame.name}' ({tuple(shape)}, {str(dtype).replace('torch.', '')}) was "
-                f"at version {version} when the forward saved it and is at version "
-                f"{t._version} in the recompute: it was modified in place after it was "
-                "saved, and its gradient would be wrong. Clone it before modifying it."
+            raise modified_in_place(
+                frame.describe_holder(i),
+                f"after the forward saved it: it was at version {version} when the "
+                f"forward saved it and is at version {t._version} in the recompute",
+                CLONE_FIRST,
             )
         if frame.check_metadata and (t.shape != shape or t.dtype != dtype or t.device != device):
-            where = f"region '{region}'" if region else "code outside regions"
             raise RecomputeMismatchError(
-                f"torch_remat: tensor #{i} saved for backward by {where} of checkpoint "
-                f"'{frame.name}' was {tuple(shape)} {dtype} on {device} in forward but "
+                f"torch_remat: tensor #{i} saved for backward by {describe_region(region)} of "
+                f"checkpoint '{frame.name}' was {tuple(shape)} {dtype} on {device} in forward but "
                 f"{tuple(t.shape)} {t.dtype} on {t.device} in the recompute. "
                 f"{self.region_sequences()} The replay must compute the same values as "
                 "the forward; state it depends on (RNG, counters) must be restored with "

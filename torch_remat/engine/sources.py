@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from .._compat import make_saved_tensor
-from .._errors import RematError, SavedTensorModifiedError
+from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, storage_root
 from .placeholder import PlaceholderOrigin, make_placeholder
 
@@ -85,23 +85,25 @@ class TensorSource:
         if not self.keep:
             return
         if t._version != self.version:
-            raise SavedTensorModifiedError(self._modified_message(checkpoint))
+            raise self._modified_error(checkpoint)
         self.saved = make_saved_tensor(t.detach(), is_output=False)
 
-    def _modified_message(self, checkpoint: str) -> str:
-        what = self.describe(checkpoint)
+    def _modified_error(self, checkpoint: str) -> Exception:
+        what = f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'"
         if self.kind == INPUT:
-            return (
-                f"torch_remat: {what} of checkpoint '{checkpoint}' was modified in place "
-                "by the checkpointed function. The recompute would replay that in-place "
-                "op on the already modified input. Clone the input before modifying it "
-                "(x = x.clone()) or modify it outside the checkpoint."
+            return modified_in_place(
+                what,
+                "by the checkpointed function",
+                "The recompute would replay that in-place op on the already modified "
+                "input. Clone the input before modifying it (x = x.clone()) or modify "
+                "it outside the checkpoint.",
             )
-        return (
-            f"torch_remat: {what} of checkpoint '{checkpoint}' was modified in place "
-            "after the region returned. torch_remat keeps that output for the "
-            "recompute, which would then see the modified value. Clone it before "
-            "modifying it, or do the in-place op inside the region."
+        return modified_in_place(
+            what,
+            "after the region returned",
+            "torch_remat keeps that output for the recompute, which would then see the "
+            "modified value. Clone it before modifying it, or do the in-place op "
+            "inside the region.",
         )
 
     def replay_value(self, checkpoint: str) -> torch.Tensor:
@@ -115,11 +117,10 @@ class TensorSource:
         except RuntimeError as e:
             if "modified by an inplace operation" not in str(e):
                 raise
-            raise SavedTensorModifiedError(
-                f"torch_remat: {self.describe(checkpoint)} of checkpoint '{checkpoint}' "
-                "was modified in place after the forward, before backward recomputed "
-                "the checkpoint. Don't modify tensors that backward still needs; clone "
-                "them first."
+            raise modified_in_place(
+                f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'",
+                "after the forward, before backward recomputed the checkpoint",
+                "Don't modify tensors that backward still needs; clone them first.",
             ) from e
         if self.hold_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
             meta.shape,

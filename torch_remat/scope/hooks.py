@@ -33,7 +33,8 @@ from .._autograd_hooks import in_backward, unpack_packed
 from .._autograd_hooks import pop_hooks as _pop
 from .._autograd_hooks import push_hooks as _push
 from .._autograd_hooks import top_hooks as _top
-from .._errors import SavedTensorModifiedError
+from .._errors import CLONE_FIRST, modified_in_place
+from .._tensors import describe_tensor
 from .ops import paused_recording, storage_key
 from .record import ScopeRecord
 
@@ -54,11 +55,11 @@ class _Kept:
     def unpack(self) -> torch.Tensor:
         t = self.tensor
         if t._version != self.version:
-            raise SavedTensorModifiedError(
-                f"torch_remat: a tensor saved for backward (shape {tuple(t.shape)}, "
-                f"{str(t.dtype).replace('torch.', '')}) was modified by an in-place "
-                f"operation after it was saved (version {self.version} -> {t._version}); "
-                "its gradient would be wrong. Clone it before modifying it."
+            raise modified_in_place(
+                f"a tensor saved for backward ({describe_tensor(t.shape, t.dtype)})",
+                "after it was saved",
+                CLONE_FIRST,
+                (self.version, t._version),
             )
         return t
 

@@ -17,7 +17,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._autograd_hooks import graph_task_key as _graph_task_key
-from .._errors import RecomputeMismatchError, SavedTensorModifiedError
+from .._errors import RecomputeMismatchError, modified_in_place
+from .._tensors import describe_tensor
 from ..engine.profiling import profiler_range
 from .ops import Ext, Op, View, paused_recording
 
@@ -167,12 +168,12 @@ def _run_op(op: Op, env: dict[int, torch.Tensor]) -> None:
         elif isinstance(leaf, Ext):
             t = leaf.tensor
             if leaf.version is not None and t._version != leaf.version:
-                raise SavedTensorModifiedError(
-                    f"torch_remat: a tensor read inside gradient_checkpoint_scope (shape "
-                    f"{tuple(t.shape)}, {str(t.dtype).replace('torch.', '')}) was modified "
-                    f"in place after the scope read it (version {leaf.version} -> "
-                    f"{t._version}), so the scope's ops cannot be replayed for backward. "
-                    "Clone it before modifying it, or modify it before the scope."
+                raise modified_in_place(
+                    "a tensor read inside gradient_checkpoint_scope "
+                    f"({describe_tensor(t.shape, t.dtype)})",
+                    "after the scope read it, so the scope's ops cannot be replayed for backward",
+                    "Clone it before modifying it, or modify it before the scope.",
+                    (leaf.version, t._version),
                 )
             leaves.append(t)
         else:
