@@ -123,7 +123,7 @@ def test_gradients_equal_no_checkpointing_and_transformers_checkpointing_with_dr
 def test_attention_as_save_region_keeps_gradients_exact():
     expected = loss_and_grads(tiny_llama(attention_dropout=0.1))
     model = tiny_llama(attention_dropout=0.1)
-    enable_remat(model, save_modules=LlamaAttention)
+    enable_remat(model, remat=RematConfig(save_modules=LlamaAttention))
     with remat.collect_trace() as trace:
         assert_same(loss_and_grads(model), expected)
     assert [(n.name, n.kind) for n in trace.roots] == [("self_attn", "save")] * 2
@@ -136,7 +136,7 @@ def test_forward_keeps_fewer_bytes_than_without_checkpointing_exactly_like_trans
     with_rng = tiny_llama()
     enable_remat(with_rng)
     without_rng = tiny_llama()
-    enable_remat(without_rng, rng_state_hooks=False)
+    enable_remat(without_rng, remat=RematConfig(rng_state_hooks=False))
 
     measured = {
         "none": plain,
@@ -163,7 +163,7 @@ def test_every_n_layers_is_transformers_own_selection():
 
 def test_disable_remat_and_enable_again_with_other_options():
     model = tiny_llama()
-    enable_remat(model, save_modules=LlamaAttention)
+    enable_remat(model, remat=RematConfig(save_modules=LlamaAttention))
     assert disable_remat(model) == LAYERS
     assert remat_layer_names(model) == []
     assert checkpoint_names(model) == []
@@ -310,12 +310,13 @@ def train_one_step_with_trainer(model: PreTrainedModel, tmp_path, **training_arg
     from transformers import Trainer, TrainingArguments
 
     ids = input_ids()[0]
-    args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=1, use_cpu=True,
-        report_to=[], save_strategy="no", logging_strategy="no", **training_args,
-    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing: the old name
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=1,
+            use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+            **training_args,
+        )
         Trainer(model=model, args=args, train_dataset=[{"input_ids": ids, "labels": ids}]).train()
 
 
