@@ -157,10 +157,10 @@ def apply_remat(
     remat is already applied anywhere in ``model`` (see :func:`remove_remat`) or if a
     module is wrapped by torch's ``CheckpointWrapper``.
     """
-    remat = RematConfig() if remat is None else remat
+    config = RematConfig() if remat is None else remat
     if check_fn is None:
         raise TypeError("apply_remat: check_fn must be a callable module -> bool.")
-    if not remat.enabled:
+    if not config.enabled:
         return []
     _refuse_torch_wrappers(model)
     already = remat_module_names(model)
@@ -171,7 +171,7 @@ def apply_remat(
             "torch_remat.integrations.remove_remat(model) first to change the selection."
         )
     offload, base_kwargs = wrapper_spec(checkpoint_wrapper_fn)
-    is_save = remat.save_matcher("apply_remat")
+    is_save = config.save_matcher("apply_remat")
     names = qualified_names(model)
     selected = select_like_torch(model, check_fn, auto_wrap_policy)
 
@@ -185,8 +185,8 @@ def apply_remat(
                 "inside one; narrow check_fn or save_modules."
             )
         options, preserve = checkpoint_options({**base_kwargs, **policy_kwargs}, name)
-        options.update(remat.checkpoint_options())
-        use_rng = remat.rng_state_hooks if preserve is None else bool(preserve)
+        options.update(config.checkpoint_options())
+        use_rng = config.rng_state_hooks if preserve is None else bool(preserve)
         plans.append((module, name, options, use_rng))
 
     rng_hooks: tuple[Any, ...] = ()
@@ -195,7 +195,7 @@ def apply_remat(
         mesh = _dtensor_mesh(model)
         if mesh is not None:
             prepare_dtensor_rng(mesh)
-    extra_hooks = tuple(remat.recompute_state_hooks)
+    extra_hooks = tuple(config.recompute_state_hooks)
     for module, name, options, use_rng in plans:
         hooks = (rng_hooks if use_rng else ()) + extra_hooks
         module.forward = RematForward(module, name, hooks, options, offload, checkpointed=not offload)

@@ -250,16 +250,16 @@ def enable_remat(
     not support gradient checkpointing, or whose layers are already checkpointed by
     ``apply_remat``.
     """
-    remat = RematConfig() if remat is None else remat
+    config = RematConfig() if remat is None else remat
     _check_supported(model)
-    if not remat.enabled:
+    if not config.enabled:
         return []
     if remat_layer_names(model):
         disable_remat(model)
-    is_save = remat.save_matcher("enable_remat")
-    options = remat.checkpoint_options()
-    hooks = (default_rng_state_hooks() if remat.rng_state_hooks else ()) + tuple(
-        remat.recompute_state_hooks
+    is_save = config.save_matcher("enable_remat")
+    options = config.checkpoint_options()
+    hooks = (default_rng_state_hooks() if config.rng_state_hooks else ()) + tuple(
+        config.recompute_state_hooks
     )
 
     _transformers_enable(model, every_n_layers)

@@ -1,8 +1,11 @@
 """Train a small GPT with Hugging Face accelerate and torch_remat.
 
     torchrun --standalone --nproc-per-node 2 launch/train_accelerate.py
-    accelerate launch --multi_gpu --num_processes 2 --cpu launch/train_accelerate.py  # 2 CPU ranks
+    accelerate launch --multi_gpu --num_processes 2 launch/train_accelerate.py  # 2 ranks, CPU too
     accelerate launch --num_processes 2 launch/train_accelerate.py --fsdp2      # GPUs
+
+(``accelerate launch --num_processes 2 --cpu`` starts one process: ``--cpu`` selects
+accelerate's single-process launcher.)
 
 The one line that differs from a plain accelerate script is
 ``prepare_with_remat(accelerator, ...)`` in place of ``accelerator.prepare(...)``.

@@ -26,3 +26,8 @@ def run():
 
 def test_every_rank_destroys_its_process_group_before_exit(run):
     assert run.stdout.count("process group initialized after main: False") == 2
+
+
+def test_output_is_what_the_docs_quote(run, docs_check):
+    docs_check.check("train-accelerate", run.stdout.replace(
+        "process group initialized after main: False\n", ""))
