@@ -2,7 +2,7 @@
 
 Modes, each applied to the blocks before ``fully_shard`` (blocks, then the root):
 no AC; torch's ``apply_activation_checkpointing`` (non-reentrant
-``checkpoint_wrapper``); ``apply_remat``; ``apply_remat(save_modules=nn.Linear)``,
+``checkpoint_wrapper``); ``apply_remat``; ``apply_remat(remat=RematConfig(save_modules=nn.Linear))``,
 which runs every linear layer inside a block as a SAVE region. Each rank measures
 its own allocator bytes (profiler memory events) and times the modes interleaved
 round by round against torch's wrapper, on one thread per rank.
@@ -88,7 +88,7 @@ def _build(cfg: TinyGPTConfig, mode: str) -> nn.Module:
     )
     from torch.distributed.fsdp import fully_shard
 
-    from torch_remat.integrations import apply_remat
+    from torch_remat.integrations import RematConfig, apply_remat
 
     torch.manual_seed(0)  # the same weights on every rank and in every mode
     model = TinyGPT(cfg)
@@ -107,7 +107,7 @@ def _build(cfg: TinyGPTConfig, mode: str) -> nn.Module:
     elif mode == "apply_remat":
         apply_remat(model, check_fn=is_block)
     elif mode == "apply_remat SAVE linears":
-        apply_remat(model, check_fn=is_block, save_modules=nn.Linear)
+        apply_remat(model, check_fn=is_block, remat=RematConfig(save_modules=nn.Linear))
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)

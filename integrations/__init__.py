@@ -6,6 +6,7 @@ transformers adapters import those packages only when one of their functions is
 called, so importing this package needs neither.
 """
 
+from ._forwards import RematForward, SaveRegionForward
 from .accelerate import apply_remat_for_accelerator, prepare_with_remat
 from .apply import RematConfig, apply_remat, remat_module_names, remove_remat, save_region_names
 from .ddp import ddp_with_remat
@@ -26,6 +27,8 @@ __all__: list[str] = [
     "remat_module_names",
     "save_region_names",
     "RematConfig",
+    "RematForward",
+    "SaveRegionForward",
     "fully_shard_with_remat",
     "ddp_with_remat",
     "parallelize_with_remat",

@@ -69,14 +69,9 @@ from typing import Any
 
 from torch import nn
 
-from .apply import (
-    ModuleSelector,
-    RematConfig,
-    RematForward,
-    _matcher,
-    apply_remat_to_blocks,
-    remat_module_names,
-)
+from ._forwards import RematForward
+from ._selection import ModuleSelector, module_matcher
+from .apply import RematConfig, apply_remat_to_blocks, remat_module_names
 from .transformers import remat_layer_names, torch_checkpointed_layer_names
 
 
@@ -177,11 +172,11 @@ def apply_remat_for_accelerator(
     if not names:  # not applied by the caller already (apply_remat or enable_remat)
         check_fn = None
         if blocks is not None:
-            check_fn = _matcher(blocks, "apply_remat_for_accelerator: blocks")
+            check_fn = module_matcher(blocks, "apply_remat_for_accelerator: blocks")
         elif plugin is not None:
             check_fn = _plugin_blocks(plugin, model)
         if check_fn is None:
-            check_fn = _matcher(_no_split_blocks(model), "_no_split_modules")
+            check_fn = module_matcher(_no_split_blocks(model), "_no_split_modules")
         names = apply_remat_to_blocks(model, check_fn, remat)
         if not names:
             raise ValueError(

@@ -16,205 +16,24 @@ the block's parameters for its backward when the recompute runs).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp.wrap import _Policy
-from torch.utils._pytree import tree_flatten
 
-import torch_remat as remat
-
+from ._forwards import (
+    RematForward,
+    SaveRegionForward,
+    install_save_regions,
+    installed_forward,
+)
+from ._selection import ModuleSelector, module_matcher, qualified_names
 from ._torch_arguments import checkpoint_options, select_like_torch, wrapper_spec
 from .rng import default_rng_state_hooks, prepare_dtensor_rng
-
-ModuleSelector = type | tuple | list | set | frozenset | Callable[[nn.Module], bool]
-
-
-# --------------------------------------------------------------------------- forwards
-
-
-class _ModuleForward:
-    """Base of the callables ``apply_remat`` installs as ``module.forward``.
-
-    They are objects rather than closures so that ``copy.deepcopy(model)`` and
-    ``torch.save(model)`` carry them along: the module is pickled (and deep-copied
-    through the memo) as part of their state, so a copy's forward runs the copy.
-    They hold the module through a weak reference: a strong one would make every
-    checkpointed module part of a reference cycle, and a deleted model would keep
-    its parameters alive until the garbage collector's next cycle pass.
-    """
-
-    def __init__(self, module: nn.Module, region_name: str) -> None:
-        self._module = weakref.ref(module)
-        self.region_name = region_name
-        # A forward that was set on the instance before us (None: the class's own).
-        self.previous_forward = module.__dict__.get("forward")
-
-    @property
-    def module(self) -> nn.Module:
-        module = self._module()
-        if module is None:
-            raise RuntimeError(
-                f"torch_remat: the module of checkpoint '{self.region_name}' no longer "
-                "exists; its forward was called after the module was deleted."
-            )
-        return module
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_module"] = self.module
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        state["_module"] = weakref.ref(state["_module"])
-        self.__dict__.update(state)
-
-    def original_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.previous_forward is not None:
-            return self.previous_forward(*args, **kwargs)
-        module = self.module
-        return type(module).forward(module, *args, **kwargs)
-
-    def uninstall(self) -> None:
-        module = self.module
-        if self.previous_forward is None:
-            del module.forward
-        else:
-            module.forward = self.previous_forward
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.region_name!r})"
-
-
-class RematForward(_ModuleForward):
-    """``module.forward`` under ``apply_remat``: the original forward, checkpointed."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        region_name: str,
-        state_hooks: tuple[Any, ...],
-        checkpoint_options: dict[str, Any],
-        offload: bool = False,
-        checkpointed: bool = True,
-    ) -> None:
-        super().__init__(module, region_name)
-        self.state_hooks = state_hooks
-        self.checkpoint_options = checkpoint_options
-        # offload: keep what the forward saves on the host (save_on_cpu).
-        # checkpointed=False with offload is torch's offload_wrapper: offload only.
-        self.offload = offload
-        self.checkpointed = checkpointed
-        self.compile_options: dict[str, Any] | None = None
-        self._compiled: Callable[..., Any] | None = None
-
-    def compile(self, **options: Any) -> None:
-        """Run the checkpointed function through ``torch.compile(**options)``.
-
-        The compiled function sits inside the checkpoint, so the forward and the
-        recompute run the same compiled code and save the same tensors. Compiling
-        around the checkpoint instead (``module.compile()``) traces torch_remat's own
-        hooks, and the recompute, which replays the uncompiled forward, would save
-        different tensors than the compiled forward did.
-        """
-        self.compile_options = dict(options)
-        self._compiled = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_compiled"] = None  # compiled code is rebuilt on the copy's first call
-        return state
-
-    def _function(self) -> Callable[..., Any]:
-        if self.compile_options is None:
-            return self.original_forward
-        if self._compiled is None:
-            self._compiled = torch.compile(self.original_forward, **self.compile_options)
-        return self._compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.checkpointed:
-            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return self._function()(*args, **kwargs)
-        # Decorated per call (cheap: the options were validated at apply time) so that
-        # no closure ties this object to itself.
-        fn = remat.checkpoint(
-            region_name=self.region_name,
-            recompute_state_hooks=self.state_hooks,
-            **self.checkpoint_options,
-        )(self._function())
-        if self.offload:
-            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-
-class SaveRegionForward(_ModuleForward):
-    """``module.forward`` of a ``save_modules`` match: a SAVE region whose outputs are
-    kept, since ``apply_remat`` cannot know which of their consumers are replayed."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = remat.region(self.original_forward, self.region_name, recompute=False)(
-            *args, **kwargs
-        )
-        if remat.is_recomputing():
-            return out
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                remat.recompute_needs_tensor(leaf)
-        return out
-
-
-def _installed(module: nn.Module) -> _ModuleForward | None:
-    fwd = module.__dict__.get("forward")
-    return fwd if isinstance(fwd, _ModuleForward) else None
-
-
-def _matcher(selector: ModuleSelector, what: str) -> Callable[[nn.Module], bool]:
-    if isinstance(selector, type):
-        return lambda m: isinstance(m, selector)
-    if isinstance(selector, (tuple, list, set, frozenset)):
-        classes = tuple(selector)
-        if not all(isinstance(c, type) for c in classes):
-            raise TypeError(f"{what} must hold module classes only, got {selector!r}.")
-        return lambda m: isinstance(m, classes)
-    if callable(selector):
-        return selector
-    raise TypeError(
-        f"{what} must be a module class, a tuple of classes or a predicate "
-        f"module -> bool, got {type(selector).__name__}."
-    )
-
-
-def _save_modules_of(
-    block: nn.Module, blocks: set[nn.Module], is_save: Callable[[nn.Module], bool]
-) -> Iterator[tuple[str, nn.Module]]:
-    """Outermost save-module matches inside ``block``, not inside a nested block."""
-
-    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-        for name, child in module.named_children():
-            if child in blocks:
-                continue
-            path = f"{prefix}{name}"
-            if is_save(child):
-                yield path, child
-            else:
-                yield from walk(child, path + ".")
-
-    yield from walk(block, "")
-
-
-def _names(model: nn.Module) -> dict[nn.Module, str]:
-    names: dict[nn.Module, str] = {}
-    for name, module in model.named_modules():
-        names.setdefault(module, name)
-    return names
 
 
 def _refuse_torch_wrappers(model: nn.Module) -> None:
@@ -231,15 +50,14 @@ def _refuse_torch_wrappers(model: nn.Module) -> None:
             )
 
 
-# --------------------------------------------------------------------------- public
-
-
 @dataclass
 class RematConfig:
-    """How the adapters (FSDP2, DDP, tensor parallel) checkpoint each block."""
+    """How remat checkpoints each block: the one way to pass remat options, taken by
+    :func:`apply_remat`, :func:`~torch_remat.integrations.enable_remat` and every
+    adapter (FSDP2, DDP, tensor parallel, accelerate) as ``remat=``."""
 
     enabled: bool = True
-    """False: the adapter applies no remat (it still shards / parallelizes)."""
+    """False: no remat is applied (an adapter still shards / parallelizes)."""
 
     save_modules: ModuleSelector | None = None
     """Submodules of a block that run as SAVE regions (see :func:`apply_remat`)."""
@@ -256,12 +74,20 @@ class RematConfig:
     determinism_check: str | None = None
     """Forwarded to ``remat.checkpoint`` (None: its default)."""
 
+    def checkpoint_options(self) -> dict[str, Any]:
+        """The ``remat.checkpoint`` keywords these fields set."""
+        options: dict[str, Any] = {}
+        if self.early_stop is not None:
+            options["early_stop"] = self.early_stop
+        if self.determinism_check is not None:
+            options["determinism_check"] = self.determinism_check
+        return options
 
-def select_modules(model: nn.Module, blocks: ModuleSelector) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` for every non-root module of ``model`` matched by
-    ``blocks`` (a class, a tuple of classes, or a predicate), in ``named_modules`` order."""
-    match = _matcher(blocks, "blocks")
-    return [(n, m) for n, m in model.named_modules() if m is not model and match(m)]
+    def save_matcher(self, where: str) -> Callable[[nn.Module], bool] | None:
+        """``save_modules`` as a predicate (None when unset)."""
+        if self.save_modules is None:
+            return None
+        return module_matcher(self.save_modules, f"{where}: save_modules")
 
 
 def apply_remat_to_blocks(
@@ -272,16 +98,7 @@ def apply_remat_to_blocks(
     already applied to ``model`` (the caller applied it, before or after sharding)."""
     if config is None or not config.enabled or remat_module_names(model):
         return []
-    match = _matcher(blocks, "blocks")
-    return apply_remat(
-        model,
-        check_fn=match,
-        save_modules=config.save_modules,
-        recompute_state_hooks=config.recompute_state_hooks,
-        rng_state_hooks=config.rng_state_hooks,
-        early_stop=config.early_stop,
-        determinism_check=config.determinism_check,
-    )
+    return apply_remat(model, check_fn=module_matcher(blocks, "blocks"), remat=config)
 
 
 def apply_remat(
@@ -290,11 +107,7 @@ def apply_remat(
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
     auto_wrap_policy: Callable[..., bool] | _Policy | None = None,
     *,
-    save_modules: ModuleSelector | None = None,
-    recompute_state_hooks: Iterable[Any] | None = None,
-    rng_state_hooks: bool = True,
-    early_stop: bool | None = None,
-    determinism_check: str | None = None,
+    remat: RematConfig | None = None,
 ) -> list[str]:
     """Checkpoint selected submodules of ``model`` with ``torch_remat.checkpoint``.
 
@@ -319,28 +132,36 @@ def apply_remat(
             refused with an explanation. ``offload_wrapper`` keeps the activations of
             the selected modules on the CPU (``save_on_cpu``) instead of checkpointing,
             as torch's does.
-        save_modules: a module class, a tuple of classes, or a predicate. Matching
-            submodules inside a selected module run as SAVE regions
-            (``remat.region(..., recompute=False)``, named by their path inside the
-            selected module) and their outputs are kept, since their consumers are
-            unknown. The outermost match wins; matches outside selected modules run
-            normally.
-        recompute_state_hooks: extra :class:`torch_remat.RecomputeStateHook` objects
-            handed to every checkpoint.
-        rng_state_hooks: also hand every checkpoint the stock per-rank RNG hooks
-            (:func:`torch_remat.integrations.rng.default_rng_state_hooks`: this rank's
-            CUDA generator, or the CPU generator), so dropout replays exactly. If the
-            model has DTensor parameters, DTensor's RNG tracker is set up now too
-            (:func:`~torch_remat.integrations.rng.prepare_dtensor_rng`; on a CUDA mesh
-            that broadcasts rank 0's generator state, so call it on every rank).
-        early_stop, determinism_check: forwarded to ``remat.checkpoint``.
+        remat: the remat options (:class:`RematConfig`; default ``RematConfig()``),
+            the same object every adapter takes:
+
+            * ``save_modules``: a module class, a tuple of classes, or a predicate.
+              Matching submodules inside a selected module run as SAVE regions
+              (``remat.region(..., recompute=False)``, named by their path inside
+              the selected module) and their outputs are kept, since their consumers
+              are unknown. The outermost match wins; matches outside selected
+              modules run normally.
+            * ``recompute_state_hooks``: extra
+              :class:`torch_remat.RecomputeStateHook` objects for every checkpoint.
+            * ``rng_state_hooks``: also hand every checkpoint the stock per-rank RNG
+              hooks (:func:`torch_remat.integrations.default_rng_state_hooks`: this
+              rank's CUDA generator, or the CPU generator), so dropout replays
+              exactly. If the model has DTensor parameters, DTensor's RNG tracker is
+              set up now too (:func:`~torch_remat.integrations.prepare_dtensor_rng`;
+              on a CUDA mesh that broadcasts rank 0's generator state, so call it on
+              every rank). Options of a ``checkpoint_wrapper`` partial win over it.
+            * ``early_stop``, ``determinism_check``: forwarded to ``remat.checkpoint``.
+            * ``enabled=False``: nothing is applied (returns ``[]``).
 
     Returns the qualified names of the checkpointed modules. Raises ``ValueError`` if
     remat is already applied anywhere in ``model`` (see :func:`remove_remat`) or if a
     module is wrapped by torch's ``CheckpointWrapper``.
     """
+    config = RematConfig() if remat is None else remat
     if check_fn is None:
         raise TypeError("apply_remat: check_fn must be a callable module -> bool.")
+    if not config.enabled:
+        return []
     _refuse_torch_wrappers(model)
     already = remat_module_names(model)
     if already:
@@ -350,11 +171,9 @@ def apply_remat(
             "torch_remat.integrations.remove_remat(model) first to change the selection."
         )
     offload, base_kwargs = wrapper_spec(checkpoint_wrapper_fn)
-    is_save = None if save_modules is None else _matcher(save_modules, "apply_remat: save_modules")
-    extra_hooks = tuple(recompute_state_hooks or ())
-    names = _names(model)
+    is_save = config.save_matcher("apply_remat")
+    names = qualified_names(model)
     selected = select_like_torch(model, check_fn, auto_wrap_policy)
-    blocks = {m for m, _ in selected}
 
     plans = []
     for module, policy_kwargs in selected:
@@ -366,11 +185,8 @@ def apply_remat(
                 "inside one; narrow check_fn or save_modules."
             )
         options, preserve = checkpoint_options({**base_kwargs, **policy_kwargs}, name)
-        if early_stop is not None:
-            options["early_stop"] = early_stop
-        if determinism_check is not None:
-            options["determinism_check"] = determinism_check
-        use_rng = rng_state_hooks if preserve is None else bool(preserve)
+        options.update(config.checkpoint_options())
+        use_rng = config.rng_state_hooks if preserve is None else bool(preserve)
         plans.append((module, name, options, use_rng))
 
     rng_hooks: tuple[Any, ...] = ()
@@ -379,14 +195,12 @@ def apply_remat(
         mesh = _dtensor_mesh(model)
         if mesh is not None:
             prepare_dtensor_rng(mesh)
+    extra_hooks = tuple(config.recompute_state_hooks)
     for module, name, options, use_rng in plans:
         hooks = (rng_hooks if use_rng else ()) + extra_hooks
         module.forward = RematForward(module, name, hooks, options, offload, checkpointed=not offload)
-        if is_save is None or offload:
-            continue
-        for path, sub in _save_modules_of(module, blocks, is_save):
-            if _installed(sub) is None:
-                sub.forward = SaveRegionForward(sub, path)
+    if is_save is not None and not offload:
+        install_save_regions((p[0] for p in plans), is_save)
     return [p[1] for p in plans]
 
 
@@ -401,14 +215,30 @@ def _dtensor_mesh(model: nn.Module) -> Any:
 
 def remove_remat(model: nn.Module) -> list[str]:
     """Undo :func:`apply_remat` on ``model``: every module gets its original forward
-    back. Returns the qualified names of the modules that were checkpointed."""
+    back. Returns the qualified names of the modules that were checkpointed.
+
+    If transformers' own gradient checkpointing was switched on for some of them as
+    well (the state :class:`RematForward` refuses to run in), it stays on, and a
+    ``UserWarning`` names those modules."""
     removed = []
     for name, module in model.named_modules():
-        fwd = _installed(module)
+        fwd = installed_forward(module)
         if fwd is not None:
             if isinstance(fwd, RematForward):
                 removed.append(name)
             fwd.uninstall()
+    still = [
+        name
+        for name, module in model.named_modules()
+        if name in removed and module.__dict__.get("gradient_checkpointing") is True
+    ]
+    if still:
+        warnings.warn(
+            f"remove_remat: removed remat from {removed}; transformers' own gradient "
+            f"checkpointing (torch.utils.checkpoint) is still on for {still}. Call "
+            "model.gradient_checkpointing_disable() to switch it off too.",
+            stacklevel=2,
+        )
     return removed
 
 
@@ -417,7 +247,7 @@ def remat_module_names(model: nn.Module) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(_installed(module), RematForward)
+        if isinstance(installed_forward(module), RematForward)
     ]
 
 
@@ -426,5 +256,5 @@ def save_region_names(model: nn.Module) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(_installed(module), SaveRegionForward)
+        if isinstance(installed_forward(module), SaveRegionForward)
     ]

@@ -16,7 +16,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .apply import ModuleSelector, RematConfig, apply_remat_to_blocks
+from ._selection import ModuleSelector
+from .apply import RematConfig, apply_remat_to_blocks
 
 
 def ddp_with_remat(

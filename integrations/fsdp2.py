@@ -26,13 +26,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from .apply import (
-    ModuleSelector,
-    RematConfig,
-    RematForward,
-    apply_remat_to_blocks,
-    select_modules,
-)
+from ._forwards import RematForward
+from ._selection import ModuleSelector, select_modules
+from .apply import RematConfig, apply_remat_to_blocks
 from .tensor_parallel import parallelize_with_remat
 
 

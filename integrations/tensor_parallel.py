@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from .apply import ModuleSelector, RematConfig, apply_remat_to_blocks
+from ._selection import ModuleSelector
+from .apply import RematConfig, apply_remat_to_blocks
 from .rng import prepare_dtensor_rng
 
 

@@ -25,22 +25,16 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 from torch import nn
 
 import torch_remat as remat
 
-from .apply import (
-    ModuleSelector,
-    SaveRegionForward,
-    _installed,
-    _matcher,
-    _save_modules_of,
-    remat_module_names,
-)
+from ._forwards import SaveRegionForward, install_save_regions, installed_forward
+from .apply import RematConfig, remat_module_names
 from .rng import default_rng_state_hooks
 
 
@@ -134,24 +128,31 @@ def _hooked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
+def _prefer_layers(modules: list[tuple[str, nn.Module]]) -> list[str]:
+    """Names of the per-layer blocks among ``modules`` (all names when none is one):
+    model-level modules carry the flag too but run no checkpoint of their own."""
+    layers = [name for name, module in modules if _is_layer(module)]
+    return layers if layers else [name for name, _ in modules]
+
+
 def remat_layer_names(model: nn.Module) -> list[str]:
     """Qualified names of the layers of ``model`` that :func:`enable_remat` checkpoints."""
-    hooked = _hooked_modules(model)
-    layers = [name for name, module in hooked if _is_layer(module)]
-    return layers if layers else [name for name, _ in hooked]
+    return _prefer_layers(_hooked_modules(model))
 
 
 def torch_checkpointed_layer_names(model: nn.Module) -> list[str]:
-    """Qualified names of the modules of ``model`` on which transformers' own gradient
+    """Qualified names of the layers of ``model`` on which transformers' own gradient
     checkpointing (``torch.utils.checkpoint``) is switched on."""
-    return [
-        name
-        for name, module in model.named_modules()
-        if getattr(module, "gradient_checkpointing", False) is True
-        and not isinstance(
-            module.__dict__.get("_gradient_checkpointing_func"), RematLayerCheckpoint
-        )
-    ]
+    return _prefer_layers(
+        [
+            (name, module)
+            for name, module in model.named_modules()
+            if getattr(module, "gradient_checkpointing", False) is True
+            and not isinstance(
+                module.__dict__.get("_gradient_checkpointing_func"), RematLayerCheckpoint
+            )
+        ]
+    )
 
 
 def _check_supported(model: Any) -> None:
@@ -204,11 +205,7 @@ def enable_remat(
     model: nn.Module,
     *,
     every_n_layers: int = 1,
-    save_modules: ModuleSelector | None = None,
-    recompute_state_hooks: Iterable[Any] | None = None,
-    rng_state_hooks: bool = True,
-    early_stop: bool | None = None,
-    determinism_check: str | None = None,
+    remat: RematConfig | None = None,
 ) -> list[str]:
     """Checkpoint the layers of a ``transformers`` model with ``torch_remat``.
 
@@ -228,40 +225,41 @@ def enable_remat(
     :class:`RematLayerCheckpoint` that runs the layer in
     ``remat.checkpoint(region_name=<layer's qualified name>)``. The module tree and
     every parameter name stay as they are. Calling it again replaces the previous
-    settings; :func:`disable_remat` (or ``model.gradient_checkpointing_disable()``)
-    switches checkpointing off. Do not pass ``gradient_checkpointing=True`` to the
-    ``Trainer`` as well: it would reinstall ``torch.utils.checkpoint``.
+    settings; :func:`disable_remat` switches checkpointing off.
+
+    Do not switch transformers' own checkpointing on afterwards
+    (``TrainingArguments(gradient_checkpointing=True)`` or
+    ``activation_checkpointing=True``, or ``gradient_checkpointing_enable()``): it
+    reinstalls ``torch.utils.checkpoint`` in place of remat. The model's next training
+    forward then raises ``RuntimeError`` naming the layers.
 
     Args:
         every_n_layers: checkpoint every n-th layer only (transformers 5's option of
             the same name; other versions accept only 1).
-        save_modules: a module class, a tuple of classes or a predicate. Matching
-            submodules of a checkpointed layer (e.g. its attention) run as SAVE regions
-            and keep their outputs, exactly as with
-            :func:`~torch_remat.integrations.apply_remat`.
-        recompute_state_hooks: extra :class:`torch_remat.RecomputeStateHook` objects
-            for every checkpoint.
-        rng_state_hooks: also replay this process's device generator
-            (:func:`~torch_remat.integrations.rng.default_rng_state_hooks`), so
-            dropout in the recompute draws what the forward drew.
-        early_stop, determinism_check: forwarded to ``remat.checkpoint``.
+        remat: the remat options (:class:`~torch_remat.integrations.RematConfig`;
+            default ``RematConfig()``), as for
+            :func:`~torch_remat.integrations.apply_remat`: ``save_modules`` (matching
+            submodules of a checkpointed layer, e.g. its attention, run as SAVE
+            regions and keep their outputs), ``recompute_state_hooks``,
+            ``rng_state_hooks`` (replay this process's device generator, so dropout
+            in the recompute draws what the forward drew), ``early_stop`` and
+            ``determinism_check``. ``enabled=False`` applies nothing.
 
     Returns the qualified names of the checkpointed layers. Raises ``TypeError`` for a
     module that is not a ``PreTrainedModel`` and ``ValueError`` for a model that does
     not support gradient checkpointing, or whose layers are already checkpointed by
     ``apply_remat``.
     """
+    config = RematConfig() if remat is None else remat
     _check_supported(model)
+    if not config.enabled:
+        return []
     if remat_layer_names(model):
         disable_remat(model)
-    is_save = None if save_modules is None else _matcher(save_modules, "enable_remat: save_modules")
-    options: dict[str, Any] = {}
-    if early_stop is not None:
-        options["early_stop"] = early_stop
-    if determinism_check is not None:
-        options["determinism_check"] = determinism_check
-    hooks = (default_rng_state_hooks() if rng_state_hooks else ()) + tuple(
-        recompute_state_hooks or ()
+    is_save = config.save_matcher("enable_remat")
+    options = config.checkpoint_options()
+    hooks = (default_rng_state_hooks() if config.rng_state_hooks else ()) + tuple(
+        config.recompute_state_hooks
     )
 
     _transformers_enable(model, every_n_layers)
@@ -285,26 +283,67 @@ def enable_remat(
     layer_names = remat_layer_names(model)
     if is_save is not None:
         modules = dict(model.named_modules())
-        layers = {modules[name] for name in layer_names}
-        for layer in layers:
-            for path, sub in _save_modules_of(layer, layers, is_save):
-                if _installed(sub) is None:
-                    sub.forward = SaveRegionForward(sub, path)
+        install_save_regions((modules[name] for name in layer_names), is_save)
+    if not any(h is _refuse_replaced_remat for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(_refuse_replaced_remat)
     return layer_names
+
+
+def _refuse_replaced_remat(model: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a model :func:`enable_remat` set up: refuses to train once
+    transformers' own checkpointing has replaced remat in its layers (a plain
+    function, so that copies and pickles of the model carry it without a reference)."""
+    if not model.training:
+        return
+    replaced = torch_checkpointed_layer_names(model)
+    if replaced:
+        raise RuntimeError(
+            f"enable_remat: transformers' own gradient checkpointing "
+            f"(torch.utils.checkpoint) replaced remat in {replaced} after "
+            "enable_remat(model): something called gradient_checkpointing_enable() / "
+            "activation_checkpointing_enable() again, as the Trainer does for "
+            "TrainingArguments(gradient_checkpointing=True) or "
+            "activation_checkpointing=True. Leave those False and keep enable_remat, or "
+            "call disable_remat(model) to train with torch's checkpointing instead."
+        )
+
+
+def _remove_refuse_hook(model: nn.Module) -> None:
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if hook is _refuse_replaced_remat:
+            del model._forward_pre_hooks[key]
 
 
 def disable_remat(model: nn.Module) -> list[str]:
     """Switch off what :func:`enable_remat` switched on: the model's checkpointing
     (``gradient_checkpointing_disable()``) and the SAVE regions of ``save_modules``.
-    Returns the qualified names of the layers that were checkpointed."""
+    Returns the qualified names of the layers that were checkpointed.
+
+    If transformers' own checkpointing had replaced remat since (see
+    :func:`enable_remat`), that is switched off too, and a ``UserWarning`` says which
+    layers ran ``torch.utils.checkpoint`` and which SAVE regions were removed; the
+    names returned are then those layers."""
     names = remat_layer_names(model)
-    if not names:
+    replaced = [] if names else torch_checkpointed_layer_names(model)
+    set_up = any(h is _refuse_replaced_remat for h in model._forward_pre_hooks.values())
+    if not names and not (replaced and set_up):
+        _remove_refuse_hook(model)
         return []
     modules = dict(model.named_modules())
-    for name in names:
-        for module in modules[name].modules():
-            forward = _installed(module)
+    removed_regions = []
+    for name in names or replaced:
+        for path, module in modules[name].named_modules(prefix=name):
+            forward = installed_forward(module)
             if isinstance(forward, SaveRegionForward):
                 forward.uninstall()
+                removed_regions.append(path)
     _transformers_disable(model)
-    return names
+    _remove_refuse_hook(model)
+    if replaced:
+        warnings.warn(
+            f"disable_remat: remat was no longer running: transformers' own gradient "
+            f"checkpointing (torch.utils.checkpoint) had replaced it in {replaced}; "
+            f"switched that off, and removed the SAVE regions {removed_regions}.",
+            stacklevel=2,
+        )
+    return names or replaced

@@ -3,7 +3,10 @@
     python launch/train.py                                  # one process, CPU
     torchrun --standalone --nproc-per-node 2 launch/train.py --parallel fsdp2
 
-Data: a character-level snapshot of this repository's documentation
+Each block is one checkpoint (its forward is recomputed in backward); the
+sub-layers the remat policy keeps run as SAVE regions (``Block.sublayer``), so
+their outputs stay in memory and the recompute skips them. Data: a
+character-level snapshot of this repository's documentation
 (launch/data/corpus.txt), so the loss visibly falls. Every rank reads the same
 text; data-parallel ranks take different batches. CPU runs use gloo, GPU runs nccl.
 """
@@ -28,12 +31,13 @@ from torch import nn
 import torch_remat as remat
 from torch_remat.integrations import (
     RematConfig,
+    apply_remat,
     ddp_with_remat,
     fully_shard_with_remat,
+    gather_memory_report,
     oom,
     parallelize_with_remat,
 )
-from torch_remat.integrations.apply import apply_remat_to_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -49,30 +53,39 @@ class GPTConfig:
     dim: int = 64
     heads: int = 4
     dropout: float = 0.1
+    keep: frozenset[str] = frozenset()  # sub-layers of each block kept by remat
 
 
 class Block(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.dropout = c.dropout
+        self.dropout, self.keep = c.dropout, c.keep
         self.head_dim = c.dim // c.heads
         self.norm1, self.norm2 = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
         self.q, self.k, self.v = (nn.Linear(c.dim, c.dim) for _ in range(3))
         self.proj = nn.Linear(c.dim, c.dim)
         self.up, self.down = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
 
+    def sublayer(self, name: str, x):
+        """Run the sub-layer ``name``. A kept one is a SAVE region: the recompute skips
+        it and reads its output, which therefore stays in memory after the forward."""
+        if name not in self.keep:
+            return getattr(self, name)(x)
+        out = remat.region(getattr(self, name), name, recompute=False)(x)
+        return remat.recompute_needs_tensor(out)  # the replayed ops after it read it
+
     def attention(self, x):
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds heads / tp of them
-        q, k, v = (f(x).view(b, s, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q, k, v = (self.sublayer(n, x).view(b, s, -1, self.head_dim).transpose(1, 2) for n in "qkv")
         att = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         att = att.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         att = F.dropout(att.softmax(-1), self.dropout, self.training)
-        return self.proj((att @ v).transpose(1, 2).reshape(b, s, -1))
+        return self.sublayer("proj", (att @ v).transpose(1, 2).reshape(b, s, -1))
 
     def forward(self, x):
-        x = x + self.attention(self.norm1(x))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        x = x + self.attention(self.sublayer("norm1", x))
+        return x + self.sublayer("down", F.gelu(self.sublayer("up", self.sublayer("norm2", x))))
 
 
 class GPT(nn.Module):
@@ -90,14 +103,37 @@ class GPT(nn.Module):
         return self.head(self.norm(x).flatten(0, 1))
 
 
+SUBLAYERS = ("norm1", "q", "k", "v", "proj", "norm2", "up", "down")
+
+
+def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
+    """``--remat`` -> (checkpoint every block?, the sub-layers each block keeps)."""
+    if spec == "none":
+        return False, frozenset()
+    if spec == "full":  # keep nothing: the whole block is recomputed
+        return True, frozenset()
+    if spec == "selective":
+        # Megatron-style: keep every matmul's output, replay the attention core,
+        # the norms and the pointwise ops.
+        return True, frozenset({"q", "k", "v", "proj", "up", "down"})
+    if spec.startswith("keep="):
+        keep = frozenset(spec.removeprefix("keep=").split(","))
+        if keep <= set(SUBLAYERS):
+            return True, keep
+    raise ValueError(
+        f"--remat {spec}: expected none, full, selective or keep=NAMES with NAMES "
+        f"a comma-separated subset of {','.join(SUBLAYERS)}"
+    )
+
+
 def tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan = {}
-    for i in range(1024):  # patterns for every possible block index are cheap
-        plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")})
-        plan.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("proj", "down")})
-    return plan
+    # Megatron's split: column-parallel in, row-parallel out, one all-reduce per pair.
+    return {
+        **{f"blocks.*.{n}": ColwiseParallel() for n in ("q", "k", "v", "up")},
+        **{f"blocks.*.{n}": RowwiseParallel() for n in ("proj", "down")},
+    }
 
 
 # ------------------------------------------------------------------------------ data
@@ -126,41 +162,29 @@ class Batches:
 # --------------------------------------------------------------------- parallelism
 
 
-def remat_config(args) -> RematConfig:
-    if args.remat == "none":
-        return RematConfig(enabled=False)
-    if args.save_modules:
-        names = set(args.save_modules.split(","))
-        return RematConfig(save_modules=lambda m: type(m).__name__ in names)
-    if args.remat == "selective":
-        # Megatron-style: keep every matmul's activations, replay the attention core,
-        # norms and pointwise ops.
-        return RematConfig(save_modules=nn.Linear)
-    return RematConfig()
-
-
 def build(args, vocab: int, device: torch.device, world: int):
+    """The model, wrapped for ``--parallel``, and this rank's (data-parallel rank, size)."""
+    checkpointed, keep = remat_policy(args.remat)
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    model = GPT(GPTConfig(vocab, args.seq_len, args.layers, args.dim, args.heads)).to(device)
-    config = remat_config(args)
+    model = GPT(GPTConfig(vocab, args.seq_len, args.layers, args.dim, args.heads, keep=keep)).to(device)
+    config = RematConfig(enabled=checkpointed)
     mode = args.parallel
     if mode == "none":
-        apply_remat_to_blocks(model, Block, config)
+        apply_remat(model, check_fn=lambda m: isinstance(m, Block), remat=config)
         return model, 0, 1
     from torch.distributed.device_mesh import init_device_mesh
 
-    dtype = device.type
     if mode == "ddp":
         return ddp_with_remat(model, Block, remat=config), dist.get_rank(), world
     if mode == "fsdp2":
-        mesh = init_device_mesh(dtype, (world,))
+        mesh = init_device_mesh(device.type, (world,))
         return fully_shard_with_remat(model, Block, mesh=mesh, remat=config), dist.get_rank(), world
     if mode == "tp":
-        mesh = init_device_mesh(dtype, (world,))
+        mesh = init_device_mesh(device.type, (world,))
         return parallelize_with_remat(model, mesh, tp_plan(), Block, remat=config), 0, 1
     if mode == "fsdp2+tp":
         tp = 2 if world % 2 == 0 else 1
-        mesh = init_device_mesh(dtype, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         model = fully_shard_with_remat(
             model, Block, mesh=mesh["dp"], remat=config, tp_mesh=mesh["tp"], tp_plan=tp_plan()
         )
@@ -168,51 +192,7 @@ def build(args, vocab: int, device: torch.device, world: int):
     raise ValueError(mode)
 
 
-# ------------------------------------------------------------------------- helpers
-
-
-class HeldBytes:
-    """Bytes allocated inside the ``with`` block and still allocated at its end: around
-    the training forward, what the forward keeps for backward (plus its output).
-    Exact: the profiler's memory events on CPU, the allocator's counter on CUDA."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device, self.enabled, self.bytes = device, enabled, 0
-
-    def __enter__(self):
-        if not self.enabled:
-            return self
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self._before = torch.cuda.memory_allocated()
-        else:
-            self._prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-            )
-            self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if not self.enabled:
-            return False
-        if self.device.type == "cuda":
-            self.bytes = torch.cuda.memory_allocated() - self._before
-        else:
-            self._prof.__exit__(*exc)
-            self.bytes = sum(e.self_cpu_memory_usage for e in self._prof.events())
-        return False
-
-
-def request_impossible_memory(model) -> None:
-    """--oom-at-step (for tests and docs): the last block's forward asks its allocator
-    for 1 PiB once, a request that fails on any machine, inside the checkpoint."""
-    block = getattr(model, "module", model).blocks[-1]
-
-    def allocate(module, args):
-        handle.remove()
-        torch.empty(2**50, dtype=torch.uint8, device=args[0].device)
-
-    handle = block.norm2.register_forward_pre_hook(allocate)
+# ----------------------------------------------------------------- checkpoints
 
 
 def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int) -> None:
@@ -270,8 +250,7 @@ def init_process_group(backend: str) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a small GPT with torch_remat.")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
-    p.add_argument("--remat", choices=["none", "full", "selective"], default="selective")
-    p.add_argument("--save-modules", default="", help="custom policy: comma-separated class names of block submodules to keep (SAVE regions), e.g. Linear,LayerNorm")
+    p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs) or keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
@@ -282,12 +261,24 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps; resume from the latest")
     p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the cross-rank memory report at the end")
-    p.add_argument("--log-json", default="", help="rank 0 writes per-step losses here")
-    p.add_argument("--fail-at-step", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
+    p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here")
     p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
-    p.add_argument("--oom-at-step", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        remat_policy(args.remat)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def memory_report(loss, distributed: bool) -> str | None:
+    """The saved-for-backward report of ``loss``'s graph: on rank 0 across ranks under
+    torchrun (every rank must call it), the local one in a single process."""
+    if not distributed:
+        return remat.saved_tensors_report(loss).format()
+    report = gather_memory_report([loss])
+    return None if report is None else report.format()
 
 
 def main(argv=None) -> None:
@@ -305,8 +296,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
     text = load_text()
-    chars = sorted(set(text))
-    model, dp_rank, dp_size = build(args, len(chars), device, world)
+    model, dp_rank, dp_size = build(args, len(sorted(set(text))), device, world)
     batches = Batches(text, args.seq_len, args.batch_size, args.seed, dp_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt_dir = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -322,26 +312,21 @@ def main(argv=None) -> None:
             + (f" (resumed at step {start})" if start else ""),
             flush=True,
         )
-    losses = {}
+    losses, saved_log, report = {}, {}, None
     tokens = args.batch_size * args.seq_len * dp_size
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps
-        if step == args.oom_at_step and rank == world - 1:
-            request_impossible_memory(model)
         with oom_dumps.guard(step=step) if oom_dumps else contextlib.nullcontext():
-            with HeldBytes(device, enabled=log_step) as held:
-                logits = model(x)
-            activations = held.bytes - logits.untyped_storage().nbytes()
-            loss = F.cross_entropy(logits, y.flatten())
-            del logits
+            loss = F.cross_entropy(model(x), y.flatten())
+            # What the forward keeps for backward, by the library's own account.
+            saved = remat.saved_tensors_report(loss).total_bytes if log_step else 0
+            if args.report and step == args.steps:
+                report = memory_report(loss, distributed)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if step == args.fail_at_step and rank == world - 1 and first_attempt:
-            os._exit(17)  # a crashed rank, for tests of torchrun --max-restarts
         if distributed:
             loss_avg = loss.detach().clone()
             dist.all_reduce(loss_avg)
@@ -352,44 +337,30 @@ def main(argv=None) -> None:
         if ckpt_dir is not None and step % args.save_every == 0:
             save_checkpoint(ckpt_dir, model, opt, step, rank)
         if log_step:
-            all_held = [activations]
+            all_saved = [saved]
             if distributed:
-                all_held = [None] * world
-                dist.all_gather_object(all_held, activations)
+                all_saved = [None] * world
+                dist.all_gather_object(all_saved, saved)
+            saved_log[step] = all_saved
             if rank == 0:
                 rate = tokens * (step - start) / (time.perf_counter() - t0)
                 bar = "#" * (20 * step // args.steps)
-                mem = " ".join(f"r{r}={b / 2**20:.2f}MiB" for r, b in enumerate(all_held))
+                mem = " ".join(f"r{r}={b / 2**20:.2f}MiB" for r, b in enumerate(all_saved))
                 print(
                     f"[{bar:<20}] step {step:>4}/{args.steps}  loss {loss_avg:.4f}  "
-                    f"{rate:,.0f} tok/s  activations {mem}",
+                    f"{rate:,.0f} tok/s  saved for backward {mem}",
                     flush=True,
                 )
     if rank == 0 and args.log_json:
-        pathlib.Path(args.log_json).write_text(json.dumps({"losses": losses, "world": world}))
-    if args.report:
-        print_report(model, batches, device, rank, distributed)
+        pathlib.Path(args.log_json).write_text(json.dumps({"losses": losses, "saved_bytes": saved_log, "world": world}))
+    if report is not None:
+        print(report, flush=True)
     if distributed:
         # Free the wrapped model (DDP's reducer holds work on the group) before the
         # group goes away; destroying it afterwards could hang at exit.
         del model, opt
         dist.barrier()
         dist.destroy_process_group()
-
-
-def print_report(model, batches, device, rank, distributed) -> None:
-    x, y = (t.to(device) for t in batches(0))
-    loss = F.cross_entropy(model(x), y.flatten())
-    try:
-        from torch_remat.integrations.reports import gather_memory_report
-    except ImportError:
-        if rank == 0:
-            remat.print_saved_tensors_report(loss)
-        return
-    report = gather_memory_report([loss]) if distributed else None
-    if rank == 0:
-        print(report.format() if report is not None else "")
-    loss.backward()
 
 
 if __name__ == "__main__":

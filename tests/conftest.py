@@ -41,3 +41,17 @@ def memory_probe():
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def docs_check():
+    """scripts/docs_check.py: compares the output quoted in README.md and docs/ with the
+    output of the runs the tests make."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "docs_check.py"
+    spec = importlib.util.spec_from_file_location("docs_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTra
 from transformers.models.llama.modeling_llama import LlamaAttention  # noqa: E402
 
 import torch_remat as remat  # noqa: E402
-from torch_remat.integrations import apply_remat  # noqa: E402
+from torch_remat.integrations import RematConfig, apply_remat, remove_remat  # noqa: E402
 from torch_remat.integrations.transformers import (  # noqa: E402
     RematLayerCheckpoint,
     disable_remat,
@@ -123,7 +123,7 @@ def test_gradients_equal_no_checkpointing_and_transformers_checkpointing_with_dr
 def test_attention_as_save_region_keeps_gradients_exact():
     expected = loss_and_grads(tiny_llama(attention_dropout=0.1))
     model = tiny_llama(attention_dropout=0.1)
-    enable_remat(model, save_modules=LlamaAttention)
+    enable_remat(model, remat=RematConfig(save_modules=LlamaAttention))
     with remat.collect_trace() as trace:
         assert_same(loss_and_grads(model), expected)
     assert [(n.name, n.kind) for n in trace.roots] == [("self_attn", "save")] * 2
@@ -136,7 +136,7 @@ def test_forward_keeps_fewer_bytes_than_without_checkpointing_exactly_like_trans
     with_rng = tiny_llama()
     enable_remat(with_rng)
     without_rng = tiny_llama()
-    enable_remat(without_rng, rng_state_hooks=False)
+    enable_remat(without_rng, remat=RematConfig(rng_state_hooks=False))
 
     measured = {
         "none": plain,
@@ -163,7 +163,7 @@ def test_every_n_layers_is_transformers_own_selection():
 
 def test_disable_remat_and_enable_again_with_other_options():
     model = tiny_llama()
-    enable_remat(model, save_modules=LlamaAttention)
+    enable_remat(model, remat=RematConfig(save_modules=LlamaAttention))
     assert disable_remat(model) == LAYERS
     assert remat_layer_names(model) == []
     assert checkpoint_names(model) == []
@@ -301,3 +301,59 @@ def test_a_model_in_the_pre_4_35_checkpointing_format_is_refused_and_left_off():
         with pytest.raises(ValueError, match="pre-4.35 checkpointing format.*apply_remat"):
             enable_remat(model)
     assert model.gradient_checkpointing is False
+
+
+# ------------------------------------------- transformers' checkpointing turned on again
+
+
+def train_one_step_with_trainer(model: PreTrainedModel, tmp_path, **training_args) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    ids = input_ids()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing: the old name
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=1,
+            use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+            **training_args,
+        )
+        Trainer(model=model, args=args, train_dataset=[{"input_ids": ids, "labels": ids}]).train()
+
+
+@pytest.mark.parametrize("flag", ["gradient_checkpointing", "activation_checkpointing"])
+def test_trainer_checkpointing_after_enable_remat_raises_at_the_first_forward(tmp_path, flag):
+    model = tiny_llama()
+    enable_remat(model)
+    with pytest.raises(RuntimeError, match=r"replaced remat in \['model.layers.0', 'model.layers.1'"):
+        train_one_step_with_trainer(model, tmp_path, **{flag: True})
+
+
+def test_checkpointing_enabled_again_after_enable_remat_raises_before_the_layers_run():
+    model = tiny_llama()
+    enable_remat(model)
+    transformers_checkpointing(model)
+    ids = input_ids()
+    with pytest.raises(RuntimeError, match="TrainingArguments"):
+        model(input_ids=ids, labels=ids)
+
+
+def test_disable_remat_after_the_replacement_reports_the_layers_and_switches_all_off():
+    model = tiny_llama()
+    enable_remat(model, remat=RematConfig(save_modules=LlamaAttention))
+    transformers_checkpointing(model)
+    with pytest.warns(UserWarning, match=r"model.layers.0.self_attn', 'model.layers.1.self_attn'"):
+        assert disable_remat(model) == LAYERS
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    ids = input_ids()
+    model(input_ids=ids, labels=ids).loss.backward()  # trains again, with no checkpointing
+
+
+def test_apply_remat_layers_under_transformers_checkpointing_raise_and_remove_remat_warns():
+    model = tiny_llama()
+    apply_remat(model, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer")
+    transformers_checkpointing(model)
+    ids = input_ids()
+    with pytest.raises(RuntimeError, match="checkpoint 'model.layers.0' was called inside"):
+        model(input_ids=ids, labels=ids)
+    with pytest.warns(UserWarning, match="still on for"):
+        assert remove_remat(model) == LAYERS

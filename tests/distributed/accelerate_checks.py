@@ -30,11 +30,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import torch_remat as remat
 from torch_remat.integrations import (
+    RematForward,
     apply_remat_for_accelerator,
     prepare_with_remat,
     remat_module_names,
 )
-from torch_remat.integrations.apply import RematForward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCKS = ["layers.0", "layers.1"]
@@ -127,8 +127,8 @@ def _load_example():
 def check_example_losses_equal_with_and_without_remat():
     example = _load_example()
     argv = ["--steps", "6", "--seq-len", "32", "--dim", "32", "--batch-size", "4"]
-    with_remat = example.main(argv)
-    without = example.main(argv + ["--remat", "none"])
+    with_remat = example.train(argv)
+    without = example.train(argv + ["--remat", "none"])
     assert with_remat["remat_modules"] == ["blocks.0", "blocks.1"]
     assert without["remat_modules"] == []
     assert with_remat["losses"] == without["losses"]

@@ -23,12 +23,14 @@ from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, size_bas
 import torch_remat as remat
 from torch_remat.integrations import (
     DeviceRNGStateHook,
+    RematConfig,
+    RematForward,
+    SaveRegionForward,
     apply_remat,
     remat_module_names,
     remove_remat,
     save_region_names,
 )
-from torch_remat.integrations.apply import RematForward, SaveRegionForward
 
 
 def IS_BLOCK(module):
@@ -107,7 +109,9 @@ def test_gradients_with_dropout_equal_the_model_without_remat():
 
 def test_without_rng_hooks_dropout_replay_is_caught_by_the_bitwise_check():
     model = tiny_net(dropout=0.25)
-    apply_remat(model, check_fn=IS_BLOCK, rng_state_hooks=False, determinism_check="bitwise")
+    apply_remat(
+        model, check_fn=IS_BLOCK, remat=RematConfig(rng_state_hooks=False, determinism_check="bitwise")
+    )
     with pytest.raises(remat.RecomputeMismatchError, match="layers.1"):
         _run(model, _input())
 
@@ -283,7 +287,7 @@ def test_save_modules_become_save_regions_named_inside_their_block():
     x = _input()
     reference = _run(tiny_net(dropout=0.1), x)
     model = tiny_net(dropout=0.1)
-    apply_remat(model, check_fn=IS_BLOCK, save_modules=nn.Linear)
+    apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(save_modules=nn.Linear))
     # embed and head are Linear too, but outside every checkpointed block
     assert save_region_names(model) == [
         "layers.0.up",
@@ -300,17 +304,19 @@ def test_save_modules_become_save_regions_named_inside_their_block():
 
 def test_save_modules_by_predicate_and_refused_on_a_checkpointed_module():
     model = tiny_net()
-    apply_remat(model, check_fn=IS_BLOCK, save_modules=lambda m: isinstance(m, nn.LayerNorm))
+    apply_remat(
+        model, check_fn=IS_BLOCK, remat=RematConfig(save_modules=lambda m: isinstance(m, nn.LayerNorm))
+    )
     assert save_region_names(model) == ["layers.0.norm", "layers.1.norm"]
     with pytest.raises(ValueError, match="also matches save_modules"):
-        apply_remat(tiny_net(), check_fn=IS_BLOCK, save_modules=MLPBlock)
+        apply_remat(tiny_net(), check_fn=IS_BLOCK, remat=RematConfig(save_modules=MLPBlock))
 
 
-def _resident_after_forward(memory_probe, x, **apply_kwargs):
+def _resident_after_forward(memory_probe, x, **config):
     gc.collect()
     model = tiny_net()
-    if apply_kwargs:
-        apply_remat(model, check_fn=IS_BLOCK, **apply_kwargs)
+    if config:
+        apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(**config))
     with memory_probe() as probe:
         out = model(x)
     del out
@@ -358,7 +364,7 @@ def test_compiled_inside_the_checkpoint_gives_equal_gradients():
     x = _input()
     reference = _run(tiny_net(dropout=0.2), x)
     model = tiny_net(dropout=0.2)
-    apply_remat(model, check_fn=IS_BLOCK, save_modules=nn.Linear)
+    apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(save_modules=nn.Linear))
     for block in model.layers:
         block.forward.compile(backend="aot_eager")
     assert_grads_equal(_run(model, x)[1], reference[1])

@@ -1,5 +1,6 @@
 """launch/train.py --oom-dump-dir under torchrun: the last of 2 ranks runs out of
-memory inside the last block (--oom-at-step: a 1 PiB request its allocator refuses),
+memory inside the last block (tests/launch/example.py --oom-at-step: a 1 PiB request
+its allocator refuses),
 writes its dump and fails the job; the merge command names it and the block."""
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ pytestmark = pytest.mark.distributed
 
 def test_train_with_oom_dump_dir_writes_the_failing_ranks_dump(tmp_path):
     folder = tmp_path / "oom"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "launch" / "train.py"), *SMALL, "--parallel", "ddp", "--steps", "4",
-         "--oom-dump-dir", str(folder), "--oom-at-step", "3"],
+         str(ROOT / "tests" / "launch" / "example.py"), "train", "--oom-at-step", "3",
+         *SMALL, "--parallel", "ddp", "--steps", "4", "--oom-dump-dir", str(folder)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode != 0  # the error still fails the job

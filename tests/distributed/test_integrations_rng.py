@@ -8,6 +8,7 @@ from dist_models import MLPBlock, assert_grads_equal, param_grads, tiny_net
 
 from torch_remat.integrations import (
     DeviceRNGStateHook,
+    RematConfig,
     apply_remat,
     default_rng_state_hooks,
     local_device,
@@ -79,7 +80,7 @@ def test_recompute_does_not_move_the_callers_generator():
 def test_second_backward_with_retain_graph_replays_dropout_identically():
     x = torch.randn(4, 16, dtype=torch.float64)
     model = tiny_net(dropout=0.3)
-    apply_remat(model, check_fn=_is_block, determinism_check="bitwise")
+    apply_remat(model, check_fn=_is_block, remat=RematConfig(determinism_check="bitwise"))
     loss = _step(model, x, retain_graph=True)
     first = param_grads(model)
     model.zero_grad()
@@ -101,6 +102,6 @@ class CountingHook:
 def test_extra_state_hooks_follow_the_rng_hook():
     model = tiny_net()
     extra = CountingHook()
-    apply_remat(model, check_fn=_is_block, recompute_state_hooks=(extra,))
+    apply_remat(model, check_fn=_is_block, remat=RematConfig(recompute_state_hooks=(extra,)))
     hooks = model.layers[0].forward.state_hooks
     assert isinstance(hooks[0], DeviceRNGStateHook) and hooks[1] is extra

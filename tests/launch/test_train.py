@@ -1,5 +1,6 @@
-"""launch/train.py end to end: every --parallel mode on 2 ranks (gloo), identical
-losses across --remat policies, a falling loss, and a resumed run after a crash."""
+"""launch/train.py end to end: every --parallel mode on 2 ranks (gloo) without a
+warning, identical losses across --remat policies, a falling loss, the memory report
+in one process, and a resumed run after a crash (injected by tests/launch/example.py)."""
 
 import json
 import os
@@ -14,15 +15,26 @@ SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--b
 pytestmark = pytest.mark.distributed
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def train(tmp_path, *args, nproc=None, max_restarts=0, timeout=240):
+def run(cmd, env, timeout):
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def train(tmp_path, *args, nproc=None, max_restarts=0, timeout=240, faults=(), small=True):
+    """Run launch/train.py (``nproc``: under torchrun; ``faults``: injected through
+    tests/launch/example.py); returns its JSON log, its stdout and its stderr."""
     log = tmp_path / f"log{len(list(tmp_path.iterdir()))}.json"
-    script = [str(ROOT / "launch" / "train.py"), *SMALL, "--log-json", str(log), *args]
+    script = [str(ROOT / "launch" / "train.py")]
+    if faults:
+        script = [str(ROOT / "tests" / "launch" / "example.py"), "train", *faults]
+    script += [*(SMALL if small else []), "--log-json", str(log), *args]
     if nproc is None:
         cmd = [sys.executable, *script]
     else:
@@ -30,22 +42,37 @@ def train(tmp_path, *args, nproc=None, max_restarts=0, timeout=240):
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), *script,
         ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(log.read_text()), proc.stdout
+    proc = run(cmd, _env(), timeout)
+    return json.loads(log.read_text()), proc.stdout, proc.stderr
+
+
+def run_sh(*args, timeout=300):
+    """``bash launch/run.sh ARGS`` as the README runs it (2 CPU ranks), on this .venv."""
+    cmd = ["bash", str(ROOT / "launch" / "run.sh"), *args]
+    return run(cmd, _env(TORCH_REMAT_NO_SETUP="1", NPROC="2"), timeout)
 
 
 def losses(result):
     return [result["losses"][k] for k in sorted(result["losses"], key=int)]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "tp", "fsdp2+tp"])
-def test_parallel_mode_runs_on_two_ranks(tmp_path, parallel):
-    result, out = train(tmp_path, "--parallel", parallel, "--steps", "3", nproc=2)
+@pytest.mark.parametrize("parallel", ["ddp", "tp", "fsdp2+tp"])
+def test_run_sh_parallel_mode_prints_no_warning(tmp_path, parallel):
+    log = tmp_path / "log.json"
+    proc = run_sh("--parallel", parallel, *SMALL, "--steps", "3", "--log-json", str(log))
+    result = json.loads(log.read_text())
     assert result["world"] == 2
     assert len(result["losses"]) == 3
-    assert f"parallel={parallel} remat=selective ranks=2" in out
-    assert "activations r0=" in out and " r1=" in out
+    assert f"parallel={parallel} remat=selective ranks=2" in proc.stdout
+    assert "saved for backward r0=" in proc.stdout and " r1=" in proc.stdout
+    assert "torch_remat memory across 2 ranks" in proc.stdout  # run.sh passes --report
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
+def test_main_job_on_two_ranks_prints_what_the_readme_quotes(docs_check):
+    proc = run_sh()  # the README's Quick start: FSDP2, selective remat, 40 steps, report
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    docs_check.check("readme-main-job", proc.stdout)
 
 
 def test_losses_identical_across_remat_policies_under_ddp(tmp_path):
@@ -54,9 +81,21 @@ def test_losses_identical_across_remat_policies_under_ddp(tmp_path):
     assert runs["none"] == runs["full"] == runs["selective"]
 
 
-def test_losses_identical_across_remat_policies_single_process(tmp_path):
-    runs = {r: losses(train(tmp_path, "--steps", "4", "--remat", r)[0]) for r in ("none", "full", "selective")}
-    assert runs["none"] == runs["full"] == runs["selective"]
+def test_losses_identical_across_remat_policies_single_process(tmp_path, docs_check):
+    policies = ("none", "selective", "keep=up,down", "full")
+    runs = {r: train(tmp_path, "--steps", "2", "--remat", r, small=False)[0] for r in policies}
+    assert losses(runs["none"]) == losses(runs["full"]) == losses(runs["selective"])
+    assert losses(runs["none"]) == losses(runs["keep=up,down"])
+    saved = {r: runs[r]["saved_bytes"]["1"][0] for r in policies}
+    rows = [f"| `{r}` | {saved[r] / 2**20:.2f} MiB | {saved[r] / saved['none']:.2f} |" for r in policies]
+    docs_check.check("readme-remat-policies", "\n".join(
+        ["| `--remat` | saved for backward | vs none |", "|---|---|---|", *rows]))
+
+
+def test_report_in_one_process_prints_each_blocks_saved_bytes(tmp_path):
+    _, out, _ = train(tmp_path, "--steps", "2", "--report")
+    assert "saved for backward: " in out
+    assert "x2: blocks.0-1" in out  # both blocks hold the same bytes
 
 
 def test_loss_falls_over_20_steps(tmp_path):
@@ -67,9 +106,9 @@ def test_loss_falls_over_20_steps(tmp_path):
 
 def test_crashed_rank_restarts_and_resumes_from_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    result, out = train(
+    result, out, _ = train(
         tmp_path, "--parallel", "fsdp2", "--steps", "8", "--save-every", "4",
-        "--fail-at-step", "6", "--checkpoint-dir", str(ckpt), nproc=2, max_restarts=1,
+        "--checkpoint-dir", str(ckpt), nproc=2, max_restarts=1, faults=("--fail-at-step", "6"),
     )
     assert "(resumed at step 4)" in out
     assert sorted(int(k) for k in result["losses"]) == [5, 6, 7, 8]

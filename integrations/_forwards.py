@@ -1,0 +1,180 @@
+"""The callables ``apply_remat`` and ``enable_remat`` install as ``module.forward``:
+a checkpointed block (:class:`RematForward`) and a SAVE region inside one
+(:class:`SaveRegionForward`). Installing replaces the instance's ``forward``, not
+``__call__``, so module hooks stay outside and the module tree keeps its names."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import torch_remat as remat
+
+from ._selection import save_modules_of
+
+
+class _ModuleForward:
+    """Base of the callables ``apply_remat`` installs as ``module.forward``.
+
+    They are objects rather than closures so that ``copy.deepcopy(model)`` and
+    ``torch.save(model)`` carry them along: the module is pickled (and deep-copied
+    through the memo) as part of their state, so a copy's forward runs the copy.
+    They hold the module through a weak reference: a strong one would make every
+    checkpointed module part of a reference cycle, and a deleted model would keep
+    its parameters alive until the garbage collector's next cycle pass.
+    """
+
+    def __init__(self, module: nn.Module, region_name: str) -> None:
+        self._module = weakref.ref(module)
+        self.region_name = region_name
+        # A forward that was set on the instance before us (None: the class's own).
+        self.previous_forward = module.__dict__.get("forward")
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise RuntimeError(
+                f"torch_remat: the module of checkpoint '{self.region_name}' no longer "
+                "exists; its forward was called after the module was deleted."
+            )
+        return module
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_module"] = self.module
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["_module"] = weakref.ref(state["_module"])
+        self.__dict__.update(state)
+
+    def original_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous_forward is not None:
+            return self.previous_forward(*args, **kwargs)
+        module = self.module
+        return type(module).forward(module, *args, **kwargs)
+
+    def uninstall(self) -> None:
+        module = self.module
+        if self.previous_forward is None:
+            del module.forward
+        else:
+            module.forward = self.previous_forward
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.region_name!r})"
+
+
+class RematForward(_ModuleForward):
+    """``module.forward`` under ``apply_remat``: the original forward, checkpointed."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        region_name: str,
+        state_hooks: tuple[Any, ...],
+        checkpoint_options: dict[str, Any],
+        offload: bool = False,
+        checkpointed: bool = True,
+    ) -> None:
+        super().__init__(module, region_name)
+        self.state_hooks = state_hooks
+        self.checkpoint_options = checkpoint_options
+        # offload: keep what the forward saves on the host (save_on_cpu).
+        # checkpointed=False with offload is torch's offload_wrapper: offload only.
+        self.offload = offload
+        self.checkpointed = checkpointed
+        self.compile_options: dict[str, Any] | None = None
+        self._compiled: Callable[..., Any] | None = None
+
+    def compile(self, **options: Any) -> None:
+        """Run the checkpointed function through ``torch.compile(**options)``.
+
+        The compiled function sits inside the checkpoint, so the forward and the
+        recompute run the same compiled code and save the same tensors. Compiling
+        around the checkpoint instead (``module.compile()``) traces torch_remat's own
+        hooks, and the recompute, which replays the uncompiled forward, would save
+        different tensors than the compiled forward did.
+        """
+        self.compile_options = dict(options)
+        self._compiled = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_compiled"] = None  # compiled code is rebuilt on the copy's first call
+        return state
+
+    def _function(self) -> Callable[..., Any]:
+        if self.compile_options is None:
+            return self.original_forward
+        if self._compiled is None:
+            self._compiled = torch.compile(self.original_forward, **self.compile_options)
+        return self._compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if module.training and module.__dict__.get("gradient_checkpointing") is True:
+            raise RuntimeError(
+                f"torch_remat: checkpoint '{self.region_name}' was called inside "
+                "transformers' own gradient checkpointing (torch.utils.checkpoint), "
+                "switched on for this module after apply_remat (by "
+                "gradient_checkpointing_enable() / activation_checkpointing_enable(), or "
+                "by the Trainer for TrainingArguments(gradient_checkpointing=True) or "
+                "activation_checkpointing=True); the layer would be checkpointed twice. "
+                "Leave transformers' checkpointing off (call "
+                "model.gradient_checkpointing_disable()), or call "
+                "torch_remat.integrations.remove_remat(model) to use torch's alone."
+            )
+        if not self.checkpointed:
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return self._function()(*args, **kwargs)
+        # Decorated per call (cheap: the options were validated at apply time) so that
+        # no closure ties this object to itself.
+        fn = remat.checkpoint(
+            region_name=self.region_name,
+            recompute_state_hooks=self.state_hooks,
+            **self.checkpoint_options,
+        )(self._function())
+        if self.offload:
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+
+class SaveRegionForward(_ModuleForward):
+    """``module.forward`` of a ``save_modules`` match: a SAVE region whose outputs are
+    kept, since ``apply_remat`` cannot know which of their consumers are replayed."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = remat.region(self.original_forward, self.region_name, recompute=False)(
+            *args, **kwargs
+        )
+        if remat.is_recomputing():
+            return out
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                remat.recompute_needs_tensor(leaf)
+        return out
+
+
+def installed_forward(module: nn.Module) -> _ModuleForward | None:
+    fwd = module.__dict__.get("forward")
+    return fwd if isinstance(fwd, _ModuleForward) else None
+
+
+def install_save_regions(
+    blocks: Iterable[nn.Module], is_save: Callable[[nn.Module], bool]
+) -> None:
+    """Run the outermost ``is_save`` matches inside each of ``blocks`` as SAVE regions."""
+    blocks = set(blocks)
+    for block in blocks:
+        for path, sub in save_modules_of(block, blocks, is_save):
+            if installed_forward(sub) is None:
+                sub.forward = SaveRegionForward(sub, path)

@@ -1,0 +1,94 @@
+"""Run a ``launch/`` example's ``main`` the way its ``__main__`` block does, with the
+faults tests need injected from outside (the examples carry no test-only options):
+
+    python tests/launch/example.py train [--fail-at-step N] [--oom-at-step N] ARGS...
+    python tests/launch/example.py train_accelerate ARGS...
+
+``--fail-at-step N``: the last rank exits with status 17 when step N's forward
+starts, on the first torchrun attempt only (a crashed rank, for ``--max-restarts``).
+``--oom-at-step N``: at step N the last rank's last block asks its allocator for
+1 PiB, inside the checkpoint's forward, a request no machine grants.
+
+Afterwards each rank prints ``process group initialized after main: BOOL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+import torch_remat as remat
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def is_last_rank() -> bool:
+    return int(os.environ.get("RANK", 0)) == int(os.environ.get("WORLD_SIZE", 1)) - 1
+
+
+def request_impossible_memory_once(module: torch.nn.Module) -> None:
+    """``module``'s next forward asks its allocator for 1 PiB."""
+
+    def allocate(module, args):
+        handle.remove()
+        torch.empty(2**50, dtype=torch.uint8, device=args[0].device)
+
+    handle = module.register_forward_pre_hook(allocate)
+
+
+def with_faults(build, fail_at_step: int, oom_at_step: int):
+    """``train.build`` whose model counts its forwards (one per training step, so on a
+    fresh run the count is the step number) and injects the faults at those steps."""
+
+    def build_with_faults(args, *rest):
+        model, dp_rank, dp_size = build(args, *rest)
+        inner = getattr(model, "module", model)  # DDP wraps the model
+        step = [0]
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+        def count_step(module, inputs):
+            if remat.is_recomputing():
+                return
+            step[0] += 1
+            if not is_last_rank():
+                return
+            if step[0] == fail_at_step and first_attempt:
+                os._exit(17)
+            if step[0] == oom_at_step:
+                request_impossible_memory_once(inner.blocks[-1].norm2)
+
+        inner.register_forward_pre_hook(count_step)
+        return model, dp_rank, dp_size
+
+    return build_with_faults
+
+
+def main() -> None:
+    name, argv = sys.argv[1], sys.argv[2:]
+    faults = argparse.ArgumentParser()
+    faults.add_argument("--fail-at-step", type=int, default=0)
+    faults.add_argument("--oom-at-step", type=int, default=0)
+    injected, argv = faults.parse_known_args(argv)
+    example = load(name)
+    if name == "train":
+        example.build = with_faults(example.build, injected.fail_at_step, injected.oom_at_step)
+    example.main(argv)
+    print(f"process group initialized after main: {dist.is_initialized()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
