@@ -72,28 +72,35 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     return call_region  # type: ignore[return-value]
 
 
-def recompute_needs_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Declare that the recompute reads ``t``, an output of a SAVE region.
+def recompute_needs_tensor(*tensors: torch.Tensor) -> Any:
+    """Declare that the recompute reads ``tensors``, outputs of SAVE regions.
 
     SAVE regions are not replayed, so their outputs exist during the recompute only
     if they were kept. Outputs consumed by a later ``remat.region`` or saved for
     backward are kept automatically; call this for an output that bare code (not a
     region) reads during the replay, e.g. ``h = h + attn``. It may also be called on
     a checkpoint input, or inside a SAVE region on a tensor the region returns.
-    Returns ``t``. Outside a checkpoint, during the recompute, and for tensors that
-    are recomputed anyway (produced outside SAVE regions, e.g. by a region that is
-    switched to ``recompute=True``) it does nothing, so model code can keep the call
-    whatever policy is applied.
+    Outside a checkpoint, during the recompute, and for tensors that are recomputed
+    anyway (produced outside SAVE regions, e.g. by a region that is switched to
+    ``recompute=True``) it does nothing, so model code can keep the call whatever
+    policy is applied.
+
+    Returns the tensor when given one (``h = recompute_needs_tensor(h)``), otherwise
+    the tuple of the tensors given (``a, b = recompute_needs_tensor(a, b)``).
+    ``TypeError`` names the position of an argument that is not a tensor.
 
     If you forget it, the recompute raises :class:`PlaceholderReadError` naming the
     region and output.
     """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(
-            f"remat.recompute_needs_tensor expects a tensor, got {type(t).__name__}."
-        )
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"remat.recompute_needs_tensor expects tensors; argument {i + 1} of "
+                f"{len(tensors)} is a {type(t).__name__}. Pass tensors as separate "
+                "arguments (recompute_needs_tensor(*tensors) for a list)."
+            )
     scope = current_scope()
-    if scope is None:
-        return t
-    scope.keep(t)
-    return t
+    if scope is not None:
+        for t in tensors:
+            scope.keep(t)
+    return tensors[0] if len(tensors) == 1 else tensors
