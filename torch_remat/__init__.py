@@ -26,6 +26,12 @@ from .diagnostics.trace import Trace, collect_trace, trace_scope
 from .engine.active import ActiveCheckpoint, active_checkpoint
 from .engine.api import checkpoint
 from .engine.regions import recompute_needs_tensor, region
+from .engine.saved_hooks import (
+    SavedTensorInfo,
+    SavedTensorKind,
+    current_saved_tensor_info,
+    saved_tensors_hooks,
+)
 from .engine.state import is_recomputing
 from .engine.state_hooks import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
 from .scope.api import gradient_checkpoint_scope
@@ -40,6 +46,10 @@ __all__ = [
     "CPURNGStateHook",
     "DeviceRNGStateHook",
     "is_recomputing",
+    "saved_tensors_hooks",
+    "current_saved_tensor_info",
+    "SavedTensorInfo",
+    "SavedTensorKind",
     "gradient_checkpoint_scope",
     "RematError",
     "PlaceholderReadError",
