@@ -25,6 +25,7 @@ from .diagnostics.saved_report import (
 from .diagnostics.trace import Trace, collect_trace, trace_scope
 from .engine.active import ActiveCheckpoint, active_checkpoint
 from .engine.api import checkpoint
+from .engine.naming import name_scope
 from .engine.regions import recompute_needs_tensor, region
 from .engine.saved_hooks import (
     SavedTensorInfo,
@@ -42,6 +43,7 @@ __all__ = [
     "checkpoint",
     "region",
     "recompute_needs_tensor",
+    "name_scope",
     "RecomputeStateHook",
     "CPURNGStateHook",
     "DeviceRNGStateHook",

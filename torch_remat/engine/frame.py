@@ -30,6 +30,7 @@ from .._errors import (
     RematError,
 )
 from .._tensors import storage_root
+from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
@@ -96,6 +97,7 @@ class CheckpointFrame(FrameBackward):
         self.kept_options = kept_options
         self.kept_hooks: KeptTensorHooks | None = None
         self.call = next_call_serial()
+        self.name_prefixes = current_prefixes()  # remat.name_scope; the replay reuses them
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .naming import current_prefixes, scoped_name, without_prefixes
 from .observers import thread_observers
 from .records import RegionRecord
 from .state import current_scope
@@ -29,7 +30,8 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     same model code runs with and without checkpointing.
 
     Region names must be unique within one forward of a checkpoint; nested regions
-    are named ``outer.inner``.
+    are named ``outer.inner``, and inside ``remat.name_scope(prefix)`` a region is
+    named ``prefix/name``.
     """
     if not callable(fn):
         raise TypeError(
@@ -51,19 +53,23 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
         )
 
     def call_region(*args: Any, **kwargs: Any) -> Any:
+        full, body = name, fn
+        prefixes = current_prefixes()
+        if prefixes:  # inside remat.name_scope
+            full, body = scoped_name(name, prefixes), without_prefixes(fn)
         scope = current_scope()
         if scope is not None:
-            return scope.run_region(fn, name, recompute, args, kwargs)
+            return scope.run_region(body, full, recompute, args, kwargs)
         observers = thread_observers()
         if not observers:
             return fn(*args, **kwargs)
         # Outside any checkpoint a region is a plain call; observers (a trace) still
         # see it, with no checkpoint.
-        record = RegionRecord(None, name, name, recompute)
+        record = RegionRecord(None, full, full, recompute)
         for observer in observers:
             observer.region_entered(None, record)
         try:
-            return fn(*args, **kwargs)
+            return body(*args, **kwargs)
         finally:
             for observer in observers:
                 observer.region_exited(None, record)
