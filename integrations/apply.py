@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 import torch_remat as remat
 
+from ._repeated_calls import call_scope, counting_calls
 from ._torch_arguments import checkpoint_options, select_like_torch, wrapper_spec
 from .rng import default_rng_state_hooks, prepare_dtensor_rng
 
@@ -148,7 +149,7 @@ class RematForward(_ModuleForward):
             region_name=self.region_name,
             recompute_state_hooks=self.state_hooks,
             **self.checkpoint_options,
-        )(self._function())
+        )(counting_calls(self._function()))
         if self.offload:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return fn(*args, **kwargs)
@@ -160,9 +161,10 @@ class SaveRegionForward(_ModuleForward):
     kept, since ``apply_remat`` cannot know which of their consumers are replayed."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = remat.region(self.original_forward, self.region_name, recompute=False)(
-            *args, **kwargs
-        )
+        with call_scope(self):  # a repeated call gets its own region names
+            out = remat.region(self.original_forward, self.region_name, recompute=False)(
+                *args, **kwargs
+            )
         if remat.is_recomputing():
             return out
         for leaf in tree_flatten(out)[0]:
@@ -256,6 +258,10 @@ class RematConfig:
     determinism_check: str | None = None
     """Forwarded to ``remat.checkpoint`` (None: its default)."""
 
+    saved_tensors_hooks: Any = None
+    """Forwarded to ``remat.checkpoint``: hooks for what each checkpoint keeps, e.g.
+    a ``torch_remat.offload.ActivationOffloader``."""
+
 
 def select_modules(model: nn.Module, blocks: ModuleSelector) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` for every non-root module of ``model`` matched by
@@ -281,6 +287,7 @@ def apply_remat_to_blocks(
         rng_state_hooks=config.rng_state_hooks,
         early_stop=config.early_stop,
         determinism_check=config.determinism_check,
+        saved_tensors_hooks=config.saved_tensors_hooks,
     )
 
 
@@ -295,6 +302,7 @@ def apply_remat(
     rng_state_hooks: bool = True,
     early_stop: bool | None = None,
     determinism_check: str | None = None,
+    saved_tensors_hooks: Any = None,
 ) -> list[str]:
     """Checkpoint selected submodules of ``model`` with ``torch_remat.checkpoint``.
 
@@ -333,7 +341,13 @@ def apply_remat(
             model has DTensor parameters, DTensor's RNG tracker is set up now too
             (:func:`~torch_remat.integrations.rng.prepare_dtensor_rng`; on a CUDA mesh
             that broadcasts rank 0's generator state, so call it on every rank).
-        early_stop, determinism_check: forwarded to ``remat.checkpoint``.
+        early_stop, determinism_check, saved_tensors_hooks: forwarded to
+            ``remat.checkpoint`` (``saved_tensors_hooks=ActivationOffloader(...)``
+            offloads what SAVE regions keep).
+
+    A ``save_modules`` match called more than once in one forward gets distinct
+    region names: ``call1/<path>`` for its second call, ``call2/<path>`` for its
+    third (``remat.name_scope``).
 
     Returns the qualified names of the checkpointed modules. Raises ``ValueError`` if
     remat is already applied anywhere in ``model`` (see :func:`remove_remat`) or if a
@@ -370,6 +384,8 @@ def apply_remat(
             options["early_stop"] = early_stop
         if determinism_check is not None:
             options["determinism_check"] = determinism_check
+        if saved_tensors_hooks is not None:
+            options["saved_tensors_hooks"] = saved_tensors_hooks
         use_rng = rng_state_hooks if preserve is None else bool(preserve)
         plans.append((module, name, options, use_rng))
 
