@@ -235,3 +235,23 @@ def test_a_nested_checkpoint_hands_its_kept_tensors_to_the_outer_one():
     # Only the outer checkpoint's own kept tensors: its SAVE region's save and its
     # input x (read by the replayed inner checkpoint).
     assert rec.kinds() == [("backward", "top"), ("checkpoint_input", None)]
+
+
+def test_with_input_hooks_the_checkpoint_keeps_only_what_pack_returned():
+    # The caller modifies its input after the forward: without input hooks the
+    # checkpoint holds that very tensor and refuses; with a copying input hook it
+    # holds the copy, and backward is exact.
+    def run(**options):
+        leaf = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        x = leaf * 1
+        y = remat.checkpoint(region_name="c", **options)(lambda t: t.sin())(x)
+        with torch.no_grad():
+            x.add_(1)
+        y.sum().backward()
+        return leaf.grad
+
+    with pytest.raises(remat.SavedTensorModifiedError, match="checkpoint 'c'.*modified in place"):
+        run()
+    copied = run(input_saved_tensors_hooks=(lambda t: t.clone(), lambda t: t))
+    expected = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0)).cos()
+    assert torch.equal(copied, expected)
