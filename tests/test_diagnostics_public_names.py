@@ -33,7 +33,9 @@ def synthetic_snapshot(t, pad=64):
     }
 
 
-def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_and_name():
+def checkpoint_keeping_exp(name):
+    """A checkpoint whose SAVE region "proj" keeps exp's (3, 4) result; returns the
+    loss and that result."""
     seen = []
     x = torch.randn(3, 4, dtype=D, requires_grad=True)
 
@@ -42,8 +44,12 @@ def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_
         seen.append(p)
         return p.sum()
 
-    loss = remat.checkpoint(region_name="layers.0")(fn)(x)
-    snapshot = synthetic_snapshot(seen[0])
+    return remat.checkpoint(region_name=name)(fn)(x), seen[0]
+
+
+def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_and_name():
+    loss, kept = checkpoint_keeping_exp("layers.0")
+    snapshot = synthetic_snapshot(kept)
     assert remat.memory_snapshot_annotate(snapshot, device_type="cpu") is snapshot
     free, active = snapshot["segments"][0]["blocks"]
     assert "remat" not in free
@@ -54,16 +60,8 @@ def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_
 
 
 def test_annotate_leaves_blocks_of_other_devices_alone():
-    seen = []
-    x = torch.randn(3, 4, dtype=D, requires_grad=True)
-
-    def fn(x):
-        p = remat.region(lambda t: t.mul(2).exp(), "proj", recompute=False)(x)
-        seen.append(p)
-        return p.sum()
-
-    loss = remat.checkpoint(region_name="c")(fn)(x)
-    snapshot = synthetic_snapshot(seen[0])
+    loss, kept = checkpoint_keeping_exp("c")
+    snapshot = synthetic_snapshot(kept)
     remat.memory_snapshot_annotate(snapshot)  # device_type="cuda": no CPU storage matches
     assert all("remat" not in b for b in snapshot["segments"][0]["blocks"])
     loss.backward()
