@@ -138,3 +138,16 @@ def test_a_permuted_tensor_comes_back_with_its_strides_a_strided_one_contiguous(
 def test_bad_prefetch_is_refused():
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         ActivationOffloader(1024, prefetch=-1)
+
+
+def test_reports_count_the_host_buffer_of_an_offloaded_save_not_the_offloader():
+    off = offloader(prefetch=0)
+
+    def fn(x):
+        return remat.region(lambda t: t.mul(2).exp(), "attn", recompute=False)(x).sum()
+
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        loss = remat.checkpoint(region_name="c")(fn)(make_input())
+    report = remat.saved_tensors_report(loss)
+    assert report.checkpoint_bytes == ACT  # the 4096 B pool buffer holding exp's result
+    loss.backward()

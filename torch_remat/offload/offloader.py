@@ -100,11 +100,20 @@ class _Handle:
         self.buffer: torch.Tensor | None = None
         self.ready: Any = None  # event ending the last copy that touched the buffer
 
+    def _remat_resident_tensors(self) -> list[torch.Tensor]:
+        # What the reports count for this save: the device copy while there is one,
+        # and the host buffer (not the offloader and its pool, which tensors_in
+        # would otherwise walk into).
+        return [t for t in (self.tensor, self.buffer) if t is not None]
+
     def __del__(self) -> None:
         buffer = self.buffer
         if buffer is not None:
             self.buffer = self.host = None
-            self.owner.pool.release(buffer, self.ready)
+            try:
+                self.owner.pool.release(buffer, self.ready)
+            except Exception:  # interpreter shutdown: the pool may be gone already
+                pass
 
 
 class ActivationOffloader:
