@@ -101,7 +101,7 @@ def recompute_needs_tensor(*tensors: torch.Tensor) -> Any:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(
-                f"remat.recompute_needs_tensor expects tensors; argument {i + 1} of "
+                f"remat.recompute_needs_tensor expects a tensor for each argument; argument {i + 1} of "
                 f"{len(tensors)} is a {type(t).__name__}. Pass tensors as separate "
                 "arguments (recompute_needs_tensor(*tensors) for a list)."
             )
