@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import torch_remat as remat
 
+from ._repeated_calls import call_scope, counting_calls
 from ._selection import save_modules_of
 
 
@@ -141,7 +142,7 @@ class RematForward(_ModuleForward):
             region_name=self.region_name,
             recompute_state_hooks=self.state_hooks,
             **self.checkpoint_options,
-        )(self._function())
+        )(counting_calls(self._function()))
         if self.offload:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return fn(*args, **kwargs)
@@ -153,9 +154,10 @@ class SaveRegionForward(_ModuleForward):
     kept, since ``apply_remat`` cannot know which of their consumers are replayed."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = remat.region(self.original_forward, self.region_name, recompute=False)(
-            *args, **kwargs
-        )
+        with call_scope(self):  # a repeated call gets its own region names
+            out = remat.region(self.original_forward, self.region_name, recompute=False)(
+                *args, **kwargs
+            )
         if remat.is_recomputing():
             return out
         for leaf in tree_flatten(out)[0]:

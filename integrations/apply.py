@@ -74,6 +74,10 @@ class RematConfig:
     determinism_check: str | None = None
     """Forwarded to ``remat.checkpoint`` (None: its default)."""
 
+    saved_tensors_hooks: Any = None
+    """Forwarded to ``remat.checkpoint``: hooks for what each checkpoint keeps, e.g.
+    a ``torch_remat.offload.ActivationOffloader``."""
+
     def checkpoint_options(self) -> dict[str, Any]:
         """The ``remat.checkpoint`` keywords these fields set."""
         options: dict[str, Any] = {}
@@ -81,6 +85,8 @@ class RematConfig:
             options["early_stop"] = self.early_stop
         if self.determinism_check is not None:
             options["determinism_check"] = self.determinism_check
+        if self.saved_tensors_hooks is not None:
+            options["saved_tensors_hooks"] = self.saved_tensors_hooks
         return options
 
     def save_matcher(self, where: str) -> Callable[[nn.Module], bool] | None:

@@ -82,7 +82,7 @@ class SnapshotIndex:
     """Active blocks of a ``torch.cuda.memory._snapshot()`` dict, searchable by address."""
 
     def __init__(self, snapshot: Mapping[str, Any], default_device: int = 0) -> None:
-        blocks: dict[int, list[tuple[int, int, Sequence[Mapping[str, Any]]]]] = {}
+        blocks: dict[int, list[tuple[int, int, Mapping[str, Any]]]] = {}
         for seg in snapshot.get("segments", ()):
             device = seg.get("device", default_device)
             address = seg.get("address", 0)
@@ -91,9 +91,7 @@ class SnapshotIndex:
                 size = b.get("size", 0)
                 address = start + size
                 if b.get("state") == "active_allocated":
-                    blocks.setdefault(device, []).append(
-                        (start, start + size, list(b.get("frames") or ()))
-                    )
+                    blocks.setdefault(device, []).append((start, start + size, b))
         self._starts: dict[int, list[int]] = {}
         self._blocks = {}
         for device, items in blocks.items():
@@ -101,16 +99,21 @@ class SnapshotIndex:
             self._blocks[device] = items
             self._starts[device] = [x[0] for x in items]
 
-    def frames_at(self, device: int, ptr: int) -> Sequence[Mapping[str, Any]] | None:
-        """The allocation stack of the active block holding ``ptr``, or None."""
+    def block_at(self, device: int, ptr: int) -> Mapping[str, Any] | None:
+        """The active block (the snapshot's own dict) holding ``ptr``, or None."""
         starts = self._starts.get(device)
         if not starts:
             return None
         i = bisect.bisect_right(starts, ptr) - 1
         if i < 0:
             return None
-        start, end, frames = self._blocks[device][i]
-        return frames if start <= ptr < end else None
+        start, end, block = self._blocks[device][i]
+        return block if start <= ptr < end else None
+
+    def frames_at(self, device: int, ptr: int) -> Sequence[Mapping[str, Any]] | None:
+        """The allocation stack of the active block holding ``ptr``, or None."""
+        block = self.block_at(device, ptr)
+        return None if block is None else list(block.get("frames") or ())
 
     def site_of(self, device: int, ptr: int) -> str | None:
         frames = self.frames_at(device, ptr)
@@ -127,7 +130,7 @@ def cuda_site_lookup(infos: Iterable[StorageInfo]) -> Callable[[StorageInfo], st
             return None
         if not _compat.cuda_memory_history_may_be_enabled():
             return None
-        index = SnapshotIndex(torch.cuda.memory._snapshot(), torch.cuda.current_device())
+        index = cached_snapshot_index()
     except Exception:
         return None
 
@@ -138,6 +141,55 @@ def cuda_site_lookup(infos: Iterable[StorageInfo]) -> Callable[[StorageInfo], st
         return index.site_of(device, info.data_ptr)
 
     return lookup
+
+
+# The allocator snapshot torch_remat last took, with its index, reused while the
+# allocator has neither allocated nor freed a block since (an OOM observer builds
+# several reports in a row; a snapshot with history can take seconds).
+_cache: tuple[Any, tuple[dict[str, Any], SnapshotIndex]] | None = None
+
+
+def _take_snapshot() -> dict[str, Any]:
+    return torch.cuda.memory._snapshot()
+
+
+def _allocator_epoch() -> Any:
+    """Changes whenever the allocator allocates or frees a block; None when it
+    cannot tell (then nothing is cached)."""
+    stats = torch.cuda.memory_stats()
+    allocated, freed = stats.get("allocation.all.allocated"), stats.get("allocation.all.freed")
+    return None if allocated is None or freed is None else (allocated, freed)
+
+
+def cached_snapshot() -> tuple[dict[str, Any], SnapshotIndex]:
+    """``torch.cuda.memory._snapshot()`` and its index, from the cache when the
+    allocator has not changed since it was taken."""
+    global _cache
+    epoch = _allocator_epoch()
+    if epoch is not None and _cache is not None and _cache[0] == epoch:
+        return _cache[1]
+    snapshot = _take_snapshot()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    entry = (snapshot, SnapshotIndex(snapshot, device))
+    _cache = None if epoch is None else (epoch, entry)
+    return entry
+
+
+def cached_snapshot_index() -> SnapshotIndex:
+    return cached_snapshot()[1]
+
+
+def clear_memory_snapshot_cache() -> None:
+    """Drop the CUDA memory snapshot torch_remat keeps for allocation sites.
+
+    Reports (and :func:`memory_snapshot_annotate` without a snapshot) take
+    ``torch.cuda.memory._snapshot()`` and reuse it while the caching allocator has
+    neither allocated nor freed a block since. Clear it to force a fresh snapshot
+    (after ``torch.cuda.memory._record_memory_history()`` changed what is recorded)
+    or to free the memory the snapshot occupies.
+    """
+    global _cache
+    _cache = None
 
 
 class _SiteRecorder(CheckpointObserver):

@@ -101,6 +101,34 @@ def live_graph_roots() -> list[Any]:
     return nodes
 
 
+def discover_autograd_roots() -> list[Any]:
+    """The autograd nodes from which every live graph can be reached: the
+    ``grad_fn`` of each live tensor (found through the garbage collector, without a
+    loss handle) that no other live tensor's graph reaches. Typically the losses
+    (and outputs) whose backward has not run yet; pass them to
+    :func:`saved_tensors_report`. Walks every live graph once."""
+    candidates: dict[int, Any] = {}
+    for node in live_graph_roots():
+        candidates.setdefault(id(node), node)
+    visited: set[int] = set()
+    reached: set[int] = set()
+    for start in candidates.values():
+        if id(start) in visited:
+            continue
+        visited.add(id(start))
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            for child, _ in getattr(node, "next_functions", ()):
+                if child is None:
+                    continue
+                reached.add(id(child))
+                if id(child) not in visited:
+                    visited.add(id(child))
+                    stack.append(child)
+    return [n for key, n in candidates.items() if key not in reached]
+
+
 def _saved_values(node: Any) -> list[Any]:
     out = []
     for attr in _saved_attrs(node):

@@ -25,27 +25,35 @@ from .format import format_bytes
 _FAILED = "torch_remat: OOM observer failed while building its report"
 
 
-def describe_active_checkpoint() -> str | None:
-    """Which checkpoint (and region) this thread is running, for the OOM message."""
-    active = active_checkpoint()
-    return None if active is None else active.format()
+def format_oom_saved_tensors_report(exception: BaseException | None = None) -> str:
+    """What the OOM observer prints after the allocator's request: the checkpoint
+    (and region) running, then the saved-tensors report of everything alive.
+
+    Call it where no allocator observer exists (CPU, or any ``except`` block)::
+
+        except torch.OutOfMemoryError as e:
+            print(remat.format_oom_saved_tensors_report(e))
+
+    With ``exception``, the checkpoint is the one the exception was raised in (read
+    from its traceback, see :func:`active_checkpoint`); without, the one running
+    now. The ``while running ...`` line is left out when there is none."""
+    from .saved_report import saved_tensors_report
+
+    active = active_checkpoint(exception)
+    lines = [] if active is None else [f"while running {active.format()}"]
+    lines.append(saved_tensors_report(None).format())
+    return "\n".join(lines)
 
 
 def format_oom_report(device: int, alloc: int, device_alloc: int, device_free: int) -> str:
     # c10's OutOfMemoryObserver passes (device, requested bytes, device total or the
     # per-process memory-fraction limit, free bytes reported by cudaMemGetInfo).
-    from .saved_report import saved_tensors_report
-
-    lines = [
+    header = (
         f"torch_remat: CUDA out of memory on device {device}: a request for "
         f"{format_bytes(alloc)} failed ({format_bytes(device_free)} free of "
         f"{format_bytes(device_alloc)} usable on the device)"
-    ]
-    active = describe_active_checkpoint()
-    if active is not None:
-        lines.append(f"while running {active}")
-    lines.append(saved_tensors_report(None).format())
-    return "\n".join(lines)
+    )
+    return f"{header}\n{format_oom_saved_tensors_report()}"
 
 
 def oom_observer(

@@ -9,6 +9,7 @@ import torch
 
 from .. import _compat
 from .frame import CheckpointFrame
+from .saved_hooks import as_hook_pair
 from .state_hooks import validate_state_hooks
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -35,6 +36,8 @@ def checkpoint(
     determinism_check: str = "default",
     use_reentrant: bool | None = None,
     preserve_rng_state: bool | None = None,
+    saved_tensors_hooks: Any = None,
+    input_saved_tensors_hooks: Any = None,
 ) -> Callable[[F], F]:
     """Return a decorator that runs a function as a non-reentrant checkpoint.
 
@@ -61,6 +64,16 @@ def checkpoint(
             only ``False`` (or None) is supported.
         preserve_rng_state: only ``False`` (or None) is supported; pass RNG state
             hooks through ``recompute_state_hooks`` instead.
+        saved_tensors_hooks: ``(pack, unpack)``, ``(pack, unpack, capture_context)``
+            or an object with ``pack_hook``/``unpack_hook`` (an offloader): hooks for
+            every tensor this checkpoint keeps resident (SAVE-region saves, kept
+            SAVE outputs, kept inputs), with the semantics of
+            :class:`remat.saved_tensors_hooks`, ahead of any such context. None (the
+            default): no hooks of its own.
+        input_saved_tensors_hooks: the same, for the kept checkpoint inputs only
+            (ahead of ``saved_tensors_hooks``). The checkpoint then keeps only what
+            the pack hook returns, not the input tensor: an input the caller drops
+            after the forward is freed (an offloading hook moves it off the device).
 
     Under ``torch.no_grad()`` or ``torch.inference_mode()`` the function simply runs
     once. Errors: ``TypeError`` for a positional argument (``remat.checkpoint(fn)``)
@@ -95,6 +108,10 @@ def checkpoint(
             f"got {determinism_check!r}."
         )
     hooks = validate_state_hooks(recompute_state_hooks)
+    kept = (
+        as_hook_pair(saved_tensors_hooks, "remat.checkpoint: saved_tensors_hooks"),
+        as_hook_pair(input_saved_tensors_hooks, "remat.checkpoint: input_saved_tensors_hooks"),
+    )
     check_metadata = determinism_check != "none"
     bitwise = determinism_check == "bitwise"
 
@@ -107,8 +124,8 @@ def checkpoint(
 
         def checkpointed(*a: Any, **kw: Any) -> Any:
             if torch.compiler.is_compiling():
-                return _run_eagerly(fn, name, hooks, early_stop, check_metadata, bitwise, a, kw)
-            return _run(fn, name, hooks, early_stop, check_metadata, bitwise, a, kw)
+                return _run_eagerly(fn, name, hooks, early_stop, check_metadata, bitwise, kept, a, kw)
+            return _run(fn, name, hooks, early_stop, check_metadata, bitwise, kept, a, kw)
 
         checkpointed.__wrapped__ = fn  # type: ignore[attr-defined]
         checkpointed.__name__ = f"remat_checkpoint_{name}"
@@ -119,10 +136,10 @@ def checkpoint(
     return decorator
 
 
-def _run(fn, name, hooks, early_stop, check_metadata, bitwise, args, kwargs) -> Any:
+def _run(fn, name, hooks, early_stop, check_metadata, bitwise, kept, args, kwargs) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise)
+    frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise, kept)
     return frame.run_forward(args, kwargs)
 
 

@@ -30,11 +30,13 @@ from .._errors import (
     RematError,
 )
 from .._tensors import storage_root
+from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved
+from .saved_hooks import KeptTensorHooks, next_call_serial
 from .sources import INPUT, OUTPUT, SourceIndex, TensorSource
 from .state import FORWARD, _tls
 from .state_hooks import same_state
@@ -62,6 +64,7 @@ class CheckpointFrame(FrameBackward):
         early_stop: bool,
         check_metadata: bool,
         bitwise_check: bool,
+        kept_options: tuple[Any, Any] = (None, None),
     ) -> None:
         self.fn = fn
         self.name = name
@@ -89,6 +92,12 @@ class CheckpointFrame(FrameBackward):
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
         self.outer_hooks = None
+        # saved-tensor hooks for what this call keeps: (saved_tensors_hooks,
+        # input_saved_tensors_hooks) options, resolved in run_forward (saved_hooks.py)
+        self.kept_options = kept_options
+        self.kept_hooks: KeptTensorHooks | None = None
+        self.call = next_call_serial()
+        self.name_prefixes = current_prefixes()  # remat.name_scope; the replay reuses them
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()
@@ -131,6 +140,9 @@ class CheckpointFrame(FrameBackward):
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.outer_hooks = top_hooks(False)
+        self.kept_hooks = KeptTensorHooks(self.name, self.call, *self.kept_options, self.outer_hooks)
+        for src in self.inputs:
+            src.hooks = self.kept_hooks.inputs
         self.start_seq = _compat.autograd_sequence_nr()
         try:
             push_hooks(self.pack, unpack_packed)
@@ -189,7 +201,8 @@ class CheckpointFrame(FrameBackward):
             if sources is not None:
                 for s in sources:
                     s.mark_kept(t)
-                if self.outer_hooks is None:
+                # Kept tensors packed by hooks live where the hooks put them.
+                if self.outer_hooks is None and not any(s.hooks for s in sources):
                     d = t.detach()
                     holder.static = d
                     holder.static_version = d._version
@@ -206,7 +219,8 @@ class CheckpointFrame(FrameBackward):
 
     def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved:
         region = self.region_stack[-1]
-        saved = RegionSaved(region, f"saved.{len(region.saved)}", t, self.outer_hooks)
+        hooks = self.kept_hooks.region_save(region.qualname, t) or self.outer_hooks
+        saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks)
         region.saved.append(weakref.ref(saved))
         for observer in self.observers.kept:
             observer.tensor_kept(self, saved, t)
@@ -314,9 +328,11 @@ class CheckpointFrame(FrameBackward):
     def _record_outputs(self, record: RegionRecord, out: Any) -> None:
         leaves, record.output_spec = flatten_region_outputs(out, record.qualname, self.name)
         pending = [r() for r in record.pending_keep]
+        hooks = self.kept_hooks.bind_outputs()
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 src = TensorSource(OUTPUT, i, leaf, record.qualname)
+                src.hooks = hooks
                 self.sources.add(leaf, src)
                 self.output_sources.append(src)
                 if leaf.grad_fn is not None:

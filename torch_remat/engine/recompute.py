@@ -27,6 +27,7 @@ from .._errors import (
     modified_in_place,
 )
 from .._tensors import describe_tensor
+from .naming import prefixes_set_to
 from .profiling import profiler_range
 from .records import Holder, describe_region
 from .replay import ReplayScope, replay_unpack
@@ -160,7 +161,7 @@ class FrameBackward:
             try:
                 with torch.enable_grad(), self._autocast_context(), profiler_range(
                     "remat.recompute:", self.name
-                ):
+                ), prefixes_set_to(self.name_prefixes):
                     self.fn(*args, **kwargs)
             except _StopRecompute:
                 pass

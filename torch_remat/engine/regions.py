@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .naming import current_prefixes, scoped_name, without_prefixes
 from .observers import thread_observers
 from .records import RegionRecord
 from .state import current_scope
@@ -29,7 +30,8 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     same model code runs with and without checkpointing.
 
     Region names must be unique within one forward of a checkpoint; nested regions
-    are named ``outer.inner``.
+    are named ``outer.inner``, and inside ``remat.name_scope(prefix)`` a region is
+    named ``prefix/name``.
     """
     if not callable(fn):
         raise TypeError(
@@ -51,19 +53,23 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
         )
 
     def call_region(*args: Any, **kwargs: Any) -> Any:
+        full, body = name, fn
+        prefixes = current_prefixes()
+        if prefixes:  # inside remat.name_scope
+            full, body = scoped_name(name, prefixes), without_prefixes(fn)
         scope = current_scope()
         if scope is not None:
-            return scope.run_region(fn, name, recompute, args, kwargs)
+            return scope.run_region(body, full, recompute, args, kwargs)
         observers = thread_observers()
         if not observers:
             return fn(*args, **kwargs)
         # Outside any checkpoint a region is a plain call; observers (a trace) still
         # see it, with no checkpoint.
-        record = RegionRecord(None, name, name, recompute)
+        record = RegionRecord(None, full, full, recompute)
         for observer in observers:
             observer.region_entered(None, record)
         try:
-            return fn(*args, **kwargs)
+            return body(*args, **kwargs)
         finally:
             for observer in observers:
                 observer.region_exited(None, record)
@@ -72,28 +78,35 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     return call_region  # type: ignore[return-value]
 
 
-def recompute_needs_tensor(t: torch.Tensor) -> torch.Tensor:
-    """Declare that the recompute reads ``t``, an output of a SAVE region.
+def recompute_needs_tensor(*tensors: torch.Tensor) -> Any:
+    """Declare that the recompute reads ``tensors``, outputs of SAVE regions.
 
     SAVE regions are not replayed, so their outputs exist during the recompute only
     if they were kept. Outputs consumed by a later ``remat.region`` or saved for
     backward are kept automatically; call this for an output that bare code (not a
     region) reads during the replay, e.g. ``h = h + attn``. It may also be called on
     a checkpoint input, or inside a SAVE region on a tensor the region returns.
-    Returns ``t``. Outside a checkpoint, during the recompute, and for tensors that
-    are recomputed anyway (produced outside SAVE regions, e.g. by a region that is
-    switched to ``recompute=True``) it does nothing, so model code can keep the call
-    whatever policy is applied.
+    Outside a checkpoint, during the recompute, and for tensors that are recomputed
+    anyway (produced outside SAVE regions, e.g. by a region that is switched to
+    ``recompute=True``) it does nothing, so model code can keep the call whatever
+    policy is applied.
+
+    Returns the tensor when given one (``h = recompute_needs_tensor(h)``), otherwise
+    the tuple of the tensors given (``a, b = recompute_needs_tensor(a, b)``).
+    ``TypeError`` names the position of an argument that is not a tensor.
 
     If you forget it, the recompute raises :class:`PlaceholderReadError` naming the
     region and output.
     """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(
-            f"remat.recompute_needs_tensor expects a tensor, got {type(t).__name__}."
-        )
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"remat.recompute_needs_tensor expects a tensor for each argument; argument {i + 1} of "
+                f"{len(tensors)} is a {type(t).__name__}. Pass tensors as separate "
+                "arguments (recompute_needs_tensor(*tensors) for a list)."
+            )
     scope = current_scope()
-    if scope is None:
-        return t
-    scope.keep(t)
-    return t
+    if scope is not None:
+        for t in tensors:
+            scope.keep(t)
+    return tensors[0] if len(tensors) == 1 else tensors

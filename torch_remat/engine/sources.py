@@ -10,9 +10,11 @@ recompute needs it:
 * ``remat.recompute_needs_tensor`` is called on it;
 * for checkpoint inputs only: anything other than SAVE regions consumes it.
 
-When the forward finishes, kept sources are stored as autograd ``SavedTensor``\\ s, so
-the user's own ``saved_tensors_hooks`` (offloading) apply to them and, without such
-hooks, autograd's in-place check guards them.
+When the forward finishes, kept sources are packed by the hooks bound to them
+(``saved_hooks.py``: a checkpoint option or ``remat.saved_tensors_hooks``), or else
+stored as autograd ``SavedTensor``\\ s, so the user's own torch ``saved_tensors_hooks``
+(offloading) apply to them and, without such hooks, autograd's in-place check guards
+them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .._compat import make_saved_tensor
 from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, storage_root
 from .placeholder import PlaceholderOrigin, make_placeholder
+from .saved_hooks import SavedTensorKind
 
 INPUT = "input"
 OUTPUT = "output"
@@ -43,6 +46,7 @@ class TensorSource:
         "keep",
         "save_consumed",
         "saved",
+        "hooks",
     )
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
@@ -61,6 +65,7 @@ class TensorSource:
         self.keep = False
         self.save_consumed = False
         self.saved = None
+        self.hooks = None  # a saved_hooks.DeferredPack bound to this source, or None
 
     def describe(self, checkpoint: str) -> str:
         return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
@@ -86,7 +91,12 @@ class TensorSource:
             return
         if t._version != self.version:
             raise self._modified_error(checkpoint)
-        self.saved = make_saved_tensor(t.detach(), is_output=False)
+        if self.hooks is not None:
+            kind = SavedTensorKind.CHECKPOINT_INPUT if self.kind == INPUT else SavedTensorKind.SAVE_OUTPUT
+            self.saved = self.hooks.pack(t, kind, self.region, self.index)
+            self.hooks = None  # drop the captured context with the binding
+        else:
+            self.saved = make_saved_tensor(t.detach(), is_output=False)
 
     def _modified_error(self, checkpoint: str) -> Exception:
         what = f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'"

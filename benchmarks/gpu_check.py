@@ -1,0 +1,258 @@
+"""GPU checks: ``python benchmarks/gpu_check.py [--only offload,rng,sites,oom] [--json PATH]``.
+
+One script for one CUDA GPU (under five minutes) that measures what the CPU test
+suite cannot, and exercises every CUDA-only path of the project:
+
+* ``offload``: a stack of checkpointed blocks whose SAVE regions keep large
+  activations, trained with and without ``torch_remat.offload.ActivationOffloader``.
+  Reports the median step time of each (interleaved steps, as a ratio), the peak
+  allocated memory of each, whether gradients are bitwise equal, and from the
+  profiler how much of the device-to-host and host-to-device copy time overlaps
+  compute kernels on another stream.
+* ``rng``: ``DeviceRNGStateHook("cuda")`` replays dropout inside a checkpoint
+  exactly (bitwise gradients against the uncheckpointed run).
+* ``sites``: with the allocator's memory history on, the memory report names this
+  file as the allocation site of kept tensors, and ``memory_snapshot_annotate``
+  labels the blocks of a real snapshot.
+* ``oom``: ``attach_oom_observer`` prints its report when an allocation fails.
+
+Prints one line per check and a JSON summary; exits 1 if a check fails, 2 when no
+CUDA device is available. Numbers are only meaningful from a real GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if not __package__:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import torch_remat as remat  # noqa: E402
+
+CHECKS = ("offload", "rng", "sites", "oom")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="torch_remat checks that need a CUDA GPU")
+    p.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of " + ",".join(CHECKS))
+    p.add_argument("--layers", type=int, default=8, help="checkpointed blocks in the offload model")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--pool-gib", type=float, default=8.0)
+    p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    args = p.parse_args(argv)
+    only = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(only) - set(CHECKS))
+    if unknown:
+        p.error(f"unknown check(s) {unknown}; choose from {list(CHECKS)}")
+    args.only = only
+    return args
+
+
+# ------------------------------------------------------------------- offload
+
+
+def _offload_model(args: argparse.Namespace, device: torch.device) -> tuple[list[torch.Tensor], Any]:
+    torch.manual_seed(0)
+    d = args.dim
+    # Parameters: the offloader leaves them where they are.
+    weights = [torch.nn.Parameter(torch.randn(d, 4 * d, device=device) / d**0.5) for _ in range(args.layers)]
+
+    def block(w):
+        def fn(x):
+            # The SAVE region keeps its internal activations (gelu's input and
+            # output), which the offloader moves.
+            h = remat.region(lambda t: torch.nn.functional.gelu(t @ w) @ w.t(), "mlp", recompute=False)(x)
+            return remat.recompute_needs_tensor(h).tanh() + x
+
+        return fn
+
+    def model(x, hooks=None):
+        for k, w in enumerate(weights):
+            x = remat.checkpoint(region_name=f"layers.{k}", saved_tensors_hooks=hooks)(block(w))(x)
+        return x.float().square().mean()
+
+    return weights, model
+
+
+def _step(model, weights, x, hooks) -> list[torch.Tensor]:
+    for w in weights:
+        w.grad = None
+    model(x, hooks).backward()
+    return [w.grad for w in weights]
+
+
+def _overlap(prof: Any) -> dict[str, float]:
+    """Share of memcpy time (per direction) that overlaps a kernel of another stream."""
+    copies: dict[str, list[tuple[float, float, int]]] = {"DtoH": [], "HtoD": []}
+    kernels: list[tuple[float, float, int]] = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end, getattr(e, "device_resource_id", -1))
+        name = e.name
+        if "Memcpy DtoH" in name:
+            copies["DtoH"].append(span)
+        elif "Memcpy HtoD" in name:
+            copies["HtoD"].append(span)
+        elif "Memcpy" not in name and "Memset" not in name:
+            kernels.append(span)
+    out = {}
+    for direction, spans in copies.items():
+        total = sum(end - start for start, end, _ in spans)
+        covered = 0.0
+        for start, end, stream in spans:
+            pieces = sorted((max(s, start), min(e, end)) for s, e, ks in kernels if ks != stream and s < end and e > start)
+            cursor = start
+            for s, e in pieces:
+                if e > cursor:
+                    covered += e - max(s, cursor)
+                    cursor = e
+        out[direction] = covered / total if total else 0.0
+        out[f"{direction}_us"] = total
+    return out
+
+
+def check_offload(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from torch_remat.offload import ActivationOffloader
+
+    weights, model = _offload_model(args, device)
+    x = torch.randn(args.batch * args.seq, args.dim, device=device)
+    pool = int(args.pool_gib * (1 << 30))
+    offloader = ActivationOffloader(pool, prefetch=args.prefetch, min_bytes=1 << 20)
+    variants = {"resident": None, "offload": offloader}
+    grads = {name: [g.clone() for g in _step(model, weights, x, hooks)] for name, hooks in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    peaks: dict[str, int] = {}
+    for _ in range(args.steps):
+        for name, hooks in variants.items():  # interleaved: both see the same noise
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            _step(model, weights, x, hooks)
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+            peaks[name] = torch.cuda.max_memory_allocated()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _step(model, weights, x, offloader)
+        torch.cuda.synchronize()
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    bitwise = all(torch.equal(a, b) for a, b in zip(grads["resident"], grads["offload"]))
+    result = {
+        "step_time_ratio_offload_vs_resident": median["offload"] / median["resident"],
+        "median_step_s": median,
+        "peak_allocated_bytes": peaks,
+        "gradients_bitwise_equal": bitwise,
+        "offloaded_bytes": dict(offloader.stats.offloaded_bytes),
+        "sync_fetches": offloader.stats.sync_fetches,
+        "pool_high_water_bytes": offloader.pool.high_water_bytes,
+        "copy_overlap": _overlap(prof),
+        "held_after_backward": offloader.held_tensors(),
+    }
+    result["ok"] = bitwise and result["held_after_backward"] == 0 and peaks["offload"] < peaks["resident"]
+    return result
+
+
+# ---------------------------------------------------------------- other paths
+
+
+def check_rng(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    w = torch.randn(256, 256, device=device, requires_grad=True)
+    x = torch.randn(64, 256, device=device)
+
+    def fn(t):
+        return torch.nn.functional.dropout(t @ w, 0.5, True).sin()
+
+    def grad(checkpointed: bool) -> torch.Tensor:
+        w.grad = None
+        torch.cuda.manual_seed(0)
+        hooks = (remat.DeviceRNGStateHook("cuda"),)
+        f = remat.checkpoint(region_name="rng", recompute_state_hooks=hooks)(fn) if checkpointed else fn
+        f(x).sum().backward()
+        return w.grad.clone()
+
+    ok = torch.equal(grad(True), grad(False))
+    return {"gradients_bitwise_equal": ok, "ok": ok}
+
+
+def check_sites(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    try:
+        remat.clear_memory_snapshot_cache()
+        x = torch.randn(512, 512, device=device, requires_grad=True)
+        reports: list[str] = []
+
+        def fn(t):
+            h = remat.region(lambda u: u.exp().sin(), "kept", recompute=False)(t)
+            reports.append(remat.format_current_memory_report())
+            return h.sum()
+
+        loss = remat.checkpoint(region_name="sites")(fn)(x)
+        snapshot = remat.memory_snapshot_annotate(torch.cuda.memory._snapshot())
+        labels = [lab for seg in snapshot["segments"] for b in seg.get("blocks", ()) for lab in b.get("remat", ())]
+        loss.backward()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+        remat.clear_memory_snapshot_cache()
+    named = Path(__file__).name in reports[0]
+    labelled = any(lab["checkpoint"] == "sites" and lab["region"] == "kept" for lab in labels)
+    return {"report_names_this_file": named, "snapshot_labels": len(labels), "ok": named and labelled}
+
+
+def check_oom(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    out = io.StringIO()
+
+    def observer(dev: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        remat.oom_observer(dev, alloc, device_alloc, device_free, file=out)
+
+    attached = remat.attach_oom_observer(observer)
+    raised = False
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device=device)  # 1 PiB
+    except torch.OutOfMemoryError:
+        raised = True
+    text = out.getvalue()
+    printed = text.startswith("torch_remat: CUDA out of memory")
+    return {"attached": attached, "raised": raised, "printed": printed, "ok": attached and raised and printed}
+
+
+RUNNERS = {"offload": check_offload, "rng": check_rng, "sites": check_sites, "oom": check_oom}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device available; these checks need one.", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    summary: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    failed = False
+    for name in args.only:
+        start = time.perf_counter()
+        try:
+            result = RUNNERS[name](args, device)
+        except Exception as e:  # report and go on with the other checks
+            result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        summary[name] = result
+        failed = failed or not result["ok"]
+        print(f"{name}: {'ok' if result['ok'] else 'FAILED'} {json.dumps(result, default=str)}", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""``torch_remat.offload.ActivationOffloader`` on CPU: the CUDA code path with
+synchronous copies into the host pool."""
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, grads
+
+import torch_remat as remat
+from torch_remat.offload import ActivationOffloader
+
+D = torch.float64
+B, DIM, K = 16, 32, 5
+ACT = B * DIM * 8  # 4096 B: what "attn" and "mlp" each save per checkpoint
+
+
+def block(x):
+    a = remat.region(lambda t: t.mul(2).exp(), "attn", recompute=False)(x)  # saves exp's result
+    m = remat.region(lambda t: t.mul(0.5).sin(), "mlp", recompute=False)(a)  # saves t * 0.5
+    s = remat.region(lambda t: t[:1].exp(), "tiny", recompute=False)(m)  # 256 B: stays resident
+    m, s = remat.recompute_needs_tensor(m, s)
+    return m.tanh() + s
+
+
+def model(x, checkpointed=True, **options):
+    for k in range(K):
+        fn = remat.checkpoint(region_name=f"layers.{k}", **options)(block) if checkpointed else block
+        x = fn(x)
+    return x.sum()
+
+
+def make_input():
+    return torch.randn(B, DIM, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+
+
+def offloader(**kw):
+    kw.setdefault("pool_bytes", 1 << 20)
+    kw.setdefault("min_bytes", 1024)
+    kw.setdefault("regions", ["*"])
+    return ActivationOffloader(record_events=True, **kw)
+
+
+def run(off, **options):
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        return grads([], [make_input()], lambda x: model(x, **options))
+
+
+def test_gradients_are_bitwise_those_without_offloading():
+    off = offloader(prefetch=2)
+    assert_bitwise_equal(run(off), grads([], [make_input()], lambda x: model(x, checkpointed=False)))
+
+
+def test_all_but_the_last_k_checkpoints_are_moved_and_come_back_byte_for_byte():
+    off = offloader(prefetch=2)
+    run(off)
+    moved = (K - 2) * ACT
+    assert off.stats.offloaded_bytes == {"attn": moved, "mlp": moved}
+    assert off.stats.fetched_bytes == {"attn": moved, "mlp": moved}
+    assert off.stats.resident_small == K
+    assert (off.stats.prefetches, off.stats.sync_fetches) == (2 * (K - 2), 0)
+
+
+def test_every_prefetch_is_issued_k_checkpoints_before_its_unpack():
+    k = 2
+    off = offloader(prefetch=k)
+    run(off)
+    events = off.events
+    prefetches = [(i, e) for i, e in enumerate(events) if e.what == "prefetch"]
+    assert sorted({e.group for _, e in prefetches}) == list(range(K - k))
+    for i, e in prefetches:
+        assert e.at - e.group >= k
+        first_unpack = next(j for j, u in enumerate(events) if u.what == "unpack" and u.group == e.group)
+        assert i < first_unpack
+        # backward went through k checkpoint calls between issuing and using it
+        reached = {u.group for u in events[i:first_unpack] if u.what == "unpack"}
+        assert reached == set(range(e.group + 1, e.at + 1)) and len(reached) >= k
+
+
+def test_backward_takes_the_checkpoints_in_reverse_order():
+    off = offloader(prefetch=1)
+    run(off)
+    order = []
+    for e in off.events:
+        if e.what == "unpack" and (not order or order[-1] != e.group):
+            order.append(e.group)
+    assert order == list(reversed(range(K)))
+
+
+def test_nothing_is_held_after_backward():
+    off = offloader(prefetch=2)
+    run(off)
+    assert off.held_tensors() == 0
+    assert off.pool.in_use_bytes == 0
+
+
+def test_the_pool_is_reused_across_steps_without_new_buffers():
+    off = offloader(prefetch=1)
+    run(off)
+    created, high = off.pool.buffers_created, off.pool.high_water_bytes
+    run(off)
+    assert off.pool.buffers_created == created
+    assert off.pool.high_water_bytes == high
+    assert off.stats.offloaded_bytes["attn"] == 2 * (K - 1) * ACT
+
+
+def test_a_full_pool_leaves_tensors_resident_and_never_exceeds_its_size():
+    off = offloader(prefetch=0, pool_bytes=3 * ACT)
+    actual = run(off)
+    assert_bitwise_equal(actual, grads([], [make_input()], lambda x: model(x, checkpointed=False)))
+    assert off.pool.high_water_bytes <= 3 * ACT
+    assert off.pool.high_water_bytes == 3 * ACT
+    assert off.stats.resident_pool_full == 2 * K - 3
+    assert off.stats.sync_fetches == 3  # prefetch=0: every copy back on unpack
+
+
+def test_region_patterns_choose_what_moves():
+    off = offloader(prefetch=1, regions=["att*"])
+    run(off)
+    assert off.stats.offloaded_bytes == {"attn": (K - 1) * ACT}
+
+
+def test_the_offloader_as_a_checkpoint_option():
+    off = offloader(prefetch=1)
+    actual = grads([], [make_input()], lambda x: model(x, saved_tensors_hooks=off))
+    assert_bitwise_equal(actual, grads([], [make_input()], lambda x: model(x, checkpointed=False)))
+    assert off.stats.offloaded_bytes["mlp"] == (K - 1) * ACT
+    assert off.held_tensors() == 0
+
+
+def test_a_permuted_tensor_comes_back_with_its_strides_a_strided_one_contiguous():
+    off = offloader(prefetch=0, min_bytes=0)
+    permuted = torch.randn(DIM, B, dtype=D).t()
+    strided = torch.randn(B, 2 * DIM, dtype=D)[:, ::2]
+    back = [off.unpack_hook(off.pack_hook(t)) for t in (permuted, strided)]
+    assert back[0].stride() == permuted.stride() and torch.equal(back[0], permuted)
+    assert back[1].is_contiguous() and torch.equal(back[1], strided)
+
+
+def test_bad_prefetch_is_refused():
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        ActivationOffloader(1024, prefetch=-1)
+
+
+def test_reports_count_the_host_buffer_of_an_offloaded_save_not_the_offloader():
+    off = offloader(prefetch=0)
+
+    def fn(x):
+        return remat.region(lambda t: t.mul(2).exp(), "attn", recompute=False)(x).sum()
+
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        loss = remat.checkpoint(region_name="c")(fn)(make_input())
+    report = remat.saved_tensors_report(loss)
+    assert report.checkpoint_bytes == ACT  # the 4096 B pool buffer holding exp's result
+    loss.backward()

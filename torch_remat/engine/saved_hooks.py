@@ -1,0 +1,281 @@
+"""Saved-tensor hooks for the tensors a checkpoint keeps resident.
+
+A checkpoint keeps three kinds of tensors for backward (:class:`SavedTensorKind`):
+what its SAVE regions save (``BACKWARD``), the checkpoint inputs the replay reads
+(``CHECKPOINT_INPUT``) and the SAVE-region outputs the replay reads
+(``SAVE_OUTPUT``). Everything else is dropped and recomputed, so hooks that move
+tensors elsewhere (offloading) are worth running only on these. torch's own
+``saved_tensors_hooks`` cannot be used for that: inside a checkpoint they would see
+every save, including the ones that are about to be dropped.
+
+Which pair packs a kept tensor, highest first:
+
+1. the checkpoint's own option (``input_saved_tensors_hooks`` for inputs, then
+   ``saved_tensors_hooks``);
+2. the innermost :class:`saved_tensors_hooks` context active when the pair is bound;
+3. the user's torch hooks active around the checkpoint (``frame.outer_hooks``);
+4. none: the tensor stays resident.
+
+The pair is bound when the tensor is saved (a SAVE region's saves), when the SAVE
+region returns (its kept outputs) or when the checkpoint starts (its inputs); the
+last two are packed when the forward ends, with the context ``capture_context()``
+returned when they were bound. A checkpoint nested inside another hands its kept
+tensors to the outer one (their count must match between the outer forward and its
+replay), and nothing is packed during a replay.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._tensors import is_parameter
+from .state import _tls as _engine_tls
+
+
+class SavedTensorKind(enum.Enum):
+    """Why a checkpoint keeps a tensor resident."""
+
+    BACKWARD = "backward"
+    """Saved for backward inside a SAVE region (packed when it is saved)."""
+    CHECKPOINT_INPUT = "checkpoint_input"
+    """A checkpoint input the replay reads (packed when the forward ends)."""
+    SAVE_OUTPUT = "save_output"
+    """A SAVE-region output the replay reads (packed when the forward ends)."""
+
+
+@dataclass(frozen=True)
+class SavedTensorInfo:
+    """What :func:`current_saved_tensor_info` says inside a pack hook."""
+
+    checkpoint: str
+    """The checkpoint's ``region_name``."""
+    region: str | None
+    """Qualified name of the SAVE region (None for a checkpoint input)."""
+    kind: SavedTensorKind
+    output_index: int | None = None
+    """For ``SAVE_OUTPUT``: which leaf of the region's output (pytree order)."""
+    input_index: int | None = None
+    """For ``CHECKPOINT_INPUT``: which leaf of the checkpoint's arguments."""
+    call: int = 0
+    """Serial of the checkpoint call in this process, increasing in forward order
+    (two calls of one checkpoint have different serials)."""
+    is_parameter: bool = False
+    """The tensor is (a view of) an ``nn.Parameter`` (it stays in memory anyway)."""
+
+
+class HookPair:
+    """A validated ``(pack, unpack, capture_context)``."""
+
+    __slots__ = ("pack", "unpack", "capture_context")
+
+    def __init__(self, pack: Callable, unpack: Callable, capture_context: Callable | None) -> None:
+        self.pack = pack
+        self.unpack = unpack
+        self.capture_context = capture_context
+
+
+def as_hook_pair(value: Any, what: str) -> HookPair | None:
+    """``None``; a ``(pack, unpack)`` or ``(pack, unpack, capture_context)`` tuple; or
+    an object with ``pack_hook`` and ``unpack_hook`` (and optionally
+    ``capture_context``) such as :class:`saved_tensors_hooks` or an offloader."""
+    if value is None:
+        return None
+    if isinstance(value, HookPair):
+        return value
+    if isinstance(value, (tuple, list)) and len(value) in (2, 3):
+        pack, unpack, capture = (*value, None)[:3]
+    elif hasattr(value, "pack_hook") and hasattr(value, "unpack_hook"):
+        pack, unpack = value.pack_hook, value.unpack_hook
+        capture = getattr(value, "capture_context", None)
+    else:
+        raise TypeError(
+            f"{what} must be None, a (pack, unpack) or (pack, unpack, capture_context) "
+            f"tuple, or an object with pack_hook and unpack_hook; got {type(value).__name__}."
+        )
+    for name, fn in (("pack", pack), ("unpack", unpack)):
+        if not callable(fn):
+            raise TypeError(f"{what}: the {name} hook must be callable, got {type(fn).__name__}.")
+    if capture is not None and not callable(capture):
+        raise TypeError(f"{what}: capture_context must be callable or None.")
+    return HookPair(pack, unpack, capture)
+
+
+class _HookState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[HookPair] = []
+        self.info: SavedTensorInfo | None = None
+
+
+_state = _HookState()
+_calls = itertools.count()
+
+
+def next_call_serial() -> int:
+    return next(_calls)
+
+
+class saved_tensors_hooks:
+    """Run ``pack_hook``/``unpack_hook`` on the tensors checkpoints keep resident.
+
+    The shape of ``torch.autograd.graph.saved_tensors_hooks``, but the hooks see
+    only what remat keeps for backward: saves inside SAVE regions, kept SAVE-region
+    outputs and kept checkpoint inputs, never a tensor that will be recomputed, and
+    never during a replay. ``pack_hook(tensor)`` receives a detached tensor (an
+    identity hook creates no reference cycle) and returns any object;
+    ``unpack_hook(packed)`` returns the tensor. With ``capture_context``,
+    ``pack_hook(tensor, context)`` is called instead, where ``context`` is what
+    ``capture_context()`` returned when the pair was bound to the tensor: at the
+    save for SAVE-region saves, when the region returned for its kept outputs, when
+    the checkpoint started for its inputs (those two are packed when the forward
+    ends). Inside ``pack_hook``, :func:`current_saved_tensor_info` describes the
+    tensor. The pair is bound when the tensor is saved: leaving the block before
+    backward does not change which ``unpack_hook`` runs. Per thread; nested blocks:
+    the innermost wins.
+    """
+
+    def __init__(
+        self,
+        pack_hook: Callable[..., Any],
+        unpack_hook: Callable[[Any], torch.Tensor],
+        capture_context: Callable[[], Any] | None = None,
+    ) -> None:
+        pair = as_hook_pair((pack_hook, unpack_hook, capture_context), "remat.saved_tensors_hooks")
+        assert pair is not None
+        self._pair = pair
+        self.pack_hook = pack_hook
+        self.unpack_hook = unpack_hook
+        self.capture_context = capture_context
+
+    def __enter__(self) -> saved_tensors_hooks:
+        _state.stack.append(self._pair)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.stack.remove(self._pair)
+
+
+def current_saved_tensor_info() -> SavedTensorInfo | None:
+    """Inside a pack hook run by torch_remat, what the tensor is; None elsewhere."""
+    return _state.info
+
+
+def _context_hooks() -> HookPair | None:
+    if _engine_tls.recompute_depth:
+        return None
+    stack = _state.stack
+    return stack[-1] if stack else None
+
+
+def pack_with(
+    pair: HookPair, t: torch.Tensor, info: SavedTensorInfo, context: Any = None, deferred: bool = False
+) -> Any:
+    """Call ``pair``'s pack hook on ``t`` detached, with ``info`` current."""
+    previous = _state.info
+    _state.info = info
+    try:
+        d = t.detach()
+        if pair.capture_context is None:
+            return pair.pack(d)
+        return pair.pack(d, context if deferred else pair.capture_context())
+    finally:
+        _state.info = previous
+
+
+class HookPacked:
+    """A kept input or output packed by a pair (in place of an autograd SavedTensor)."""
+
+    __slots__ = ("packed", "unpack_fn")
+
+    def __init__(self, packed: Any, unpack_fn: Callable[[Any], torch.Tensor]) -> None:
+        self.packed = packed
+        self.unpack_fn = unpack_fn
+
+    @property
+    def data(self) -> Any:
+        """What is held (the reports look for tensors in it), as ``SavedTensor.data``."""
+        return self.packed
+
+    def unpack(self) -> torch.Tensor:
+        return self.unpack_fn(self.packed)
+
+
+class DeferredPack:
+    """A pair bound to a kept input or output, to be run when the forward ends."""
+
+    __slots__ = ("pair", "context", "checkpoint", "call")
+
+    def __init__(self, pair: HookPair, checkpoint: str, call: int) -> None:
+        self.pair = pair
+        self.context = pair.capture_context() if pair.capture_context is not None else None
+        self.checkpoint = checkpoint
+        self.call = call
+
+    def pack(self, t: torch.Tensor, kind: SavedTensorKind, region: str | None, index: int) -> HookPacked:
+        is_output = kind is SavedTensorKind.SAVE_OUTPUT
+        info = SavedTensorInfo(
+            self.checkpoint,
+            region,
+            kind,
+            output_index=index if is_output else None,
+            input_index=None if is_output else index,
+            call=self.call,
+            is_parameter=is_parameter(t),
+        )
+        return HookPacked(pack_with(self.pair, t, info, self.context, True), self.pair.unpack)
+
+
+def _is_engine_hook(hooks: Any) -> bool:
+    # Bound methods of a CheckpointFrame or a ReplayScope (the active-scope protocol).
+    owner = getattr(hooks[0], "__self__", None)
+    return owner is not None and hasattr(owner, "run_region") and hasattr(owner, "phase")
+
+
+class KeptTensorHooks:
+    """Which pair packs each tensor one checkpoint call keeps (see the module doc)."""
+
+    __slots__ = ("checkpoint", "call", "option", "nested", "inputs")
+
+    def __init__(
+        self,
+        checkpoint: str,
+        call: int,
+        option: HookPair | None,
+        input_option: HookPair | None,
+        outer_hooks: Any,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.call = call
+        self.option = option
+        self.nested = outer_hooks is not None and _is_engine_hook(outer_hooks)
+        self.inputs = self._bind(input_option or option)
+
+    def _bind(self, option: HookPair | None) -> DeferredPack | None:
+        if self.nested:
+            return None
+        pair = option or _context_hooks()
+        return None if pair is None else DeferredPack(pair, self.checkpoint, self.call)
+
+    def bind_outputs(self) -> DeferredPack | None:
+        """The pair for a SAVE region's outputs, bound as the region returns."""
+        return self._bind(self.option)
+
+    def region_save(self, region: str, t: torch.Tensor) -> tuple[Callable, Callable] | None:
+        """``(pack_fn, unpack_fn)`` for a tensor a SAVE region saves now, or None
+        (then the user's torch hooks around the checkpoint, if any, apply)."""
+        if self.nested:
+            return None
+        pair = self.option or _context_hooks()
+        if pair is None:
+            return None
+        info = SavedTensorInfo(
+            self.checkpoint, region, SavedTensorKind.BACKWARD, call=self.call,
+            is_parameter=is_parameter(t),
+        )
+        return (lambda tensor: pack_with(pair, tensor, info)), pair.unpack
