@@ -108,17 +108,19 @@ class ClusterMemoryReport:
 
     def _headline(self) -> str:
         fmt, totals = remat.format_bytes, self.totals
+        head = f"torch_remat memory across {len(self.ranks)} ranks: saved for backward {fmt(sum(totals))} in total"
+        if min(totals) == max(totals):
+            return f"{head}, {fmt(totals[0])} on every rank"
         heaviest = self.ranks[totals.index(max(totals))]
         return (
-            f"torch_remat memory across {len(self.ranks)} ranks: saved for backward "
-            f"{fmt(sum(totals))} in total; per rank min {fmt(min(totals))}, median "
+            f"{head}; per rank min {fmt(min(totals))}, median "
             f"{fmt(int(statistics.median(totals)))}, max {fmt(max(totals))} (rank {heaviest})"
         )
 
     def _rank_lines(self) -> list[str]:
         groups = equal_value_groups(self.totals, self.ranks)
         if len(groups) == 1:
-            return [f"per rank: {remat.format_bytes(groups[0].value)} on every rank"]
+            return []  # the headline says it
         head = "per rank, equal totals grouped (outliers first):"
         return [head, *group_lines(groups, remat.format_bytes, limit=self.groups, indent="  ")]
 
@@ -137,7 +139,8 @@ class ClusterMemoryReport:
                 details.append(group_lines(groups, fmt, limit=self.groups, indent="      "))
             rows.append([r.name, fmt(r.min_bytes), fmt(int(r.median_bytes)), fmt(r.max_bytes), most, flag])
         table = _aligned(rows, indent="  ")
-        lines = ["per region (bytes by rank under each uneven region, outliers first):", table[0]]
+        uneven = " (bytes by rank under each uneven region, outliers first)" if any(details) else ""
+        lines = [f"per region{uneven}:", table[0]]
         for row, extra in zip(table[1:], details):
             lines += [row, *extra]
         return lines

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from torch_remat.integrations import _oom_merge, oom
+from torch_remat.integrations import _oom_merge, _oom_read, oom
 
 T0 = 1_750_000_000.0
 
@@ -154,7 +154,7 @@ def test_dumps_are_read_as_json_only(cluster, monkeypatch):
 
 
 def test_a_file_larger_than_the_read_limit_is_not_read(cluster, monkeypatch):
-    monkeypatch.setattr(_oom_merge, "READ_LIMIT_BYTES", 100)
+    monkeypatch.setattr(_oom_read, "READ_LIMIT_BYTES", 100)
     merge = _oom_merge.merge_dumps(str(cluster))
     assert merge.jobs == []
     assert {s.reason for s in merge.skipped} == {"larger than 100 B; not read"}
