@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tracemalloc
 
 import pytest
 
@@ -224,3 +225,14 @@ def test_module_runs_with_python_dash_m(cluster):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # runpy warns when the module was imported before it ran
     assert [r["rank"] for r in json.loads(proc.stdout)["jobs"][0]["ran_out"]] == [2, 1]
+
+
+def test_reading_small_dumps_allocates_far_less_than_the_read_limit(cluster):
+    # f.read(limit) allocates the whole limit (64 MiB) before reading a 2 KB file
+    tracemalloc.start()
+    try:
+        _oom_merge.merge_dumps(str(cluster))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
