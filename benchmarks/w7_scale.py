@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -36,7 +35,7 @@ from torch import nn
 
 import torch_remat as remat
 from benchmarks.report import Check, Table, WorkloadResult
-from torch_remat.integrations import apply_remat
+from torch_remat.integrations import _oom_bound, _oom_dump, _oom_merge, apply_remat, oom
 from torch_remat.integrations import reports as cluster_reports
 
 FULL_RANKS = (64, 256, 1024)
@@ -91,16 +90,16 @@ class MLPStack(nn.Module):
         return x
 
 
-def real_report(layers: int = 8, width: int = 64) -> dict[str, Any]:
-    """One rank's ``saved_tensors_report(loss).to_dict()`` for a stack of MLP blocks
-    with remat, each Linear a SAVE region."""
+def real_report(layers: int = 8, width: int = 64) -> tuple[dict[str, Any], str]:
+    """One rank's ``saved_tensors_report(loss)`` as ``to_dict()`` and as text, for a
+    stack of MLP blocks with remat, each Linear a SAVE region."""
     torch.manual_seed(0)
     model = MLPStack(layers, width)
     apply_remat(model, check_fn=lambda m: isinstance(m, nn.Sequential), save_modules=nn.Linear)
     loss = model(torch.randn(16, width)).sum()
-    report = remat.saved_tensors_report(loss).to_dict()
+    report = remat.saved_tensors_report(loss)
     loss.backward()
-    return report
+    return report.to_dict(), report.format()
 
 
 def uneven_summaries(base: dict[str, Any], n: int) -> list[dict[str, Any]]:
@@ -232,14 +231,54 @@ def measure_gather(n: int, full: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def write_dumps(folder: str, n: int, report: dict[str, Any], text: str) -> int:
+    """One OOM dump per rank of an ``n``-rank job, as ``oom.install`` writes them: every
+    rank ran out at step 3 in the last block, one rank a step earlier in another. Returns
+    the bytes written."""
+    base = _oom_dump.new_dump("w7-job", 0, n, 3, "exception", "cpu")
+    base.update(requested_bytes=2**50, requested_bytes_exact=True, site="train.py:212 allocate",
+                location={"checkpoint": "layers.7", "phase": "forward", "region": None},
+                error={"type": "RuntimeError", "message": "DefaultCPUAllocator: can't allocate memory",
+                       "traceback": []},
+                saved_tensors=report, saved_tensors_text=text, regions=_oom_dump.region_totals(report),
+                largest_tensors=_oom_dump.largest_tensors(report))
+    written = 0
+    for rank in range(n):
+        dump = dict(base, rank=rank, pid=10_000 + rank, time=base["time"] + rank * 1e-3)
+        if rank == n // 2 + 5:
+            dump.update(step=2, time=base["time"] - 1.0,
+                        location={"checkpoint": "layers.3", "phase": "recompute", "region": "1"})
+        payload = _oom_bound.encode_bounded(dump, oom.DEFAULT_MAX_DUMP_BYTES)
+        _oom_dump.write_atomically(folder, f"oom_w7-job_rank{rank}_{10_000 + rank}_1.json", payload)
+        written += len(payload)
+    return written
+
+
+def measure_merge(n: int, report: dict[str, Any], text: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        out: dict[str, Any] = {"ranks": n, "dump_bytes": write_dumps(folder, n, report, text)}
+        t0 = time.perf_counter()
+        merged = _oom_merge.merge_dumps(folder)
+        out["merge"] = merged.format()
+        out["merge_s"] = time.perf_counter() - t0
+        tracemalloc.start()
+        _oom_merge.merge_dumps(folder).format()
+        out["merge_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    out["merge_lines"] = len(out["merge"].splitlines())
+    out["json_dumps"] = len(merged.to_dict()["jobs"][0]["ran_out"])
+    return out
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
 def run(quick: bool) -> WorkloadResult:
     sizes = QUICK_RANKS if quick else FULL_RANKS
-    full = real_report()
+    full, text = real_report()
     rows = [measure_gather(n, full) for n in sizes]
+    merges = [measure_merge(n, full, text) for n in sizes]
     table = Table(
         "W7 gather_memory_report over one TCPStore (ranks simulated as threads, one client each); "
         "peer: one key per rank with its full report",
@@ -250,6 +289,12 @@ def run(quick: bool) -> WorkloadResult:
           r["dst_peak_bytes"], r["report_lines"], f"{r['missing_s']:.2f}", _ms(r["peer_s_dst"]),
           r["peer_store_bytes"], r["peer_dst_peak_bytes"]] for r in rows],
         notes=[f"a rank that never calls: timeout {MISSING_TIMEOUT_S:g} s"],
+    )
+    merge_table = Table(
+        "W7 OOM merge of one dump per rank (generated as oom.install writes them)",
+        ["ranks", "dump bytes", "merge s", "merge peak bytes", "text lines", "dumps in --json"],
+        [[m["ranks"], m["dump_bytes"], f"{m['merge_s']:.3f}", m["merge_peak_bytes"], m["merge_lines"],
+          m["json_dumps"]] for m in merges],
     )
     checks = []
     per_rank = [r["store_bytes"] / r["ranks"] for r in rows]
@@ -265,6 +310,16 @@ def run(quick: bool) -> WorkloadResult:
     checks.append(Check("a rank that never calls is named", "bytes",
                         ", ".join(str(r["missing_named"]) for r in rows),
                         all(r["missing_named"] for r in rows)))
+    checks.append(Check("the merge text fits a screen (<= 60 lines)", "bytes",
+                        ", ".join(str(m["merge_lines"]) for m in merges),
+                        all(m["merge_lines"] <= 60 for m in merges)))
+    checks.append(Check("the merge --json keeps every dump", "bytes",
+                        ", ".join(str(m["json_dumps"]) for m in merges),
+                        all(m["json_dumps"] == m["ranks"] for m in merges)))
+    peak_per_dump = [m["merge_peak_bytes"] / m["ranks"] for m in merges]
+    checks.append(Check("merge memory per dump below a tenth of a dump", "bytes",
+                        ", ".join(f"{p:.0f} B/dump" for p in peak_per_dump),
+                        all(p < m["dump_bytes"] / m["ranks"] / 10 for p, m in zip(peak_per_dump, merges))))
     if not quick:
         last = rows[-1]
         checks.append(Check(f"gather at {last['ranks']} ranks under 1 s", "time",
@@ -275,10 +330,7 @@ def run(quick: bool) -> WorkloadResult:
     return WorkloadResult(
         "W7", "cross-rank report and OOM merge at scale",
         {"ranks": list(sizes), "threads": os.cpu_count()},
-        tables=[table], checks=checks,
-        data={"gather": [{k: v for k, v in r.items()} for r in rows],
-              "report_excerpt": rows[-1]["report"]},
+        tables=[table, merge_table], checks=checks,
+        data={"gather": rows, "merge": merges},
     )
 
-
-__all__ = ["run", "measure_gather", "real_report", "SimulatedCluster", "statistics", "tempfile"]

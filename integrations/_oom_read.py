@@ -127,7 +127,10 @@ def read_dumps(folder: str) -> tuple[list[RankDump], list[SkippedFile]]:
 def _load(path: str) -> tuple[Any, str | None]:
     try:
         with open(path, "rb") as f:
-            raw = f.read(READ_LIMIT_BYTES + 1)
+            # read(n) allocates n bytes up front: ask for the file's size (one more
+            # byte notices a file that grew past the limit meanwhile)
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(min(size, READ_LIMIT_BYTES) + 1)
     except OSError as e:
         return None, f"could not be read ({e.strerror or e})"
     if len(raw) > READ_LIMIT_BYTES:
