@@ -12,6 +12,7 @@ version) are listed with the reason and skipped.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import sys
@@ -80,14 +81,15 @@ class JobOOMReport:
         return ranks, regions
 
     def largest_tensors(self) -> list[dict[str, Any]]:
-        rows = [
-            {**row, "rank": d.rank}
+        """The ``top`` largest rows of every rank's ``largest_tensors``, with their rank."""
+        rows = (
+            (row, d.rank)
             for d in self.first_per_rank
             for row in d.data.get("largest_tensors") or []
             if isinstance(row, dict) and is_int(row.get("bytes"))
-        ]
-        rows.sort(key=lambda r: (-r["bytes"], r["rank"]))
-        return rows[: self.top]
+        )
+        top = heapq.nsmallest(self.top, rows, key=lambda pair: (-pair[0]["bytes"], pair[1]))
+        return [{**row, "rank": rank} for row, rank in top]
 
     def _report_notes(self) -> list[str]:
         notes = list(self.notes)
