@@ -278,6 +278,11 @@ def measure_merge(n: int, report: dict[str, Any], text: str) -> dict[str, Any]:
     return out
 
 
+def _each(name: str, sizes: list[dict[str, Any]], key: str, ok: Callable[[dict[str, Any]], bool]) -> Check:
+    """A byte-exact target that must hold at every world size measured."""
+    return Check(name, "bytes", ", ".join(str(size[key]) for size in sizes), all(ok(size) for size in sizes))
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
@@ -309,21 +314,13 @@ def run(quick: bool) -> WorkloadResult:
     checks.append(Check("store bytes grow linearly with the ranks", "bytes",
                         ", ".join(f"{b:.0f} B/rank" for b in per_rank),
                         max(per_rank) - min(per_rank) <= 0.05 * min(per_rank)))
-    checks.append(Check("the text report fits a screen (<= 40 lines)", "bytes",
-                        ", ".join(str(r["report_lines"]) for r in rows),
-                        all(r["report_lines"] <= 40 for r in rows)))
-    checks.append(Check("the JSON keeps every rank", "bytes",
-                        ", ".join(str(r["json_ranks"]) for r in rows),
-                        all(r["json_ranks"] == r["ranks"] for r in rows)))
-    checks.append(Check("a rank that never calls is named", "bytes",
-                        ", ".join(str(r["missing_named"]) for r in rows),
-                        all(r["missing_named"] for r in rows)))
-    checks.append(Check("the merge text fits a screen (<= 60 lines)", "bytes",
-                        ", ".join(str(m["merge_lines"]) for m in merges),
-                        all(m["merge_lines"] <= 60 for m in merges)))
-    checks.append(Check("the merge --json keeps every dump", "bytes",
-                        ", ".join(str(m["json_dumps"]) for m in merges),
-                        all(m["json_dumps"] == m["ranks"] for m in merges)))
+    checks += [
+        _each("the text report fits a screen (<= 40 lines)", rows, "report_lines", lambda r: r["report_lines"] <= 40),
+        _each("the JSON keeps every rank", rows, "json_ranks", lambda r: r["json_ranks"] == r["ranks"]),
+        _each("a rank that never calls is named", rows, "missing_named", lambda r: r["missing_named"]),
+        _each("the merge text fits a screen (<= 60 lines)", merges, "merge_lines", lambda m: m["merge_lines"] <= 60),
+        _each("the merge --json keeps every dump", merges, "json_dumps", lambda m: m["json_dumps"] == m["ranks"]),
+    ]
     peak_per_dump = [m["merge_peak_bytes"] / m["ranks"] for m in merges]
     checks.append(Check("merge memory grows linearly with the dumps", "bytes",
                         ", ".join(f"{p:.0f} B/dump" for p in peak_per_dump),
