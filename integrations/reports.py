@@ -157,30 +157,38 @@ def gather_over_store(
         timed_out = False
     except RuntimeError:  # the store's timeout (DistStoreError)
         timed_out = True
-    by_rank = _parse_records(store.get(records))
+    by_rank, twice = _parse_records(store.get(records))
     missing = [r for r in ranks if r not in by_rank]
-    if timed_out and missing:
-        raise MemoryReportTimeout(_timeout_message(missing, ranks, seconds, tag), missing)
+    if missing:
+        # after the deadline; or sooner when a rank sent twice under this tag and so
+        # completed the count in place of a rank that did not send
+        raise MemoryReportTimeout(_timeout_message(missing, ranks, seconds, tag, twice), missing)
     for key in (records, arrived, complete):
         store.delete_key(key)
     return [by_rank[r] for r in ranks]
 
 
-def _parse_records(raw: bytes) -> dict[int, dict[str, Any]]:
+def _parse_records(raw: bytes) -> tuple[dict[int, dict[str, Any]], list[int]]:
+    """Each rank's record, and the ranks that sent more than one."""
     by_rank: dict[int, dict[str, Any]] = {}
+    twice: list[int] = []
     for line in raw.splitlines():
         record = json.loads(line)
-        by_rank[record.pop("rank")] = record
-    return by_rank
+        rank = record.pop("rank")
+        if rank in by_rank:
+            twice.append(rank)
+        by_rank[rank] = record
+    return by_rank, twice
 
 
-def _timeout_message(missing: list[int], ranks: list[int], seconds: float, tag: Any) -> str:
+def _timeout_message(missing: list[int], ranks: list[int], seconds: float, tag: Any, twice: list[int]) -> str:
     absent = set(missing)
     arrived = [r for r in ranks if r not in absent]
+    repeated = f"; {rank_label(sorted(set(twice)))} sent twice under this tag" if twice else ""
     return (
         f"gather_memory_report: {rank_label(missing)} did not send their memory report "
         f"within {seconds:g} s (tag {tag!r}; arrived: "
-        f"{rank_label(arrived) if arrived else 'none'}). Every rank of the group must call "
-        "gather_memory_report at the same point; a rank that skipped it, crashed or is "
-        "stuck in an earlier collective never arrives. The process group is unaffected."
+        f"{rank_label(arrived) if arrived else 'none'}{repeated}). Every rank of the group "
+        "must call gather_memory_report at the same point; a rank that skipped it, crashed "
+        "or is stuck in an earlier collective never arrives. The process group is unaffected."
     )

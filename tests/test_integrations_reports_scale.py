@@ -168,3 +168,15 @@ def test_rank_summary_sums_the_calls_of_one_checkpoint_name():
         "total": 700,
         "regions": [["layers.0", 500, 2], ["layers.1", 100, 1], [reports.OUTSIDE_REGIONS, 100, 1]],
     }
+
+
+def test_a_rank_sending_twice_under_one_tag_does_not_stand_in_for_a_missing_rank(store_server):
+    _, shared, gatherer = store_server
+    records = summaries(4)
+    reports.gather_over_store(shared[0], [0, 1, 2, 3], 1, 0, records[1], tag="twice", timeout=5)
+    reports.gather_over_store(shared[0], [0, 1, 2, 3], 1, 0, records[1], tag="twice", timeout=5)
+    reports.gather_over_store(shared[0], [0, 1, 2, 3], 2, 0, records[2], tag="twice", timeout=5)
+    with pytest.raises(reports.MemoryReportTimeout) as caught:
+        reports.gather_over_store(gatherer, [0, 1, 2, 3], 0, 0, records[0], tag="twice", timeout=5)
+    assert caught.value.missing_ranks == [3]
+    assert "(tag 'twice'; arrived: ranks 0-2 (3 ranks); rank 1 sent twice under this tag)" in str(caught.value)
