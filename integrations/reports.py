@@ -22,8 +22,8 @@ of ranks (:func:`gather_over_store`):
   ``<tag>/records`` once and deletes the three keys. After the deadline it reads
   the records that did arrive, so the ranks that did not are named.
 
-That is five store round trips on the gathering rank and two or three on every
-other rank, which return at once.
+That is seven or eight store round trips on the gathering rank and two or three on
+every other rank, which return at once, whatever the world size.
 """
 
 from __future__ import annotations
