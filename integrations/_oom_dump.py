@@ -49,11 +49,11 @@ A dump is one JSON object (never a pickle: the merge command reads dumps with
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -62,6 +62,7 @@ import torch
 
 import torch_remat as remat
 
+from ._oom_bound import clip
 from .reports import OUTSIDE_REGIONS
 
 FORMAT = "torch_remat.oom_dump"
@@ -137,7 +138,7 @@ def error_record(exc: BaseException) -> dict[str, Any]:
     frames = traceback.extract_tb(exc.__traceback__)
     return {
         "type": type(exc).__name__,
-        "message": _clip(str(exc), _MESSAGE_CHARS),
+        "message": clip(str(exc), _MESSAGE_CHARS),
         "traceback": traceback.format_list(frames[-_TRACEBACK_FRAMES:]),
     }
 
@@ -273,135 +274,49 @@ def utc_iso(t: float) -> str:
     ).replace("+00:00", "Z")
 
 
-# ------------------------------------------------------------ bounding the size
+# ------------------------------------------------------------------ the record
 
 
-def encode(dump: dict[str, Any]) -> bytes:
-    return json.dumps(dump, separators=(",", ":"), default=str).encode()
+def new_dump(
+    job_id: str | None, rank: int, world_size: int | None, step: int | None, source: str, device: str
+) -> dict[str, Any]:
+    """A dump with every field of the schema above, identified and not yet filled."""
+    now = time.time()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "job_id": job_id,
+        "attempt": int(attempt) if attempt and attempt.isdigit() else None,
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": int_env("LOCAL_RANK"),
+        "host": hostname(),
+        "pid": os.getpid(),
+        "time": now,
+        "time_utc": utc_iso(now),
+        "step": step,
+        "source": source,
+        "device": device,
+        "requested_bytes": None,
+        "requested_bytes_exact": False,
+        "error": None,
+        "site": None,
+        "location": None,
+        "allocator": {},
+        "regions": [],
+        "largest_tensors": [],
+        "saved_tensors": None,
+        "saved_tensors_text": None,
+        "errors": [],
+        "truncated": [],
+        "build_seconds": None,
+    }
 
 
-def encode_bounded(dump: dict[str, Any], max_bytes: int) -> bytes:
-    """``dump`` as JSON of at most ``max_bytes`` bytes.
-
-    Trims in this order until it fits, noting each step in ``truncated``: the text
-    report to a quarter of the budget, the rows of each region to its 8 largest,
-    the checkpoint calls to the 64 largest (and saves outside checkpoints to the 16
-    largest node types), then drops the detailed report, then the text, then
-    shortens the summaries. If even that does not fit, only the fields that
-    identify the event are kept. ``regions`` and ``largest_tensors`` are computed
-    before trimming, so totals stay exact whatever was trimmed.
-    """
-    dump.setdefault("truncated", [])
-    payload = encode(dump)
-    for step in (_trim_text, _trim_rows, _trim_calls, _drop_detail, _drop_text, _trim_summaries):
-        if len(payload) <= max_bytes:
-            return payload
-        note = step(dump, max_bytes)
-        if note:
-            dump["truncated"].append(note)
-            payload = encode(dump)
-    if len(payload) <= max_bytes:
-        return payload
-    small = _identification(dump, max_bytes)
-    payload = encode(small)
-    if len(payload) <= max_bytes:
-        return payload
-    # Names that JSON escapes six-fold (non-ASCII) can still overflow: keep numbers only.
-    numbers = ("format", "version", "rank", "world_size", "pid", "time", "step", "requested_bytes")
-    return encode({k: small.get(k) for k in numbers} | {"truncated": small["truncated"]})
-
-
-def _trim_text(dump: dict[str, Any], max_bytes: int) -> str | None:
-    text = dump.get("saved_tensors_text")
-    limit = max_bytes // 4
-    if not isinstance(text, str) or len(text) <= limit:
-        return None
-    dump["saved_tensors_text"] = _clip(text, limit)
-    return f"saved_tensors_text: cut to {limit} characters"
-
-
-def _trim_rows(dump: dict[str, Any], max_bytes: int, keep: int = 8) -> str | None:
-    report = dump.get("saved_tensors")
-    if not isinstance(report, dict):
-        return None
-    cut = 0
-    for block in report.get("checkpoints", []):
-        for region in block.get("regions", []):
-            rows = region.get("tensors", [])
-            if len(rows) > keep:
-                largest = sorted(range(len(rows)), key=lambda i: -rows[i].get("bytes", 0))[:keep]
-                region["tensors"] = [rows[i] for i in sorted(largest)]
-                region["tensors_left_out"] = len(rows) - keep
-                cut += len(rows) - keep
-    return f"saved_tensors: {cut} rows left out (the {keep} largest of each region kept)" if cut else None
-
-
-def _trim_calls(dump: dict[str, Any], max_bytes: int, calls: int = 64, groups: int = 16) -> str | None:
-    report = dump.get("saved_tensors")
-    if not isinstance(report, dict):
-        return None
-    notes = []
-    for key, keep in (("checkpoints", calls), ("outside", groups)):
-        items = report.get(key, [])
-        if len(items) > keep:
-            order = sorted(range(len(items)), key=lambda i: -items[i].get("bytes", 0))
-            left = [items[i] for i in order[keep:]]
-            report[key] = [items[i] for i in sorted(order[:keep])]
-            report[f"{key}_left_out"] = {
-                "count": len(left),
-                "bytes": sum(int(i.get("bytes", 0)) for i in left),
-            }
-            notes.append(f"{len(left)} {key} entries left out (the {keep} largest kept)")
-    return "saved_tensors: " + ", ".join(notes) if notes else None
-
-
-def _drop_detail(dump: dict[str, Any], max_bytes: int) -> str | None:
-    if dump.pop("saved_tensors", None) is None:
-        return None
-    return "saved_tensors: left out (regions and largest_tensors summarise it)"
-
-
-def _drop_text(dump: dict[str, Any], max_bytes: int) -> str | None:
-    if dump.pop("saved_tensors_text", None) is None:
-        return None
-    return "saved_tensors_text: left out"
-
-
-def _trim_summaries(dump: dict[str, Any], max_bytes: int, keep: int = 32) -> str | None:
-    regions = dump.get("regions") or []
-    if len(regions) > keep:
-        order = sorted(range(len(regions)), key=lambda i: -regions[i].get("bytes", 0))
-        left = [regions[i] for i in order[keep:]]
-        dump["regions"] = [regions[i] for i in sorted(order[:keep])]
-        dump["regions_left_out"] = {"count": len(left), "bytes": sum(r["bytes"] for r in left)}
-    dump["largest_tensors"] = (dump.get("largest_tensors") or [])[:5]
-    error = dump.get("error")
-    if isinstance(error, dict):
-        error["message"] = _clip(str(error.get("message", "")), 500)
-        error["traceback"] = (error.get("traceback") or [])[-3:]
-    dump["errors"] = [_clip(str(e), 200) for e in (dump.get("errors") or [])[:5]]
-    return f"summaries: regions cut to the {keep} largest, largest_tensors to 5, messages shortened"
-
-
-def _identification(dump: dict[str, Any], max_bytes: int) -> dict[str, Any]:
-    keep = ("format", "version", "job_id", "attempt", "rank", "world_size", "local_rank",
-            "host", "pid", "time", "time_utc", "step", "source", "device", "requested_bytes",
-            "requested_bytes_exact")
-    small = {k: _clip(v, 256) if isinstance(v, str) else v for k, v in dump.items() if k in keep}
-    error = dump.get("error") if isinstance(dump.get("error"), dict) else {}
-    small["error"] = {"type": _clip(str(error.get("type")), 100),
-                      "message": _clip(str(error.get("message", "")), 500)} if error else None
-    location = dump.get("location")
-    if isinstance(location, dict):
-        small["location"] = {k: _clip(v, 256) if isinstance(v, str) else v for k, v in location.items()}
-    small["truncated"] = [f"everything but what identifies the event: the dump exceeded {max_bytes} bytes"]
-    return small
-
-
-def _clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return text[:limit] + f" ... ({len(text) - limit} more characters left out)"
+def int_env(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
 
 
 # --------------------------------------------------------------------- writing

@@ -12,8 +12,8 @@ version) are listed with the reason and skipped.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -21,81 +21,15 @@ from typing import Any
 
 import torch_remat as remat
 
-from ._oom_dump import FORMAT, VERSION
+from ._oom_read import RankDump, SkippedFile, is_int, read_dumps
+from ._rank_groups import rank_label, rank_ranges
 from .reports import RegionAcrossRanks
 
-READ_LIMIT_BYTES = 64 * 2**20
 NO_JOB = "(no job id)"
-
-
-@dataclass
-class SkippedFile:
-    """A file of the folder that was not merged, and why."""
-
-    path: str
-    reason: str
-
-
-@dataclass
-class RankDump:
-    """One valid dump: ``data`` is the JSON object as read."""
-
-    path: str
-    data: dict[str, Any]
-
-    @property
-    def rank(self) -> int:
-        return self.data["rank"]
-
-    @property
-    def time(self) -> float:
-        return float(self.data["time"])
-
-    @property
-    def job_id(self) -> str | None:
-        return self.data.get("job_id")
-
-    def where(self) -> str:
-        location = self.data.get("location")
-        if not isinstance(location, dict) or not isinstance(location.get("checkpoint"), str):
-            return "outside checkpoints"
-        return remat.ActiveCheckpoint(
-            location["checkpoint"], str(location.get("phase")), location.get("region")
-        ).format()
-
-    def requested(self) -> str:
-        n = self.data.get("requested_bytes")
-        if not _is_int(n):
-            return "?"
-        return ("" if self.data.get("requested_bytes_exact") else "~") + remat.format_bytes(n)
-
-    def error_line(self) -> str:
-        error = self.data.get("error")
-        if not isinstance(error, dict):
-            return "(no exception recorded: written by the CUDA observer)"
-        message = str(error.get("message", "")).strip().splitlines()
-        return f"{error.get('type')}: {message[0] if message else ''}"
-
-    def summary(self, order: int, first_time: float) -> dict[str, Any]:
-        d = self.data
-        return {
-            "order": order,
-            "rank": self.rank,
-            "attempt": d.get("attempt"),
-            "step": d.get("step"),
-            "time": self.time,
-            "time_utc": d.get("time_utc"),
-            "seconds_after_first": self.time - first_time,
-            "host": d.get("host"),
-            "device": d.get("device"),
-            "requested_bytes": d.get("requested_bytes"),
-            "requested_bytes_exact": bool(d.get("requested_bytes_exact")),
-            "location": d.get("location"),
-            "site": d.get("site"),
-            "source": d.get("source"),
-            "error": self.error_line(),
-            "file": os.path.basename(self.path),
-        }
+ORDER_ROWS = 10
+"""Dumps listed one per row; the rest are counted by step and place."""
+NOTE_ROWS = 5
+SKIPPED_ROWS = 20
 
 
 @dataclass
@@ -120,7 +54,7 @@ class JobOOMReport:
 
     @property
     def world_size(self) -> int | None:
-        sizes = [d.data.get("world_size") for d in self.dumps if _is_int(d.data.get("world_size"))]
+        sizes = [d.data.get("world_size") for d in self.dumps if is_int(d.data.get("world_size"))]
         return max(sizes) if sizes else None
 
     @property
@@ -147,27 +81,35 @@ class JobOOMReport:
         return ranks, regions
 
     def largest_tensors(self) -> list[dict[str, Any]]:
-        rows = [
-            {**row, "rank": d.rank}
+        """The ``top`` largest rows of every rank's ``largest_tensors``, with their rank."""
+        rows = (
+            (row, d.rank)
             for d in self.first_per_rank
             for row in d.data.get("largest_tensors") or []
-            if isinstance(row, dict) and _is_int(row.get("bytes"))
-        ]
-        rows.sort(key=lambda r: (-r["bytes"], r["rank"]))
-        return rows[: self.top]
+            if isinstance(row, dict) and is_int(row.get("bytes"))
+        )
+        top = heapq.nsmallest(self.top, rows, key=lambda pair: (-pair[0]["bytes"], pair[1]))
+        return [{**row, "rank": rank} for row, rank in top]
 
     def _report_notes(self) -> list[str]:
         notes = list(self.notes)
+        without: dict[str, list[int]] = {}
+        trimmed: list[tuple[int, int, int]] = []
         for d in self.first_per_rank:
             if not d.data.get("regions"):
                 why = "; ".join(str(e) for e in d.data.get("errors") or []) or "none recorded"
-                notes.append(f"rank {d.rank}'s dump has no saved-tensors report ({why})")
+                without.setdefault(why, []).append(d.rank)
             left = d.data.get("regions_left_out")
             if isinstance(left, dict):
-                notes.append(
-                    f"rank {d.rank}'s dump left out {left.get('count')} smaller regions "
-                    f"({remat.format_bytes(int(left.get('bytes', 0)))}) to stay within its size bound"
-                )
+                trimmed.append((d.rank, left.get("count", 0), int(left.get("bytes", 0))))
+        for why, ranks in without.items():
+            whose = f"{rank_label(ranks)}'s dump has" if len(ranks) == 1 else f"the dumps of {rank_label(ranks)} have"
+            notes.append(f"{whose} no saved-tensors report ({why})")
+        for rank, count, nbytes in trimmed[:NOTE_ROWS]:
+            notes.append(f"rank {rank}'s dump left out {count} smaller regions "
+                         f"({remat.format_bytes(nbytes)}) to stay within its size bound")
+        if len(trimmed) > NOTE_ROWS:
+            notes.append(f"{len(trimmed) - NOTE_ROWS} more dumps left out smaller regions (--json: regions_left_out)")
         later = len(self.dumps) - len(self.first_per_rank)
         if later:
             notes.append(f"{later} later dump(s) of ranks that had already run out are not in the tables")
@@ -181,43 +123,65 @@ class JobOOMReport:
         head = f"{name}: {ranks_out}{total} rank(s) ran out of memory"
         missing = self.ranks_without_dump
         if missing:
-            head += f"; no dump from rank(s) {', '.join(map(str, missing))}"
-        lines = [head, "", "ran out of memory, earliest first:"]
+            head += f"; no dump from rank(s) {rank_ranges(missing)}"
+        lines = [head, "", "ran out of memory, earliest first:", *self._order_lines()]
+        lines += ["", f"first: rank {first.rank} ({first.data.get('host')}, "
+                      f"{os.path.basename(first.path)})", f"  {first.error_line()}"]
+        lines += self._region_lines() + self._tensor_lines()
+        notes = self._report_notes()
+        if notes:
+            lines += ["", "notes:"] + [f"  {n}" for n in notes]
+        return "\n".join(lines)
+
+    def _order_lines(self) -> list[str]:
+        """The first ``ORDER_ROWS`` dumps one per row; beyond, the others by step and place."""
+        first = self.dumps[0]
         rows = [["#", "rank", "step", "time (UTC)", "after", "device", "requested", "where", "site"]]
-        for i, d in enumerate(self.dumps, 1):
+        for i, d in enumerate(self.dumps[:ORDER_ROWS], 1):
             after = "" if i == 1 else f"+{d.time - first.time:.3f} s"
             step = d.data.get("step")
             rows.append([str(i), str(d.rank), "-" if step is None else str(step),
                          str(d.data.get("time_utc", "")), after, str(d.data.get("device")),
                          d.requested(), d.where(), str(d.data.get("site") or "")])
-        lines += _table(rows, right={0, 1, 2, 4, 6})
-        lines += ["", f"first: rank {first.rank} ({first.data.get('host')}, "
-                      f"{os.path.basename(first.path)})", f"  {first.error_line()}"]
+        lines = _table(rows, right={0, 1, 2, 4, 6})
+        rest = self.dumps[ORDER_ROWS:]
+        if rest:
+            lines.append(f"  ... {len(rest)} more dump(s), the last +{rest[-1].time - first.time:.3f} s "
+                         "after the first (--json lists every dump); all dumps by step and place:")
+            places: dict[tuple[Any, str], list[int]] = {}
+            for d in self.dumps:
+                places.setdefault((d.data.get("step"), d.where()), []).append(d.rank)
+            for (step, where), ranks in places.items():
+                lines.append(f"    step {'-' if step is None else step}, {where}: {rank_label(ranks)}")
+        return lines
+
+    def _region_lines(self) -> list[str]:
         ranks, regions = self.regions()
-        if regions:
-            lines += ["", "saved for backward when each rank ran out (its first dump):"]
-            rows = [["region", "min", "on", "max", "on"]]
-            for r in regions:
-                low, high = f"rank {ranks[_min_index(r)]}", f"rank {ranks[r.max_rank_index]}"
-                if len(ranks) > 1 and r.min_bytes == r.max_bytes:
-                    low = high = "all ranks"
-                rows.append([r.name, remat.format_bytes(r.min_bytes), low,
-                             remat.format_bytes(r.max_bytes), high])
-            lines += _table(rows, right={1, 3})
+        if not regions:
+            return []
+        rows = [["region", "min", "on", "max", "on"]]
+        for r in regions:
+            low = [rank for rank, b in zip(ranks, r.bytes_per_rank) if b == r.min_bytes]
+            high = [rank for rank, b in zip(ranks, r.bytes_per_rank) if b == r.max_bytes]
+            if len(ranks) > 1 and r.min_bytes == r.max_bytes:
+                on_low = on_high = "all ranks"
+            else:
+                on_low, on_high = rank_label(low, limit=2), rank_label(high, limit=2)
+            rows.append([r.name, remat.format_bytes(r.min_bytes), on_low,
+                         remat.format_bytes(r.max_bytes), on_high])
+        return ["", "saved for backward when each rank ran out (its first dump):", *_table(rows, right={1, 3})]
+
+    def _tensor_lines(self) -> list[str]:
         tensors = self.largest_tensors()
-        if tensors:
-            lines += ["", "largest tensors held for backward:"]
-            rows = [["bytes", "rank", "region", "tensor", "shape", "dtype", "site"]]
-            for t in tensors:
-                shape = t.get("shape")
-                rows.append([remat.format_bytes(t["bytes"]), str(t["rank"]), str(t.get("region")),
-                             str(t.get("tensor")), "" if shape is None else str(tuple(shape)),
-                             str(t.get("dtype") or ""), str(t.get("site") or "")])
-            lines += _table(rows, right={0, 1})
-        notes = self._report_notes()
-        if notes:
-            lines += ["", "notes:"] + [f"  {n}" for n in notes]
-        return "\n".join(lines)
+        if not tensors:
+            return []
+        rows = [["bytes", "rank", "region", "tensor", "shape", "dtype", "site"]]
+        for t in tensors:
+            shape = t.get("shape")
+            rows.append([remat.format_bytes(t["bytes"]), str(t["rank"]), str(t.get("region")),
+                         str(t.get("tensor")), "" if shape is None else str(tuple(shape)),
+                         str(t.get("dtype") or ""), str(t.get("site") or "")])
+        return ["", "largest tensors held for backward:", *_table(rows, right={0, 1})]
 
     def to_dict(self) -> dict[str, Any]:
         first_time = self.dumps[0].time
@@ -263,9 +227,18 @@ class OOMMerge:
         for job in self.jobs:
             lines += ["", job.format()]
         if self.skipped:
-            lines += ["", "skipped:"]
-            lines += [f"  {os.path.basename(s.path)}: {s.reason}" for s in self.skipped]
+            lines += ["", "skipped:", *self._skipped_lines()]
         return "\n".join(lines)
+
+    def _skipped_lines(self) -> list[str]:
+        """One line per file; past ``SKIPPED_ROWS`` files, one line per reason."""
+        if len(self.skipped) <= SKIPPED_ROWS:
+            return [f"  {os.path.basename(s.path)}: {s.reason}" for s in self.skipped]
+        by_reason: dict[str, list[str]] = {}
+        for s in self.skipped:
+            by_reason.setdefault(s.reason, []).append(os.path.basename(s.path))
+        return [f"  {len(names)} file(s), e.g. {', '.join(names[:2])}: {reason}"
+                for reason, names in by_reason.items()]
 
     def __str__(self) -> str:
         return self.format()
@@ -276,26 +249,6 @@ class OOMMerge:
             "jobs": [j.to_dict() for j in self.jobs],
             "skipped": [{"file": os.path.basename(s.path), "reason": s.reason} for s in self.skipped],
         }
-
-
-def read_dumps(folder: str) -> tuple[list[RankDump], list[SkippedFile]]:
-    """Every valid dump in ``folder`` (not recursive) and every file skipped."""
-    dumps, skipped = [], []
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.startswith(".oom_") and entry.name.endswith(".tmp"):
-            skipped.append(SkippedFile(entry.path, "half-written: its writer stopped before "
-                                       "renaming it into place"))
-            continue
-        if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
-            continue
-        data, reason = _load(entry.path)
-        if reason is None:
-            reason = _invalid(data)
-        if reason is None:
-            dumps.append(RankDump(entry.path, data))
-        else:
-            skipped.append(SkippedFile(entry.path, reason))
-    return dumps, skipped
 
 
 def merge_dumps(folder: str, job_id: str | None = None, *, top: int = 10) -> OOMMerge:
@@ -312,62 +265,8 @@ def merge_dumps(folder: str, job_id: str | None = None, *, top: int = 10) -> OOM
     return OOMMerge(os.path.abspath(folder), jobs, skipped)
 
 
-def _load(path: str) -> tuple[Any, str | None]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(READ_LIMIT_BYTES + 1)
-    except OSError as e:
-        return None, f"could not be read ({e.strerror or e})"
-    if len(raw) > READ_LIMIT_BYTES:
-        return None, f"larger than {remat.format_bytes(READ_LIMIT_BYTES)}; not read"
-    if not raw.strip():
-        return None, "empty: a writer that stopped before writing, or not a dump"
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "not UTF-8 text (binary data; dumps are JSON)"
-    try:
-        return json.loads(text), None
-    except json.JSONDecodeError as e:
-        body = text.strip()
-        if e.pos >= len(body) or (body.startswith("{") and not body.endswith("}")):
-            return None, "cut off: the JSON ends early (a truncated or half-written file)"
-        return None, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-    except RecursionError:
-        return None, "not a dump (JSON nested too deeply)"
-
-
-def _invalid(data: Any) -> str | None:
-    """Why ``data`` is not a usable dump, or None."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        return f'not a torch_remat OOM dump (no "format": "{FORMAT}")'
-    version = data.get("version")
-    if not _is_int(version):
-        return "malformed dump: version is not an integer"
-    if version > VERSION:
-        return f"written by a newer torch_remat (dump version {version}; this reads {VERSION})"
-    if not _is_int(data.get("rank")) or data["rank"] < 0:
-        return "malformed dump: rank is not a non-negative integer"
-    t = data.get("time")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-        return "malformed dump: time is not a number"
-    if data.get("job_id") is not None and not isinstance(data["job_id"], str):
-        return "malformed dump: job_id is not a string"
-    regions = data.get("regions") or []
-    if not isinstance(regions, list) or not all(
-        isinstance(r, dict) and isinstance(r.get("name"), str) and _is_int(r.get("bytes"))
-        for r in regions
-    ):
-        return "malformed dump: regions is not a list of {name, bytes}"
-    return None
-
-
 def _min_index(region: RegionAcrossRanks) -> int:
     return region.bytes_per_rank.index(region.min_bytes)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
@@ -384,9 +283,9 @@ def _show(merge: OOMMerge, rank: int) -> str:
         for d in job.first_per_rank:
             if d.rank == rank:
                 allocator = d.data.get("allocator") or {}
-                stats = [f"  {k}: {remat.format_bytes(v) if k.endswith('bytes') and _is_int(v) else v}"
+                stats = [f"  {k}: {remat.format_bytes(v) if k.endswith('bytes') and is_int(v) else v}"
                          for k, v in allocator.items()]
-                text = d.data.get("saved_tensors_text") or "(no text report in this dump)"
+                text = d.detail().get("saved_tensors_text") or "(no text report in this dump)"
                 return "\n".join([f"rank {rank}, {os.path.basename(d.path)}", d.error_line(),
                                   f"where: {d.where()}", "allocator:", *stats, "", str(text)])
     return f"no dump from rank {rank}"

@@ -58,24 +58,22 @@ import torch.distributed as dist
 
 import torch_remat as remat
 
+from ._oom_bound import encode_bounded
 from ._oom_dump import (
-    FORMAT,
     MIN_DUMP_BYTES,
-    VERSION,
     allocator_statistics,
     device_of_error,
-    encode_bounded,
     error_record,
-    hostname,
+    int_env,
     is_out_of_memory,
     largest_tensors,
+    new_dump,
     region_totals,
     requested_bytes,
     run_bounded,
     safe_name,
     saved_tensors,
     user_site,
-    utc_iso,
     write_atomically,
 )
 from .rng import local_device
@@ -199,38 +197,9 @@ class OOMDumps:
             _warn(f"adding the exception to {path} failed ({type(e).__name__}: {e})")
 
     def _new_dump(self, source: str, device: str, step: int | None) -> dict[str, Any]:
-        now = time.time()
         rank, world_size = self._rank_and_world()
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "job_id": self.job_id if self.job_id is not None else os.environ.get("TORCHELASTIC_RUN_ID"),
-            "attempt": int(attempt) if attempt and attempt.isdigit() else None,
-            "rank": rank,
-            "world_size": world_size,
-            "local_rank": _int_env("LOCAL_RANK"),
-            "host": hostname(),
-            "pid": os.getpid(),
-            "time": now,
-            "time_utc": utc_iso(now),
-            "step": step,
-            "source": source,
-            "device": device,
-            "requested_bytes": None,
-            "requested_bytes_exact": False,
-            "error": None,
-            "site": None,
-            "location": None,
-            "allocator": {},
-            "regions": [],
-            "largest_tensors": [],
-            "saved_tensors": None,
-            "saved_tensors_text": None,
-            "errors": [],
-            "truncated": [],
-            "build_seconds": None,
-        }
+        job_id = self.job_id if self.job_id is not None else os.environ.get("TORCHELASTIC_RUN_ID")
+        return new_dump(job_id, rank, world_size, step, source, device)
 
     def _rank_and_world(self) -> tuple[int, int | None]:
         try:
@@ -239,8 +208,8 @@ class OOMDumps:
                 return (self.rank if self.rank is not None else rank), world
         except Exception:
             pass
-        rank = self.rank if self.rank is not None else (_int_env("RANK") or 0)
-        return rank, _int_env("WORLD_SIZE")
+        rank = self.rank if self.rank is not None else (int_env("RANK") or 0)
+        return rank, int_env("WORLD_SIZE")
 
     def _collect(self, dump: dict[str, Any], device_memory: dict[str, int], started: float) -> None:
         try:
@@ -379,11 +348,6 @@ def _observe_installed(device: int, alloc: int, device_alloc: int, device_free: 
 
 def _location(active: remat.ActiveCheckpoint | None) -> dict[str, Any] | None:
     return active.to_dict() if active is not None else None
-
-
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else None
 
 
 def _warn(message: str) -> None:

@@ -1,33 +1,55 @@
 """Memory reports across ranks: what every rank holds for backward, side by side.
 
 Each rank builds its own saved-tensors report (:func:`torch_remat.saved_tensors_report`:
-every live checkpoint by region name, plus saves outside checkpoints) and
-:func:`gather_memory_report` collects them on one rank, which shows per region the
-min / median / max bytes over ranks and the rank holding the max, per-rank totals,
-and flags imbalance.
+every live checkpoint by region name, plus saves outside checkpoints), reduces it
+to a compact record (:func:`rank_summary`: its total and the bytes and calls per
+region), and :func:`gather_memory_report` collects the records on one rank as a
+:class:`ClusterMemoryReport` (``_cluster_report``).
 
-The reports travel through the process group's key-value store
-(``ProcessGroup.get_group_store()``), not through collectives. So the rank that
-gathers can wait with a deadline: a rank that never arrives is named in an error
-after ``timeout``, and because no collective was left half-done, the process group
-stays usable. Ranks other than ``dst`` only write their report and return at once.
+The records travel through the process group's key-value store
+(``ProcessGroup.get_group_store()``), not through collectives, so the gathering
+rank can wait with a deadline: a rank that never arrives is named in an error after
+``timeout``, and because no collective was left half-done the process group stays
+usable. The cost on the gathering rank must not grow with the world size beyond
+reading the records themselves, so a gathering uses three keys whatever the number
+of ranks (:func:`gather_over_store`):
+
+* every rank appends its record, one JSON line, to ``<tag>/records``
+  (``Store.append`` is atomic on the store's server), then counts itself in with
+  ``add(<tag>/arrived, 1)``; the rank whose ``add`` returns the world size sets
+  ``<tag>/complete``;
+* the gathering rank waits for ``<tag>/complete`` with the deadline, reads
+  ``<tag>/records`` once and deletes the three keys. After the deadline it reads
+  the records that did arrive, so the ranks that did not are named.
+
+That is seven or eight store round trips on the gathering rank and two or three on
+every other rank, which return at once, whatever the world size.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 import torch_remat as remat
 
-OUTSIDE_REGIONS = "(outside regions)"
+from ._cluster_report import OUTSIDE_REGIONS, ClusterMemoryReport, RegionAcrossRanks
+from ._rank_groups import rank_label
+
+__all__ = [
+    "ClusterMemoryReport",
+    "MemoryReportTimeout",
+    "OUTSIDE_REGIONS",
+    "RegionAcrossRanks",
+    "gather_memory_report",
+    "gather_over_store",
+    "rank_summary",
+]
+
 _KEY_PREFIX = "torch_remat/memory_report"
 _calls_per_group: dict[str, int] = {}
 
@@ -40,169 +62,19 @@ class MemoryReportTimeout(RuntimeError):
         self.missing_ranks = missing_ranks
 
 
-@dataclass
-class RegionAcrossRanks:
-    """One region (checkpoint name, or saves outside checkpoints) over all ranks."""
+def rank_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The compact record one rank sends: ``{"total": bytes, "regions": [[name,
+    bytes, calls], ...]}`` from a ``SavedTensorsReport.to_dict()``, checkpoint calls
+    of one name summed, saves outside checkpoints under ``(outside regions)``.
 
-    name: str
-    bytes_per_rank: list[int]
-    calls_per_rank: list[int]
-
-    @property
-    def min_bytes(self) -> int:
-        return min(self.bytes_per_rank)
-
-    @property
-    def median_bytes(self) -> float:
-        return statistics.median(self.bytes_per_rank)
-
-    @property
-    def max_bytes(self) -> int:
-        return max(self.bytes_per_rank)
-
-    @property
-    def max_rank_index(self) -> int:
-        return self.bytes_per_rank.index(self.max_bytes)
-
-    @property
-    def spread(self) -> float:
-        """(max - min) / max: 0 when every rank holds the same."""
-        return 0.0 if self.max_bytes == 0 else (self.max_bytes - self.min_bytes) / self.max_bytes
-
-
-@dataclass
-class ClusterMemoryReport:
-    """Every rank's saved-tensors report, aggregated (what :func:`gather_memory_report`
-    returns on ``dst``). ``str(report)`` is the table, ``to_json()`` the machine form."""
-
-    ranks: list[int]
-    """Global rank of each column, in group order."""
-
-    rank_reports: list[dict[str, Any]]
-    """Each rank's ``SavedTensorsReport.to_dict()``."""
-
-    imbalance_threshold: float = 0.10
-    regions: list[RegionAcrossRanks] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.regions:
-            self.regions = _regions_across_ranks(self.rank_reports)
-
-    @property
-    def totals(self) -> list[int]:
-        """Bytes held for backward on each rank."""
-        return [int(r["total_bytes"]) for r in self.rank_reports]
-
-    @property
-    def total_spread(self) -> float:
-        top = max(self.totals)
-        return 0.0 if top == 0 else (top - min(self.totals)) / top
-
-    def imbalanced(self) -> list[RegionAcrossRanks]:
-        """Regions whose (max - min) / max over ranks exceeds the threshold."""
-        return [r for r in self.regions if r.spread > self.imbalance_threshold]
-
-    @property
-    def is_imbalanced(self) -> bool:
-        return self.total_spread > self.imbalance_threshold or bool(self.imbalanced())
-
-    def format(self) -> str:
-        fmt = remat.format_bytes
-        heaviest = self.ranks[self.totals.index(max(self.totals))]
-        lines = [
-            f"torch_remat memory across {len(self.ranks)} ranks: saved for backward "
-            f"{fmt(sum(self.totals))} in total, max {fmt(max(self.totals))} on rank {heaviest}",
-            "",
-            "per rank:",
-        ]
-        rows = [[f"rank {rank}", fmt(total)] for rank, total in zip(self.ranks, self.totals)]
-        lines += _aligned(rows, indent="  ")
-        lines += ["", "per region:"]
-        rows = [["region", "min", "median", "max", "max on", ""]]
-        for r in self.regions:
-            flag = f"! {r.spread:.0%} spread" if r.spread > self.imbalance_threshold else ""
-            rows.append(
-                [
-                    r.name,
-                    fmt(r.min_bytes),
-                    fmt(int(r.median_bytes)),
-                    fmt(r.max_bytes),
-                    f"rank {self.ranks[r.max_rank_index]}" if r.spread else "all ranks",
-                    flag,
-                ]
-            )
-        lines += _aligned(rows, indent="  ")
-        lines.append("")
-        limit = f"{self.imbalance_threshold:.0%}"
-        if self.is_imbalanced:
-            names = ", ".join(r.name for r in self.imbalanced()) or "none"
-            lines.append(
-                f"imbalance: totals differ by {self.total_spread:.1%} of the max (over "
-                f"{limit} flagged); regions over {limit}: {names}"
-            )
-        else:
-            lines.append(f"balanced: no rank or region differs by more than {limit}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "ranks": self.ranks,
-            "totals": self.totals,
-            "imbalance_threshold": self.imbalance_threshold,
-            "imbalanced": self.is_imbalanced,
-            "regions": [
-                {
-                    "name": r.name,
-                    "bytes_per_rank": r.bytes_per_rank,
-                    "calls_per_rank": r.calls_per_rank,
-                    "min": r.min_bytes,
-                    "median": r.median_bytes,
-                    "max": r.max_bytes,
-                    "max_rank": self.ranks[r.max_rank_index],
-                    "spread": r.spread,
-                }
-                for r in self.regions
-            ],
-            "rank_reports": self.rank_reports,
-        }
-
-    def to_json(self, **json_kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **json_kwargs)
-
-
-def _aligned(rows: list[list[str]], indent: str) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        cells = cells[:-1] + [r[-1]]  # the last column (flags) is not padded
-        out.append((indent + "  ".join(cells)).rstrip())
-    return out
-
-
-def _regions_across_ranks(rank_reports: Sequence[dict[str, Any]]) -> list[RegionAcrossRanks]:
-    names: dict[str, None] = {}
-    per_rank: list[dict[str, tuple[int, int]]] = []
-    for report in rank_reports:
-        held: dict[str, tuple[int, int]] = {}
-        for block in report["checkpoints"]:
-            nbytes, calls = held.get(block["name"], (0, 0))
-            held[block["name"]] = (nbytes + int(block["bytes"]), calls + 1)
-            names.setdefault(block["name"], None)
-        held[OUTSIDE_REGIONS] = (int(report["outside_bytes"]), len(report["outside"]))
-        per_rank.append(held)
-    names[OUTSIDE_REGIONS] = None
-    return [
-        RegionAcrossRanks(
-            name,
-            [held.get(name, (0, 0))[0] for held in per_rank],
-            [held.get(name, (0, 0))[1] for held in per_rank],
-        )
-        for name in names
-    ]
+    Its size grows with the number of region names, not with the tensors held."""
+    held: dict[str, list[Any]] = {}
+    for block in report["checkpoints"]:
+        entry = held.setdefault(block["name"], [block["name"], 0, 0])
+        entry[1] += int(block["bytes"])
+        entry[2] += 1
+    held[OUTSIDE_REGIONS] = [OUTSIDE_REGIONS, int(report["outside_bytes"]), len(report["outside"])]
+    return {"total": int(report["total_bytes"]), "regions": list(held.values())}
 
 
 def gather_memory_report(
@@ -220,6 +92,7 @@ def gather_memory_report(
     before the backward, with that rank's loss as ``roots`` (see
     :func:`torch_remat.saved_tensors_report`). Returns a :class:`ClusterMemoryReport`
     on ``dst`` (a global rank) and None on the other ranks, which do not wait.
+    Nothing is sent between two calls: training steps never touch the store.
 
     Args:
         timeout: how long ``dst`` waits for the other ranks (seconds or timedelta).
@@ -239,54 +112,83 @@ def gather_memory_report(
         )
     group = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank()
     if dst not in ranks:
         raise ValueError(f"gather_memory_report: dst={dst} is not in the group (ranks {ranks}).")
-    if isinstance(timeout, datetime.timedelta):
-        timeout = timeout.total_seconds()
     if tag is None:
         count = _calls_per_group.get(group.group_name, 0)
         _calls_per_group[group.group_name] = count + 1
         tag = f"call{count}"
-    store = group.get_group_store()
-    prefix = f"{_KEY_PREFIX}/{tag}/"
-
-    report = remat.saved_tensors_report(roots).to_dict()
-    store.set(prefix + str(me), json.dumps(report).encode())
-    if me != dst:
+    summary = rank_summary(remat.saved_tensors_report(roots).to_dict())
+    summaries = gather_over_store(
+        group.get_group_store(), ranks, dist.get_rank(), dst, summary, tag=tag, timeout=timeout
+    )
+    if summaries is None:
         return None
+    return ClusterMemoryReport(ranks, summaries, imbalance_threshold)
 
-    keys = [prefix + str(r) for r in ranks]
-    missing = _wait_for_keys(store, keys, ranks, timeout)
+
+def gather_over_store(
+    store: dist.Store,
+    ranks: list[int],
+    rank: int,
+    dst: int,
+    summary: dict[str, Any],
+    *,
+    tag: str | int,
+    timeout: datetime.timedelta | float,
+) -> list[dict[str, Any]] | None:
+    """The transport of :func:`gather_memory_report` on any ``torch.distributed.Store``:
+    ``rank`` (one of ``ranks``) sends ``summary``; on ``dst`` it returns every rank's
+    summary in the order of ``ranks`` (None elsewhere), or raises
+    :class:`MemoryReportTimeout` naming the ranks missing after ``timeout``."""
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    deadline = time.monotonic() + seconds
+    prefix = f"{_KEY_PREFIX}/{tag}/"
+    records, arrived, complete = prefix + "records", prefix + "arrived", prefix + "complete"
+    # JSON escapes newlines inside strings, so one line is one record.
+    store.append(records, json.dumps({"rank": rank, **summary}, separators=(",", ":")) + "\n")
+    if store.add(arrived, 1) == len(ranks):
+        store.set(complete, b"1")
+    if rank != dst:
+        return None
+    try:
+        # at least a millisecond: a zero timeout means "wait forever" to the store
+        store.wait([complete], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        timed_out = False
+    except RuntimeError:  # the store's timeout (DistStoreError)
+        timed_out = True
+    by_rank, twice = _parse_records(store.get(records))
+    missing = [r for r in ranks if r not in by_rank]
     if missing:
-        arrived = [r for r in ranks if r not in missing]
-        raise MemoryReportTimeout(
-            f"gather_memory_report: rank(s) {', '.join(map(str, missing))} did not send "
-            f"their memory report within {timeout:g} s (tag {tag!r}; arrived: "
-            f"{', '.join(map(str, arrived))}). Every rank of the group must call "
-            "gather_memory_report at the same point; a rank that skipped it, crashed "
-            "or is stuck in an earlier collective never arrives. The process group is "
-            "unaffected.",
-            missing,
-        )
-    reports = [json.loads(store.get(k)) for k in keys]
-    for k in keys:
-        store.delete_key(k)
-    return ClusterMemoryReport(ranks, reports, imbalance_threshold)
+        # after the deadline; or sooner when a rank sent twice under this tag and so
+        # completed the count in place of a rank that did not send
+        raise MemoryReportTimeout(_timeout_message(missing, ranks, seconds, tag, twice), missing)
+    for key in (records, arrived, complete):
+        store.delete_key(key)
+    return [by_rank[r] for r in ranks]
 
 
-def _wait_for_keys(store: Any, keys: list[str], ranks: list[int], timeout: float) -> list[int]:
-    """Ranks whose key did not appear within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    pending = list(zip(ranks, keys))
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        rank, key = pending[0]
-        try:
-            store.wait([key], datetime.timedelta(seconds=remaining))
-        except RuntimeError:  # the store's timeout (DistStoreError)
-            break
-        pending.pop(0)
-    return [rank for rank, key in pending if not store.check([key])]
+def _parse_records(raw: bytes) -> tuple[dict[int, dict[str, Any]], list[int]]:
+    """Each rank's record, and the ranks that sent more than one."""
+    by_rank: dict[int, dict[str, Any]] = {}
+    twice: list[int] = []
+    for line in raw.splitlines():
+        record = json.loads(line)
+        rank = record.pop("rank")
+        if rank in by_rank:
+            twice.append(rank)
+        by_rank[rank] = record
+    return by_rank, twice
+
+
+def _timeout_message(missing: list[int], ranks: list[int], seconds: float, tag: Any, twice: list[int]) -> str:
+    absent = set(missing)
+    arrived = [r for r in ranks if r not in absent]
+    repeated = f"; {rank_label(sorted(set(twice)))} sent twice under this tag" if twice else ""
+    return (
+        f"gather_memory_report: {rank_label(missing)} did not send their memory report "
+        f"within {seconds:g} s (tag {tag!r}; arrived: "
+        f"{rank_label(arrived) if arrived else 'none'}{repeated}). Every rank of the group "
+        "must call gather_memory_report at the same point; a rank that skipped it, crashed "
+        "or is stuck in an earlier collective never arrives. The process group is unaffected."
+    )

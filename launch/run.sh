@@ -6,19 +6,37 @@
 #   NPROC=4 bash launch/run.sh --parallel fsdp2+tp
 #   MAX_RESTARTS=3 bash launch/run.sh --checkpoint-dir /tmp/ckpt   # resume after a crash
 #
+# Several nodes: run the same command on every node, at about the same time. The
+# c10d rendezvous runs on the first host named in RDZV_ENDPOINT (its agent hosts
+# the store; the others connect) and hands out node and global ranks:
+#
+#   NNODES=2 NPROC=8 RDZV_ENDPOINT=node0.cluster:29500 RDZV_ID=$JOB_ID bash launch/run.sh
+#
+# (under SLURM, see docs/distributed.md; tests/launch/test_multi_node.py runs two
+# agents of this command on one machine, over 127.0.0.1).
+#
 # Arguments go to launch/train.py (see --help), after the defaults
 # --parallel fsdp2 --remat selective --report, which they override. Environment:
 #   NPROC          processes per node (default: the GPU count, or 2 without GPUs)
 #   NNODES         number of nodes (default 1: --standalone rendezvous)
 #   RDZV_ENDPOINT  host:port of the rendezvous for multi-node runs (with NNODES > 1;
-#                  run the same command on every node)
+#                  the same on every node)
+#   RDZV_ID        the job's id, the same on every node (default torch_remat); it is
+#                  also TORCHELASTIC_RUN_ID, which keeps OOM dumps of jobs apart
+#   LOCAL_ADDR     the address this node's workers are reached at (torchrun
+#                  --local-addr; default: the hostname); the network interface of
+#                  gloo and NCCL is chosen by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
 #   MAX_RESTARTS   torchrun --max-restarts (default 0)
+#   TORCH_REMAT_NO_SETUP  skip scripts/setup_env.sh (torch_remat already installed;
+#                  .venv is used when present, else the python on PATH)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${TORCH_REMAT_NO_SETUP:-}" ]; then
   bash scripts/setup_env.sh
 fi
-. .venv/bin/activate
+if [ -f .venv/bin/activate ]; then
+  . .venv/bin/activate
+fi
 
 if [ -z "${NPROC:-}" ]; then
   NPROC=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)")
@@ -28,7 +46,11 @@ MAX_RESTARTS=${MAX_RESTARTS:-0}
 set -- --parallel fsdp2 --remat selective --report "$@"
 if [ "$NNODES" -gt 1 ]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for a multi-node run}"
-  RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT")
+  RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+        --rdzv-id "${RDZV_ID:-torch_remat}")
+  if [ -n "${LOCAL_ADDR:-}" ]; then
+    RDZV+=(--local-addr "$LOCAL_ADDR")
+  fi
 else
   RDZV=(--standalone)
 fi

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_remat as remat
-from torch_remat.integrations import _oom_dump, oom
+from torch_remat.integrations import _oom_bound, _oom_dump, oom
 
 # The expanded matmul below materialises (2**44, 4, 4) float32: 1 PiB, more than a
 # process can address, so the allocator fails whatever the kernel's overcommit policy.
@@ -382,7 +382,7 @@ def test_the_size_bound_holds_for_any_content():
             "largest_tensors": [{"bytes": 1, "tensor": snow}] * 50, "errors": [snow] * 50,
             "saved_tensors": {"checkpoints": [{"name": snow, "bytes": 1, "regions": []}] * 200},
             "saved_tensors_text": snow * 10}
-    payload = _oom_dump.encode_bounded(dump, 4096)
+    payload = _oom_bound.encode_bounded(dump, 4096)
     small = json.loads(payload)
     assert len(payload) <= 4096
     assert (small["format"], small["rank"], small["time"]) == ("torch_remat.oom_dump", 3, 1.0)

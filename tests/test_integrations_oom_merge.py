@@ -6,10 +6,11 @@ import os
 import pickle
 import subprocess
 import sys
+import tracemalloc
 
 import pytest
 
-from torch_remat.integrations import _oom_merge, oom
+from torch_remat.integrations import _oom_merge, _oom_read, oom
 
 T0 = 1_750_000_000.0
 
@@ -154,7 +155,7 @@ def test_dumps_are_read_as_json_only(cluster, monkeypatch):
 
 
 def test_a_file_larger_than_the_read_limit_is_not_read(cluster, monkeypatch):
-    monkeypatch.setattr(_oom_merge, "READ_LIMIT_BYTES", 100)
+    monkeypatch.setattr(_oom_read, "READ_LIMIT_BYTES", 100)
     merge = _oom_merge.merge_dumps(str(cluster))
     assert merge.jobs == []
     assert {s.reason for s in merge.skipped} == {"larger than 100 B; not read"}
@@ -224,3 +225,41 @@ def test_module_runs_with_python_dash_m(cluster):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # runpy warns when the module was imported before it ran
     assert [r["rank"] for r in json.loads(proc.stdout)["jobs"][0]["ran_out"]] == [2, 1]
+
+
+def test_reading_small_dumps_allocates_far_less_than_the_read_limit(cluster):
+    # f.read(limit) allocates the whole limit (64 MiB) before reading a 2 KB file
+    tracemalloc.start()
+    try:
+        _oom_merge.merge_dumps(str(cluster))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
+
+
+def test_merge_of_64_dumps_lists_ten_and_groups_every_dump_by_step_and_place(tmp_path):
+    for rank in range(64):
+        early = rank == 40  # ran out a step earlier, in the recompute of layers.0
+        write(tmp_path, f"oom_job-a_rank{rank}_{100 + rank}_1.json", dump(
+            rank, -1.0 if early else rank / 100, world_size=64, step=6 if early else 7,
+            regions=[("layers.0", 16384 if early else 8192)],
+            **({"location": {"checkpoint": "layers.0", "phase": "recompute", "region": "mlp"}} if early else {})))
+    merge = _oom_merge.merge_dumps(str(tmp_path))
+    lines = merge.format().splitlines()
+    assert lines[2] == "job 'job-a': 64 of 64 rank(s) ran out of memory"
+    assert lines[6].split()[:3] == ["1", "40", "6"]
+    assert lines[15].split()[:3] == ["10", "8", "7"]
+    assert lines[16:19] == [
+        "  ... 54 more dump(s), the last +1.630 s after the first (--json lists every dump); "
+        "all dumps by step and place:",
+        "    step 6, checkpoint 'layers.0' (recompute), region 'mlp': rank 40",
+        "    step 7, checkpoint 'layers.1' (forward), region 'attn': ranks 0-39, 41-63 (63 ranks)",
+    ]
+    regions = lines[lines.index("saved for backward when each rank ran out (its first dump):") + 1:][:2]
+    assert regions == [
+        "  region         min  on                                  max  on",
+        "  layers.0  8.00 KiB  ranks 0-39, 41-63 (63 ranks)  16.00 KiB  rank 40",
+    ]
+    assert len(lines) < 40
+    assert len(merge.to_dict()["jobs"][0]["ran_out"]) == 64

@@ -323,6 +323,61 @@ def tp_dropout_on_dtensors_replays_exactly(ctx):
     return {"collectives_replayed_by_recompute": replayed}
 
 
+# --------------------------------------------------------------------- hot path
+
+
+class StoreCallLog:
+    """Test-only: records every call of a ``torch.distributed.Store`` method made from
+    Python (the process group's own C++ calls are not seen)."""
+
+    METHODS = ("set", "get", "add", "append", "wait", "check", "multi_get", "multi_set",
+               "compare_set", "delete_key", "num_keys", "queue_push", "queue_pop", "list_keys")
+
+    def __enter__(self) -> StoreCallLog:
+        self.calls: list[str] = []
+        self._saved = {name: dist.Store.__dict__[name] for name in self.METHODS if name in dist.Store.__dict__}
+        for name, method in self._saved.items():
+            setattr(dist.Store, name, self._recording(name, method))
+        return self
+
+    def _recording(self, name, method):
+        def record(store, *args, **kwargs):
+            self.calls.append(name)
+            return method(store, *args, **kwargs)
+
+        return record
+
+    def __exit__(self, *exc) -> None:
+        for name, method in self._saved.items():
+            setattr(dist.Store, name, method)
+
+
+def training_steps_touch_no_store_and_remat_adds_no_collective(ctx):
+    x, steps = _batch(ctx), 3
+    logs = {}
+    for name, config in (("plain", NO_REMAT), ("remat", RematConfig(save_modules=nn.Linear))):
+        model = tiny_net(dropout=0.2)
+        fully_shard_with_remat(model, MLPBlock, remat=config)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with StoreCallLog() as stores, CollectiveLog() as collectives:
+            for step in range(steps):
+                torch.manual_seed(100 * step + ctx.rank)
+                model(x).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        logs[name] = (stores.calls, collectives.calls)
+    assert logs["plain"][0] == logs["remat"][0] == []
+    assert logs["remat"][1] == logs["plain"][1]
+    # the log does see the store when a report is asked for
+    with StoreCallLog() as stores:
+        loss = model(x).pow(2).sum()
+        gather_memory_report(loss, tag=f"hot-path-{ctx.world_size}", timeout=30)
+        loss.backward()
+    assert stores.calls[:2] == ["append", "add"]
+    return {"store_calls_per_step": 0, "collectives_per_step": len(logs["remat"][1]) // steps,
+            "store_calls_per_report_on_this_rank": len(stores.calls)}
+
+
 # --------------------------------------------------------------------- reports
 
 
@@ -373,6 +428,7 @@ def report_uneven_batches_show_min_median_max_and_flag_imbalance(ctx):
         "median": 10432,
         "max": 12224,
         "max_rank": 1,
+        "top_ranks": [1, 0],
         "spread": (12224 - 8640) / 12224,
     }
     assert "! 29% spread" in report.format()
@@ -399,7 +455,7 @@ def report_names_a_rank_that_skips_the_call(ctx):
         except MemoryReportTimeout as e:
             assert e.missing_ranks == [1]
             message = str(e)
-            assert message.startswith("gather_memory_report: rank(s) 1 did not send")
+            assert message.startswith("gather_memory_report: rank 1 did not send")
         else:
             raise AssertionError("gather_memory_report returned without rank 1")
     dist.barrier()  # no collective was left half-done: the group still works
@@ -417,6 +473,7 @@ CHECKS = [
     dcp_keys_unchanged_and_round_trip_between_remat_and_plain,
     ddp_gradients_equal_for_static_graph_find_unused_and_no_sync,
     tp_dropout_on_dtensors_replays_exactly,
+    training_steps_touch_no_store_and_remat_adds_no_collective,
     report_uneven_batches_show_min_median_max_and_flag_imbalance,
     report_even_batches_are_balanced,
     report_names_a_rank_that_skips_the_call,

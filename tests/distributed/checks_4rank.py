@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from checks_2rank import CollectiveLog
+from checks_2rank import CollectiveLog, training_steps_touch_no_store_and_remat_adds_no_collective
 from dist_models import MLPBlock, assert_grads_equal, param_grads, sequence_parallel_plan, tiny_net
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -51,4 +51,7 @@ def fsdp2_over_tp_2d_mesh_gradients_equal_without_remat(ctx):
     }
 
 
-CHECKS = [fsdp2_over_tp_2d_mesh_gradients_equal_without_remat]
+CHECKS = [
+    fsdp2_over_tp_2d_mesh_gradients_equal_without_remat,
+    training_steps_touch_no_store_and_remat_adds_no_collective,
+]
