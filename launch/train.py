@@ -127,7 +127,8 @@ class Batches:
 
 
 def remat_config(args) -> RematConfig:
-    if args.remat == "none":
+    if args.remat == "none" or args.remat.startswith("budget="):
+        # budget=...: no remat until plan_on_first_step installs the plan.
         return RematConfig(enabled=False)
     if args.save_modules:
         names = set(args.save_modules.split(","))
@@ -203,6 +204,30 @@ class HeldBytes:
         return False
 
 
+def remat_choice(value: str) -> str:
+    if value in ("none", "full", "selective") or value.startswith("budget="):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"--remat {value!r}: choose none, full, selective or budget=F (a fraction of the "
+        "no-remat activation bytes, e.g. budget=0.3), budget=BYTES or budget=auto"
+    )
+
+
+def plan_on_first_step(args, model, x, y, rank: int) -> None:
+    """--remat budget=...: measure the options on the first batch, install the
+    cheapest plan that fits, and print its table (measured bytes included)."""
+    from torch_remat.integrations import plan_remat
+
+    value = args.remat.split("=", 1)[1]
+    budget = value if value == "auto" else int(value) if value.isdigit() else float(value)
+    plan = plan_remat(
+        model, (x,), lambda logits: F.cross_entropy(logits, y.flatten()), budget, blocks=Block
+    )
+    plan.apply(model)
+    if rank == 0:
+        print(plan, flush=True)
+
+
 def request_impossible_memory(model) -> None:
     """--oom-at-step (for tests and docs): the last block's forward asks its allocator
     for 1 PiB once, a request that fails on any machine, inside the checkpoint."""
@@ -270,7 +295,7 @@ def init_process_group(backend: str) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a small GPT with torch_remat.")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
-    p.add_argument("--remat", choices=["none", "full", "selective"], default="selective")
+    p.add_argument("--remat", type=remat_choice, default="selective", help="none, full, selective, or budget=F: plan the cheapest policy within F of the no-remat activation bytes on the first step")
     p.add_argument("--save-modules", default="", help="custom policy: comma-separated class names of block submodules to keep (SAVE regions), e.g. Linear,LayerNorm")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
@@ -327,6 +352,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
+        if step == start + 1 and args.remat.startswith("budget="):
+            plan_on_first_step(args, model, x, y, rank)
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps
         if step == args.oom_at_step and rank == world - 1:
             request_impossible_memory(model)
