@@ -148,6 +148,7 @@ def run(quick: bool) -> WorkloadResult:
     data["hand_policies"] = {n: {"bytes": b, "extra_flops": f} for n, (b, f) in hand.items()}
     data["no_remat"] = {"bytes": base_bytes, "flops_step": base_flops}
     data["minimum_bytes"] = plan.minimum_bytes
+    data["measured_options"] = plan.to_json()  # RematPlan.from_json(...).plot(path) redraws
 
     compile_bytes = [compiled[b][0] for b in compile_budgets]
     compile_flops = [compiled[b][1] for b in compile_budgets]

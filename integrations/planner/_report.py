@@ -29,7 +29,7 @@ def _regions(option, candidates: dict[str, str]) -> str:
         return "no checkpoint (everything kept)"
     save = ", ".join(option.save) or "-"
     recompute = ", ".join(p for p in candidates if p not in option.save and not _inside(p, option.save))
-    return f"SAVE: {save} | RECOMPUTE: {recompute or '-'} and the rest"
+    return f"SAVE: {save} | RECOMPUTE: " + (f"{recompute} and the rest" if recompute else "the rest")
 
 
 def _inside(path: str, outer: Sequence[str]) -> bool:

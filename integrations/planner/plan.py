@@ -259,11 +259,10 @@ def resolve_budget(budget: Budget, no_remat_bytes: int) -> int:
 def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
     low, full = plan.minimum_bytes, plan.no_remat_bytes
     return (
-        f"plan_remat: budget {budget!r} ({remat.format_bytes(budget_bytes)}, "
-        f"{budget_bytes:,} B) is below the minimum achievable activation memory "
-        f"{remat.format_bytes(low)} ({low:,} B, {low / full:.3f} of the "
-        f"{full:,} B without remat). Raise the budget to at least {low:,} B "
-        f"(or {low / full:.3f}), or add candidates/blocks so more can be recomputed."
+        f"plan_remat: budget {budget!r} ({budget_bytes:,} B) is below the minimum "
+        f"achievable activation memory of {low:,} B ({remat.format_bytes(low)}, "
+        f"{low / full:.3f} of the {full:,} B without remat). Raise the budget to at least "
+        f"{low:,} B (or {low / full:.3f}), or add candidates/blocks so more can be recomputed."
     )
 
 

@@ -59,6 +59,14 @@ def test_losses_identical_across_remat_policies_single_process(tmp_path):
     assert runs["none"] == runs["full"] == runs["selective"]
 
 
+def test_remat_budget_plans_on_the_first_step_and_trains_like_no_remat(tmp_path):
+    planned, out = train(tmp_path, "--steps", "3", "--remat", "budget=0.6")
+    plain, _ = train(tmp_path, "--steps", "3", "--remat", "none")
+    assert losses(planned) == losses(plain)
+    assert "remat plan for 2 blocks: budget" in out and "(equal)" in out
+    assert "blocks.0" in out and "activations r0=" in out
+
+
 def test_loss_falls_over_20_steps(tmp_path):
     curve = losses(train(tmp_path, "--steps", "20", "--remat", "selective", "--lr", "1e-2")[0])
     assert len(curve) == 20
