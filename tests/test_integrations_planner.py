@@ -186,13 +186,13 @@ def test_planning_leaves_gradients_buffers_and_rng_as_they_were():
     torch.manual_seed(0)
     model = Net(n=2)
     model.inp = nn.Sequential(nn.Linear(8, 8, dtype=torch.float64), nn.BatchNorm1d(8, dtype=torch.float64))
-    x = torch.randn(4, 8, dtype=torch.float64)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 3.0)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    for t in [*model.parameters(), x]:
+        t.grad = torch.full_like(t, 3.0)
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
     plan_remat(model, x, loss_fn, budget=1.0)
-    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
+    assert all(torch.equal(t.grad, torch.full_like(t, 3.0)) for t in [*model.parameters(), x])
     assert all(map(torch.equal, model.buffers(), buffers))
     assert torch.equal(torch.get_rng_state(), rng)
     assert remat_module_names(model) == []
