@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "run.py"
 WORKLOADS = ["W1", "W1-long", "W2", "W3", "W4", "W6"]
-QUICK_TIMEOUT_S = 300
+QUICK_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")

@@ -74,13 +74,17 @@ class Measurement:
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
-    """Give back the model's gradients, buffers and the RNG states on exit, so that
-    measuring steps leaves no trace (a later training step sees what it would
+    """Run with no gradients on the model and the leaf arguments; give back their
+    gradients, the buffers and the RNG states on exit, so that measuring steps
+    leaves no trace (a later training step sees what it would
     have seen without them)."""
     leaves = [p for p in model.parameters()] + [
         a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
     ]
     grads = [t.grad for t in leaves]
+    # Detached, not zeroed: backward would accumulate into the caller's tensors.
+    for t in leaves:
+        t.grad = None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -239,8 +243,6 @@ def measure(
     install(model, config)
     try:
         with preserved_state(model, args):
-            for t in model.parameters():
-                t.grad = None
             with _profiled(block_names, model) as prof:
                 loss = loss_fn(model(*args))
             held = held_bytes_by_block(prof)
@@ -262,8 +264,6 @@ def activation_bytes(model: nn.Module, args: Sequence[Any], loss_fn: LossFn) -> 
     backward, plus the loss), measured the same way the planner predicts them, with
     whatever remat ``model`` carries now. Runs the backward too, to free them."""
     with preserved_state(model, args):
-        for t in model.parameters():
-            t.grad = None
         with _profiled() as prof:
             loss = loss_fn(model(*args))
         held = sum(held_bytes_by_block(prof).values())
