@@ -8,7 +8,9 @@ plan for all blocks that is optimal for some budget extends an optimal prefix, s
 the last frontier holds the optimum for every budget at once. Costs compare as
 ``(FLOPs, ops)``: FLOPs first, then the aten ops that FLOPs do not count.
 
-Ties are broken by the choice sequence (lower option indices first), so the same
+Frontier entries point back to the entry they extend instead of carrying their
+choice sequence, so a step costs (frontier size x options), not x depth too. Ties
+are broken by position in the previous frontier, then option index: the same
 measurements always give the same plan.
 """
 
@@ -29,32 +31,39 @@ class Point:
     choices: tuple[int, ...]
 
 
-def _pareto(points: list[Point]) -> list[Point]:
-    """Points no other point beats, by bytes ascending (cost then strictly falls)."""
-    points.sort(key=lambda p: (p.bytes, p.cost, p.choices))
-    kept: list[Point] = []
-    for p in points:
-        if not kept or p.cost < kept[-1].cost:
-            kept.append(p)
+def _pareto(entries: list[tuple]) -> list[tuple]:
+    """Entries ``(bytes, cost, ...)`` no other beats, by bytes ascending (the cost
+    then strictly falls)."""
+    entries.sort()
+    kept: list[tuple] = []
+    for e in entries:
+        if not kept or e[1] < kept[-1][1]:
+            kept.append(e)
     return kept
 
 
 def frontier(options: Sequence[Sequence[tuple[int, Cost]]]) -> list[Point]:
     """The Pareto frontier of plans for blocks whose options are ``options[i]``."""
-    current = [Point(0, (0, 0), ())]
+    layers: list[list[tuple]] = []
+    current: list[tuple] = [(0, (0, 0), -1, -1)]
     for block_options in options:
-        useful = _pareto(
-            [Point(b, c, (i,)) for i, (b, c) in enumerate(block_options)]
-        )
+        useful = _pareto([(b, c, i) for i, (b, c) in enumerate(block_options)])
         current = _pareto(
             [
-                Point(p.bytes + o.bytes, (p.cost[0] + o.cost[0], p.cost[1] + o.cost[1]),
-                      p.choices + o.choices)
-                for p in current
-                for o in useful
+                (pb + ob, (pc[0] + oc[0], pc[1] + oc[1]), k, i)
+                for k, (pb, pc, _, _) in enumerate(current)
+                for ob, oc, i in useful
             ]
         )
-    return current
+        layers.append(current)
+    points = []
+    for bytes_, cost, back, option in current:
+        choices = [option]
+        for layer in reversed(layers[:-1]):
+            _, _, back, option = layer[back]
+            choices.append(option)
+        points.append(Point(bytes_, cost, tuple(reversed(choices)) if layers else ()))
+    return points
 
 
 def cheapest_within(points: Sequence[Point], budget: int) -> Point | None:

@@ -79,6 +79,7 @@ class RematPlan:
     measured_bytes: int | None = None
     """Bytes measured with the plan installed (None: not verified)."""
     _model: Any = field(default=None, repr=False, compare=False)
+    _frontier: list[Point] | None = field(default=None, repr=False, compare=False)
 
     # ---------------------------------------------------------------- numbers
 
@@ -114,8 +115,11 @@ class RematPlan:
     def frontier(self) -> list[Point]:
         """Every plan that no other beats on both bytes and recompute cost; bytes
         include the base."""
-        points = frontier([[(m.bytes, (m.flops, m.ops)) for m in opts] for opts in self.table])
-        return [Point(p.bytes + self.base_bytes, p.cost, p.choices) for p in points]
+        if self._frontier is None:
+            points = frontier([[(m.bytes, (m.flops, m.ops)) for m in opts] for opts in self.table])
+            # Shared by the plans for_budget derives: they have the same table.
+            self._frontier = [Point(p.bytes + self.base_bytes, p.cost, p.choices) for p in points]
+        return list(self._frontier)
 
     @property
     def minimum_bytes(self) -> int:
@@ -132,7 +136,7 @@ class RematPlan:
             raise InfeasibleBudgetError(_infeasible(budget, budget_bytes, self))
         return RematPlan(
             self.blocks, self.table, list(point.choices), self.base_bytes, budget_bytes,
-            self.candidates, None, self._model,
+            self.candidates, None, self._model, self.frontier(),
         )
 
     def pareto(self, budgets: Sequence[float] | None = None) -> _report.ParetoTable:
