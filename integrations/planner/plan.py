@@ -229,6 +229,12 @@ class RematPlan:
     def __str__(self) -> str:
         return self.format()
 
+    def __repr__(self) -> str:
+        return (
+            f"RematPlan({len(self.blocks)} blocks, predicted_bytes={self.predicted_bytes}, "
+            f"recompute_flops={self.recompute_flops}, budget_bytes={self.budget_bytes})"
+        )
+
 
 # -------------------------------------------------------------------- budget
 
