@@ -28,7 +28,14 @@ if not __package__:
 
 import torch  # noqa: E402
 
-from benchmarks import w1_gpt_stack, w2_overhead, w3_sqrt_chain, w4_distributed, w7_scale  # noqa: E402
+from benchmarks import (  # noqa: E402
+    w1_gpt_stack,
+    w2_overhead,
+    w3_sqrt_chain,
+    w4_distributed,
+    w6_planner,
+    w7_scale,
+)
 from benchmarks.report import WorkloadResult  # noqa: E402
 
 WORKLOADS: dict[str, Callable[[bool], WorkloadResult]] = {
@@ -37,6 +44,7 @@ WORKLOADS: dict[str, Callable[[bool], WorkloadResult]] = {
     "W2": w2_overhead.run,
     "W3": w3_sqrt_chain.run,
     "W4": w4_distributed.run,
+    "W6": w6_planner.run,
     "W7": w7_scale.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -11,6 +11,7 @@ from .accelerate import apply_remat_for_accelerator, prepare_with_remat
 from .apply import RematConfig, apply_remat, remat_module_names, remove_remat, save_region_names
 from .ddp import ddp_with_remat
 from .fsdp2 import fully_shard_with_remat
+from .planner import InfeasibleBudgetError, PlanMismatchError, RematPlan, plan_remat
 from .reports import (
     ClusterMemoryReport,
     MemoryReportTimeout,
@@ -45,4 +46,8 @@ __all__: list[str] = [
     "enable_remat",
     "disable_remat",
     "remat_layer_names",
+    "plan_remat",
+    "RematPlan",
+    "InfeasibleBudgetError",
+    "PlanMismatchError",
 ]

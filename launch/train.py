@@ -108,7 +108,8 @@ SUBLAYERS = ("norm1", "q", "k", "v", "proj", "norm2", "up", "down")
 
 def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
     """``--remat`` -> (checkpoint every block?, the sub-layers each block keeps)."""
-    if spec == "none":
+    if spec == "none" or spec.startswith("budget="):
+        # budget=...: no remat until plan_on_first_step installs the plan.
         return False, frozenset()
     if spec == "full":  # keep nothing: the whole block is recomputed
         return True, frozenset()
@@ -121,9 +122,25 @@ def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
         if keep <= set(SUBLAYERS):
             return True, keep
     raise ValueError(
-        f"--remat {spec}: expected none, full, selective or keep=NAMES with NAMES "
-        f"a comma-separated subset of {','.join(SUBLAYERS)}"
+        f"--remat {spec}: expected none, full, selective, keep=NAMES with NAMES "
+        f"a comma-separated subset of {','.join(SUBLAYERS)}, or budget=F (a fraction "
+        "of the no-remat activation bytes, e.g. budget=0.3), budget=BYTES or budget=auto"
     )
+
+
+def plan_on_first_step(spec: str, model, x, y, rank: int) -> None:
+    """--remat budget=...: measure the options on the first batch, install the
+    cheapest plan that fits, and print its table (measured bytes included)."""
+    from torch_remat.integrations import plan_remat
+
+    value = spec.split("=", 1)[1]
+    budget = value if value == "auto" else int(value) if value.isdigit() else float(value)
+    # The linear layers as candidates: 2**6 + 1 measured options per block.
+    loss_fn = lambda logits: F.cross_entropy(logits, y.flatten())  # noqa: E731
+    plan = plan_remat(model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear])
+    plan.apply(model)
+    if rank == 0:
+        print(plan, flush=True)
 
 
 def tp_plan():
@@ -250,7 +267,7 @@ def init_process_group(backend: str) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a small GPT with torch_remat.")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
-    p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs) or keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down)")
+    p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F: plan the cheapest policy within F of the no-remat activation bytes on the first step")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
@@ -317,6 +334,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
+        if step == start + 1 and args.remat.startswith("budget="):
+            plan_on_first_step(args.remat, model, x, y, rank)
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps
         with oom_dumps.guard(step=step) if oom_dumps else contextlib.nullcontext():
             loss = F.cross_entropy(model(x), y.flatten())

@@ -68,7 +68,7 @@ def test_private_torch_api_is_used_only_through_compat():
 def test_integrations_use_only_public_core_names():
     public = set(torch_remat.__all__)
     offending = []
-    for path in sorted((ROOT / "integrations").glob("*.py")):
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         aliases = {"torch_remat"}
         for node in ast.walk(tree):

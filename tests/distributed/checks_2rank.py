@@ -31,8 +31,10 @@ from torch_remat.integrations import (
     fully_shard_with_remat,
     gather_memory_report,
     parallelize_with_remat,
+    plan_remat,
     prepare_dtensor_rng,
     remat_module_names,
+    remove_remat,
 )
 
 NO_REMAT = RematConfig(enabled=False)
@@ -464,6 +466,48 @@ def report_names_a_rank_that_skips_the_call(ctx):
     return {"error": message}
 
 
+# ----------------------------------------------------------------------- planner
+
+
+def _planned_on_rank(ctx, per_rank: bool):
+    """Each rank plans its own copy with a batch of its own size (rank 1's is twice
+    rank 0's, so its bytes differ) and a budget of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(MLPBlock(16) for _ in range(3))).double()
+    x = _batch(ctx, shape=(64 * (ctx.rank + 1), 16))
+    budget = (0.5, 0.9)[ctx.rank]
+    plan = plan_remat(
+        model, x, lambda out: out.pow(2).sum(), budget, blocks=MLPBlock, per_rank=per_rank
+    )
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, (plan.choices, plan.for_budget(budget).choices))
+    return model, plan, everyone
+
+
+def planner_rank0_choice_is_applied_on_every_rank(ctx):
+    model, plan, everyone = _planned_on_rank(ctx, per_rank=False)
+    chosen = [c for c, _ in everyone]
+    own = [c for _, c in everyone]
+    assert chosen[0] == chosen[1] == own[0], everyone
+    assert own[1] != own[0], "rank 1's own budget must choose differently for the check to bite"
+    # Each rank's prediction is of its own bytes, and its run measured them.
+    assert plan.measured_bytes == plan.predicted_bytes
+    names = plan.apply(model)
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, names)
+    remove_remat(model)
+    assert gathered[0] == gathered[1]
+    return {"choices": chosen[0]}
+
+
+def planner_per_rank_plans_each_rank_for_its_own_budget(ctx):
+    _, plan, everyone = _planned_on_rank(ctx, per_rank=True)
+    assert [c for c, _ in everyone] == [c for _, c in everyone], everyone
+    assert everyone[0][0] != everyone[1][0]
+    assert plan.measured_bytes == plan.predicted_bytes <= plan.budget_bytes
+    return {"choices": everyone[ctx.rank][0]}
+
+
 CHECKS = [
     fsdp2_gradients_equal_without_remat,
     fsdp2_remat_applied_after_fully_shard_gives_equal_gradients,
@@ -477,4 +521,6 @@ CHECKS = [
     report_uneven_batches_show_min_median_max_and_flag_imbalance,
     report_even_batches_are_balanced,
     report_names_a_rank_that_skips_the_call,
+    planner_rank0_choice_is_applied_on_every_rank,
+    planner_per_rank_plans_each_rank_for_its_own_budget,
 ]

@@ -98,6 +98,14 @@ def test_report_in_one_process_prints_each_blocks_saved_bytes(tmp_path):
     assert "x2: blocks.0-1" in out  # both blocks hold the same bytes
 
 
+def test_remat_budget_plans_on_the_first_step_and_trains_like_no_remat(tmp_path):
+    planned, out, _ = train(tmp_path, "--steps", "3", "--remat", "budget=0.6")
+    plain, _, _ = train(tmp_path, "--steps", "3", "--remat", "none")
+    assert losses(planned) == losses(plain)
+    assert "remat plan for 2 blocks: budget" in out and "(equal)" in out
+    assert "blocks.0" in out and "saved for backward r0=" in out
+
+
 def test_loss_falls_over_20_steps(tmp_path):
     curve = losses(train(tmp_path, "--steps", "20", "--remat", "selective", "--lr", "1e-2")[0])
     assert len(curve) == 20

@@ -1,0 +1,20 @@
+"""``plan_remat``: choose the cheapest exact remat policy that fits a memory budget,
+by measuring every per-block option once and solving exactly (see
+docs/planning.md)."""
+
+from ._measure import activation_bytes
+from ._report import ParetoRow, ParetoTable
+from ._space import Option
+from .plan import InfeasibleBudgetError, Measured, PlanMismatchError, RematPlan, plan_remat
+
+__all__ = [
+    "plan_remat",
+    "RematPlan",
+    "Option",
+    "Measured",
+    "ParetoTable",
+    "ParetoRow",
+    "InfeasibleBudgetError",
+    "PlanMismatchError",
+    "activation_bytes",
+]

@@ -1,0 +1,38 @@
+"""One policy for every rank: rank 0's choice, broadcast.
+
+Every rank measures its own option table (the same runs in the same order, so a
+forward that communicates, as under FSDP2, stays in step). Rank 0 solves; its
+chosen option indices (or its infeasibility message) go to every rank, which
+builds its plan from them and its own measurements, so each rank's prediction is
+of its own bytes and every rank installs the same policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .plan import RematPlan
+
+
+def agree(
+    measured: RematPlan, plan: RematPlan, error: str | None
+) -> tuple[RematPlan, str | None]:
+    """Rank 0's ``(plan, error)`` on every rank (unchanged without a process group)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan, error
+    message = [(list(plan.choices), plan.budget_bytes, error) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(message, src=0)
+    choices, budget_bytes, error = message[0]
+    if error is not None:
+        return measured, f"rank 0: {error}"
+    if len(choices) != len(measured.table):
+        raise ValueError(
+            f"plan_remat: rank 0 planned {len(choices)} blocks and rank "
+            f"{dist.get_rank()} has {len(measured.table)}; every rank must plan the same "
+            "model (pass per_rank=True to plan each rank for itself)."
+        )
+    return dataclasses.replace(measured, choices=choices, budget_bytes=budget_bytes), None

@@ -1,0 +1,282 @@
+"""Run one remat configuration of a model once and measure it.
+
+Bytes: the CPU (or CUDA) allocator's events from ``torch.profiler`` with
+``profile_memory=True``, paired by address, so a storage counts once however many
+views or saves share it. A storage counts for the block whose forward allocated it
+(the innermost block running at the allocation) when it is still allocated after
+``loss_fn(model(*args))`` returns; storages allocated outside every block (the
+embedding, the head, the loss) make the base. Views share their base's storage and
+allocate nothing, so they are never counted twice.
+
+Recompute cost: every aten op that runs while a checkpoint is being recomputed in
+the backward is charged to that checkpoint (``remat.active_checkpoint``), its FLOPs
+by ``FlopCounterMode``'s formulas (matmul-like ops only) and counted as one op, so
+the pointwise work that FLOPs ignore shows in the op count.
+
+A measurement leaves the model as it found it: gradients, buffers (batch-norm
+statistics) and the RNG states are put back afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+import torch_remat as remat
+
+from ..apply import apply_remat, remat_module_names, remove_remat
+
+RANGE_PREFIX = "torch_remat.planner.block::"
+"""Name prefix of the profiler ranges that mark each block's forward."""
+
+BASE = ""
+"""Key of the bytes allocated outside every block."""
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Which blocks are checkpointed, and which submodules of each run as SAVE regions.
+
+    ``checkpointed`` maps a block's qualified name to the paths (inside the block) of
+    its SAVE-region submodules; blocks not in it run without a checkpoint."""
+
+    checkpointed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Measurement:
+    """What one run of a configuration held and recomputed, per block."""
+
+    bytes_by_block: dict[str, int]
+    """Bytes still allocated after the forward, by the block that allocated them
+    (``BASE``: outside every block)."""
+    flops_by_block: dict[str, int]
+    ops_by_block: dict[str, int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_block.values())
+
+
+# ------------------------------------------------------------------ model state
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
+    """Run with no gradients on the model and the leaf arguments; give back their
+    gradients, the buffers and the RNG states on exit, so that measuring steps
+    leaves no trace (a later training step sees what it would
+    have seen without them)."""
+    leaves = [p for p in model.parameters()] + [
+        a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
+    ]
+    grads = [t.grad for t in leaves]
+    # Detached, not zeroed: backward would accumulate into the caller's tensors.
+    for t in leaves:
+        t.grad = None
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        for t, g in zip(leaves, grads):
+            t.grad = g
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def install(model: nn.Module, config: Config) -> None:
+    """Put ``config`` on ``model`` with :func:`apply_remat` (after removing any)."""
+    remove_remat(model)
+    if not config.checkpointed:
+        return
+    blocks = {model.get_submodule(name): name for name in config.checkpointed}
+    saves = {
+        model.get_submodule(f"{name}.{path}")
+        for name, paths in config.checkpointed.items()
+        for path in paths
+    }
+    apply_remat(
+        model,
+        check_fn=lambda m: m in blocks,
+        save_modules=(lambda m: m in saves) if saves else None,
+    )
+
+
+# ------------------------------------------------------------------ bytes
+
+
+@contextlib.contextmanager
+def _block_ranges(model: nn.Module, block_names: Sequence[str]) -> Iterator[None]:
+    """A profiler range around each block's forward (outside its checkpoint)."""
+    handles = []
+    open_ranges: dict[nn.Module, list[Any]] = defaultdict(list)
+    for name in block_names:
+        block = model.get_submodule(name)
+
+        def enter(module: nn.Module, _args: Any, _name: str = name) -> None:
+            r = torch.profiler.record_function(RANGE_PREFIX + _name)
+            r.__enter__()
+            open_ranges[module].append(r)
+
+        def leave(module: nn.Module, _args: Any, _out: Any) -> None:
+            open_ranges[module].pop().__exit__(None, None, None)
+
+        handles.append(block.register_forward_pre_hook(enter))
+        handles.append(block.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _allocation_events(prof: Any) -> list[tuple[int, int, int, str]]:
+    """``(time_ns, address, size, block)`` of every allocation (size > 0) and free
+    (size < 0), ``block`` being the innermost block range around it."""
+    events = []
+    stack = [(e, BASE) for e in prof.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        e, block = stack.pop()
+        if e.name.startswith(RANGE_PREFIX):
+            block = e.name[len(RANGE_PREFIX) :]
+        stack.extend((c, block) for c in e.children)
+        fields = e.extra_fields
+        # Allocation events are the ones whose fields carry an allocation size.
+        if hasattr(fields, "alloc_size") and hasattr(fields, "ptr"):
+            events.append((e.start_time_ns, fields.ptr, fields.alloc_size, block))
+    events.sort(key=lambda ev: ev[0])
+    return events
+
+
+def held_bytes_by_block(prof: Any) -> dict[str, int]:
+    """Bytes allocated under ``prof`` and still allocated at its end, by block."""
+    live: dict[int, tuple[int, str]] = {}
+    for _, ptr, size, block in _allocation_events(prof):
+        if size > 0:
+            live[ptr] = (size, block)
+        else:
+            live.pop(ptr, None)
+    held: dict[str, int] = defaultdict(int)
+    for size, block in live.values():
+        held[block] += size
+    return dict(held)
+
+
+@contextlib.contextmanager
+def _profiled(block_names: Sequence[str] = (), model: nn.Module | None = None) -> Iterator[Any]:
+    """Profile with the block ranges on and the cycle collector off, so that what the
+    forward allocates is freed by reference counting alone, the same in every run.
+    (Frees of older garbage do not count: only storages allocated under the
+    profiler are paired. No collection first: a full one costs seconds in a
+    process with compiled code.)"""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with contextlib.ExitStack() as stack:
+            if model is not None:
+                stack.enter_context(_block_ranges(model, block_names))
+            yield stack.enter_context(_profiler())
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _profiler() -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, profile_memory=True)
+
+
+# ------------------------------------------------------------------ recompute cost
+
+
+class RecomputeCounter(TorchDispatchMode):
+    """FLOPs and aten ops run while each checkpoint is recomputed, by its name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: dict[str, int] = defaultdict(int)
+        self.ops: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "aten" and remat.is_recomputing():
+            active = remat.active_checkpoint()
+            name = active.checkpoint if active is not None else BASE
+            self.ops[name] += 1
+            formula = flop_registry.get(func.overloadpacket)
+            if formula is not None:
+                self.flops[name] += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
+# ------------------------------------------------------------------ one run
+
+
+def measure(
+    model: nn.Module,
+    args: Sequence[Any],
+    loss_fn: LossFn,
+    config: Config,
+    block_names: Sequence[str],
+) -> Measurement:
+    """Install ``config``, run one forward and backward, and measure them."""
+    install(model, config)
+    try:
+        with preserved_state(model, args):
+            with _profiled(block_names, model) as prof:
+                loss = loss_fn(model(*args))
+            held = held_bytes_by_block(prof)
+            counter = RecomputeCounter()
+            with counter:
+                loss.backward()
+            del loss
+    finally:
+        remove_remat(model)
+    return Measurement(
+        bytes_by_block={n: held.get(n, 0) for n in [BASE, *block_names]},
+        flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
+        ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
+    )
+
+
+def activation_bytes(model: nn.Module, args: Sequence[Any], loss_fn: LossFn) -> int:
+    """Bytes that ``loss_fn(model(*args))`` leaves allocated (what the step holds for
+    backward, plus the loss), measured the same way the planner predicts them, with
+    whatever remat ``model`` carries now. Runs the backward too, to free them."""
+    with preserved_state(model, args):
+        with _profiled() as prof:
+            loss = loss_fn(model(*args))
+        held = sum(held_bytes_by_block(prof).values())
+        loss.backward()
+        del loss
+    return held
+
+
+def refuse_applied_remat(model: nn.Module) -> None:
+    applied = remat_module_names(model)
+    if applied:
+        raise ValueError(
+            f"plan_remat: remat is already applied to {applied}; the planner measures "
+            "the model without it. Call torch_remat.integrations.remove_remat(model) "
+            "first, then plan and apply the plan."
+        )

@@ -1,0 +1,166 @@
+"""How a plan reads: its table, its Pareto table, and the hand-written policies it
+is compared with."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch_remat as remat
+
+if TYPE_CHECKING:
+    from .plan import RematPlan
+
+DEFAULT_BUDGETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def _rows(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        .rstrip()
+        for r in rows
+    ]
+
+
+def _regions(option, candidates: dict[str, str]) -> str:
+    if not option.checkpoint:
+        return "no checkpoint (everything kept)"
+    save = ", ".join(option.save) or "-"
+    recompute = ", ".join(p for p in candidates if p not in option.save and not _inside(p, option.save))
+    return f"SAVE: {save} | RECOMPUTE: " + (f"{recompute} and the rest" if recompute else "the rest")
+
+
+def _inside(path: str, outer: Sequence[str]) -> bool:
+    return any(path.startswith(o + ".") for o in outer)
+
+
+def _candidates_of(plan: RematPlan, block: str) -> dict[str, str]:
+    """Candidates of ``block``: those of the first block of its group."""
+    index = plan.blocks.index(block)
+    for first, cands in plan.candidates.items():
+        if [m.option for m in plan.table[plan.blocks.index(first)]] == [
+            m.option for m in plan.table[index]
+        ]:
+            return cands
+    return {}
+
+
+def format_plan(plan: RematPlan) -> str:
+    full, b = plan.no_remat_bytes, plan.budget_bytes
+    fb = remat.format_bytes
+    lines = [
+        f"remat plan for {len(plan.blocks)} blocks: budget {fb(b)} ({b:,} B, "
+        f"{b / full:.3f} of {fb(full)} without remat)",
+        f"  predicted {fb(plan.predicted_bytes)} ({plan.predicted_bytes:,} B, "
+        f"{plan.predicted_bytes / full:.3f}), recompute {plan.recompute_flops:,} FLOPs and "
+        f"{plan.recompute_ops:,} aten ops per step"
+        + (
+            ""
+            if plan.measured_bytes is None
+            else f"; measured {plan.measured_bytes:,} B"
+            + (" (equal)" if plan.measured_bytes == plan.predicted_bytes else " (DIFFERENT)")
+        ),
+        "",
+    ]
+    rows = [["block", "policy", "bytes", "recompute FLOPs", "ops"]]
+    for name, m in zip(plan.blocks, plan.chosen):
+        rows.append([name, _regions(m.option, _candidates_of(plan, name)), f"{m.bytes:,}",
+                     f"{m.flops:,}", f"{m.ops:,}"])
+    rows.append(["(outside blocks)", "", f"{plan.base_bytes:,}", "0", "0"])
+    rows.append(["total", "", f"{plan.predicted_bytes:,}", f"{plan.recompute_flops:,}",
+                 f"{plan.recompute_ops:,}"])
+    lines += ["  " + r for r in _rows(rows, {2, 3, 4})]
+    lines.append("  (time is not predicted: recompute cost is measured as FLOPs and aten ops)")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ParetoRow:
+    budget: float
+    """Fraction of the no-remat activation bytes."""
+    budget_bytes: int
+    bytes: int | None
+    """The cheapest fitting plan's bytes (None: no plan fits)."""
+    flops: int | None
+    ops: int | None
+
+
+@dataclass
+class ParetoTable:
+    rows: list[ParetoRow]
+    no_remat_bytes: int
+
+    def format(self) -> str:
+        table = [["budget", "budget (B)", "plan bytes", "plan / no remat", "recompute FLOPs", "ops"]]
+        for r in self.rows:
+            if r.bytes is None:
+                table.append([f"{r.budget:.2f}", f"{r.budget_bytes:,}", "infeasible", "", "", ""])
+            else:
+                table.append([f"{r.budget:.2f}", f"{r.budget_bytes:,}", f"{r.bytes:,}",
+                              f"{r.bytes / self.no_remat_bytes:.3f}", f"{r.flops:,}", f"{r.ops:,}"])
+        return "\n".join(_rows(table, {1, 2, 3, 4, 5}))
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def pareto_table(plan: RematPlan, budgets: Sequence[float] | None) -> ParetoTable:
+    from ._solve import cheapest_within
+
+    points = plan.frontier()
+    full = plan.no_remat_bytes
+    rows = []
+    for f in DEFAULT_BUDGETS if budgets is None else budgets:
+        budget_bytes = int(f * full)
+        p = cheapest_within(points, budget_bytes)
+        rows.append(
+            ParetoRow(f, budget_bytes, None, None, None)
+            if p is None
+            else ParetoRow(f, budget_bytes, p.bytes, p.cost[0], p.cost[1])
+        )
+    return ParetoTable(rows, full)
+
+
+def hand_save_sets(candidates: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """The hand policies as save sets over a block's candidates: a full checkpoint;
+    the linear layers saved; Megatron-style (every candidate leaf saved: linears and
+    norms; the attention core and activations replayed)."""
+    paths = list(candidates)
+    leaves = tuple(p for p in paths if not any(q.startswith(p + ".") for q in paths))
+    return {
+        "full checkpoint": (),
+        "save linears": tuple(p for p in paths if candidates[p] == "Linear"),
+        "Megatron-style": leaves,
+    }
+
+
+def hand_policies(plan: RematPlan) -> dict[str, tuple[int, int, int]]:
+    """``(bytes, FLOPs, ops)`` of each hand policy applied to every block, from the
+    measured table (policies whose save set was not measured are left out)."""
+    results: dict[str, tuple[int, int, int]] = {}
+    names = None
+    for block, options in zip(plan.blocks, plan.table):
+        sets = hand_save_sets(_candidates_of(plan, block))
+        names = list(sets) if names is None else names
+        for name in list(names):
+            found = [m for m in options if m.option.checkpoint and m.option.save == sets[name]]
+            if not found:
+                names.remove(name)
+                results.pop(name, None)
+                continue
+            b, f, o = results.get(name, (plan.base_bytes, 0, 0))
+            results[name] = (b + found[0].bytes, f + found[0].flops, o + found[0].ops)
+    return {n: results[n] for n in names or []}
+
+
+def mismatch_message(plan: RematPlan) -> str:
+    return (
+        f"plan_remat: the chosen plan, installed and run, held {plan.measured_bytes:,} B "
+        f"after the forward, not the predicted {plan.predicted_bytes:,} B. The blocks' "
+        "bytes interact in a way per-block measurement does not capture (a block keeping "
+        "its neighbour's output, say). Plan: "
+        + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
+        + ". Pass verify=False to accept the prediction, or blocks= with coarser blocks."
+    )

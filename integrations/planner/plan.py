@@ -1,0 +1,369 @@
+"""``plan_remat``: the cheapest exact remat policy that fits a memory budget.
+
+The planner measures, it does not estimate: every option of every distinct block
+is installed with :func:`~torch_remat.integrations.apply_remat` and run once on the
+example (see ``_measure``), an exact solver picks one option per block (``_solve``),
+and the chosen plan is installed and measured once more, so the bytes a plan
+reports are bytes that were seen.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import torch_remat as remat
+
+from . import _distributed, _report
+from ._measure import BASE, Config, LossFn, activation_bytes, install, measure, refuse_applied_remat
+from ._solve import Point, cheapest_within, frontier
+from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
+
+Budget = float | int | str
+
+AUTO_MARGIN = 0.1
+"""``budget="auto"`` keeps this fraction of the device's total memory free."""
+
+FORMAT_VERSION = 1
+
+
+class InfeasibleBudgetError(remat.RematError, ValueError):
+    """No policy holds as few activation bytes as the budget asks for."""
+
+
+class PlanMismatchError(remat.RematError):
+    """The chosen plan, installed and run, held other bytes than predicted."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One option of one block as measured: bytes held after the forward, and the
+    FLOPs and aten ops its recompute runs in the backward."""
+
+    option: Option
+    bytes: int
+    flops: int
+    ops: int
+
+    def to_json(self) -> dict:
+        return {**self.option.to_json(), "bytes": self.bytes, "flops": self.flops, "ops": self.ops}
+
+    @staticmethod
+    def from_json(d: dict) -> Measured:
+        return Measured(Option.from_json(d), d["bytes"], d["flops"], d["ops"])
+
+
+@dataclass
+class RematPlan:
+    """A remat policy chosen for a budget, with the measurements it was chosen from."""
+
+    blocks: list[str]
+    """Qualified names of the blocks, in forward order."""
+    table: list[list[Measured]]
+    """Per block, every measured option (index 0: no checkpoint)."""
+    choices: list[int]
+    """Per block, the index of the chosen option in ``table``."""
+    base_bytes: int
+    """Bytes held outside every block (embeddings, head, loss)."""
+    budget_bytes: int
+    candidates: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Candidate SAVE submodules (path inside the block: class name), by the first
+    block of each group of identical blocks."""
+    measured_bytes: int | None = None
+    """Bytes measured with the plan installed (None: not verified)."""
+    _model: Any = field(default=None, repr=False, compare=False)
+    _frontier: list[Point] | None = field(default=None, repr=False, compare=False)
+
+    # ---------------------------------------------------------------- numbers
+
+    @property
+    def chosen(self) -> list[Measured]:
+        return [options[i] for options, i in zip(self.table, self.choices)]
+
+    @property
+    def predicted_bytes(self) -> int:
+        """Activation bytes held after the forward with the plan applied."""
+        return self.base_bytes + sum(m.bytes for m in self.chosen)
+
+    @property
+    def recompute_flops(self) -> int:
+        """FLOPs the plan's recomputes add to every step."""
+        return sum(m.flops for m in self.chosen)
+
+    @property
+    def recompute_ops(self) -> int:
+        """aten ops the plan's recomputes add to every step."""
+        return sum(m.ops for m in self.chosen)
+
+    @property
+    def no_remat_bytes(self) -> int:
+        """Activation bytes without any checkpoint (what a fraction budget scales)."""
+        return self.base_bytes + sum(options[0].bytes for options in self.table)
+
+    @property
+    def options(self) -> dict[str, Option]:
+        """The chosen option of each block."""
+        return {name: m.option for name, m in zip(self.blocks, self.chosen)}
+
+    def frontier(self) -> list[Point]:
+        """Every plan that no other beats on both bytes and recompute cost; bytes
+        include the base."""
+        if self._frontier is None:
+            points = frontier([[(m.bytes, (m.flops, m.ops)) for m in opts] for opts in self.table])
+            # Shared by the plans for_budget derives: they have the same table.
+            self._frontier = [Point(p.bytes + self.base_bytes, p.cost, p.choices) for p in points]
+        return list(self._frontier)
+
+    @property
+    def minimum_bytes(self) -> int:
+        """The fewest activation bytes any policy in the search space holds."""
+        return self.frontier()[0].bytes
+
+    # ---------------------------------------------------------------- re-solving
+
+    def for_budget(self, budget: Budget) -> RematPlan:
+        """The cheapest plan for another budget, from the same measurements (no run)."""
+        budget_bytes = resolve_budget(budget, self.no_remat_bytes)
+        point = cheapest_within(self.frontier(), budget_bytes)
+        if point is None:
+            raise InfeasibleBudgetError(_infeasible(budget, budget_bytes, self))
+        return RematPlan(
+            self.blocks, self.table, list(point.choices), self.base_bytes, budget_bytes,
+            self.candidates, None, self._model, self.frontier(),
+        )
+
+    def pareto(self, budgets: Sequence[float] | None = None) -> _report.ParetoTable:
+        """The cheapest plan's bytes and recompute cost for budget fractions
+        ``budgets`` (default 0, 0.05, 0.1, 0.2, ..., 1.0), as a table."""
+        return _report.pareto_table(self, budgets)
+
+    def hand_policies(self) -> dict[str, tuple[int, int, int]]:
+        """``(bytes, FLOPs, ops)`` of the hand-written policies (see ``_report``)."""
+        return _report.hand_policies(self)
+
+    # ---------------------------------------------------------------- using it
+
+    def config(self) -> Config:
+        return Config(
+            {n: o.save for n, o in self.options.items() if o.checkpoint}
+        )
+
+    def apply(self, model: nn.Module | None = None) -> list[str]:
+        """Install the plan with ``apply_remat`` (one call: the chosen blocks are
+        checkpointed, the chosen submodules of each run as SAVE regions). ``model``:
+        the planned model by default (required after :meth:`load`). Returns the
+        checkpointed block names."""
+        model = self._resolve_model(model)
+        refuse_applied_remat(model)
+        install(model, self.config())
+        return [n for n, o in self.options.items() if o.checkpoint]
+
+    def _resolve_model(self, model: nn.Module | None) -> nn.Module:
+        if model is not None:
+            return model
+        planned = self._model() if self._model is not None else None
+        if planned is None:
+            raise ValueError(
+                "RematPlan.apply: this plan holds no model (it was loaded from a file, or "
+                "the planned model was deleted); pass the model: plan.apply(model)."
+            )
+        return planned
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw the Pareto curve with the hand policies as points (needs matplotlib:
+        ``pip install torch-remat[plot]``)."""
+        from ._plot import plot_pareto
+
+        return plot_pareto(self, Path(path))
+
+    # ---------------------------------------------------------------- files
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "blocks": self.blocks,
+            "table": [[m.to_json() for m in opts] for opts in self.table],
+            "choices": self.choices,
+            "base_bytes": self.base_bytes,
+            "budget_bytes": self.budget_bytes,
+            "candidates": self.candidates,
+            "measured_bytes": self.measured_bytes,
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan and its measurements as JSON."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @staticmethod
+    def from_json(data: dict) -> RematPlan:
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError(
+                f"RematPlan.load: format {data.get('format')!r} is not {FORMAT_VERSION}; "
+                "plan again with this version of torch_remat."
+            )
+        return RematPlan(
+            list(data["blocks"]),
+            [[Measured.from_json(m) for m in opts] for opts in data["table"]],
+            list(data["choices"]),
+            data["base_bytes"],
+            data["budget_bytes"],
+            {k: dict(v) for k, v in data["candidates"].items()},
+            data["measured_bytes"],
+        )
+
+    @staticmethod
+    def load(path: str | Path) -> RematPlan:
+        """Read a plan written by :meth:`save`; apply it with ``plan.apply(model)``."""
+        return RematPlan.from_json(json.loads(Path(path).read_text()))
+
+    def format(self) -> str:
+        return _report.format_plan(self)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def __repr__(self) -> str:
+        return (
+            f"RematPlan({len(self.blocks)} blocks, predicted_bytes={self.predicted_bytes}, "
+            f"recompute_flops={self.recompute_flops}, budget_bytes={self.budget_bytes})"
+        )
+
+
+# -------------------------------------------------------------------- budget
+
+
+def resolve_budget(budget: Budget, no_remat_bytes: int) -> int:
+    """Bytes of a budget: a float is a fraction of ``no_remat_bytes``, an int is bytes,
+    ``"auto"`` is the free CUDA memory less ``AUTO_MARGIN`` of the total."""
+    if isinstance(budget, bool):
+        raise TypeError("plan_remat: budget must be a fraction (float), bytes (int) or 'auto'.")
+    if isinstance(budget, float):
+        if not budget >= 0:
+            raise ValueError(f"plan_remat: a fraction budget must be >= 0, got {budget}.")
+        return int(budget * no_remat_bytes)
+    if isinstance(budget, int):
+        if budget < 0:
+            raise ValueError(f"plan_remat: a byte budget must be >= 0, got {budget}.")
+        return budget
+    if budget == "auto":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "plan_remat: budget='auto' reads the free CUDA memory, and no CUDA device "
+                "is available; on CPU pass a fraction of the no-remat activation bytes "
+                "(e.g. budget=0.3) or a number of bytes (int)."
+            )
+        free, total = torch.cuda.mem_get_info()
+        return max(0, free - int(AUTO_MARGIN * total))
+    raise TypeError(
+        f"plan_remat: budget must be a fraction (float), bytes (int) or 'auto', got {budget!r}."
+    )
+
+
+def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
+    low, full = plan.minimum_bytes, plan.no_remat_bytes
+    return (
+        f"plan_remat: budget {budget!r} ({budget_bytes:,} B) is below the minimum "
+        f"achievable activation memory of {low:,} B ({remat.format_bytes(low)}, "
+        f"{low / full:.3f} of the {full:,} B without remat). Raise the budget to at least "
+        f"{low:,} B (or {low / full:.3f}), or add candidates/blocks so more can be recomputed."
+    )
+
+
+# -------------------------------------------------------------------- planning
+
+
+def measure_table(
+    model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group]
+) -> tuple[int, list[list[Measured]]]:
+    """Run every option of every group once; ``(base bytes, per-block options)``."""
+    measure(model, args, loss_fn, Config(), blocks)  # warm-up: lazy state, first-call caches
+    off = measure(model, args, loss_fn, Config(), blocks)
+    table: dict[str, list[Measured]] = {
+        b: [Measured(OFF, off.bytes_by_block[b], 0, 0)] for b in blocks
+    }
+    for group in groups:
+        for option in group.options()[1:]:
+            run = measure(
+                model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save)), blocks
+            )
+            for b in group.blocks:
+                table[b].append(
+                    Measured(option, run.bytes_by_block[b], run.flops_by_block[b], run.ops_by_block[b])
+                )
+    return off.bytes_by_block[BASE], [table[b] for b in blocks]
+
+
+def plan_remat(
+    model: nn.Module,
+    example_args: Any,
+    loss_fn: LossFn = lambda out: out.sum(),
+    budget: Budget = 0.5,
+    *,
+    blocks: BlockSelector = None,
+    candidates: Candidates = None,
+    per_rank: bool = False,
+    verify: bool = True,
+) -> RematPlan:
+    """Choose, per block, no checkpoint or a checkpoint with some candidate
+    submodules as SAVE regions, so that the activation bytes held after the forward
+    are at most ``budget`` at the least recompute cost (FLOPs, then aten ops).
+
+    Args:
+        example_args: the forward's positional arguments (a tensor or a tuple): one
+            real batch of the shape training will use.
+        loss_fn: maps the model's output to the scalar loss.
+        budget: a fraction (float) of the activation bytes without remat, bytes
+            (int), or ``"auto"`` (free CUDA memory less a margin; an error on CPU).
+        blocks: the modules to checkpoint (class, classes or predicate); default
+            the children of the model's largest ``nn.ModuleList``.
+        candidates: submodules that may become SAVE regions: module classes and
+            glob patterns of qualified names, or a predicate ``(path, module)``;
+            default the leaf modules with parameters and attention/MLP containers.
+        per_rank: under an initialized process group, each rank plans for its own
+            measurements and budget; otherwise rank 0's choice is broadcast, so
+            every rank applies the same policy. Every rank runs the measurements
+            either way (a sharded forward needs all ranks).
+        verify: install the chosen plan and measure it once; a mismatch with the
+            prediction raises :class:`PlanMismatchError`.
+
+    Raises :class:`InfeasibleBudgetError` (naming the minimum achievable bytes) when
+    no policy fits. The model is returned unchanged; ``plan.apply()`` installs it.
+    """
+    refuse_applied_remat(model)
+    args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    names = select_blocks(model, blocks)
+    groups = group_blocks(model, names, candidates)
+    base, table = measure_table(model, args, loss_fn, names, groups)
+    measured = RematPlan(
+        names, table, [0] * len(names), base, 0,
+        {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None, weakref.ref(model),
+    )
+    plan, error = _solve_or_error(measured, budget)
+    if not per_rank:
+        plan, error = _distributed.agree(measured, plan, error)
+    if error is not None:
+        raise InfeasibleBudgetError(error)
+    if verify:
+        install(model, plan.config())
+        try:
+            plan.measured_bytes = activation_bytes(model, args, loss_fn)
+        finally:
+            install(model, Config())
+        if plan.measured_bytes != plan.predicted_bytes:
+            raise PlanMismatchError(_report.mismatch_message(plan))
+    return plan
+
+
+def _solve_or_error(measured: RematPlan, budget: Budget) -> tuple[RematPlan, str | None]:
+    try:
+        return measured.for_budget(budget), None
+    except InfeasibleBudgetError as e:
+        return measured, str(e)
+
