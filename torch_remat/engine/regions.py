@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import compiled
 from .observers import thread_observers
 from .records import RegionRecord
 from .state import current_scope
@@ -51,6 +52,8 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
         )
 
     def call_region(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled.run_region(fn, name, recompute, args, kwargs)
         scope = current_scope()
         if scope is not None:
             return scope.run_region(fn, name, recompute, args, kwargs)
@@ -92,6 +95,8 @@ def recompute_needs_tensor(t: torch.Tensor) -> torch.Tensor:
         raise TypeError(
             f"remat.recompute_needs_tensor expects a tensor, got {type(t).__name__}."
         )
+    if torch.compiler.is_compiling():
+        return t  # the compiled graph names every dependency (engine/compiled.py)
     scope = current_scope()
     if scope is None:
         return t
