@@ -185,6 +185,23 @@ def test_dropout_in_a_compiled_checkpoint_with_the_stock_rng_hook_uses_the_forwa
     assert_bitwise_equal(actual, expected)
 
 
+def test_dropout_under_the_eager_backend_uses_the_forward_mask_in_backward():
+    # The eager backend runs torch's checkpoint untraced: random ops must be saved.
+    w = torch.randn(64, dtype=DTYPE, requires_grad=True)
+    x = torch.randn(64, dtype=DTYPE)
+
+    def f(w):
+        return torch.nn.functional.dropout(x * w, 0.5, training=True).sin()
+
+    ckpt = remat.checkpoint(region_name="c")(f)
+    out = torch.compile(ckpt, backend="eager", fullgraph=True)(w)
+    out.sum().backward()
+    kept = (out != 0).to(DTYPE) * 2.0  # the forward's mask, scaled by 1 / (1 - p)
+    expected = torch.cos(x * w.detach() * kept) * kept * x
+    # A mask drawn anew in backward would differ in about half of the entries.
+    torch.testing.assert_close(w.grad, expected, rtol=1e-12, atol=1e-12)
+
+
 class CounterHook:
     def __init__(self) -> None:
         self.value = 0

@@ -26,8 +26,9 @@ What the eager engine does in Python has no run time of its own here: the
 * ``is_recomputing()`` is False in compiled code: Python is not re-run in backward.
 * RNG: the compiler never re-draws a random op of the forward in backward (the
   partitioner does not recompute random ops; inductor replays them from
-  functionalized seeds), so the stock RNG state hooks are not needed and are
-  accepted and ignored. Any other state hook cannot be restored inside a graph and
+  functionalized seeds; a backend that runs the graph without AOTAutograd, such as
+  Dynamo's ``eager``, recomputes nothing), so the stock RNG state
+  hooks are not needed and are accepted and ignored. Any other state hook cannot be restored inside a graph and
   is refused with :class:`~torch_remat.RematCompileError`.
 * ``early_stop`` and ``determinism_check`` concern the Python replay and do nothing.
 """
@@ -62,14 +63,22 @@ def region_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     """The selective-checkpoint policy of a compiled checkpoint: called for every
     ATen op AOTAutograd traces in its body, while the Dynamo node it comes from is
     the current node."""
-    if _custom_meta().get(SAVE_KEY):
+    if _custom_meta().get(SAVE_KEY) or not torch.compiler.is_compiling():
+        # Not traced: a backend without AOTAutograd (Dynamo's "eager") runs torch's
+        # checkpoint as is, with preserve_rng_state=False, so a recomputed dropout
+        # would draw a new mask. Keeping every op is the safe reading there.
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # A functools.partial of a module-level function: Dynamo stores it as a constant in
 # the checkpoint op (a closure would be refused).
-_REGION_CONTEXT_FN = functools.partial(create_selective_checkpoint_contexts, region_policy)
+# Cache entries may be modified in place (dropout draws into a buffer with
+# bernoulli_ and scales it with div_): only the untraced path caches, and it
+# replays nothing, so the cached tensor is the final one either way.
+_REGION_CONTEXT_FN = functools.partial(
+    create_selective_checkpoint_contexts, region_policy, allow_cache_entry_mutation=True
+)
 
 
 @torch.compiler.assume_constant_result
