@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_bitwise_equal, grads
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils.checkpoint import CheckpointPolicy
 
 import torch_remat as remat
-from helpers import assert_bitwise_equal, grads
 
 DTYPE = torch.float64
 
@@ -89,28 +89,30 @@ def saved_nodes(forward: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in outputs[1:] if isinstance(n, torch.fx.Node)]
 
 
+def compile_and_measure(save_b: bool) -> dict:
+    """The block compiled (aot_eager, fullgraph) with region b as SAVE or RECOMPUTE:
+    saved bytes, the partitioned forward graph, and gradients compiled and eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = TwoRegionBlock(save_b)
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    backend, graphs = forward_graph_capture()
+    compiled = torch.compile(checkpointed(block), backend=backend, fullgraph=True)
+    saved = SavedBytes(block)
+    params = list(block.parameters())
+
+    def run(x):
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            return compiled(x)
+
+    actual = grads(params, [x], run)
+    expected = grads(params, [x], lambda x: loss_of(block(x, scale=2.0)))
+    return dict(saved=saved.total, forward=graphs[0], actual=actual, expected=expected)
+
+
 @pytest.fixture(scope="module")
 def compiled_runs():
-    """The block compiled with region b as SAVE and as RECOMPUTE: saved bytes,
-    forward graphs and gradients (compiled and eager) of each."""
-    runs = {}
-    for save_b in (True, False):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        block = TwoRegionBlock(save_b)
-        x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
-        backend, graphs = forward_graph_capture()
-        compiled = torch.compile(checkpointed(block), backend=backend, fullgraph=True)
-        saved = SavedBytes(block)
-        params = list(block.parameters())
-
-        def run(x, compiled=compiled, saved=saved):
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                return compiled(x)
-
-        actual = grads(params, [x], run)
-        expected = grads(params, [x], lambda x: loss_of(block(x, scale=2.0)))
-        runs[save_b] = dict(saved=saved.total, forward=graphs[0], actual=actual, expected=expected)
+    runs = {save_b: compile_and_measure(save_b) for save_b in (True, False)}
     torch._dynamo.reset()
     return runs
 
