@@ -28,7 +28,13 @@ if not __package__:
 
 import torch  # noqa: E402
 
-from benchmarks import w1_gpt_stack, w2_overhead, w3_sqrt_chain, w4_distributed  # noqa: E402
+from benchmarks import (  # noqa: E402
+    w1_gpt_stack,
+    w2_overhead,
+    w3_sqrt_chain,
+    w4_distributed,
+    w5_compiled,
+)
 from benchmarks.report import WorkloadResult  # noqa: E402
 
 WORKLOADS: dict[str, Callable[[bool], WorkloadResult]] = {
@@ -37,6 +43,7 @@ WORKLOADS: dict[str, Callable[[bool], WorkloadResult]] = {
     "W2": w2_overhead.run,
     "W3": w3_sqrt_chain.run,
     "W4": w4_distributed.run,
+    "W5": w5_compiled.run,
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 
