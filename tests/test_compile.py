@@ -253,3 +253,28 @@ def test_regions_in_a_compiled_block_inside_an_eager_checkpoint_are_plain_calls(
         )
     assert "lin" not in trace.format()
     assert_bitwise_equal(actual, grads(params, [x], lambda x: block(x).sum()))
+
+
+def test_nested_regions_are_recorded_under_their_qualified_names():
+    graphs = []
+
+    def keep_graph(gm, _example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def attention(x):
+        return remat.region(torch.exp, "softmax", recompute=False)(x.sin())
+
+    def block(x):
+        return remat.region(attention, "attn", recompute=False)(x).cos()
+
+    x = torch.randn(4, dtype=DTYPE, requires_grad=True)
+    torch.compile(remat.checkpoint(region_name="c")(block), backend=keep_graph, fullgraph=True)(x)
+    regions = {
+        (getattr(n.target, "__name__", n.target), n.meta["custom"].get("remat_region"))
+        for module in graphs[0].modules()
+        for n in getattr(module, "graph", torch.fx.Graph()).nodes
+        if n.op in ("call_function", "call_method") and "custom" in n.meta
+    }
+    assert ("sin", "attn") in regions
+    assert ("exp", "attn.softmax") in regions
