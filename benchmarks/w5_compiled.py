@@ -27,7 +27,9 @@ from benchmarks.gpt import GPTConfig, GPTStack
 from benchmarks.measure import StepBytes, preallocate_grads, step_bytes, time_ratio, time_samples
 from benchmarks.report import Check, Table, WorkloadResult
 
-FULL = GPTConfig(d_model=256, n_heads=4, seq_len=256, batch=8, n_layers=2)
+# Smaller than W1: every mode compiles twice (aot_eager for bytes and FLOPs,
+# inductor for time), and compile time grows with the number of blocks.
+FULL = GPTConfig(d_model=128, n_heads=4, seq_len=128, batch=8, n_layers=2)
 QUICK = GPTConfig(d_model=64, n_heads=4, seq_len=64, batch=2, n_layers=1)
 MODES = [M.NO_AC, M.TORCH_CHECKPOINT, M.SAC_LINEARS, M.REMAT_FULL, M.REMAT_SAVE_LINEARS]
 TIME_ROUNDS = 10
@@ -87,6 +89,14 @@ def _measure(
     return bytes_, (counter.forward, counter.backward), grads
 
 
+def _eager_bytes(base: GPTStack, x: torch.Tensor, mode: M.Mode) -> StepBytes:
+    """The same mode without compilation, for the eager-versus-compiled column."""
+    stack = copy.deepcopy(base)
+    M.install(stack, mode, rng=False)
+    preallocate_grads(stack, x)
+    return step_bytes(lambda: stack(x).sum())
+
+
 def _times(base: GPTStack, x: torch.Tensor) -> dict:
     torch._dynamo.reset()
     steps = {}
@@ -109,14 +119,23 @@ def run(quick: bool) -> WorkloadResult:
     torch.manual_seed(0)
     base = GPTStack(cfg)
     x = base.example_input()
-    b, flops, grads = {}, {}, {}
+    b, flops, grads, eager = {}, {}, {}, {}
     for mode in MODES:
         b[mode.name], flops[mode.name], grads[mode.name] = _measure(base, x, mode)
+        eager[mode.name] = _eager_bytes(base, x, mode)
     times = {} if quick else _times(base, x)
     torch._dynamo.reset()
 
     base_b, base_f = b[M.NO_AC.name], sum(flops[M.NO_AC.name])
-    columns = ["mode", "live after fwd (B)", "vs no AC", "FLOPs fwd", "FLOPs bwd", "extra FLOPs"]
+    columns = [
+        "mode",
+        "live after fwd (B)",
+        "vs no AC",
+        "eager live after fwd (B)",
+        "FLOPs fwd",
+        "FLOPs bwd",
+        "extra FLOPs",
+    ]
     if times:
         columns.append("inductor time / torch.ckpt [q1, q3]")
     rows = []
@@ -126,6 +145,7 @@ def run(quick: bool) -> WorkloadResult:
             m.name,
             b[m.name].live_after_forward,
             b[m.name].live_after_forward / base_b.live_after_forward,
+            eager[m.name].live_after_forward,
             f[0],
             f[1],
             f"{100 * (sum(f) - base_f) / base_f:+.2f}%",
@@ -139,6 +159,7 @@ def run(quick: bool) -> WorkloadResult:
         "bytes and FLOPs: AOTAutograd + min-cut partitioner without inductor; FLOPs of "
         "the compiled graphs (the backward graph includes the recompute)"
     )
+    notes.append("eager live after fwd: the same mode run without torch.compile")
     if times:
         notes.append(
             f"time: inductor, median over {TIME_ROUNDS} interleaved rounds of the "
@@ -161,6 +182,18 @@ def run(quick: bool) -> WorkloadResult:
             not differ,
         )
     ]
+    remat_modes = (M.REMAT_FULL.name, M.REMAT_SAVE_LINEARS.name)
+    checks.append(
+        Check(
+            "compiled remat keeps no more bytes after forward than eager remat",
+            "bytes",
+            ", ".join(
+                f"{n}: {b[n].live_after_forward:,} vs {eager[n].live_after_forward:,} B"
+                for n in remat_modes
+            ),
+            all(b[n].live_after_forward <= eager[n].live_after_forward for n in remat_modes),
+        )
+    )
     for remat_mode, peer, why in (
         (M.REMAT_FULL, M.TORCH_CHECKPOINT, "both recompute everything"),
         (M.REMAT_SAVE_LINEARS, M.SAC_LINEARS, "both tag the linear layers' outputs must-save"),
@@ -193,5 +226,6 @@ def run(quick: bool) -> WorkloadResult:
             "bytes": {k: asdict(v) for k, v in b.items()},
             "flops": {k: {"forward": f[0], "backward": f[1]} for k, f in flops.items()},
             "times": {k: asdict(v) for k, v in times.items()},
+            "eager_bytes": {k: asdict(v) for k, v in eager.items()},
         },
     )
