@@ -123,6 +123,10 @@ def test_explain_shows_one_graph_and_no_break_for_a_block_with_save_and_recomput
     explanation = torch._dynamo.explain(checkpointed(block))(x)
     assert explanation.graph_count == 1
     assert explanation.graph_break_count == 0
+    # ... and that graph holds the checkpoint (not only the code around it).
+    (graph,) = explanation.graphs
+    targets = {n.target for n in graph.graph.nodes}
+    assert torch.ops.higher_order.tag_activation_checkpoint in targets
 
 
 def test_fullgraph_compile_gives_gradients_bitwise_equal_to_eager(compiled_runs):
