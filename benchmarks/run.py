@@ -33,6 +33,7 @@ from benchmarks import (  # noqa: E402
     w2_overhead,
     w3_sqrt_chain,
     w4_distributed,
+    w5_compiled,
     w6_planner,
     w7_scale,
 )
@@ -44,6 +45,7 @@ WORKLOADS: dict[str, Callable[[bool], WorkloadResult]] = {
     "W2": w2_overhead.run,
     "W3": w3_sqrt_chain.run,
     "W4": w4_distributed.run,
+    "W5": w5_compiled.run,
     "W6": w6_planner.run,
     "W7": w7_scale.run,
 }

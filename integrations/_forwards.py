@@ -96,13 +96,13 @@ class RematForward(_ModuleForward):
         self._compiled: Callable[..., Any] | None = None
 
     def compile(self, **options: Any) -> None:
-        """Run the checkpointed function through ``torch.compile(**options)``.
+        """Run the checkpointed function through ``torch.compile(**options)``, inside
+        the checkpoint.
 
-        The compiled function sits inside the checkpoint, so the forward and the
-        recompute run the same compiled code and save the same tensors. Compiling
-        around the checkpoint instead (``module.compile()``) traces torch_remat's own
-        hooks, and the recompute, which replays the uncompiled forward, would save
-        different tensors than the compiled forward did.
+        The eager checkpoint then keeps or replays the compiled function whole, and
+        regions inside it are plain calls. ``module.compile()`` (compiling around the
+        checkpoint) is usually better: the checkpoint traces into the module's graph
+        and its regions decide what the compiled forward saves.
         """
         self.compile_options = dict(options)
         self._compiled = None

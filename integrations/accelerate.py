@@ -54,7 +54,7 @@ checkpointed twice.
 
 Not supported: FSDP1 (``fsdp_version=1``; accelerate applies its checkpointing after
 wrapping) and DeepSpeed. Under accelerate's ``dynamo_backend`` the whole model is
-compiled around the checkpoints, which run eagerly as graph breaks. On a CPU-only
+compiled around the checkpoints, which trace into its graph (docs/compilation.md). On a CPU-only
 machine accelerate 1.x never selects FSDP: with ``Accelerator(cpu=True,
 fsdp_plugin=...)`` the distributed type is ``MULTI_CPU``, the plugin is dropped and
 ``prepare`` wraps the model in DDP (the tests run the FSDP2 path on CPU by setting

@@ -4,11 +4,9 @@
 
 * TP first: ``parallelize_module`` turns parameters into DTensors on the TP mesh;
   FSDP2 then shards those DTensors over the data-parallel mesh (2-D parameters).
-* Remat before compile: a checkpointed block compiles the function its checkpoint
-  runs (``RematForward.compile``), so the forward and the recompute run the same
-  compiled code and save the same tensors. (Compiling around the checkpoint, as
-  ``module.compile()`` does, would trace torch_remat's saved-tensor hooks, and the
-  recompute would replay the uncompiled forward, which saves different tensors.)
+* Remat before compile: ``module.compile()`` then traces the block's checkpoint into
+  the block's graph, and its regions decide what the compiled forward saves
+  (docs/compilation.md).
 * fully_shard last, per block and then the root: FSDP2 registers its all-gather
   and reshard as hooks around ``nn.Module.__call__``. Remat wraps the block's
   ``forward``, inside those hooks, so the recompute in backward runs after FSDP2's
@@ -26,7 +24,6 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from ._forwards import RematForward
 from ._selection import ModuleSelector, select_modules
 from .apply import RematConfig, apply_remat_to_blocks
 from .tensor_parallel import parallelize_with_remat
@@ -58,9 +55,9 @@ def fully_shard_with_remat(
             blocks; the root gets FSDP2's default (None: kept unsharded, since
             backward needs it first).
         remat: how to checkpoint (default :class:`RematConfig()`); None applies none.
-        compile: True, or ``torch.compile`` keyword arguments: compile each block
-            after remat and before sharding (inside its checkpoint when it has one,
-            else ``module.compile``).
+        compile: True, or ``torch.compile`` keyword arguments: ``block.compile``
+            each block after remat and before sharding (its checkpoint is traced
+            into the block's graph).
         tp_mesh, tp_plan: apply tensor parallelism first
             (:func:`~torch_remat.integrations.tensor_parallel.parallelize_with_remat`).
 
@@ -83,11 +80,7 @@ def fully_shard_with_remat(
     if compile:
         options = compile if isinstance(compile, dict) else {}
         for _, block in units:
-            forward = block.__dict__.get("forward")
-            if isinstance(forward, RematForward):
-                forward.compile(**options)
-            else:
-                block.compile(**options)
+            block.compile(**options)
 
     kwargs = dict(fully_shard_kwargs)
     for key, value in (

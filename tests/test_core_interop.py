@@ -110,7 +110,7 @@ def test_rng_hook_with_save_regions_between_draws():
     assert_bitwise_equal(actual, expected)
 
 
-def test_torch_compile_around_a_checkpoint_runs_it_eagerly_with_exact_gradients():
+def test_torch_compile_around_a_checkpoint_traces_it_with_exact_gradients():
     lin = torch.nn.Linear(4, 4, dtype=torch.float64)
 
     def f(x):

@@ -8,6 +8,7 @@ source code can be marked to keep their activations
 from ._errors import (
     PlaceholderReadError,
     RecomputeMismatchError,
+    RematCompileError,
     RematError,
     SavedTensorModifiedError,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "PlaceholderReadError",
     "RecomputeMismatchError",
     "SavedTensorModifiedError",
+    "RematCompileError",
     # diagnostics
     "collect_trace",
     "trace_scope",

@@ -31,6 +31,11 @@ class SavedTensorModifiedError(RematError):
     """A tensor needed for backward was modified in place after it was saved."""
 
 
+class RematCompileError(RematError):
+    """A checkpoint under ``torch.compile`` was asked for something a compiled graph
+    cannot do (a user ``RecomputeStateHook``); the message says what to do instead."""
+
+
 def modified_in_place(
     tensor: str, when: str, fix: str, versions: tuple[int, int] | None = None
 ) -> SavedTensorModifiedError:

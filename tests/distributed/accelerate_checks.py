@@ -23,6 +23,7 @@ from accelerate.utils import (
     DistributedType,
     FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
+    TorchDynamoPlugin,
 )
 from dist_models import TinyNet, assert_grads_equal, param_grads
 from torch.distributed.fsdp import FSDPModule
@@ -205,12 +206,53 @@ def check_fsdp2_plugin_offload_runs_remat_under_save_on_cpu():
     assert_same_training(train(accelerator, model, optimizer), expected)
 
 
+def check_dynamo_backend_traces_the_checkpoints_with_the_gradients_of_eager_remat():
+    from torch._dynamo.utils import counters
+
+    def no_dropout_net() -> Net:
+        torch.manual_seed(0)
+        return Net().double()
+
+    accelerator = Accelerator(cpu=True)
+    eager, opt_eager = prepared(accelerator, no_dropout_net(), with_remat=True)
+    expected = train(accelerator, eager, opt_eager)
+
+    torch._dynamo.reset()
+    counters.clear()
+    accelerator = Accelerator(cpu=True)
+    # accelerate keeps the first Accelerator's dynamo plugin in its shared state
+    # (see fsdp2_accelerator); set what Accelerator(dynamo_backend=...) would.
+    accelerator.state.dynamo_plugin = TorchDynamoPlugin(backend="aot_eager")
+    try:
+        model, opt = prepared(accelerator, no_dropout_net(), with_remat=True)
+    finally:
+        accelerator.state.dynamo_plugin = TorchDynamoPlugin()
+    assert type(model).__name__ == "OptimizedModule"  # torch.compile'd by prepare
+    assert remat_module_names(accelerator.unwrap_model(model, keep_torch_compile=False)) == BLOCKS
+    actual = train(accelerator, model, opt)
+    graphs = counters["stats"]["unique_graphs"]
+    breaks = list(counters["graph_break"])
+    torch._dynamo.reset()
+    # DDP's own forward is not traced by design (DistributedDataParallel's forward
+    # helpers and logger break); the model inside it, checkpoints and all, is.
+    assert graphs >= 1, graphs
+    assert not [b for b in breaks if "remat" in b], breaks
+    assert all("DistributedDataParallel" in b or "Logger" in b for b in breaks), breaks
+    unprefixed = [  # parameter names of the compiled wrapper start with "_orig_mod."
+        (loss, {n.removeprefix("_orig_mod."): g for n, g in grads.items()}, trace)
+        for loss, grads, trace in actual
+    ]
+    assert_same_training(unprefixed, expected)
+    return {"graphs": graphs, "graph_breaks_in_ddp": len(breaks)}
+
+
 CHECKS = [
     check_accelerate_drops_the_fsdp_plugin_on_cpu,
     check_example_losses_equal_with_and_without_remat,
     check_ddp_gradients_equal_with_and_without_remat,
     check_fsdp2_plugin_checkpointing_is_replaced_by_remat,
     check_fsdp2_plugin_offload_runs_remat_under_save_on_cpu,
+    check_dynamo_backend_traces_the_checkpoints_with_the_gradients_of_eager_remat,
 ]
 
 

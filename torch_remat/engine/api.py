@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import _compat
+from . import compiled
 from .frame import CheckpointFrame
 from .saved_hooks import as_hook_pair
 from .state_hooks import validate_state_hooks
@@ -123,6 +124,8 @@ def checkpoint(
         name = region_name or _default_name(fn)
 
         def checkpointed(*a: Any, **kw: Any) -> Any:
+            if torch.compiler.is_compiling() and not compiled.eager_checkpoint_running():
+                return compiled.run_checkpoint(fn, name, hooks, a, kw)
             if torch.compiler.is_compiling():
                 return _run_eagerly(fn, name, hooks, early_stop, check_metadata, bitwise, kept, a, kw)
             return _run(fn, name, hooks, early_stop, check_metadata, bitwise, kept, a, kw)
@@ -143,10 +146,10 @@ def _run(fn, name, hooks, early_stop, check_metadata, bitwise, kept, args, kwarg
     return frame.run_forward(args, kwargs)
 
 
-# Under torch.compile the checkpoint is a graph break and runs eagerly: a compiled
-# forward saves other tensors than the eager replay would recreate. Compile inside
-# the checkpoint instead (remat.checkpoint(...)(torch.compile(block))), so that the
-# forward and the replay run the same compiled code.
+# Under torch.compile a checkpoint lowers to torch's checkpoint op (compiled.py).
+# A checkpoint nested in code that torch.compile(block) compiles inside an eager
+# checkpoint is the exception: the eager frame's hooks own the regions there, so
+# the inner one runs eagerly too, as a graph break.
 _run_eagerly = _compat.disable_dynamo(_run)
 
 

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import compiled
 from .naming import current_prefixes, scoped_name, without_prefixes
 from .observers import thread_observers
 from .records import RegionRecord
@@ -53,6 +54,8 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
         )
 
     def call_region(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled.run_region(fn, name, recompute, args, kwargs)
         full, body = name, fn
         prefixes = current_prefixes()
         if prefixes:  # inside remat.name_scope
@@ -105,6 +108,9 @@ def recompute_needs_tensor(*tensors: torch.Tensor) -> Any:
                 f"{len(tensors)} is a {type(t).__name__}. Pass tensors as separate "
                 "arguments (recompute_needs_tensor(*tensors) for a list)."
             )
+    if torch.compiler.is_compiling():
+        # the compiled graph names every dependency (engine/compiled.py)
+        return tensors[0] if len(tensors) == 1 else tensors
     scope = current_scope()
     if scope is not None:
         for t in tensors:

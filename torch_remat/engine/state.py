@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
+import torch
+
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
@@ -62,5 +64,10 @@ def is_recomputing() -> bool:
 
         if not remat.is_recomputing():
             record_metric(value)
+
+    False in code that ``torch.compile`` compiled: its recompute is part of the
+    compiled backward graph, which re-runs no Python.
     """
+    if torch.compiler.is_compiling():
+        return False
     return _tls.recompute_depth > 0

@@ -1,0 +1,157 @@
+"""``remat.checkpoint`` and ``remat.region`` while ``torch.compile`` traces them.
+
+The eager engine works through saved-tensor hooks and a Python replay; neither can
+run inside a compiled graph. Under compilation a checkpoint therefore lowers to the
+same higher-order op as ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
+(Dynamo traces its body into the surrounding graph, AOTAutograd traces it again
+into the joint forward/backward graph) and leaves the decision of what to save to
+AOTAutograd's min-cut partitioner, steered by per-op tags:
+
+* Dynamo records a ``remat.region`` call as ``torch.fx.traceback.annotate``
+  metadata on every node it traces inside the region: ``node.meta["custom"]``
+  holds the qualified region name (:data:`REGION_KEY`), whether it is a SAVE
+  region (:data:`SAVE_KEY`), and the checkpoint's name (:data:`CHECKPOINT_KEY`).
+* The checkpoint is traced with a selective-checkpoint ``context_fn`` whose policy
+  runs once per ATen op while AOTAutograd traces the body. The FX interpreter
+  that runs the body makes the Dynamo node's metadata current, so the policy reads
+  the region of the op from it: ops in a SAVE region are ``MUST_SAVE``, all others
+  ``PREFER_RECOMPUTE``. torch's checkpoint machinery writes the policy into
+  ``node.meta["recompute"]`` of the joint graph, which the partitioner obeys.
+
+What the eager engine does in Python has no run time of its own here: the
+"recompute" is nodes of the compiled backward graph. Hence:
+
+* ``recompute_needs_tensor`` is a no-op: the graph names every data dependency, so
+  the partitioner never hands backward a tensor that was not kept.
+* ``is_recomputing()`` is False in compiled code: Python is not re-run in backward.
+* RNG: the compiler never re-draws a random op of the forward in backward (the
+  partitioner does not recompute random ops; inductor replays them from
+  functionalized seeds; a backend that runs the graph without AOTAutograd, such as
+  Dynamo's ``eager``, recomputes nothing), so the stock RNG state
+  hooks are not needed and are accepted and ignored. Any other state hook cannot be restored inside a graph and
+  is refused with :class:`~torch_remat.RematCompileError`.
+* ``early_stop`` and ``determinism_check`` concern the Python replay and do nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from .._errors import RematCompileError
+from .state import current_scope
+from .state_hooks import DeviceRNGStateHook
+
+CHECKPOINT_KEY = "remat_checkpoint"
+"""``node.meta["custom"]`` key: the name of the checkpoint a node was traced in."""
+REGION_KEY = "remat_region"
+"""``node.meta["custom"]`` key: the qualified name of the innermost region of a node."""
+SAVE_KEY = "remat_save"
+"""``node.meta["custom"]`` key: True inside a SAVE region (``recompute=False``)."""
+
+
+def _custom_meta() -> dict[str, Any]:
+    return fx_traceback.get_current_meta().get("custom") or {}
+
+
+def region_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective-checkpoint policy of a compiled checkpoint: called for every
+    ATen op AOTAutograd traces in its body, while the Dynamo node it comes from is
+    the current node."""
+    if _custom_meta().get(SAVE_KEY) or not torch.compiler.is_compiling():
+        # Not traced: a backend without AOTAutograd (Dynamo's "eager") runs torch's
+        # checkpoint as is, with preserve_rng_state=False, so a recomputed dropout
+        # would draw a new mask. Keeping every op is the safe reading there.
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# A functools.partial of a module-level function: Dynamo stores it as a constant in
+# the checkpoint op (a closure would be refused).
+# Cache entries may be modified in place (dropout draws into a buffer with
+# bernoulli_ and scales it with div_): only the untraced path caches, and it
+# replays nothing, so the cached tensor is the final one either way.
+_REGION_CONTEXT_FN = functools.partial(
+    create_selective_checkpoint_contexts, region_policy, allow_cache_entry_mutation=True
+)
+
+
+@torch.compiler.assume_constant_result
+def _enclosing_region() -> tuple[str, bool]:
+    # Read while Dynamo traces (the annotations of the enclosing regions are
+    # current then) and baked into the graph as a constant, so no guard is needed.
+    custom = _custom_meta()
+    return custom.get(REGION_KEY, ""), bool(custom.get(SAVE_KEY, False))
+
+
+@torch.compiler.assume_constant_result
+def _eager_checkpoint_running() -> bool:
+    return current_scope() is not None
+
+
+def refuses_state_hook(hook: Any) -> bool:
+    """True for a state hook a compiled checkpoint cannot honour: anything but the
+    stock RNG hooks, whose state the compiler replays itself."""
+    return not isinstance(hook, DeviceRNGStateHook)
+
+
+@torch.compiler.disable
+def _refuse_state_hooks(name: str, hooks: tuple[Any, ...]) -> None:
+    # Run eagerly (a graph break) so the error reaches the caller as raised; raised
+    # while Dynamo traces it would only make Dynamo fall back to the eager path.
+    names = ", ".join(type(h).__name__ for h in hooks if refuses_state_hook(h))
+    raise RematCompileError(
+        f"torch_remat: checkpoint '{name}' runs under torch.compile with "
+        f"recompute_state_hooks ({names}) that the compiled graph cannot call: its "
+        "recompute is part of the compiled backward, where no Python runs, so "
+        "snapshot() and restore() would never be called. RNG needs no hook under "
+        "compile (the compiler replays random ops itself). Make the state a tensor "
+        "input of the checkpointed function, or compile inside the checkpoint "
+        "instead: remat.checkpoint(...)(torch.compile(block))."
+    )
+
+
+def run_checkpoint(fn: Callable[..., Any], name: str, hooks: tuple[Any, ...], args, kwargs):
+    """``remat.checkpoint(region_name=name)(fn)(*args, **kwargs)`` while Dynamo traces."""
+    if any(refuses_state_hook(h) for h in hooks):
+        _refuse_state_hooks(name, hooks)
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+
+    # Keyword arguments go through a closure: torch's checkpoint would take those
+    # named like its own options (debug, early_stop, ...) for itself.
+    def body(*body_args: Any) -> Any:
+        return fn(*body_args, **kwargs)
+
+    with fx_traceback.annotate({CHECKPOINT_KEY: name}):
+        return torch.utils.checkpoint.checkpoint(
+            body, *args, use_reentrant=False, context_fn=_REGION_CONTEXT_FN
+        )
+
+
+def run_region(fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
+    """``remat.region(fn, name, recompute=...)(*args, **kwargs)`` while Dynamo traces.
+    Outside a compiled checkpoint the annotation steers nothing."""
+    outer, outer_saves = _enclosing_region()
+    qualname = f"{outer}.{name}" if outer else name
+    if outer_saves and recompute:
+        raise ValueError(
+            f"torch_remat: region '{qualname}' asks to be recomputed, but it is nested "
+            f"inside SAVE region '{outer}' whose activations are all kept. Make the "
+            "outer region recompute=True, or the inner one recompute=False."
+        )
+    with fx_traceback.annotate({REGION_KEY: qualname, SAVE_KEY: not recompute}):
+        return fn(*args, **kwargs)
+
+
+def eager_checkpoint_running() -> bool:
+    """True while Dynamo traces code that an eager ``remat.checkpoint`` calls
+    (``remat.checkpoint(...)(torch.compile(block))``). Regions there are plain
+    calls: the compiled block is one autograd op to the eager checkpoint, saved
+    and replayed whole."""
+    return _eager_checkpoint_running()
