@@ -282,3 +282,13 @@ def test_nested_regions_are_recorded_under_their_qualified_names():
     }
     assert ("sin", "attn") in regions
     assert ("exp", "attn.softmax") in regions
+
+
+def test_a_recompute_region_inside_a_save_region_is_refused_under_compile():
+    def block(x):
+        inner = remat.region(torch.sin, "inner", recompute=True)
+        return remat.region(inner, "outer", recompute=False)(x)
+
+    x = torch.randn(4, dtype=DTYPE, requires_grad=True)
+    with pytest.raises(ValueError, match="'outer.inner'.*nested inside SAVE region 'outer'"):
+        torch.compile(remat.checkpoint(region_name="c")(block), backend="aot_eager")(x)
