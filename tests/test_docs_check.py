@@ -6,6 +6,7 @@ CHECKED = {
     "readme-main-job": "tests/launch/test_train.py::test_main_job_on_two_ranks_prints_what_the_readme_quotes",
     "readme-remat-policies": "tests/launch/test_train.py::test_losses_identical_across_remat_policies_single_process",
     "train-accelerate": "tests/launch/test_train_accelerate.py::test_output_is_what_the_docs_quote",
+    "hooks-worked-example": "tests/test_offload.py::test_the_worked_example_of_the_hooks_page_prints_what_it_quotes",
 }
 
 

@@ -151,3 +151,11 @@ def test_reports_count_the_host_buffer_of_an_offloaded_save_not_the_offloader():
     report = remat.saved_tensors_report(loss)
     assert report.checkpoint_bytes == ACT  # the 4096 B pool buffer holding exp's result
     loss.backward()
+
+
+def test_the_worked_example_of_the_hooks_page_prints_what_it_quotes(docs_check, capsys):
+    text = (docs_check.ROOT / "docs" / "api" / "hooks.md").read_text()
+    example = text.split("`ex_hooks.py`", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    exec(compile(example, "ex_hooks.py", "exec"), {"__name__": "ex_hooks"})
+    docs_check.check("hooks-worked-example", capsys.readouterr().out)
