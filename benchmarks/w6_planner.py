@@ -23,7 +23,13 @@ from benchmarks.gpt import GPTStack
 from benchmarks.measure import measure_step, preallocate_grads, step_bytes
 from benchmarks.report import Check, Table, WorkloadResult
 from benchmarks.w1_gpt_stack import FULL, QUICK
-from torch_remat.integrations import InfeasibleBudgetError, apply_remat, plan_remat, remove_remat
+from torch_remat.integrations import (
+    InfeasibleBudgetError,
+    RematConfig,
+    apply_remat,
+    plan_remat,
+    remove_remat,
+)
 
 BUDGETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 QUICK_COMPILE_BUDGETS = (0.1, 1.0)
@@ -92,7 +98,9 @@ def run(quick: bool) -> WorkloadResult:
     plan = plan_remat(stack, x, budget=1.0, verify=False)
     hand = {}
     for name, save in HAND_POLICIES.items():
-        apply_remat(stack, check_fn=lambda m: m in set(stack.blocks), save_modules=save)
+        apply_remat(
+            stack, check_fn=lambda m: m in set(stack.blocks), remat=RematConfig(save_modules=save)
+        )
         nbytes, flops = _measure(stack, x)
         hand[name] = (nbytes, flops - base_flops)
         remove_remat(stack)

@@ -73,7 +73,7 @@ def checkpoint_options(wrapper_kwargs: dict[str, Any], where: str) -> tuple[dict
         raise ValueError(
             f"apply_remat ({where}): context_fn (selective activation checkpointing "
             "policies) is not supported. Mark what to keep by module with "
-            "apply_remat(..., save_modules=...), or by source region with "
+            "apply_remat(..., remat=RematConfig(save_modules=...)), or by source region with "
             "torch_remat.region(fn, name, recompute=False) in the model code."
         )
     if kw.pop("debug", False):

@@ -33,7 +33,7 @@ from torch.utils.flop_counter import flop_registry
 
 import torch_remat as remat
 
-from ..apply import apply_remat, remat_module_names, remove_remat
+from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
 
 RANGE_PREFIX = "torch_remat.planner.block::"
 """Name prefix of the profiler ranges that mark each block's forward."""
@@ -115,7 +115,7 @@ def install(model: nn.Module, config: Config) -> None:
     apply_remat(
         model,
         check_fn=lambda m: m in blocks,
-        save_modules=(lambda m: m in saves) if saves else None,
+        remat=RematConfig(save_modules=(lambda m: m in saves) if saves else None),
     )
 
 

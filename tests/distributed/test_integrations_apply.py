@@ -374,7 +374,7 @@ def test_compiled_inside_the_checkpoint_gives_equal_gradients():
 
 def test_apply_remat_then_compiling_a_block_traces_it_as_one_graph_with_no_break():
     model = tiny_net()
-    apply_remat(model, check_fn=IS_BLOCK, save_modules=nn.Linear)
+    apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(save_modules=nn.Linear))
     explanation = torch._dynamo.explain(model.layers[0])(_input())
     torch._dynamo.reset()
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
@@ -383,9 +383,9 @@ def test_apply_remat_then_compiling_a_block_traces_it_as_one_graph_with_no_break
 def test_apply_remat_then_module_compile_gives_the_gradients_of_eager_remat():
     x = _input()
     eager = tiny_net()
-    apply_remat(eager, check_fn=IS_BLOCK, save_modules=nn.Linear)
+    apply_remat(eager, check_fn=IS_BLOCK, remat=RematConfig(save_modules=nn.Linear))
     model = tiny_net()
-    apply_remat(model, check_fn=IS_BLOCK, save_modules=nn.Linear)
+    apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(save_modules=nn.Linear))
     model.compile(backend="aot_eager", fullgraph=True)
     try:
         assert_grads_equal(_run(model, x)[1], _run(eager, x)[1])
