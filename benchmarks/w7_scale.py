@@ -105,11 +105,7 @@ def real_report(layers: int = 8, width: int = 64) -> tuple[dict[str, Any], str]:
     stack of MLP blocks with remat, each Linear a SAVE region."""
     torch.manual_seed(0)
     model = MLPStack(layers, width)
-    apply_remat(
-        model,
-        check_fn=lambda m: isinstance(m, nn.Sequential),
-        remat=RematConfig(save_modules=nn.Linear),
-    )
+    apply_remat(model, check_fn=lambda m: isinstance(m, nn.Sequential), remat=RematConfig(save_modules=nn.Linear))
     loss = model(torch.randn(16, width)).sum()
     report = remat.saved_tensors_report(loss)
     loss.backward()
