@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 import torch_remat as remat
 
 
@@ -29,6 +31,10 @@ def counting_calls(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run with a fresh count of save-module calls."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Compiled code has no replay to match names with, and Dynamo cannot
+            # trace a thread-local's mutation: no numbering there.
+            return fn(*args, **kwargs)
         _counts.stack.append({})
         try:
             return fn(*args, **kwargs)
@@ -41,7 +47,7 @@ def counting_calls(fn: Callable[..., Any]) -> Callable[..., Any]:
 def call_scope(module: Any) -> contextlib.AbstractContextManager:
     """The name scope for this call of ``module``: none for its first call in the
     running checkpointed forward, ``call<n>`` for the ones after."""
-    if not _counts.stack:
+    if torch.compiler.is_compiling() or not _counts.stack:
         return contextlib.nullcontext()
     counts = _counts.stack[-1]
     n = counts.get(id(module), 0)
