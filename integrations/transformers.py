@@ -284,7 +284,7 @@ def enable_remat(
     if is_save is not None:
         modules = dict(model.named_modules())
         install_save_regions((modules[name] for name in layer_names), is_save)
-    if not any(h is _refuse_replaced_remat for h in model._forward_pre_hooks.values()):
+    if not _has_refuse_hook(model):
         model.register_forward_pre_hook(_refuse_replaced_remat)
     return layer_names
 
@@ -308,6 +308,10 @@ def _refuse_replaced_remat(model: nn.Module, args: Any) -> None:
         )
 
 
+def _has_refuse_hook(model: nn.Module) -> bool:
+    return any(hook is _refuse_replaced_remat for hook in model._forward_pre_hooks.values())
+
+
 def _remove_refuse_hook(model: nn.Module) -> None:
     for key, hook in list(model._forward_pre_hooks.items()):
         if hook is _refuse_replaced_remat:
@@ -325,8 +329,7 @@ def disable_remat(model: nn.Module) -> list[str]:
     names returned are then those layers."""
     names = remat_layer_names(model)
     replaced = [] if names else torch_checkpointed_layer_names(model)
-    set_up = any(h is _refuse_replaced_remat for h in model._forward_pre_hooks.values())
-    if not names and not (replaced and set_up):
+    if not names and not (replaced and _has_refuse_hook(model)):
         _remove_refuse_hook(model)
         return []
     modules = dict(model.named_modules())
