@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAUNCH_TIMEOUT_S = 360  # the 2-rank checks compile two blocks per rank
+LAUNCH_TIMEOUT_S = 600  # the 2-rank checks compile two blocks per rank
 
 
 def launch(module_name: str, world_size: int, out_dir: str) -> list[dict]:

@@ -28,7 +28,7 @@ CHECK_NAMES = [
     "check_fsdp2_plugin_offload_runs_remat_under_save_on_cpu",
     "check_dynamo_backend_traces_the_checkpoints_with_the_gradients_of_eager_remat",
 ]
-LAUNCH_TIMEOUT_S = 360  # one check compiles the model
+LAUNCH_TIMEOUT_S = 600  # one check compiles the model
 
 
 @pytest.fixture(scope="module")
