@@ -270,15 +270,18 @@ def test_batchnorm_under_apply_remat_is_updated_once_per_step():
 class _RunningMean(nn.Module):
     """Updates a buffer under no_grad in forward and reads it."""
 
-    def __init__(self):
+    def __init__(self, saves_mean=True):
         super().__init__()
         self.lin = nn.Linear(4, 4, dtype=D)
         self.register_buffer("mean", torch.zeros(4, dtype=D))
+        self.saves_mean = saves_mean
 
     def forward(self, x):
         with torch.no_grad():
             self.mean.mul_(0.9).add_(0.1 * x.mean(0))
-        return (self.lin(x) * self.mean).tanh()
+        if self.saves_mean:
+            return (self.lin(x) * self.mean).tanh()
+        return (self.lin(x) + self.mean).tanh()  # reads mean without saving it
 
 
 def test_a_buffer_updated_in_forward_is_updated_once_and_replayed_with_the_forward_value():
@@ -304,7 +307,9 @@ def test_spectral_norm_power_iteration_runs_once_per_step():
 def test_two_forwards_before_one_backward_replay_each_with_its_own_buffer_values():
     def run(ckpt):
         torch.manual_seed(8)
-        model = _RunningMean()
+        # Without remat, a second forward may update a buffer that the first one
+        # read but did not save.
+        model = _RunningMean(saves_mean=False)
         fn = remat.checkpoint(region_name="m")(model) if ckpt else model
         x = _x()
         (fn(x).pow(2).sum() + fn(x * 2).pow(2).sum()).backward()
@@ -357,3 +362,23 @@ def test_a_checkpoint_that_draws_no_random_numbers_needs_no_hook():
     x = _x()
     remat.checkpoint(region_name="c")(lambda t: t.sin().cos())(x).sum().backward()
     assert torch.equal(x.grad, -x.detach().sin().sin() * x.detach().cos())
+
+
+def test_a_batchnorm_inside_a_save_region_is_updated_once_and_read_back_after_it():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, dtype=D)
+            self.bn = nn.BatchNorm1d(4, dtype=D)
+
+        def forward(self, x):
+            h = remat.recompute_needs_tensor(remat.region(self.bn, "bn", recompute=False)(self.lin(x)))
+            return (h.tanh() * self.bn.running_mean).sin()  # reads a buffer the region updated
+
+    def run(ckpt):
+        torch.manual_seed(11)
+        model = Net()
+        fn = remat.checkpoint(region_name="n")(model) if ckpt else model
+        return _step_state(model, fn, _x(6, 4))
+
+    _assert_same_step(run)

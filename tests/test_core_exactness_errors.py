@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torch_remat as remat
-from torch_remat.integrations import apply_remat, remat_module_names
+from torch_remat.integrations import RematConfig, apply_remat, remat_module_names
 
 D = torch.float64
 
@@ -121,28 +121,28 @@ def test_a_caught_save_region_error_frees_the_forward_after_the_step(exc):
 def test_apply_remat_validates_early_stop_before_patching():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(TypeError, match="early_stop"):
-        apply_remat(model, early_stop="false")
+        apply_remat(model, remat=RematConfig(early_stop="false"))
     assert remat_module_names(model) == []
 
 
 def test_apply_remat_validates_determinism_check_before_patching():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(ValueError, match="determinism_check"):
-        apply_remat(model, determinism_check="exact")
+        apply_remat(model, remat=RematConfig(determinism_check="exact"))
     assert remat_module_names(model) == []
 
 
 def test_apply_remat_names_a_bad_state_hook_by_the_users_index():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"recompute_state_hooks\[1\]"):
-        apply_remat(model, recompute_state_hooks=(remat.CPURNGStateHook(), object()))
+        apply_remat(model, remat=RematConfig(recompute_state_hooks=(remat.CPURNGStateHook(), object())))
     assert remat_module_names(model) == []
 
 
 def test_apply_remat_rejects_a_truthy_string_for_rng_state_hooks():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(TypeError, match="rng_state_hooks"):
-        apply_remat(model, rng_state_hooks="no")
+        apply_remat(model, remat=RematConfig(rng_state_hooks="no"))
     assert remat_module_names(model) == []
 
 
@@ -163,7 +163,7 @@ def test_save_modules_called_twice_in_one_block_get_distinct_names():
     expected = [p.grad.clone() for p in params] + [x.grad.clone()]
     for t in [*params, x]:
         t.grad = None
-    apply_remat(model, check_fn=lambda m: isinstance(m, _TwiceLinear), save_modules=nn.Linear)
+    apply_remat(model, check_fn=lambda m: isinstance(m, _TwiceLinear), remat=RematConfig(save_modules=nn.Linear))
     model(x).pow(2).sum().backward()
     actual = [p.grad for p in params] + [x.grad]
     assert all(torch.equal(a, b) for a, b in zip(actual, expected))
@@ -188,3 +188,33 @@ def test_torch_func_grad_inside_a_checkpoint_says_the_hooks_are_active():
 
     with pytest.raises(remat.RematError, match="saved-tensor hooks"):
         remat.checkpoint(region_name="c")(fn)(_x())
+
+
+# ------------------------------------------------- where an exception was raised
+
+
+def test_active_checkpoint_of_an_exception_does_not_need_its_traceback():
+    def body(t):
+        raise torch.OutOfMemoryError("in forward")
+
+    def fn(x):
+        return remat.region(body, "mlp", recompute=True)(x)
+
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        remat.checkpoint(region_name="layers.1")(fn)(_x())
+    bare = info.value.with_traceback(None)  # e.g. handed over from another thread
+    assert remat.active_checkpoint(bare) == remat.ActiveCheckpoint("layers.1", "forward", "mlp")
+
+
+def test_partial_backwards_of_a_scope_with_retain_graph_do_not_grow(memory_probe):
+    a = torch.randn(256, dtype=D, requires_grad=True)
+    w = torch.randn(256, dtype=D, requires_grad=True)
+    with remat.gradient_checkpoint_scope():
+        h = (a * 2).sin()
+        k = (h * w).exp()
+    loss = (k * h).sum()
+    torch.autograd.grad(loss, inputs=[a], retain_graph=True)  # warm-up
+    with memory_probe() as probe:
+        for _ in range(5):
+            torch.autograd.grad(loss, inputs=[w], retain_graph=True)
+    assert probe.bytes == 0
