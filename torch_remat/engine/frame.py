@@ -94,12 +94,11 @@ class CheckpointFrame(FrameBackward):
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()
-        # (position, earlier position) of arguments passed as the same object twice
-        self.arg_aliases: list[tuple[int, int]] = []
+        self.arg_aliases: list[tuple[int, int]] = []  # (i, j): argument i is argument j
         self.module_state: ModuleState | None = None
         # replay_regions index of a SAVE region -> copies of the buffers it updated
         self.region_buffers: dict[int, list[Any]] = {}
-        self.rng_start: list[Any] | None = None
+        self.rng_start: list[Any] | None = None  # generator fingerprints at entry
         self.rng_use: RNGUse | None = None
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
         for observer in self.observers.all:
@@ -375,8 +374,7 @@ class CheckpointFrame(FrameBackward):
     def _finish(self, out: Any) -> None:
         for record in self.replay_regions:
             release_traceback(record.raised)
-        self.rng_use = RNGUse.of_forward(self.rng_start)
-        self.rng_start = None
+        self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
         if self.module_state is not None:
             self.module_state.finish(self.name)
         candidates = []
