@@ -95,6 +95,12 @@ class RematForward(_ModuleForward):
         self.compile_options: dict[str, Any] | None = None
         self._compiled: Callable[..., Any] | None = None
 
+    @property
+    def __remat_module__(self) -> tuple[str, nn.Module]:
+        """The module behind this checkpoint and its qualified name in the model:
+        the checkpoint checks and replays its parameters and buffers by these names."""
+        return self.region_name, self.module
+
     def compile(self, **options: Any) -> None:
         """Run the checkpointed function through ``torch.compile(**options)``, inside
         the checkpoint.

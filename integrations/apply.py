@@ -33,6 +33,7 @@ from ._forwards import (
 )
 from ._selection import ModuleSelector, module_matcher, qualified_names
 from ._torch_arguments import checkpoint_options, select_like_torch, wrapper_spec
+from ._validation import validate_apply_options
 from .rng import default_rng_state_hooks, prepare_dtensor_rng
 
 
@@ -168,6 +169,9 @@ def apply_remat(
         raise TypeError("apply_remat: check_fn must be a callable module -> bool.")
     if not config.enabled:
         return []
+    validate_apply_options(
+        config.recompute_state_hooks, config.rng_state_hooks, config.early_stop, config.determinism_check
+    )
     _refuse_torch_wrappers(model)
     already = remat_module_names(model)
     if already:

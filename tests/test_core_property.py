@@ -3,6 +3,8 @@ regions, any SAVE/RECOMPUTE assignment), remat.checkpoint gives the gradients of
 the plain program bit for bit — or, when a SAVE output that the replay reads was
 not marked, a PlaceholderReadError. Never a wrong gradient."""
 
+import os
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -62,6 +64,8 @@ class Program:
             elif step[0] == "add":
                 _, a, b = step
                 values.append(values[a % len(values)] + values[b % len(values)])
+            elif step[0] != "region":
+                self.extra_step(step, values)
             else:
                 _, save, mark, body = step
                 name = f"r{index}"  # nested regions are qualified: r2.r0
@@ -142,3 +146,97 @@ def test_second_backward_matches_first(plan, retain):
     loss.backward()
     second = [t.grad.clone() if t.grad is not None else None for t in [*params, x]]
     assert _same(first, second)
+
+
+# --------------------------------------------------------------------------------
+# Stateful programs: a module whose forward updates a buffer in place (in bare code
+# or inside regions), writes in place inside regions, takes a repeated argument, and
+# may run under torch.func.functional_call with swapped parameters. Exact gradients
+# and buffers, or a RematError raised by remat (never a wrong gradient).
+
+EXAMPLES = int(os.environ.get("REMAT_PROPERTY_EXAMPLES", "60"))
+STATEFUL = ("op", "op", "add", "buffer", "inplace", "region")
+
+
+@st.composite
+def stateful_steps(draw, depth=0, inside_save=False, max_steps=6):
+    out = []
+    for _ in range(draw(st.integers(1, max_steps if depth == 0 else 3))):
+        kind = draw(st.sampled_from(STATEFUL if depth < 2 else STATEFUL[:-1]))
+        if kind == "op":
+            out.append(("op", draw(st.sampled_from(UNARY)), draw(st.integers(0, 10**6))))
+        elif kind == "add":
+            out.append(("add", draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6))))
+        elif kind == "buffer":
+            out.append(("buffer", draw(st.integers(0, 10**6))))
+        elif kind == "inplace":
+            out.append(("inplace", draw(st.integers(0, 10**6))))
+        else:
+            save = True if inside_save else draw(st.booleans())
+            body = draw(stateful_steps(depth=depth + 1, inside_save=save))
+            out.append(("region", save, True, body))
+    return out
+
+
+class StatefulProgram(torch.nn.Module, Program):
+    def __init__(self, plan, checkpointed):
+        torch.nn.Module.__init__(self)
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.ParameterList(
+            [torch.randn(4, 4, dtype=torch.float64, generator=g) for _ in range(3)]
+        )
+        self.register_buffer("stat", torch.ones(4, dtype=torch.float64))
+        Program.__init__(self, plan, True, list(self.w))
+        self.checkpointed = checkpointed
+
+    def extra_step(self, step, values):
+        v = values[step[1] % len(values)]
+        if step[0] == "buffer":
+            # Updated under no_grad in forward and read (and saved) right after.
+            with torch.no_grad():
+                self.stat.mul_(0.5).add_(v.detach().mean(0))
+            values.append(v * self.stat)
+        elif v.grad_fn is not None:  # in place: never on a leaf or an input
+            values.append(v.mul_(1.5))
+
+    def body(self, x, y):
+        self.params = list(self.w)  # under functional_call: the swapped tensors
+        return Program.__call__(self, x, y)
+
+    def forward(self, x, y):
+        if self.checkpointed:
+            return remat.checkpoint(region_name="prog")(self.body)(x, y)
+        return self.body(x, y)
+
+
+def _stateful_run(plan, checkpointed, repeated, swap):
+    model = StatefulProgram(plan, checkpointed)
+    _, x, y = _setup()
+    y = x if repeated else y
+    if swap:
+        fast = {n: p * 1.5 for n, p in model.named_parameters()}
+        loss = torch.func.functional_call(model, fast, (x, y))
+    else:
+        loss = model(x, y)
+    loss.backward()
+    return [p.grad for p in model.parameters()] + [x.grad, model.stat.clone()]
+
+
+def _has(plan, kind):
+    return any(s[0] == kind or (s[0] == "region" and _has(s[3], kind)) for s in plan)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=stateful_steps(), repeated=st.booleans(), swap=st.booleans())
+def test_stateful_programs_give_bitwise_gradients_and_buffers_or_raise(plan, repeated, swap):
+    try:
+        expected = _stateful_run(plan, False, repeated, swap)
+    except RuntimeError:
+        return  # the plain program is invalid (an in-place write autograd refuses)
+    try:
+        actual = _stateful_run(plan, True, repeated, swap)
+    except remat.RematError as e:
+        # Only an in-place write that a SAVE region made to its argument is refused.
+        assert _has(plan, "inplace") and "SAVE region" in str(e), str(e)
+        return
+    assert _same(actual, expected)

@@ -33,6 +33,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+import torch
+
 from .format import align_rows, format_bytes, plural
 from .graph_saves import live_graph_roots, root_nodes, walk_graph_saves
 from .holdings import entry_holdings
@@ -203,6 +205,7 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
     holding memory (from a weak registry of calls, so none is missed) and the graphs
     of every live tensor, found without a loss handle (slower: it scans the garbage
     collector's objects). This is what the OOM observer prints."""
+    _check_roots(roots)
     nodes = root_nodes(roots) if roots is not None else live_graph_roots()
     graph = walk_graph_saves(nodes)
     ledger = Ledger(graph.parameter_storages)
@@ -231,6 +234,17 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
     outside = sorted(groups.values(), key=lambda g: (-g.nbytes, g.node_type))
     _add_sites(blocks, outside)
     return SavedTensorsReport(blocks, outside)
+
+
+def _check_roots(roots: Any) -> None:
+    items = roots if isinstance(roots, (list, tuple, set, frozenset)) else [roots]
+    for r in items:
+        if r is not None and not isinstance(r, torch.Tensor) and not hasattr(r, "next_functions"):
+            raise TypeError(
+                "saved_tensors_report: roots must be None (everything alive), a tensor "
+                "(the loss), autograd nodes, or a list of them; got "
+                f"{type(r).__name__} ({r!r})."
+            )
 
 
 def _add_sites(blocks: list[CheckpointBlock], outside: list[OutsideGroup]) -> None:

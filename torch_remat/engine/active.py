@@ -4,27 +4,20 @@ now or at the moment an exception was raised.
 Out-of-memory diagnosis needs the second form: by the time an ``except`` block (or
 a context manager's ``__exit__``) sees a ``torch.OutOfMemoryError``, every
 checkpoint the error passed through has already popped its bookkeeping. The
-error's traceback still holds the frames it was raised through, and the
-checkpoint's own frames among them say which checkpoint, which phase and which
-region were running.
+innermost checkpoint or region an exception leaves records on it where it was
+raised (the same answer :func:`active_checkpoint` gives while it runs), so the
+answer needs neither the traceback nor the names of the engine's variables.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
-from .frame import CheckpointFrame
-from .replay import ReplayScope
 from .state import FORWARD, RECOMPUTE, _tls
 
-# Frames of the core that mark where a traceback entered a checkpoint or a region.
-_CHECKPOINT_CODES = {
-    CheckpointFrame.run_forward.__code__: FORWARD,
-    CheckpointFrame.recompute.__code__: RECOMPUTE,
-}
-_REGION_CODES = (CheckpointFrame.run_region.__code__, ReplayScope.run_region.__code__)
+# Attribute set on an exception by the innermost checkpoint or region it leaves.
+_WHERE = "__remat_active_checkpoint__"
 
 
 @dataclass(frozen=True)
@@ -67,33 +60,31 @@ def active_checkpoint(exception: BaseException | None = None) -> ActiveCheckpoin
     was running (or the exception was raised outside every checkpoint).
     """
     if exception is not None:
-        return _from_traceback(exception.__traceback__)
+        where = getattr(exception, _WHERE, None)
+        return where if isinstance(where, ActiveCheckpoint) else None
     stack = _tls.stack
     if not stack:
         return None
     scope = stack[-1]
-    name = scope.frame.name
-    phase = RECOMPUTE if _tls.recompute_depth else FORWARD
     regions = scope.region_stack
-    return ActiveCheckpoint(name, phase, regions[-1].qualname if regions else None)
+    return ActiveCheckpoint(
+        scope.frame.name,
+        RECOMPUTE if _tls.recompute_depth else FORWARD,
+        regions[-1].qualname if regions else None,
+    )
 
 
-def _from_traceback(tb: TracebackType | None) -> ActiveCheckpoint | None:
-    found: ActiveCheckpoint | None = None
-    recomputing = False  # the traceback runs outermost first
-    while tb is not None:
-        frame = tb.tb_frame
-        code = frame.f_code
-        phase = _CHECKPOINT_CODES.get(code)
-        if phase is not None:
-            recomputing = recomputing or phase == RECOMPUTE
-            owner = frame.f_locals.get("self")
-            name = getattr(owner, "name", None)
-            if isinstance(name, str):
-                found = ActiveCheckpoint(name, RECOMPUTE if recomputing else FORWARD)
-        elif found is not None and code in _REGION_CODES:
-            qualname = frame.f_locals.get("qualname")
-            if isinstance(qualname, str):
-                found = ActiveCheckpoint(found.checkpoint, found.phase, qualname)
-        tb = tb.tb_next
-    return found
+def note_exception(exception: BaseException) -> None:
+    """Record on ``exception`` where it was raised, while the scope it leaves is
+    still active (the innermost checkpoint or region it passes through records it;
+    the outer ones leave it as it is). :func:`active_checkpoint` reads it back."""
+    if getattr(exception, _WHERE, None) is None:
+        try:
+            setattr(exception, _WHERE, active_checkpoint())
+        except (AttributeError, TypeError):  # an exception type without attributes
+            pass
+
+
+def forget_exception_site(exception: BaseException) -> None:
+    """Drop the recorded site from a copy that will be raised somewhere else."""
+    exception.__dict__.pop(_WHERE, None)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
 
 from .. import _compat
+from .._errors import RematError
 from . import compiled
 from .frame import CheckpointFrame
 from .saved_hooks import as_hook_pair
@@ -87,6 +89,16 @@ def checkpoint(
             f"remat.checkpoint: region_name must be a non-empty string or None, got "
             f"{region_name!r}."
         )
+    for option, value in (
+        ("early_stop", early_stop),
+        ("use_reentrant", use_reentrant),
+        ("preserve_rng_state", preserve_rng_state),
+    ):
+        if not isinstance(value, bool) and not (value is None and option != "early_stop"):
+            raise TypeError(
+                f"remat.checkpoint: {option} must be True or False, got {value!r} "
+                f"({type(value).__name__}); a string such as 'False' is not a boolean."
+            )
     if preserve_rng_state:
         raise ValueError(
             "remat.checkpoint does not support preserve_rng_state=True. The recompute "
@@ -101,8 +113,6 @@ def checkpoint(
             "remat.checkpoint is always non-reentrant; use_reentrant=True is not "
             "supported. Drop the argument or pass use_reentrant=False."
         )
-    if not isinstance(early_stop, bool):
-        raise TypeError(f"remat.checkpoint: early_stop must be a bool, got {early_stop!r}.")
     if determinism_check not in _DETERMINISM_CHECKS:
         raise ValueError(
             f"remat.checkpoint: determinism_check must be one of {_DETERMINISM_CHECKS}, "
@@ -120,6 +130,15 @@ def checkpoint(
         if not callable(fn):
             raise TypeError(
                 f"remat.checkpoint(...) must decorate a callable, got {type(fn).__name__}."
+            )
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn) or (
+            inspect.iscoroutinefunction(fn)
+        ):
+            raise TypeError(
+                f"remat.checkpoint(...) cannot checkpoint {_default_name(fn)!r}: it is a "
+                "generator (or async) function, so calling it only creates a generator "
+                "and none of its body would run inside the checkpoint. Checkpoint a "
+                "function that computes and returns its tensors."
             )
         name = region_name or _default_name(fn)
 
@@ -143,7 +162,22 @@ def _run(fn, name, hooks, early_stop, check_metadata, bitwise, kept, args, kwarg
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise, kept)
-    return frame.run_forward(args, kwargs)
+    try:
+        return frame.run_forward(args, kwargs)
+    except RuntimeError as e:
+        if _FUNCTORCH_REFUSES_HOOKS not in str(e) or isinstance(e, RematError):
+            raise
+        raise RematError(
+            f"torch_remat: torch.func transforms (grad, vjp, jacrev, hessian) were called "
+            f"inside checkpoint '{name}', where remat's saved-tensor hooks are active, and "
+            "torch.func refuses to run under saved-tensor hooks. Call the transform "
+            "outside remat.checkpoint (checkpoint the function it differentiates only "
+            "with ordinary autograd), or run that part without remat.checkpoint."
+        ) from e
+
+
+# torch.func's error when a transform runs under saved-tensor hooks (torch 2.13).
+_FUNCTORCH_REFUSES_HOOKS = "support saved tensor hooks"
 
 
 # Under torch.compile a checkpoint lowers to torch's checkpoint op (compiled.py).

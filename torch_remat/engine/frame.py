@@ -16,7 +16,6 @@ Mechanism (the same saved-tensor-hook scheme as non-reentrant
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,27 +29,21 @@ from .._errors import (
     RematError,
 )
 from .._tensors import storage_root
+from .active import note_exception
+from .module_state import ModuleState
 from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
 from .recompute import FrameBackward, autocast_state
-from .records import Holder, RegionRecord, RegionSaved
+from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_traceback
+from .region_writes import SaveRegionWatch
+from .rng_guard import RNGUse, fingerprints
 from .saved_hooks import KeptTensorHooks, next_call_serial
 from .sources import INPUT, OUTPUT, SourceIndex, TensorSource
 from .state import FORWARD, _tls
 from .state_hooks import same_state
 from .walk import mark_inputs_read_by_replayed_code
-
-
-def _replayable_copy(e: Exception) -> Exception:
-    """A copy of ``e`` without its traceback (which would keep the forward's frames
-    and tensors alive); ``e`` itself if it cannot be copied."""
-    try:
-        copied = copy.copy(e)
-    except Exception:
-        return e
-    return copied.with_traceback(None)
 
 
 class CheckpointFrame(FrameBackward):
@@ -101,6 +94,12 @@ class CheckpointFrame(FrameBackward):
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()
+        self.arg_aliases: list[tuple[int, int]] = []  # (i, j): argument i is argument j
+        self.module_state: ModuleState | None = None
+        # replay_regions index of a SAVE region -> copies of the buffers it updated
+        self.region_buffers: dict[int, list[Any]] = {}
+        self.rng_start: list[Any] | None = None  # generator fingerprints at entry
+        self.rng_use: RNGUse | None = None
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
         for observer in self.observers.all:
             observer.checkpoint_created(self)
@@ -131,8 +130,14 @@ class CheckpointFrame(FrameBackward):
         else:
             leaves, spec = tree_flatten((args, kwargs))
         self.leaves, self.spec = leaves, spec
+        first: dict[int, int] = {}
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
+                j = first.setdefault(id(x), i)
+                if j != i:
+                    # The replay passes the same object again (code may test `q is k`).
+                    self.arg_aliases.append((i, j))
+                    continue
                 src = TensorSource(INPUT, i, x)
                 self.inputs.append(src)
                 self.sources.add(x, src)
@@ -144,6 +149,8 @@ class CheckpointFrame(FrameBackward):
         for src in self.inputs:
             src.hooks = self.kept_hooks.inputs
         self.start_seq = _compat.autograd_sequence_nr()
+        self.module_state = ModuleState.capture(self.fn)
+        self.rng_start = fingerprints()
         try:
             push_hooks(self.pack, unpack_packed)
         except RuntimeError as e:
@@ -162,6 +169,9 @@ class CheckpointFrame(FrameBackward):
                     observer.forward_entered(self)
                 with profiler_range("remat.forward:", self.name):
                     out = self.fn(*args, **kwargs)
+            except Exception as e:
+                note_exception(e)
+                raise
             finally:
                 tls.stack.pop()
                 pop_hooks()
@@ -188,6 +198,7 @@ class CheckpointFrame(FrameBackward):
         self.save_output_nodes = []
         self.sources = SourceIndex()
         self.leaves = []
+        self.module_state = self.rng_start = None
 
     def pack(self, t: torch.Tensor) -> Any:
         if self.save_depth:
@@ -272,17 +283,21 @@ class CheckpointFrame(FrameBackward):
 
     def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs) -> Any:
         recompute = record.recompute
+        watch = None if recompute or in_save else SaveRegionWatch(self.module_state, args, kwargs)
         self.region_stack.append(record)
         if not recompute:
             self.save_depth += 1
         try:
             with profiler_range("remat.region:", self.name, "::", record.qualname):
                 out = fn(*args, **kwargs)
+            if watch is not None:
+                watch.check(self, record.qualname)
         except Exception as e:
+            note_exception(e)
             if not recompute and not in_save:
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
-                record.raised = _replayable_copy(e)
+                record.raised = detached_copy(e)
                 record.exit_states = self._snapshot_after_region()
             raise
         finally:
@@ -357,6 +372,11 @@ class CheckpointFrame(FrameBackward):
         return True
 
     def _finish(self, out: Any) -> None:
+        for record in self.replay_regions:
+            release_traceback(record.raised)
+        self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
+        if self.module_state is not None:
+            self.module_state.finish(self.name)
         candidates = []
         for s in self.inputs:
             if not s.keep:

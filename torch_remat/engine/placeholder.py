@@ -104,6 +104,32 @@ class Placeholder(torch.Tensor):
             f"'{self._origin.checkpoint}')"
         )
 
+    # Raw data access does not go through dispatch: a wrapper subclass would answer
+    # with a null pointer (data_ptr() == 0) that a custom kernel then reads.
+    def _refuse(self, what: str):
+        raise PlaceholderReadError(read_error_message(self._origin, what))
+
+    def data_ptr(self) -> int:
+        self._refuse("data_ptr()")
+
+    def untyped_storage(self):
+        self._refuse("untyped_storage()")
+
+    def storage(self):
+        self._refuse("storage()")
+
+    def numpy(self, *, force: bool = False):
+        self._refuse("numpy()")
+
+    def __array__(self, dtype=None, copy=None):
+        self._refuse("__array__()")
+
+    def tolist(self):
+        self._refuse("tolist()")
+
+    def item(self):
+        self._refuse("item()")
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -27,9 +27,11 @@ from .._errors import (
     modified_in_place,
 )
 from .._tensors import describe_tensor
+from .active import note_exception
+from .module_state import restore as restore_module_state
 from .naming import prefixes_set_to
 from .profiling import profiler_range
-from .records import Holder, describe_region
+from .records import Holder, describe_region, release_traceback
 from .replay import ReplayScope, replay_unpack
 from .state import _tls
 
@@ -116,6 +118,8 @@ class FrameBackward:
         leaves = list(self.leaves)
         for s in self.inputs:
             leaves[s.index] = s.replay_value(self.name)
+        for i, j in self.arg_aliases:
+            leaves[i] = leaves[j]
         if self.spec is None:
             return tuple(leaves), {}
         return tree_unflatten(leaves, self.spec)
@@ -147,9 +151,21 @@ class FrameBackward:
         scope = ReplayScope(self, key, needed)
         args, kwargs = self.replay_args()
         hooks = self.state_hooks
+        rng = self.rng_use
+        caller_rng = rng.caller_states() if rng is not None else []
         caller_states = [h.snapshot() for h in hooks]
         for h, s in zip(hooks, self.entry_states):
             h.restore(s)
+        unrestored = rng.unrestored() if rng is not None else []
+        module_undo = []
+        if self.module_state is not None:
+            try:
+                module_undo = self.module_state.install(self.name)
+            except BaseException:
+                for h, s in zip(hooks, caller_states):
+                    h.restore(s)
+                raise
+        rng_error = None
         tls = _tls
         tls.stack.append(scope)
         tls.recompute_depth += 1
@@ -165,15 +181,25 @@ class FrameBackward:
                     self.fn(*args, **kwargs)
             except _StopRecompute:
                 pass
+            except Exception as e:
+                note_exception(e)
+                raise
             finally:
                 pop_hooks()
         finally:
             tls.stack.pop()
             tls.recompute_depth -= 1
+            restore_module_state(module_undo)
+            for record in self.replay_regions:
+                release_traceback(record.raised)
             for h, s in zip(hooks, caller_states):
                 h.restore(s)
+            if rng is not None:
+                rng_error = rng.finish(self.name, unrestored, caller_rng)
             for observer in observers:
                 observer.replay_ended(self)
+        if rng_error is not None:
+            raise rng_error
         if scope.filled < needed:
             raise RecomputeMismatchError(
                 f"torch_remat: the recompute of checkpoint '{self.name}' saved "

@@ -4,6 +4,7 @@ per region call."""
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from .._errors import modified_in_place
 from .._tensors import TensorMeta, is_parameter
+from .active import forget_exception_site
 
 
 class Holder:
@@ -95,6 +97,32 @@ def describe_region(qualname: str | None) -> str:
     """How messages name where a tensor was saved: ``region 'attn'``, or ``code
     outside regions``."""
     return f"region '{qualname}'" if qualname else "code outside regions"
+
+
+def detached_copy(e: BaseException) -> BaseException:
+    """A copy of ``e`` without traceback, cause or context, which would keep the
+    frames it was raised through (and their tensors) alive; ``e`` itself if it
+    cannot be copied (:func:`release_traceback` then drops its traceback)."""
+    try:
+        copied = copy.copy(e)
+    except Exception:
+        try:  # an exception whose __reduce__ refuses: copy its parts by hand
+            copied = type(e).__new__(type(e), *e.args)
+            copied.__dict__.update(e.__dict__)
+            copied.args = e.args
+        except Exception:
+            return e
+    copied.__cause__ = copied.__context__ = None
+    forget_exception_site(copied)  # raised again in the replay, which records its own
+    return copied.with_traceback(None)
+
+
+def release_traceback(e: BaseException | None) -> None:
+    """Drop what a stored exception that could not be copied has accumulated while
+    raised (the frames of the forward or of a replay)."""
+    if e is not None:
+        e.__traceback__ = None
+        e.__context__ = None
 
 
 class Constant:

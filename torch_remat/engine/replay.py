@@ -16,9 +16,10 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
+from .active import note_exception
 from .placeholder import Placeholder, read_error_message
 from .profiling import profiler_range
-from .records import RegionRecord, describe_region
+from .records import RegionRecord, describe_region, detached_copy
 from .sources import TensorSource
 from .state import RECOMPUTE
 
@@ -134,8 +135,13 @@ class ReplayScope:
         if not recompute:
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
+            updated = frame.region_buffers.get(pos)
+            if updated:
+                frame.module_state.skip_region(updated)
             if expected.raised is not None:
-                raise expected.raised.with_traceback(None)
+                # A fresh copy each time: the stored one would collect this
+                # replay's traceback, and with it the replay's tensors.
+                raise detached_copy(expected.raised)
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
                 for o in expected.outputs
@@ -147,6 +153,9 @@ class ReplayScope:
         try:
             with profiler_range("remat.region:", frame.name, "::", qualname):
                 return fn(*args, **kwargs)
+        except Exception as e:
+            note_exception(e)
+            raise
         finally:
             self.region_stack.pop()
 

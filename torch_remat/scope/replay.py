@@ -11,11 +11,13 @@ every recipe of the scope that is still alive, like a checkpoint's recompute.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import _compat
 from .._autograd_hooks import graph_task_key as _graph_task_key
 from .._errors import RecomputeMismatchError, modified_in_place
 from .._tensors import describe_tensor
@@ -80,7 +82,18 @@ def unpack_recipe(record: Any, recipe: ScopeRecipe) -> torch.Tensor:
     replay(record, targets, key)
     if type(key) is not object:
         recipe.consumed.add(key)
+        if type(key) is int:
+            # At the end of this backward, free what the replay recreated for it but
+            # it did not unpack (autograd.grad(..., inputs=subset, retain_graph=True)).
+            _compat.queue_backward_callback(functools.partial(_forget, targets, key))
     return recipe.values.pop(key)
+
+
+def _forget(targets: list[ScopeRecipe], key: Any) -> None:
+    for r in targets:
+        if r.values is not None:
+            r.values.pop(key, None)
+        r.consumed.discard(key)
 
 
 def _plan(

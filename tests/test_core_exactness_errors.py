@@ -1,0 +1,220 @@
+"""Exactness cases that end in an error, and errors a user can act on: in-place
+writes inside SAVE regions, placeholders refusing raw data access, leaks of failed
+SAVE regions, argument validation."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import torch_remat as remat
+from torch_remat.integrations import RematConfig, apply_remat, remat_module_names
+
+D = torch.float64
+
+
+def _x(*shape):
+    return torch.randn(*shape or (3, 4), dtype=D, requires_grad=True)
+
+
+# ------------------------------------------------ in-place writes in SAVE regions
+
+
+def test_a_save_region_writing_in_place_to_its_argument_raises_at_forward_naming_both():
+    b = torch.randn(4, dtype=D)
+
+    def fn(x):
+        h = x.sin()
+        remat.region(lambda t: t.add_(b), "fused_add", recompute=False)(h)
+        return h.cos()
+
+    with pytest.raises(remat.RematError) as e:
+        remat.checkpoint(region_name="c")(fn)(_x())
+    msg = str(e.value)
+    assert "'fused_add'" in msg and "'c'" in msg and "argument 0" in msg
+
+
+def test_a_later_save_region_updating_an_earlier_save_output_is_not_told_to_move_it_inside():
+    def fn(x):
+        h = remat.region(torch.exp, "a", recompute=False)(x)
+        remat.region(lambda t: t.mul_(2), "b", recompute=False)(h)
+        return h.sin()
+
+    with pytest.raises(remat.RematError) as e:
+        remat.checkpoint(region_name="c")(fn)(_x())
+    msg = str(e.value)
+    assert "'b'" in msg and "inside the region" not in msg
+
+
+# ---------------------------------------------------------------- placeholders
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t.data_ptr(),
+        lambda t: t.untyped_storage().data_ptr(),
+        lambda t: t.numpy(),
+        lambda t: t.__array__(),
+        lambda t: t.tolist(),
+        lambda t: t.item(),
+    ],
+    ids=["data_ptr", "storage_data_ptr", "numpy", "array", "tolist", "item"],
+)
+def test_a_placeholder_refuses_raw_data_access(read):
+    def fn(x):
+        h = remat.region(lambda t: t.exp().sum(), "e", recompute=False)(x)
+        if remat.is_recomputing():
+            read(h.detach())
+        return x.sin().sin()
+
+    out = remat.checkpoint(region_name="c")(fn)(_x()).sum()
+    with pytest.raises(remat.PlaceholderReadError) as e:
+        out.backward()
+    assert "SAVE region 'e'" in str(e.value) and "output 0" in str(e.value)
+
+
+# ------------------------------------------------------------------------ leaks
+
+
+class _Uncopyable(Exception):
+    def __init__(self, code):
+        super().__init__(f"code {code}")
+        self.code = code
+
+    def __reduce__(self):
+        raise TypeError("not copyable")
+
+
+@pytest.mark.parametrize("exc", [KeyError, _Uncopyable], ids=["copyable", "uncopyable"])
+def test_a_caught_save_region_error_frees_the_forward_after_the_step(exc):
+    refs = []
+
+    def failing(t):
+        raise exc(3)
+
+    def fn(x):
+        h = x.sin() * 2
+        refs.append(weakref.ref(h))
+        try:
+            h = remat.region(failing, "fast", recompute=False)(h)
+        except exc:
+            h = h.cos()
+        return h.tanh()
+
+    gc.collect()
+    gc.disable()
+    try:
+        x = _x()
+        for _ in range(3):
+            remat.checkpoint(region_name="c")(fn)(x).sum().backward()
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
+# -------------------------------------------------------------- argument errors
+
+
+def test_apply_remat_validates_early_stop_before_patching():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="early_stop"):
+        apply_remat(model, remat=RematConfig(early_stop="false"))
+    assert remat_module_names(model) == []
+
+
+def test_apply_remat_validates_determinism_check_before_patching():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="determinism_check"):
+        apply_remat(model, remat=RematConfig(determinism_check="exact"))
+    assert remat_module_names(model) == []
+
+
+def test_apply_remat_names_a_bad_state_hook_by_the_users_index():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"recompute_state_hooks\[1\]"):
+        apply_remat(model, remat=RematConfig(recompute_state_hooks=(remat.CPURNGStateHook(), object())))
+    assert remat_module_names(model) == []
+
+
+def test_apply_remat_rejects_a_truthy_string_for_rng_state_hooks():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="rng_state_hooks"):
+        apply_remat(model, remat=RematConfig(rng_state_hooks="no"))
+    assert remat_module_names(model) == []
+
+
+class _TwiceLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=D)
+
+    def forward(self, x):
+        return self.lin(self.lin(x).tanh()).tanh()
+
+
+def test_save_modules_called_twice_in_one_block_get_distinct_names():
+    model = nn.Sequential(_TwiceLinear(), _TwiceLinear())
+    params = list(model.parameters())
+    x = _x()
+    model(x).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in params] + [x.grad.clone()]
+    for t in [*params, x]:
+        t.grad = None
+    apply_remat(model, check_fn=lambda m: isinstance(m, _TwiceLinear), remat=RematConfig(save_modules=nn.Linear))
+    model(x).pow(2).sum().backward()
+    actual = [p.grad for p in params] + [x.grad]
+    assert all(torch.equal(a, b) for a, b in zip(actual, expected))
+
+
+def test_saved_tensors_report_refuses_an_int():
+    with pytest.raises(TypeError, match="saved_tensors_report"):
+        remat.saved_tensors_report(3)
+
+
+def test_checkpointing_a_generator_function_is_refused():
+    def gen(x):
+        yield x.sin()
+
+    with pytest.raises(TypeError, match="generator"):
+        remat.checkpoint(region_name="g")(gen)
+
+
+def test_torch_func_grad_inside_a_checkpoint_says_the_hooks_are_active():
+    def fn(x):
+        return torch.func.grad(lambda t: t.sin().sum())(x) * x
+
+    with pytest.raises(remat.RematError, match="saved-tensor hooks"):
+        remat.checkpoint(region_name="c")(fn)(_x())
+
+
+# ------------------------------------------------- where an exception was raised
+
+
+def test_active_checkpoint_of_an_exception_does_not_need_its_traceback():
+    def body(t):
+        raise torch.OutOfMemoryError("in forward")
+
+    def fn(x):
+        return remat.region(body, "mlp", recompute=True)(x)
+
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        remat.checkpoint(region_name="layers.1")(fn)(_x())
+    bare = info.value.with_traceback(None)  # e.g. handed over from another thread
+    assert remat.active_checkpoint(bare) == remat.ActiveCheckpoint("layers.1", "forward", "mlp")
+
+
+def test_partial_backwards_of_a_scope_with_retain_graph_do_not_grow(memory_probe):
+    a = torch.randn(256, dtype=D, requires_grad=True)
+    w = torch.randn(256, dtype=D, requires_grad=True)
+    with remat.gradient_checkpoint_scope():
+        h = (a * 2).sin()
+        k = (h * w).exp()
+    loss = (k * h).sum()
+    torch.autograd.grad(loss, inputs=[a], retain_graph=True)  # warm-up
+    with memory_probe() as probe:
+        for _ in range(5):
+            torch.autograd.grad(loss, inputs=[w], retain_graph=True)
+    assert probe.bytes == 0

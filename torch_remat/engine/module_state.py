@@ -1,0 +1,288 @@
+"""Tensors a checkpointed function reads besides its arguments: the parameters and
+buffers of the modules behind it and the tensors in its closure.
+
+The replay reads them again in backward, so it must see the tensors the forward
+saw. When the checkpoint starts, every slot that holds such a tensor (an entry of a
+module's ``_parameters`` or ``_buffers``, a closure cell) is recorded with the
+tensor it holds and that tensor's version. Around the replay:
+
+* a slot that holds another tensor now (``functional_call``, a stateless swap, a
+  parameter replaced after the forward) gets the forward's tensor back for the
+  replay, and the caller's afterwards;
+* a tensor whose version moved since the forward (updated in place under
+  ``no_grad``, an optimizer step) cannot be replayed: that raises
+  :class:`SavedTensorModifiedError` naming it by its qualified name;
+* a buffer the forward itself updated in place (BatchNorm's running statistics,
+  spectral norm's power iteration) is copied when the checkpoint starts, and the
+  replay runs on a fresh copy of that value, so it computes what the forward did
+  and the module's buffer is updated once per step. Copies of buffers the forward
+  did not update are dropped when the forward ends.
+
+The modules behind a function: the function itself if it is an ``nn.Module``, the
+object of a bound method, the callable and arguments of a ``functools.partial``,
+what ``__wrapped__`` points to, modules in the closure, and the module named by a
+``__remat_module__`` attribute (``(qualified_name, module)``; ``apply_remat``'s
+forwards set it, so names are qualified in the whole model).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _compat
+from .._errors import modified_in_place
+
+PARAMETER = "parameter"
+BUFFER = "buffer"
+CLOSURE = "closure variable"
+
+_MAX_DEPTH = 4
+
+
+class _CellSlot:
+    """Adapts a closure cell to the ``dict`` protocol used for module slots."""
+
+    __slots__ = ("cell",)
+
+    def __init__(self, cell: Any) -> None:
+        self.cell = cell
+
+    def get(self, _key: Any) -> Any:
+        try:
+            return self.cell.cell_contents
+        except ValueError:  # the variable was deleted
+            return None
+
+    def __setitem__(self, _key: Any, value: Any) -> None:
+        self.cell.cell_contents = value
+
+
+class _Slot:
+    __slots__ = ("owner", "key", "tensor", "version", "name", "kind", "copy")
+
+    def __init__(self, owner, key, tensor, version, name, kind) -> None:
+        self.owner = owner
+        self.key = key
+        self.tensor = tensor
+        self.version = version
+        self.name = name
+        self.kind = kind
+        # buffers: the value at the checkpoint's start while the forward runs; kept
+        # afterwards only if the forward updated the buffer in place
+        self.copy: torch.Tensor | None = None
+
+
+def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]]]:
+    modules: list[tuple[str, nn.Module]] = []
+    cells: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, prefix: str, depth: int) -> None:
+        if id(obj) in seen or depth > _MAX_DEPTH:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            modules.append((prefix, obj))
+            return
+        named = getattr(obj, "__remat_module__", None)
+        if isinstance(named, tuple) and len(named) == 2 and isinstance(named[1], nn.Module):
+            visit(named[1], f"{named[0]}." if named[0] else "", depth + 1)
+        if isinstance(obj, functools.partial):
+            visit(obj.func, prefix, depth + 1)
+            for a in (*obj.args, *obj.keywords.values()):
+                visit(a, prefix, depth + 1)
+            return
+        owner = getattr(obj, "__self__", None)
+        if owner is not None and (isinstance(owner, nn.Module) or hasattr(owner, "__remat_module__")):
+            visit(owner, prefix, depth + 1)
+        wrapped = getattr(obj, "__wrapped__", None)
+        if wrapped is not None:
+            visit(wrapped, prefix, depth + 1)
+        closure = getattr(obj, "__closure__", None)
+        if closure:
+            for name, cell in zip(obj.__code__.co_freevars, closure):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(value, torch.Tensor):
+                    if id(cell) not in seen:
+                        seen.add(id(cell))
+                        cells.append((name, cell))
+                elif isinstance(value, nn.Module) or callable(value):
+                    visit(value, f"{name}.", depth + 1)
+
+    visit(fn, "", 0)
+    return modules, cells
+
+
+def _module_slots(
+    prefix: str,
+    root: nn.Module,
+    slots: list[_Slot],
+    buffer_groups: list[tuple[nn.Module, list[_Slot]]],
+    seen: set[int],
+) -> None:
+    stack = [(prefix, root)]
+    while stack:
+        p, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        params = m._parameters
+        for k, t in params.items():
+            if t is not None:
+                slots.append(_Slot(params, k, t, t._version, p + k, PARAMETER))
+        buffers = m._buffers
+        if buffers:
+            group = []
+            for k, t in buffers.items():
+                if t is not None:
+                    slot = _Slot(buffers, k, t, t._version, p + k, BUFFER)
+                    slot.copy = t.detach().clone()  # detached: no grad mode needed
+                    group.append(slot)
+            slots.extend(group)
+            buffer_groups.append((m, group))
+        children = [(f"{p}{k}.", c) for k, c in m._modules.items() if c is not None]
+        stack.extend(reversed(children))  # named_modules order
+
+
+def _updates_buffers_unseen(m: nn.Module) -> bool:
+    # The batch-norm kernels update running_mean/var in place without bumping their
+    # versions; only num_batches_tracked (updated in Python) shows the update.
+    return (
+        isinstance(m, nn.modules.batchnorm._NormBase)
+        and m.training
+        and m.track_running_stats
+    )
+
+
+class ModuleState:
+    """The tensors behind one checkpoint call (see the module docstring)."""
+
+    __slots__ = ("slots", "buffer_groups")
+
+    def __init__(self, slots: list[_Slot], buffer_groups: list[tuple[nn.Module, list[_Slot]]]) -> None:
+        self.slots = slots
+        # (module, its buffer slots): a module that updated one buffer in forward
+        # may have updated the others in place unseen, so all are replayed from copies
+        self.buffer_groups = buffer_groups
+
+    @staticmethod
+    def capture(fn: Any) -> ModuleState | None:
+        """Record the slots when the checkpoint starts; None if there are none."""
+        modules, cells = _roots(fn)
+        if not modules and not cells:
+            return None
+        slots: list[_Slot] = []
+        groups: list[tuple[nn.Module, list[_Slot]]] = []
+        seen: set[int] = set()  # a module shared by two roots is recorded once
+        for prefix, module in modules:
+            _module_slots(prefix, module, slots, groups, seen)
+        for name, cell in cells:
+            t = cell.cell_contents
+            slots.append(_Slot(_CellSlot(cell), None, t, t._version, name, CLOSURE))
+        return ModuleState(slots, groups) if slots else None
+
+    def finish(self, checkpoint: str) -> None:
+        """End of the forward: keep copies of the buffers it updated, drop the rest;
+        refuse parameters and closure tensors it updated in place."""
+        for module, group in self.buffer_groups:
+            if any(s.tensor._version != s.version for s in group) or _updates_buffers_unseen(module):
+                for s in group:
+                    _compat.set_version_counters((s.copy,), (s.version,))
+            else:
+                for s in group:
+                    s.copy = None
+        for s in self.slots:
+            t = s.tensor
+            if t._version != s.version and s.kind != BUFFER:
+                raise modified_in_place(
+                    f"the {s.kind} '{s.name}' read by checkpoint '{checkpoint}'",
+                    "during the checkpoint's forward",
+                    "The recompute in backward would read the updated value. Update "
+                    "it outside the checkpoint, or register it as a buffer of the "
+                    "checkpointed module (buffers updated in forward are replayed "
+                    "from a copy).",
+                    (s.version, t._version),
+                )
+
+    def buffers_now(self) -> list[tuple[Any, int]]:
+        """Before a SAVE region: the tensor in every buffer slot and its version."""
+        out = []
+        for _, group in self.buffer_groups:
+            for s in group:
+                t = s.owner.get(s.key)
+                out.append((t, -1 if t is None else t._version))
+        return out
+
+    def updated_in_region(self, before: list[tuple[Any, int]]) -> list[tuple[_Slot, Any, int]]:
+        """After a SAVE region: copies of the buffers of every module the region
+        updated (the replay skips the region and installs these instead)."""
+        out: list[tuple[_Slot, Any, int]] = []
+        i = 0
+        for _, group in self.buffer_groups:
+            entry = before[i : i + len(group)]
+            i += len(group)
+            now = [s.owner.get(s.key) for s in group]
+            if all(t is t0 and (t is None or t._version == v) for t, (t0, v) in zip(now, entry)):
+                continue
+            with torch.no_grad():
+                for s, t in zip(group, now):
+                    out.append((s, None if t is None else t.detach().clone(), 0 if t is None else t._version))
+        return out
+
+    @staticmethod
+    def skip_region(updated: list[tuple[_Slot, Any, int]]) -> None:
+        """In the replay, at a skipped SAVE region: its buffer updates, from copies."""
+        for s, value, version in updated:
+            if value is not None:
+                with torch.no_grad():
+                    value = value.clone()
+                _compat.set_version_counters((value,), (version,))
+            s.owner[s.key] = value
+
+    def install(self, checkpoint: str) -> list[tuple[Any, Any, Any]]:
+        """Before the replay: put the forward's tensors back where the caller swapped
+        them, fresh copies of updated buffers in place of the buffers. Returns what
+        :meth:`restore` puts back."""
+        undo: list[tuple[Any, Any, Any]] = []
+        try:
+            for s in self.slots:
+                current = s.owner.get(s.key)
+                if s.copy is not None:
+                    with torch.no_grad():
+                        replayed = s.copy.clone()
+                    _compat.set_version_counters((replayed,), (s.version,))
+                    undo.append((s.owner, s.key, current))
+                    s.owner[s.key] = replayed
+                    continue
+                t = s.tensor
+                if t._version != s.version:
+                    raise modified_in_place(
+                        f"the {s.kind} '{s.name}' read by checkpoint '{checkpoint}'",
+                        "after the forward, before backward recomputed the checkpoint "
+                        "(an in-place update under no_grad, an optimizer step)",
+                        "The recompute would read the new value and the gradients "
+                        "would be wrong. Run backward before updating it (e.g. "
+                        "optimizer.step() after loss.backward()), or update a clone.",
+                        (s.version, t._version),
+                    )
+                if current is not t:
+                    undo.append((s.owner, s.key, current))
+                    s.owner[s.key] = t
+        except BaseException:
+            restore(undo)
+            raise
+        return undo
+
+
+def restore(undo: list[tuple[Any, Any, Any]]) -> None:
+    """After the replay: give every slot :meth:`ModuleState.install` changed its
+    caller's tensor back."""
+    for owner, key, value in reversed(undo):
+        owner[key] = value
