@@ -95,6 +95,7 @@ def test_input_read_by_bare_code_is_kept(memory_probe):
         x = base.clone()
         out = remat.checkpoint(region_name="c")(fn)(x)
         del x
-    # x kept for the replay of `x + 1`; x + 1 saved by the region; h; the output.
-    assert probe.bytes == 4 * 2048
+    # x kept for the replay of `x + 1`; h; the output. The region's save of x + 1,
+    # an argument replayed code produces, is rebuilt by the replay, not kept.
+    assert probe.bytes == 3 * 2048
     out.sum().backward()

@@ -34,6 +34,15 @@ from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
+from .rebuild import (
+    RebuiltSave,
+    RegionRebuild,
+    close_rebuild,
+    finish_rebuilds,
+    match_save,
+    open_rebuild,
+    region_leaves,
+)
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved
 from .saved_hooks import KeptTensorHooks, next_call_serial
@@ -101,6 +110,13 @@ class CheckpointFrame(FrameBackward):
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()
+        # SAVE-region saves the replay rebuilds (engine/rebuild.py): the rebuildable
+        # arguments of the SAVE region running now, and per replay position.
+        self.rebuild: RegionRebuild | None = None
+        self.rebuilds: dict[int, RegionRebuild] = {}
+        self.last_rebuild_pos = -1
+        self.last_needed_seq = 0
+        self.output_edges: dict[tuple[int, int], TensorSource] = {}
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
         for observer in self.observers.all:
             observer.checkpoint_created(self)
@@ -186,6 +202,9 @@ class CheckpointFrame(FrameBackward):
         self.inputs = []
         self.output_sources = []
         self.save_output_nodes = []
+        self.output_edges = {}
+        self.rebuild = None
+        self.rebuilds = {}
         self.sources = SourceIndex()
         self.leaves = []
 
@@ -206,6 +225,8 @@ class CheckpointFrame(FrameBackward):
                     d = t.detach()
                     holder.static = d
                     holder.static_version = d._version
+        if holder.static is None:
+            self.last_needed_seq = _compat.autograd_sequence_nr()
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(
@@ -217,7 +238,11 @@ class CheckpointFrame(FrameBackward):
             self.holder_checksums.append(checksum(t))
         return holder
 
-    def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved:
+    def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved | RebuiltSave:
+        if self.rebuild is not None:
+            rebuilt = match_save(self, self.rebuild, t)
+            if rebuilt is not None:
+                return rebuilt
         region = self.region_stack[-1]
         hooks = self.kept_hooks.region_save(region.qualname, t) or self.outer_hooks
         saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks)
@@ -273,11 +298,18 @@ class CheckpointFrame(FrameBackward):
     def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs) -> Any:
         recompute = record.recompute
         self.region_stack.append(record)
+        rebuild = None
         if not recompute:
             self.save_depth += 1
+            if not in_save:
+                pos = len(self.replay_regions) - 1
+                rebuild = open_rebuild(self, pos, record.qualname, region_leaves(args, kwargs))
+                self.rebuild = rebuild
+        ok = False
         try:
             with profiler_range("remat.region:", self.name, "::", record.qualname):
                 out = fn(*args, **kwargs)
+            ok = True
         except Exception as e:
             if not recompute and not in_save:
                 # The replay skips this body, so it re-raises the same error for
@@ -289,6 +321,9 @@ class CheckpointFrame(FrameBackward):
             self.region_stack.pop()
             if not recompute:
                 self.save_depth -= 1
+            if rebuild is not None:
+                self.rebuild = None
+                close_rebuild(self, rebuild, ok)
         if not recompute and not in_save:
             self._record_outputs(record, out)
             record.exit_states = self._snapshot_after_region()
@@ -337,6 +372,7 @@ class CheckpointFrame(FrameBackward):
                 self.output_sources.append(src)
                 if leaf.grad_fn is not None:
                     self.save_output_nodes.append(leaf.grad_fn)
+                    self.output_edges[(id(leaf.grad_fn), leaf.output_nr)] = src
                 if pending and any(p is storage_root(leaf) for p in pending):
                     src.mark_kept(leaf)
                 record.outputs.append(src)
@@ -368,12 +404,21 @@ class CheckpointFrame(FrameBackward):
             mark_inputs_read_by_replayed_code(
                 out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
             )
+        if self.rebuilds:
+            roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            finish_rebuilds(self, self.output_edges, roots + self.walk_roots)
+        if not self.rebuilds and all(r() is None or r().static is not None for r in self.holders):
+            # Backward never replays this checkpoint: no input is read again (one
+            # modified in place stays, so that storing it reports the modification).
+            for s in self.inputs:
+                s.keep = s.ref._version != s.version
         for s in self.inputs:
             s.store(self.name)
         for s in self.output_sources:
             s.store(self.name)
         self.sources = SourceIndex()
         self.save_output_nodes = []
+        self.output_edges = {}
         self.walk_roots = []
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True

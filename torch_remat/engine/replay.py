@@ -18,6 +18,7 @@ from .._errors import (
 )
 from .placeholder import Placeholder, read_error_message
 from .profiling import profiler_range
+from .rebuild import refill
 from .records import RegionRecord, describe_region
 from .sources import TensorSource
 from .state import RECOMPUTE
@@ -136,6 +137,11 @@ class ReplayScope:
                 hook.restore(state)
             if expected.raised is not None:
                 raise expected.raised.with_traceback(None)
+            rebuild = frame.rebuilds.get(pos)
+            if rebuild is not None:
+                refill(self, rebuild, args, kwargs)
+                if self.filled == self.needed and frame.early_stop:
+                    raise _StopRecompute
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
                 for o in expected.outputs
