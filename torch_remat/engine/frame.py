@@ -30,19 +30,12 @@ from .._errors import (
     RematError,
 )
 from .._tensors import storage_root
+from . import rebuild as rb
 from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
-from .rebuild import (
-    RebuiltSave,
-    RegionRebuild,
-    close_rebuild,
-    finish_rebuilds,
-    match_save,
-    open_rebuild,
-    region_leaves,
-)
+from .rebuild import RebuiltSave, RegionRebuild
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved
 from .saved_hooks import KeptTensorHooks, next_call_serial
@@ -110,11 +103,10 @@ class CheckpointFrame(FrameBackward):
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()
-        # SAVE-region saves the replay rebuilds (engine/rebuild.py): the rebuildable
-        # arguments of the SAVE region running now, and per replay position.
+        # engine/rebuild.py: the SAVE region running now, the rebuilt saves per
+        # replay position, where early stop would end without them.
         self.rebuild: RegionRebuild | None = None
         self.rebuilds: dict[int, RegionRebuild] = {}
-        self.last_rebuild_pos = -1
         self.last_needed_seq = 0
         self.output_edges: dict[tuple[int, int], TensorSource] = {}
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
@@ -240,7 +232,7 @@ class CheckpointFrame(FrameBackward):
 
     def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved | RebuiltSave:
         if self.rebuild is not None:
-            rebuilt = match_save(self, self.rebuild, t)
+            rebuilt = rb.match_save(self, self.rebuild, t)
             if rebuilt is not None:
                 return rebuilt
         region = self.region_stack[-1]
@@ -303,7 +295,7 @@ class CheckpointFrame(FrameBackward):
             self.save_depth += 1
             if not in_save:
                 pos = len(self.replay_regions) - 1
-                rebuild = open_rebuild(self, pos, record.qualname, region_leaves(args, kwargs))
+                rebuild = rb.open_rebuild(self, pos, record.qualname, rb.region_leaves(args, kwargs))
                 self.rebuild = rebuild
         ok = False
         try:
@@ -323,7 +315,7 @@ class CheckpointFrame(FrameBackward):
                 self.save_depth -= 1
             if rebuild is not None:
                 self.rebuild = None
-                close_rebuild(self, rebuild, ok)
+                rb.close_rebuild(self, rebuild, ok)
         if not recompute and not in_save:
             self._record_outputs(record, out)
             record.exit_states = self._snapshot_after_region()
@@ -404,14 +396,7 @@ class CheckpointFrame(FrameBackward):
             mark_inputs_read_by_replayed_code(
                 out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
             )
-        if self.rebuilds:
-            roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            finish_rebuilds(self, self.output_edges, roots + self.walk_roots)
-        if not self.rebuilds and all(r() is None or r().static is not None for r in self.holders):
-            # Backward never replays this checkpoint: no input is read again (one
-            # modified in place stays, so that storing it reports the modification).
-            for s in self.inputs:
-                s.keep = s.ref._version != s.version
+        rb.settle_rebuilds(self, out)
         for s in self.inputs:
             s.store(self.name)
         for s in self.output_sources:

@@ -180,6 +180,8 @@ def _keep_all(frame: Any, arg: RebuildArg) -> None:
         t, saved.pending = saved.pending, None
         region = saved.region
         kept = RegionSaved(region, f"saved.{len(region.saved)}", t, frame.outer_hooks)
+        if kept.tensor is not None:
+            kept.version = saved.version  # an in-place change since the save is an error
         region.saved.append(weakref.ref(kept))
         saved.kept = kept
         for observer in frame.observers.kept:
@@ -270,7 +272,18 @@ def finish_rebuilds(frame: Any, output_edges: dict, roots: list[Any]) -> None:
         rebuild.args = [a for a in rebuild.args if a.live_saves()]
         if not rebuild.args:
             del frame.rebuilds[rebuild.pos]
-    frame.last_rebuild_pos = max(frame.rebuilds, default=-1)
+
+
+def settle_rebuilds(frame: Any, out: Any) -> None:
+    """End of forward: decide the rebuilds; drop the inputs if nothing replays."""
+    if frame.rebuilds:
+        roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        finish_rebuilds(frame, frame.output_edges, roots + frame.walk_roots)
+    if not frame.rebuilds and all(r() is None or r().static is not None for r in frame.holders):
+        # Backward never replays this checkpoint: no input is read again (one
+        # modified in place stays, so that storing it reports the modification).
+        for s in frame.inputs:
+            s.keep = s.ref._version != s.version
 
 
 def all_rebuilt(frame: Any) -> Iterable[RebuiltSave]:
