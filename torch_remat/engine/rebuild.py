@@ -292,6 +292,15 @@ def all_rebuilt(frame: Any) -> Iterable[RebuiltSave]:
             yield from arg.live_saves()
 
 
+def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
+    """The saves of ``frame`` the replay rebuilds, with those of the SAVE region
+    running now (still held until the forward ends)."""
+    rebuilds = list(frame.rebuilds.values())
+    if frame.rebuild is not None:
+        rebuilds.append(frame.rebuild)
+    return [s for r in rebuilds for a in r.args for s in a.live_saves()]
+
+
 def count_to_refill(frame: Any, key: Any) -> int:
     return sum(1 for s in all_rebuilt(frame) if s.recomputed is None or key not in s.recomputed)
 
