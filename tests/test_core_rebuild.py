@@ -73,6 +73,22 @@ def test_view_of_an_argument_saved_by_the_region_is_rebuilt(memory_probe):
     assert_same_gradients(fn, base, out)
 
 
+def test_matmul_before_the_checkpoint_does_not_stop_a_rebuild(memory_probe):
+    lin, before = linear(), linear()
+
+    def fn(x):
+        # Nothing saved outside the region: the replay runs only to rebuild x.neg().
+        return save(lin, "proj")(x.neg())
+
+    base = base_input()
+    with memory_probe() as probe:
+        x = before(base)  # a matmul outside the checkpoint, which the replay never runs
+        out = remat.checkpoint(region_name="c")(fn)(x)
+        del x
+    assert probe.bytes == 2 * ROW  # x, kept for the replay; the output
+    out.sum().backward()
+
+
 def test_internal_activations_of_a_save_region_stay_resident(memory_probe):
     lin1, lin2 = linear(), linear()
 

@@ -252,7 +252,8 @@ def finish_rebuilds(frame: Any, output_edges: dict, roots: list[Any]) -> None:
     clean: set[int] = set()
     # Where early stop would end the replay without rebuilds (the node of the op
     # that saved the last tensor to recreate), and the first op with FLOPs after it.
-    lo = frame.last_needed_seq - 1
+    # (Nodes before the checkpoint's start are not replayed.)
+    lo = max(frame.last_needed_seq - 1, frame.start_seq)
     arg_nodes = [a.node for r in frame.rebuilds.values() for a in r.args]
     stop = {id(n) for n in frame.save_output_nodes}
     limit = _first_flop_node([*roots, *arg_nodes], stop, lo)
