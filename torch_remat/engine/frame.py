@@ -35,7 +35,7 @@ from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
-from .rebuild import RebuiltSave, RegionRebuild
+from .rebuild import RebuiltSave
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved
 from .saved_hooks import KeptTensorHooks, next_call_serial
@@ -103,12 +103,7 @@ class CheckpointFrame(FrameBackward):
         self.start_seq = 0
         self.forward_done = False
         self.recomputed_keys: set[Any] = set()
-        # engine/rebuild.py: the SAVE region running now, the rebuilt saves per
-        # replay position, where early stop would end without them.
-        self.rebuild: RegionRebuild | None = None
-        self.rebuilds: dict[int, RegionRebuild] = {}
-        self.last_needed_seq = 0
-        self.output_edges: dict[tuple[int, int], TensorSource] = {}
+        rb.reset(self)  # rebuild, rebuilds, last_needed_seq, output_edges
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
         for observer in self.observers.all:
             observer.checkpoint_created(self)
@@ -194,9 +189,7 @@ class CheckpointFrame(FrameBackward):
         self.inputs = []
         self.output_sources = []
         self.save_output_nodes = []
-        self.output_edges = {}
-        self.rebuild = None
-        self.rebuilds = {}
+        rb.reset(self)
         self.sources = SourceIndex()
         self.leaves = []
 
@@ -294,9 +287,7 @@ class CheckpointFrame(FrameBackward):
         if not recompute:
             self.save_depth += 1
             if not in_save:
-                pos = len(self.replay_regions) - 1
-                rebuild = rb.open_rebuild(self, pos, record.qualname, rb.region_leaves(args, kwargs))
-                self.rebuild = rebuild
+                rebuild = rb.open_rebuild(self, record.qualname, args, kwargs)
         ok = False
         try:
             with profiler_range("remat.region:", self.name, "::", record.qualname):
@@ -314,7 +305,6 @@ class CheckpointFrame(FrameBackward):
             if not recompute:
                 self.save_depth -= 1
             if rebuild is not None:
-                self.rebuild = None
                 rb.close_rebuild(self, rebuild, ok)
         if not recompute and not in_save:
             self._record_outputs(record, out)

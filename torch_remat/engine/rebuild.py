@@ -105,7 +105,7 @@ class RebuiltSave:
     """
 
     __slots__ = ("frame", "arg", "region", "meta", "nbytes", "version", "pending", "kept",
-                 "recomputed", "__weakref__")
+                 "hooks", "recomputed", "__weakref__")
 
     def __init__(self, frame: Any, arg: RebuildArg, region: Any, t: torch.Tensor) -> None:
         self.frame = frame
@@ -116,6 +116,8 @@ class RebuiltSave:
         self.version = t._version
         self.pending: torch.Tensor | None = t.detach()
         self.kept: RegionSaved | None = None
+        # the hooks a kept save would get, as of the save (if it is kept after all)
+        self.hooks = frame.kept_hooks.region_save(region.qualname, t) or frame.outer_hooks
         self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     def unpack(self) -> torch.Tensor:
@@ -126,21 +128,36 @@ class RebuiltSave:
         return self.frame.unpack_rebuilt(self)
 
 
-def open_rebuild(frame: Any, pos: int, qualname: str, leaves: list[Any]) -> RegionRebuild | None:
-    """The arguments of a top-level SAVE region call that replayed code produced:
-    created by a recorded op of this checkpoint's forward, and neither a checkpoint
-    input, a SAVE output (those are kept anyway) nor a parameter."""
-    args = []
+def reset(frame: Any) -> None:
+    """A frame's rebuild state, empty: the SAVE region running now, the rebuilt
+    saves per replay position, where early stop would end without them, and the
+    SAVE outputs' autograd edges (for the walk)."""
+    frame.rebuild = None
+    frame.rebuilds = {}
+    frame.last_needed_seq = 0
+    frame.output_edges = {}
+
+
+def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> RegionRebuild | None:
+    """Start the call of a top-level SAVE region (the last of ``frame.replay_regions``).
+
+    Its rebuildable arguments are those replayed code produced: created by a recorded
+    op of this checkpoint's forward, and neither a checkpoint input, a SAVE output
+    (those are kept anyway) nor a parameter."""
+    found = []
     sources, start = frame.sources, frame.start_seq
-    for i, x in enumerate(leaves):
+    for i, x in enumerate(region_leaves(args, kwargs)):
         if not isinstance(x, torch.Tensor) or x.grad_fn is None:
             continue
         if x.grad_fn._sequence_nr() < start or is_parameter(x):
             continue
         if sources and sources.lookup(x) is not None:
             continue
-        args.append(RebuildArg(i, x))
-    return RegionRebuild(pos, qualname, args) if args else None
+        found.append(RebuildArg(i, x))
+    if not found:
+        return None
+    frame.rebuild = RegionRebuild(len(frame.replay_regions) - 1, qualname, found)
+    return frame.rebuild
 
 
 def match_save(frame: Any, rebuild: RegionRebuild, t: torch.Tensor) -> RebuiltSave | None:
@@ -157,6 +174,7 @@ def match_save(frame: Any, rebuild: RegionRebuild, t: torch.Tensor) -> RebuiltSa
 
 def close_rebuild(frame: Any, rebuild: RegionRebuild, ok: bool) -> None:
     """The region body returned (``ok``) or raised. Keep its candidates' records."""
+    frame.rebuild = None
     if not ok:
         # The replay re-raises the body's error at this call; nothing to refill.
         for arg in rebuild.args:
@@ -179,7 +197,7 @@ def _keep_all(frame: Any, arg: RebuildArg) -> None:
     for saved in arg.live_saves():
         t, saved.pending = saved.pending, None
         region = saved.region
-        kept = RegionSaved(region, f"saved.{len(region.saved)}", t, frame.outer_hooks)
+        kept = RegionSaved(region, f"saved.{len(region.saved)}", t, saved.hooks)
         if kept.tensor is not None:
             kept.version = saved.version  # an in-place change since the save is an error
         region.saved.append(weakref.ref(kept))
