@@ -104,15 +104,14 @@ class RebuiltSave:
     is kept after all as ``kept`` (a ``RegionSaved``).
     """
 
-    __slots__ = ("frame", "arg", "region", "meta", "nbytes", "version", "pending", "kept",
-                 "hooks", "recomputed", "__weakref__")
+    __slots__ = ("frame", "arg", "region", "meta", "version", "pending", "kept", "hooks",
+                 "recomputed", "__weakref__")
 
     def __init__(self, frame: Any, arg: RebuildArg, region: Any, t: torch.Tensor) -> None:
         self.frame = frame
         self.arg = arg
         self.region = region
         self.meta = TensorMeta.of(t)
-        self.nbytes = t.untyped_storage().nbytes()
         self.version = t._version
         self.pending: torch.Tensor | None = t.detach()
         self.kept: RegionSaved | None = None
@@ -207,7 +206,8 @@ def _keep_all(frame: Any, arg: RebuildArg) -> None:
 
 
 def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> bool:
-    """Does the replay of ``node``'s history read a SAVE output that is not kept?"""
+    """Does the replay of ``node``'s history read a SAVE output that is not kept?
+    (``start``: no such output's node is older, so older nodes need no visit.)"""
     seen = {id(node)}
     stack, visited = [node], [node]
     while stack:
@@ -275,6 +275,9 @@ def finish_rebuilds(frame: Any, output_edges: dict, roots: list[Any]) -> None:
     arg_nodes = [a.node for r in frame.rebuilds.values() for a in r.args]
     stop = {id(n) for n in frame.save_output_nodes}
     limit = _first_flop_node([*roots, *arg_nodes], stop, lo)
+    nodes = {id(n): n for n in frame.save_output_nodes}
+    unkept = [nodes[k[0]]._sequence_nr() for k, src in output_edges.items() if not src.keep]
+    floor = max(min(unkept), frame.start_seq) if unkept else None
     for rebuild in list(frame.rebuilds.values()):
         for arg in rebuild.args:
             saves = arg.live_saves()
@@ -282,7 +285,7 @@ def finish_rebuilds(frame: Any, output_edges: dict, roots: list[Any]) -> None:
             if (
                 rebuild.seq > limit
                 or any(s.pending._version != s.version for s in saves)
-                or _reaches_unkept_output(node, output_edges, frame.start_seq, clean)
+                or (floor is not None and _reaches_unkept_output(node, output_edges, floor, clean))
             ):
                 _keep_all(frame, arg)
                 continue
@@ -305,12 +308,6 @@ def settle_rebuilds(frame: Any, out: Any) -> None:
             s.keep = s.ref._version != s.version
 
 
-def all_rebuilt(frame: Any) -> Iterable[RebuiltSave]:
-    for rebuild in frame.rebuilds.values():
-        for arg in rebuild.args:
-            yield from arg.live_saves()
-
-
 def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
     """The saves of ``frame`` the replay rebuilds, with those of the SAVE region
     running now (still held until the forward ends)."""
@@ -321,11 +318,11 @@ def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
 
 
 def count_to_refill(frame: Any, key: Any) -> int:
-    return sum(1 for s in all_rebuilt(frame) if s.recomputed is None or key not in s.recomputed)
+    return sum(1 for s in rebuilt_saves(frame) if s.recomputed is None or key not in s.recomputed)
 
 
 def forget_rebuilt(frame: Any, key: Any) -> None:
-    for s in all_rebuilt(frame):
+    for s in rebuilt_saves(frame):
         if s.recomputed:
             s.recomputed.pop(key, None)
 
