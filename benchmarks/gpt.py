@@ -11,9 +11,10 @@ Sites, in forward order::
     ln1 -> qkv -> attention_core[ scores -> (mask, softmax, dropout) -> context ]
         -> proj -> (+x) -> ln2 -> fc1 -> gelu -> fc2 -> (+x)
 
-``scores`` is ``q @ k^T * scale`` including the head split, ``context`` is
-``probs @ v`` including the head merge, so the only tensors crossing the two
-matmul sites are the ones the matmuls themselves need.
+``scores`` is ``q @ k^T * scale`` and ``context`` is ``probs @ v``, each one
+``bmm`` on operands already laid out per head (the head split and merge are bare
+code around them), so a SAVE region at a matmul site wraps exactly the op that SAC
+saves: the head-split copies are recomputed by both, not kept by one.
 """
 
 from __future__ import annotations
@@ -116,28 +117,31 @@ class Block(nn.Module):
             remat.recompute_needs_tensor(t)
         return t
 
-    def _scores(self, qkv: torch.Tensor) -> torch.Tensor:
-        b, s, three_d = qkv.shape
-        d = three_d // 3
-        q, k, _ = qkv.split(d, dim=2)
-        q = q.view(b, s, self.n_heads, -1).transpose(1, 2)
-        k = k.view(b, s, self.n_heads, -1).transpose(1, 2)
-        return torch.matmul(q, k.transpose(-2, -1)) * self.scale
+    def _scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """(b*heads, s, head) x2 -> (b*heads, s, s)."""
+        return torch.bmm(q, k.transpose(1, 2)) * self.scale
 
-    def _context(self, probs: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        b, s, three_d = qkv.shape
-        d = three_d // 3
-        v = qkv[..., 2 * d :].view(b, s, self.n_heads, -1).transpose(1, 2)
-        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, d)
+    def _context(self, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(b*heads, s, s) @ (b*heads, s, head)."""
+        return torch.bmm(probs, v)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, s, d) -> (b*heads, s, head), the contiguous layout bmm reads."""
+        b, s, _ = t.shape
+        return t.view(b, s, self.n_heads, -1).transpose(1, 2).reshape(b * self.n_heads, s, -1)
 
     def _attention_core(self, qkv: torch.Tensor) -> torch.Tensor:
-        s = qkv.shape[1]
-        scores = self._kept("scores", self._site("scores", self._scores)(qkv))
-        scores = scores.masked_fill(self.causal[:s, :s], float("-inf"))
+        b, s, three_d = qkv.shape
+        d = three_d // 3
+        q, k, v = (self._heads(t) for t in qkv.split(d, dim=2))
+        scores = self._kept("scores", self._site("scores", self._scores)(q, k))
+        scores = scores.view(b, self.n_heads, s, s).masked_fill(self.causal[:s, :s], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         if self.dropout > 0:
             probs = F.dropout(probs, self.dropout, training=self.training)
-        return self._site("context", self._context)(probs, qkv)
+        probs = probs.view(b * self.n_heads, s, s)
+        context = self._kept("context", self._site("context", self._context)(probs, v))
+        return context.view(b, self.n_heads, s, -1).transpose(1, 2).reshape(b, s, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         site, kept = self._site, self._kept

@@ -40,8 +40,9 @@ SAVE_LINEARS = RegionPolicy(
 )
 SAVE_MATMULS = RegionPolicy(
     sites=_save("qkv", "scores", "context", "proj", "fc1", "fc2"),
-    # masked_fill/softmax and the residual add are replayed and read these outputs.
-    keep=frozenset({"scores", "proj"}),
+    # The head split, masked_fill/softmax, the head merge and the residual add are
+    # replayed and read these outputs.
+    keep=frozenset({"qkv", "scores", "context", "proj"}),
 )
 MEGATRON = RegionPolicy(
     # Everything is SAVE except the attention core (QK^T, mask, softmax, dropout, AV);

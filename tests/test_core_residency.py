@@ -42,13 +42,12 @@ def make_chain(a_saves, b_saves, log):
         z = remat.region(B, "B", recompute=not b_saves)(y)
         return z.sin().sum()  # C: SinBackward saves z
 
+    fn.A = A
     return fn
 
 
-@pytest.mark.parametrize("a_saves,b_saves,resident,recreated", ROWS)
-def test_residency_table(memory_probe, a_saves, b_saves, resident, recreated):
-    log = []
-    fn = make_chain(a_saves, b_saves, log)
+def check_chain(memory_probe, fn, log, resident, recreated):
+    """Bytes held after the forward, what the backward recreated, exact gradients."""
     base = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     with memory_probe() as probe:
         x = base.clone()  # non-leaf: nothing but torch_remat can keep it alive
@@ -60,6 +59,38 @@ def test_residency_table(memory_probe, a_saves, b_saves, resident, recreated):
     expected = base.detach().clone().requires_grad_()
     fn(expected.clone()).backward()
     assert torch.equal(base.grad, expected.grad)
+
+
+@pytest.mark.parametrize("a_saves,b_saves,resident,recreated", ROWS)
+def test_residency_table(memory_probe, a_saves, b_saves, resident, recreated):
+    log = []
+    fn = make_chain(a_saves, b_saves, log)
+    check_chain(memory_probe, fn, log, resident, recreated)
+
+
+ARGUMENT_ROWS = [
+    # B saves its argument y itself (as a linear layer saves its input).
+    (False, {"x", "z", "q"}, {"y", "p"}),  # y rebuilt by the replay at B's call
+    (True, {"y", "z", "p", "q"}, set()),  # y kept once, as A's output
+]
+
+
+@pytest.mark.parametrize("a_saves,resident,recreated", ARGUMENT_ROWS)
+def test_save_region_saving_its_argument(memory_probe, a_saves, resident, recreated):
+    log = []
+    w = torch.ones(4, dtype=torch.float64, requires_grad=True)  # a leaf: not counted
+    chain = make_chain(a_saves, True, log)
+
+    def B(y):
+        q = (y * w).repeat(3).exp()  # mul saves y (for w's gradient); exp saves q
+        return q.reshape(2, 6).sum(0)
+
+    def fn(x):
+        y = remat.region(chain.A, "A", recompute=not a_saves)(x)
+        z = remat.region(B, "B", recompute=False)(y)
+        return z.sin().sum()
+
+    check_chain(memory_probe, fn, log, resident, recreated)
 
 
 def test_input_consumed_only_by_save_regions_is_not_kept(memory_probe):
@@ -95,6 +126,7 @@ def test_input_read_by_bare_code_is_kept(memory_probe):
         x = base.clone()
         out = remat.checkpoint(region_name="c")(fn)(x)
         del x
-    # x kept for the replay of `x + 1`; x + 1 saved by the region; h; the output.
-    assert probe.bytes == 4 * 2048
+    # x kept for the replay of `x + 1`; h; the output. The region's save of x + 1,
+    # an argument replayed code produces, is rebuilt by the replay, not kept.
+    assert probe.bytes == 3 * 2048
     out.sum().backward()

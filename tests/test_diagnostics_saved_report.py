@@ -208,14 +208,15 @@ def test_calls_with_different_contents_are_separate_groups():
 
 
 def test_offloaded_saves_are_counted_where_they_live(memory_probe):
-    # The region saves its input (t + 1) through save_on_cpu, which packs
-    # (device, tensor). Not an op that saves its output: with hooks that return the
-    # output itself, autograd's graph holds itself alive (also without torch_remat).
+    # The region saves -u, which its body creates, through save_on_cpu, which packs
+    # (device, tensor). (A save of its argument t + 1 would be rebuilt by the replay,
+    # not kept.) Not an op that saves its output: with hooks that return the output
+    # itself, autograd's graph holds itself alive (also without torch_remat).
     with memory_probe() as probe:
         x = torch.randn(6, requires_grad=True)  # kept: the replay reads it
         with torch.autograd.graph.save_on_cpu():
             y = remat.checkpoint(region_name="off")(
-                lambda t: remat.region(torch.sin, "sin", recompute=False)(t + 1).cos()
+                lambda t: remat.region(lambda u: torch.sin(-u), "sin", recompute=False)(t + 1).cos()
             )(x)
         loss = y.sum()
         del x, y

@@ -78,7 +78,9 @@ def test_reports_show_the_full_region_name():
     loss = remat.checkpoint(region_name="c")(twice)(x, w).sum()
     report = remat.format_saved_tensors_report(loss)
     lines = report.splitlines()
-    assert "c::first/up: 128 B" in lines and "c::second/up: 128 B" in lines
+    # second/up's save of its argument (first's output, through the bare sin) is
+    # rebuilt by the replay, so it holds 64 B less than first/up.
+    assert "c::first/up: 128 B" in lines and "c::second/up: 64 B" in lines
     loss.backward()
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..engine.rebuild import RebuiltSave
 from ..engine.records import Holder, RegionSaved
 from .storage import is_parameter, storages_of, tensors_in
 
@@ -178,6 +179,9 @@ def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
                 continue
             if isinstance(data, RegionSaved):
                 result.region_records[id(data.region)] = data.region
+                continue
+            if isinstance(data, RebuiltSave):  # refilled by the replay, or kept
+                result.frames[id(data.frame)] = data.frame
                 continue
             for t in tensors_in(data):
                 if is_parameter(t):

@@ -3,7 +3,9 @@
 A checkpoint holds (a) the tensors its SAVE regions saved (``RegionSaved``), (b) the
 SAVE-region outputs and checkpoint inputs it keeps for the recompute
 (``TensorSource.saved``), and (c) the state-hook snapshots taken at entry and after
-each SAVE region. Holders of dropped tensors hold nothing. This module lists those
+each SAVE region. Holders of dropped tensors hold nothing, and neither do SAVE-region
+saves the replay rebuilds (``RebuiltSave``) once the forward has ended: they are
+counted apart, as saves not held. This module lists those
 items per region, in forward order, for a live frame (during or after its forward)
 or for a frame that died while its SAVE regions' tensors live on (see _registry).
 Reading never calls an unpack hook, so it never triggers a recompute or a copy
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from .._tensors import TensorMeta
+from ..engine.rebuild import rebuilt_saves
 from .registry import FrameEntry
 from .storage import is_parameter, tensors_in
 
@@ -49,6 +52,8 @@ class Holdings:
     name: str
     serial: int
     groups: list[HeldGroup]
+    rebuilt: int = 0  # SAVE-region saves the replay rebuilds, not held
+    rebuilt_bytes: int = 0  # their storages' bytes, each storage once
 
 
 def _source_tensors(src: Any, forward_done: bool) -> list[torch.Tensor]:
@@ -73,10 +78,14 @@ def _saved_item(rs: Any) -> HeldItem:
     )
 
 
-def _region_group(rec: Any, forward_done: bool) -> HeldGroup:
+def _region_group(rec: Any, forward_done: bool, pending: list[Any] = ()) -> HeldGroup:
     group = HeldGroup(rec.qualname)
     for rs in rec.live_saved():
         group.items.append(_saved_item(rs))
+    for s in pending:
+        # Held until the forward ends, when it becomes a rebuilt save.
+        name = f"(argument {s.arg.index}, rebuilt on recompute)"
+        group.items.append(HeldItem(name, s.meta, [s.pending]))
     for src in rec.outputs:
         if not hasattr(src, "saved"):
             continue  # a constant leaf
@@ -108,10 +117,19 @@ def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
         if tensors:
             param = not done and is_parameter(tensors[0])
             inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, parameter=param))
+    pending: dict[int, list[Any]] = {}
+    rebuilt, storages = 0, {}
+    for s in rebuilt_saves(frame):
+        if s.pending is not None:
+            pending.setdefault(id(s.region), []).append(s)
+        else:
+            rebuilt += 1
+            storages[id(s.arg)] = s.arg.layout[-1]
     groups = [inputs]
-    groups.extend(_region_group(rec, done) for rec in frame.regions)
+    groups.extend(_region_group(rec, done, pending.get(id(rec), ())) for rec in frame.regions)
     groups.append(_state_group(frame.entry_states, frame.regions))
-    return Holdings(frame.name, serial, [g for g in groups if g.items])
+    groups = [g for g in groups if g.items]
+    return Holdings(frame.name, serial, groups, rebuilt, sum(storages.values()))
 
 
 def entry_holdings(entry: FrameEntry) -> Holdings | None:

@@ -12,6 +12,9 @@ One row per storage, in the order the region saved them. A storage is counted on
 ``view`` row, or joins the first row's name when it is the very same tensor; one
 counted in another block is a ``shared`` row. Neither adds bytes, so a header is
 always the sum of its rows. Parameters (leaves that require grad) are not listed.
+A row whose tensor uses less than the storage it pins says so (``pins 4.0 KiB,
+uses 1.0 KiB``). SAVE-region saves the replay rebuilds hold nothing; a footer
+counts them (``3 saves rebuilt on recompute, 6.0 KiB not held``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ class TensorRow:
         else:
             size = self.kind
         name = self.name
+        if self.kind == "storage" and self.meta is not None:
+            used = _used_bytes(self.meta)
+            if used < self.storage_bytes:
+                name += f" (pins {format_bytes(self.storage_bytes)}, uses {format_bytes(used)})"
         where = self.counted_in
         if where is not None:
             prefix = f"{checkpoint}::"
@@ -111,6 +118,8 @@ class CheckpointBlock:
 
     name: str
     regions: list[RegionBlock]
+    rebuilt: int = 0
+    rebuilt_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -129,6 +138,11 @@ class CheckpointBlock:
             out.append(f"{r.label}: {format_bytes(r.nbytes)}")
             cells = [row.cells(self.name) for row in r.rows]
             out.extend(align_rows(cells, _RIGHT, indent="  "))
+        if self.rebuilt:
+            out.append(
+                f"  {self.rebuilt} save(s) rebuilt on recompute, "
+                f"{format_bytes(self.rebuilt_bytes)} not held"
+            )
         return out
 
     def format(self) -> str:
@@ -145,6 +159,8 @@ class CheckpointBlock:
             "name": self.name,
             "bytes": self.nbytes,
             "storages": self.storages,
+            "rebuilt_saves": self.rebuilt,
+            "rebuilt_bytes": self.rebuilt_bytes,
             "regions": [
                 {
                     "region": r.region,
@@ -223,7 +239,17 @@ def _region_block(checkpoint: str, group: HeldGroup, ledger: Ledger) -> RegionBl
 
 def checkpoint_block(holdings: Holdings, ledger: Ledger) -> CheckpointBlock:
     blocks = [_region_block(holdings.name, g, ledger) for g in holdings.groups]
-    return CheckpointBlock(holdings.name, [b for b in blocks if b.rows])
+    return CheckpointBlock(
+        holdings.name, [b for b in blocks if b.rows], holdings.rebuilt, holdings.rebuilt_bytes
+    )
+
+
+def _used_bytes(meta: TensorMeta) -> int:
+    """Bytes of storage a tensor's elements span (from its first to its last)."""
+    if any(s == 0 for s in meta.shape):
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(meta.shape, meta.stride))
+    return span * meta.dtype.itemsize
 
 
 def add_allocation_sites(rows: list[TensorRow]) -> None:

@@ -29,12 +29,14 @@ from .._errors import (
     RematError,
 )
 from .._tensors import storage_root
+from . import rebuild as rb
 from .active import note_exception
 from .module_state import ModuleState
 from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .outputs import flatten_region_outputs
 from .profiling import profiler_range
+from .rebuild import RebuiltSave
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_traceback
 from .region_writes import SaveRegionWatch
@@ -100,6 +102,7 @@ class CheckpointFrame(FrameBackward):
         self.region_buffers: dict[int, list[Any]] = {}
         self.rng_start: list[Any] | None = None  # generator fingerprints at entry
         self.rng_use: RNGUse | None = None
+        rb.reset(self)  # rebuild, rebuilds, last_needed_seq, output_edges
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
         for observer in self.observers.all:
             observer.checkpoint_created(self)
@@ -196,6 +199,7 @@ class CheckpointFrame(FrameBackward):
         self.inputs = []
         self.output_sources = []
         self.save_output_nodes = []
+        rb.reset(self)
         self.sources = SourceIndex()
         self.leaves = []
         self.module_state = self.rng_start = None
@@ -217,6 +221,8 @@ class CheckpointFrame(FrameBackward):
                     d = t.detach()
                     holder.static = d
                     holder.static_version = d._version
+        if holder.static is None:
+            self.last_needed_seq = _compat.autograd_sequence_nr()
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(
@@ -228,7 +234,11 @@ class CheckpointFrame(FrameBackward):
             self.holder_checksums.append(checksum(t))
         return holder
 
-    def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved:
+    def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved | RebuiltSave:
+        if self.rebuild is not None:
+            rebuilt = rb.match_save(self, self.rebuild, t)
+            if rebuilt is not None:
+                return rebuilt
         region = self.region_stack[-1]
         hooks = self.kept_hooks.region_save(region.qualname, t) or self.outer_hooks
         saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks)
@@ -285,13 +295,18 @@ class CheckpointFrame(FrameBackward):
         recompute = record.recompute
         watch = None if recompute or in_save else SaveRegionWatch(self.module_state, args, kwargs)
         self.region_stack.append(record)
+        rebuild = None
         if not recompute:
             self.save_depth += 1
+            if not in_save:
+                rebuild = rb.open_rebuild(self, record.qualname, args, kwargs)
+        ok = False
         try:
             with profiler_range("remat.region:", self.name, "::", record.qualname):
                 out = fn(*args, **kwargs)
             if watch is not None:
                 watch.check(self, record.qualname)
+            ok = True
         except Exception as e:
             note_exception(e)
             if not recompute and not in_save:
@@ -304,6 +319,8 @@ class CheckpointFrame(FrameBackward):
             self.region_stack.pop()
             if not recompute:
                 self.save_depth -= 1
+            if rebuild is not None:
+                rb.close_rebuild(self, rebuild, ok)
         if not recompute and not in_save:
             self._record_outputs(record, out)
             record.exit_states = self._snapshot_after_region()
@@ -352,6 +369,7 @@ class CheckpointFrame(FrameBackward):
                 self.output_sources.append(src)
                 if leaf.grad_fn is not None:
                     self.save_output_nodes.append(leaf.grad_fn)
+                    self.output_edges[(id(leaf.grad_fn), leaf.output_nr)] = src
                 if pending and any(p is storage_root(leaf) for p in pending):
                     src.mark_kept(leaf)
                 record.outputs.append(src)
@@ -388,12 +406,14 @@ class CheckpointFrame(FrameBackward):
             mark_inputs_read_by_replayed_code(
                 out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
             )
+        rb.settle_rebuilds(self, out)
         for s in self.inputs:
             s.store(self.name)
         for s in self.output_sources:
             s.store(self.name)
         self.sources = SourceIndex()
         self.save_output_nodes = []
+        self.output_edges = {}
         self.walk_roots = []
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True

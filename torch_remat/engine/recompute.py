@@ -31,6 +31,7 @@ from .active import note_exception
 from .module_state import restore as restore_module_state
 from .naming import prefixes_set_to
 from .profiling import profiler_range
+from .rebuild import RebuiltSave, count_to_refill, describe_rebuilt, forget_rebuilt
 from .records import Holder, describe_region, release_traceback
 from .replay import ReplayScope, replay_unpack
 from .state import _tls
@@ -72,6 +73,13 @@ class FrameBackward:
             if static._version != holder.static_version:
                 raise self._modified_error(holder.index, holder.static_version, static._version)
             return static
+        return self._take_recomputed(holder)
+
+    def unpack_rebuilt(self, saved: RebuiltSave) -> torch.Tensor:
+        return self._take_recomputed(saved)
+
+    def _take_recomputed(self, holder: Holder | RebuiltSave) -> torch.Tensor:
+        """The tensor the recompute refilled for this backward, recomputing first."""
         key = graph_task_key()
         rec = holder.recomputed
         if rec is None or key not in rec:
@@ -87,7 +95,10 @@ class FrameBackward:
         if type(key) is object:
             self.forget(key)  # unpacked outside a backward: nothing else will use them
         if t._version != version:
-            raise self._modified_error(holder.index, version, t._version)
+            if isinstance(holder, Holder):
+                raise self._modified_error(holder.index, version, t._version)
+            raise modified_in_place(describe_rebuilt(holder), "after it was saved", CLONE_FIRST,
+                                    (version, t._version))
         return t
 
     def forget(self, key: Any) -> None:
@@ -98,6 +109,8 @@ class FrameBackward:
             h = ref()
             if h is not None and h.recomputed:
                 h.recomputed.pop(key, None)
+        if self.rebuilds:
+            forget_rebuilt(self, key)
         self.recomputed_keys.discard(key)
 
     def _modified_error(self, index: int, old: int, new: int) -> RematError:
@@ -148,6 +161,8 @@ class FrameBackward:
             h = ref()
             if h is not None and h.static is None and (h.recomputed is None or key not in h.recomputed):
                 needed += 1
+        if self.rebuilds:
+            needed += count_to_refill(self, key)
         scope = ReplayScope(self, key, needed)
         args, kwargs = self.replay_args()
         hooks = self.state_hooks

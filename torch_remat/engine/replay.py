@@ -19,6 +19,7 @@ from .._errors import (
 from .active import note_exception
 from .placeholder import Placeholder, read_error_message
 from .profiling import profiler_range
+from .rebuild import refill
 from .records import RegionRecord, describe_region, detached_copy
 from .sources import TensorSource
 from .state import RECOMPUTE
@@ -142,6 +143,11 @@ class ReplayScope:
                 # A fresh copy each time: the stored one would collect this
                 # replay's traceback, and with it the replay's tensors.
                 raise detached_copy(expected.raised)
+            rebuild = frame.rebuilds.get(pos)
+            if rebuild is not None:
+                refill(self, rebuild, args, kwargs)
+                if self.filled == self.needed and frame.early_stop:
+                    raise _StopRecompute
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
                 for o in expected.outputs
