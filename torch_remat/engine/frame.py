@@ -34,15 +34,15 @@ from .active import note_exception
 from .module_state import ModuleState
 from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
-from .outputs import flatten_region_outputs
 from .profiling import profiler_range
 from .rebuild import RebuiltSave
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_traceback
+from .region_io import consume_region_args, record_region_outputs
 from .region_writes import SaveRegionWatch
 from .rng_guard import RNGUse, fingerprints
 from .saved_hooks import KeptTensorHooks, next_call_serial
-from .sources import INPUT, OUTPUT, SourceIndex, TensorSource
+from .sources import INPUT, SourceIndex, TensorSource
 from .state import FORWARD, _tls
 from .state_hooks import same_state
 from .walk import mark_inputs_read_by_replayed_code
@@ -338,44 +338,10 @@ class CheckpointFrame(FrameBackward):
         return states
 
     def _consume(self, args, kwargs, by_replayed_code: bool, replay_level: bool) -> None:
-        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
-            leaves = tree_flatten((args, kwargs))[0]
-        else:
-            leaves = args
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                sources = self.sources.lookup(x)
-                if sources is None:
-                    # Computed by replayed code and handed to a region: where the
-                    # input walk starts too, besides the checkpoint's outputs.
-                    if replay_level and x.grad_fn is not None:
-                        self.walk_roots.append(x.grad_fn)
-                    continue
-                for s in sources:
-                    if s.kind == OUTPUT or by_replayed_code:
-                        s.mark_kept(x)
-                    else:
-                        s.save_consumed = True
+        consume_region_args(self, args, kwargs, by_replayed_code, replay_level)
 
     def _record_outputs(self, record: RegionRecord, out: Any) -> None:
-        leaves, record.output_spec = flatten_region_outputs(out, record.qualname, self.name)
-        pending = [r() for r in record.pending_keep]
-        hooks = self.kept_hooks.bind_outputs()
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                src = TensorSource(OUTPUT, i, leaf, record.qualname)
-                src.hooks = hooks
-                self.sources.add(leaf, src)
-                self.output_sources.append(src)
-                if leaf.grad_fn is not None:
-                    self.save_output_nodes.append(leaf.grad_fn)
-                    self.output_edges[(id(leaf.grad_fn), leaf.output_nr)] = src
-                if pending and any(p is storage_root(leaf) for p in pending):
-                    src.mark_kept(leaf)
-                record.outputs.append(src)
-            else:
-                record.outputs.append(leaf)
-        record.pending_keep = []
+        record_region_outputs(self, record, out)
 
     def keep(self, t: torch.Tensor) -> bool:
         """``recompute_needs_tensor`` during the forward. False if ``t`` is unknown."""
