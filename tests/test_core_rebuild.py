@@ -226,6 +226,20 @@ def test_argument_whose_replay_needs_a_matmul_is_kept(memory_probe):
     assert_same_gradients(fn, base, out)
 
 
+def test_without_early_stop_an_argument_whose_replay_needs_a_matmul_is_rebuilt(memory_probe):
+    w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
+    lin = linear()
+
+    def fn(x):
+        h = x.exp() @ w  # the full replay runs the mm anyway: rebuilding h is free
+        return save(lin, "proj")(h)
+
+    base = base_input()
+    held, out = resident_bytes(memory_probe, fn, base, early_stop=False)
+    assert held == 2 * ROW  # x and the output
+    assert_same_gradients(fn, base, out)
+
+
 def test_input_read_only_by_code_backward_never_replays_is_not_kept(memory_probe):
     def fn(x):
         # -x is replayed code, but the region saves only its own result.
