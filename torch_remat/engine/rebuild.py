@@ -20,7 +20,8 @@ candidate save holds its tensor; it is kept after all (as a ``RegionSaved``) whe
   attention) that early stop skips today. Beyond the last tensor the replay must
   recreate anyway, it may only run ops ``FlopCounterMode`` counts as free
   (elementwise ops, copies, views): the user made the region SAVE to avoid recompute
-  FLOPs, and a rebuild must not add them back.
+  FLOPs, and a rebuild must not add them back. With ``early_stop=False`` the replay
+  runs every op anyway, so this rule never keeps a save.
 
 Only top-level SAVE regions (called from replayed code) rebuild: a save anywhere in
 their extent, nested SAVE regions included, that shares storage with one of their
@@ -274,7 +275,8 @@ def finish_rebuilds(frame: Any, output_edges: dict, roots: list[Any]) -> None:
     lo = max(frame.last_needed_seq - 1, frame.start_seq)
     arg_nodes = [a.node for r in frame.rebuilds.values() for a in r.args]
     stop = {id(n) for n in frame.save_output_nodes}
-    limit = _first_flop_node([*roots, *arg_nodes], stop, lo)
+    # Without early stop the replay runs every op anyway: any rebuild is free.
+    limit = _first_flop_node([*roots, *arg_nodes], stop, lo) if frame.early_stop else 2**63
     nodes = {id(n): n for n in frame.save_output_nodes}
     unkept = [nodes[k[0]]._sequence_nr() for k, src in output_edges.items() if not src.keep]
     floor = max(min(unkept), frame.start_seq) if unkept else None
