@@ -61,6 +61,8 @@ class Mode:
     sac_ops: tuple[Any, ...] = ()
     policy: RegionPolicy | None = None
     description: str = ""
+    rebuild: str = "free"
+    """remat only: ``remat.checkpoint(rebuild=...)``."""
 
     def block_calls(
         self, blocks: Sequence[torch.nn.Module], *, rng: bool
@@ -88,7 +90,9 @@ class Mode:
         if self.kind == "remat":
             hooks = (remat.CPURNGStateHook(),) if rng else ()
             return [
-                remat.checkpoint(region_name=f"blocks.{i}", recompute_state_hooks=hooks)(b)
+                remat.checkpoint(
+                    region_name=f"blocks.{i}", recompute_state_hooks=hooks, rebuild=self.rebuild
+                )(b)
                 for i, b in enumerate(blocks)
             ]
         raise ValueError(f"unknown mode kind {self.kind!r}")
@@ -125,6 +129,13 @@ REMAT_MEGATRON = Mode(
     "remat",
     policy=MEGATRON,
     description="everything SAVE except the attention core",
+)
+REMAT_MEGATRON_REBUILD = Mode(
+    "remat Megatron-style, rebuild always",
+    "remat",
+    policy=MEGATRON,
+    rebuild="always",
+    description="as Megatron-style, but the replay also runs AV to rebuild proj's input",
 )
 
 

@@ -44,6 +44,7 @@ MODES = [
     M.REMAT_SAVE_LINEARS,
     M.REMAT_SAVE_MATMULS,
     M.REMAT_MEGATRON,
+    M.REMAT_MEGATRON_REBUILD,
 ]
 _MODE_BY_NAME = {m.name: m for m in MODES}
 # The issue's six modes are timed; the two added only to pair save sets exactly
@@ -180,20 +181,41 @@ def _table(
 
 def _megatron_flop_checks(c: dict[str, StepCounts], label: str) -> list[Check]:
     """Megatron-style recomputes no linear layer, and of the attention core only
-    QK^T: early stop ends the replay when AV saves its inputs, before it runs."""
-    meg = M.REMAT_MEGATRON.name
+    QK^T: early stop ends the replay when AV saves its inputs, before it runs. With
+    ``rebuild="always"`` the replay also runs AV, to rebuild proj's input, as
+    Megatron's own attention-core recompute does."""
     # QK^T and AV have equal FLOPs; the forward runs each once per block.
     qk = c[M.NO_AC.name].flops_forward_by_op.get("aten.bmm", 0) // 2
-    extra_lin = _extra(c, meg, "aten.addmm") + _extra(c, meg, "aten.mm")
-    extra_bmm = _extra(c, meg, "aten.bmm")
-    return [
-        Check(
-            f"Megatron-style recomputes no linear-layer FLOPs, only QK^T ({label})",
-            "flops",
-            f"extra addmm+mm {extra_lin:,}, extra bmm {extra_bmm:,} (QK^T forward {qk:,})",
-            extra_lin == 0 and extra_bmm == qk,
+    checks = []
+    for mode, bmms, what in (
+        (M.REMAT_MEGATRON, 1, "only QK^T"),
+        (M.REMAT_MEGATRON_REBUILD, 2, "QK^T and AV"),
+    ):
+        meg = mode.name
+        extra_lin = _extra(c, meg, "aten.addmm") + _extra(c, meg, "aten.mm")
+        extra_bmm = _extra(c, meg, "aten.bmm")
+        checks.append(
+            Check(
+                f"{meg} recomputes no linear-layer FLOPs, {what} ({label})",
+                "flops",
+                f"extra addmm+mm {extra_lin:,}, extra bmm {extra_bmm:,} (QK^T forward {qk:,})",
+                extra_lin == 0 and extra_bmm == bmms * qk,
+            )
         )
-    ]
+    return checks
+
+
+def _megatron_rebuild_check(cfg: GPTConfig, b: dict[str, StepBytes], label: str) -> Check:
+    """rebuild="always" holds exactly proj's input (b, s, d) fp32 per block less."""
+    meg = b[M.REMAT_MEGATRON.name].live_after_forward
+    rebuilt = b[M.REMAT_MEGATRON_REBUILD.name].live_after_forward
+    per_block = cfg.batch * cfg.seq_len * cfg.d_model * 4
+    return Check(
+        f"Megatron-style with rebuild='always' holds proj's input less per block ({label})",
+        "bytes",
+        f"{rebuilt:,} vs {meg:,}: {meg - rebuilt:,} = {cfg.n_layers} x {per_block:,}",
+        meg - rebuilt == cfg.n_layers * per_block,
+    )
 
 
 def run(quick: bool) -> WorkloadResult:
@@ -261,6 +283,7 @@ def run(quick: bool) -> WorkloadResult:
             meg_extra <= 0.03 * base_c.flops_step,
         ),
         *_megatron_flop_checks(c, label),
+        _megatron_rebuild_check(cfg, b, label),
         Check(
             "every mode frees by the end of the step all it allocated, and nothing older",
             "bytes",
@@ -286,7 +309,7 @@ def run(quick: bool) -> WorkloadResult:
 
 def run_long(quick: bool) -> WorkloadResult:
     cfg = QUICK_LONG if quick else LONG
-    modes = [M.NO_AC, M.REMAT_MEGATRON]
+    modes = [M.NO_AC, M.REMAT_MEGATRON, M.REMAT_MEGATRON_REBUILD]
     b, c, _, same_gradients = _measure_modes(cfg, modes, timed=False, check_gradients=quick)
     title = (
         f"W1 at s={cfg.seq_len}: d={cfg.d_model} heads={cfg.n_heads} batch={cfg.batch} "
@@ -296,6 +319,7 @@ def run_long(quick: bool) -> WorkloadResult:
     checks = [
         *_gradient_check(same_gradients),
         *_megatron_flop_checks(c, f"s={cfg.seq_len}, d={cfg.d_model}"),
+        _megatron_rebuild_check(cfg, b, f"s={cfg.seq_len}, d={cfg.d_model}"),
         Check(
             f"Megatron-style holds fewer bytes than no AC (s={cfg.seq_len}, reported)",
             "bytes",

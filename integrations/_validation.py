@@ -9,7 +9,11 @@ import torch_remat as remat
 
 
 def validate_apply_options(
-    recompute_state_hooks: Any, rng_state_hooks: Any, early_stop: Any, determinism_check: Any
+    recompute_state_hooks: Any,
+    rng_state_hooks: Any,
+    early_stop: Any,
+    determinism_check: Any,
+    rebuild: Any = None,
 ) -> None:
     """Check the options where they are received, before any module is patched, as
     remat.checkpoint would check them at the first forward (hooks numbered as the
@@ -24,6 +28,8 @@ def validate_apply_options(
         options["early_stop"] = early_stop
     if determinism_check is not None:
         options["determinism_check"] = determinism_check
+    if rebuild is not None:
+        options["rebuild"] = rebuild
     try:
         remat.checkpoint(**options)
     except (TypeError, ValueError) as e:

@@ -75,6 +75,9 @@ class RematConfig:
     determinism_check: str | None = None
     """Forwarded to ``remat.checkpoint`` (None: its default)."""
 
+    rebuild: str | None = None
+    """Forwarded to ``remat.checkpoint`` (None: its default, ``"free"``)."""
+
     saved_tensors_hooks: Any = None
     """Forwarded to ``remat.checkpoint``: hooks for what each checkpoint keeps, e.g.
     a ``torch_remat.offload.ActivationOffloader``."""
@@ -88,6 +91,8 @@ class RematConfig:
             options["determinism_check"] = self.determinism_check
         if self.saved_tensors_hooks is not None:
             options["saved_tensors_hooks"] = self.saved_tensors_hooks
+        if self.rebuild is not None:
+            options["rebuild"] = self.rebuild
         return options
 
     def save_matcher(self, where: str) -> Callable[[nn.Module], bool] | None:
@@ -170,7 +175,8 @@ def apply_remat(
     if not config.enabled:
         return []
     validate_apply_options(
-        config.recompute_state_hooks, config.rng_state_hooks, config.early_stop, config.determinism_check
+        config.recompute_state_hooks, config.rng_state_hooks, config.early_stop,
+        config.determinism_check, config.rebuild,
     )
     _refuse_torch_wrappers(model)
     already = remat_module_names(model)

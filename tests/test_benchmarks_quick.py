@@ -74,3 +74,13 @@ def test_save_regions_hold_no_more_bytes_than_sac_with_the_same_save_set(quick):
     ):
         c = checks[f"{remat_mode} holds no more bytes than {sac_mode} (same save set)"]
         assert c["met"] and c["known_miss"] is None, c["measured"]
+
+
+@pytest.mark.parametrize("name", ["W1", "W1-long"])
+def test_megatron_style_with_rebuild_always_holds_proj_input_less_for_the_av_flops(quick, name):
+    checks = {c["name"]: c for c in _workload(quick, name)["checks"]}
+    rebuilt = [c for n, c in checks.items() if n.startswith("Megatron-style with rebuild='always'")]
+    flops = [c for n, c in checks.items() if "rebuild always recomputes no linear" in n]
+    assert len(rebuilt) == 1 and len(flops) == 1
+    for c in rebuilt + flops:
+        assert c["met"] and c["known_miss"] is None, c["measured"]

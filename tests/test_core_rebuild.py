@@ -240,6 +240,37 @@ def test_without_early_stop_an_argument_whose_replay_needs_a_matmul_is_rebuilt(m
     assert_same_gradients(fn, base, out)
 
 
+def test_rebuild_always_rebuilds_an_argument_whose_replay_needs_a_matmul(memory_probe):
+    w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
+    lin = linear()
+
+    def fn(x):
+        h = x.exp() @ w  # the replay now runs the mm, which early stop would skip
+        return save(lin, "proj")(h)
+
+    base = base_input()
+    held, out = resident_bytes(memory_probe, fn, base, rebuild="always")
+    assert held == 2 * ROW  # x and the output
+    assert_same_gradients(fn, base, out)
+
+
+def test_rebuild_never_keeps_the_saves_of_replayed_arguments(memory_probe):
+    lin = linear()
+
+    def fn(x):
+        return save(lin, "proj")(x.tanh())
+
+    base = base_input()
+    held, out = resident_bytes(memory_probe, fn, base, rebuild="never")
+    assert held == 3 * ROW  # x, tanh's output (kept by the region), the output
+    assert_same_gradients(fn, base, out)
+
+
+def test_unknown_rebuild_choice_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"rebuild must be one of \('free', 'always', 'never'\)"):
+        remat.checkpoint(rebuild="all")
+
+
 def test_input_read_only_by_code_backward_never_replays_is_not_kept(memory_probe):
     def fn(x):
         # -x is replayed code, but the region saves only its own result.

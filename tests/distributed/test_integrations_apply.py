@@ -116,6 +116,20 @@ def test_without_rng_hooks_dropout_replay_is_caught_by_the_bitwise_check():
         _run(model, _input())
 
 
+def test_rebuild_choice_reaches_every_checkpoint_and_a_wrong_one_is_refused_before_patching():
+    model = tiny_net()
+    with pytest.raises(ValueError, match="apply_remat: rebuild must be one of"):
+        apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(rebuild="all"))
+    assert not remat_module_names(model)
+    x = _input()
+    reference = _run(tiny_net(), x)
+    apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(rebuild="never"))
+    loss, grads = _run(model, x)
+    assert torch.equal(loss, reference[0])
+    assert_grads_equal(grads, reference[1])
+    assert RematConfig(rebuild="never").checkpoint_options() == {"rebuild": "never"}
+
+
 SCRIPT = """
 import functools
 import torch

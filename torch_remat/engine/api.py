@@ -18,6 +18,7 @@ from .state_hooks import validate_state_hooks
 F = TypeVar("F", bound=Callable[..., Any])
 
 _DETERMINISM_CHECKS = ("default", "none", "bitwise")
+_REBUILD_CHOICES = ("free", "always", "never")
 
 
 def _refuse_positional(args: tuple) -> None:
@@ -41,6 +42,7 @@ def checkpoint(
     preserve_rng_state: bool | None = None,
     saved_tensors_hooks: Any = None,
     input_saved_tensors_hooks: Any = None,
+    rebuild: str = "free",
 ) -> Callable[[F], F]:
     """Return a decorator that runs a function as a non-reentrant checkpoint.
 
@@ -77,6 +79,13 @@ def checkpoint(
             (ahead of ``saved_tensors_hooks``). The checkpoint then keeps only what
             the pack hook returns, not the input tensor: an input the caller drops
             after the forward is freed (an offloading hook moves it off the device).
+        rebuild: what a SAVE region's save of an argument that replayed code produces
+            becomes (``nn.Linear`` saves its input). ``"free"`` (default): the replay
+            refills it at the region call, unless that makes the replay run an op with
+            FLOPs (a matmul) that early stop would skip; then it is kept.
+            ``"always"``: refilled even then (the replay may run further matmuls: as
+            Megatron's attention-core recompute, fewer bytes for more FLOPs).
+            ``"never"``: kept, as a region body's own activations are.
 
     Under ``torch.no_grad()`` or ``torch.inference_mode()`` the function simply runs
     once. Errors: ``TypeError`` for a positional argument (``remat.checkpoint(fn)``)
@@ -118,6 +127,10 @@ def checkpoint(
             f"remat.checkpoint: determinism_check must be one of {_DETERMINISM_CHECKS}, "
             f"got {determinism_check!r}."
         )
+    if rebuild not in _REBUILD_CHOICES:
+        raise ValueError(
+            f"remat.checkpoint: rebuild must be one of {_REBUILD_CHOICES}, got {rebuild!r}."
+        )
     hooks = validate_state_hooks(recompute_state_hooks)
     kept = (
         as_hook_pair(saved_tensors_hooks, "remat.checkpoint: saved_tensors_hooks"),
@@ -125,6 +138,7 @@ def checkpoint(
     )
     check_metadata = determinism_check != "none"
     bitwise = determinism_check == "bitwise"
+    replay = (early_stop, rebuild)
 
     def decorator(fn: F) -> F:
         if not callable(fn):
@@ -146,8 +160,8 @@ def checkpoint(
             if torch.compiler.is_compiling() and not compiled.eager_checkpoint_running():
                 return compiled.run_checkpoint(fn, name, hooks, a, kw)
             if torch.compiler.is_compiling():
-                return _run_eagerly(fn, name, hooks, early_stop, check_metadata, bitwise, kept, a, kw)
-            return _run(fn, name, hooks, early_stop, check_metadata, bitwise, kept, a, kw)
+                return _run_eagerly(fn, name, hooks, replay, check_metadata, bitwise, kept, a, kw)
+            return _run(fn, name, hooks, replay, check_metadata, bitwise, kept, a, kw)
 
         checkpointed.__wrapped__ = fn  # type: ignore[attr-defined]
         checkpointed.__name__ = f"remat_checkpoint_{name}"
@@ -158,10 +172,11 @@ def checkpoint(
     return decorator
 
 
-def _run(fn, name, hooks, early_stop, check_metadata, bitwise, kept, args, kwargs) -> Any:
+def _run(fn, name, hooks, replay, check_metadata, bitwise, kept, args, kwargs) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise, kept)
+    early_stop, rebuild = replay
+    frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise, kept, rebuild)
     try:
         return frame.run_forward(args, kwargs)
     except RuntimeError as e:

@@ -30,7 +30,8 @@ What the eager engine does in Python has no run time of its own here: the
   Dynamo's ``eager``, recomputes nothing), so the stock RNG state
   hooks are not needed and are accepted and ignored. Any other state hook cannot be restored inside a graph and
   is refused with :class:`~torch_remat.RematCompileError`.
-* ``early_stop`` and ``determinism_check`` concern the Python replay and do nothing.
+* ``early_stop``, ``rebuild`` and ``determinism_check`` concern the Python replay and do
+  nothing.
 """
 
 from __future__ import annotations

@@ -60,11 +60,13 @@ class CheckpointFrame(FrameBackward):
         check_metadata: bool,
         bitwise_check: bool,
         kept_options: tuple[Any, Any] = (None, None),
+        rebuild: str = "free",
     ) -> None:
         self.fn = fn
         self.name = name
         self.state_hooks = state_hooks
         self.early_stop = early_stop
+        self.rebuild_policy = rebuild  # "free", "always" or "never" (rebuild.py)
         self.check_metadata = check_metadata
         self.bitwise_check = bitwise_check
         self.holders: list[weakref.ref] = []

@@ -1,13 +1,11 @@
 """SAVE-region saves that the replay rebuilds instead of keeping.
 
-A SAVE region's body is never replayed, but its arguments often are: an argument
-produced by bare code or a RECOMPUTE region is computed again by the replay before
-it reaches the region call. So a tensor the body saves for backward that shares
-storage with such an argument (the argument itself, or a view of it, like the
-flattened input ``nn.Linear`` saves) is not kept. It is packed as a
-:class:`RebuiltSave`; when the replay reaches the region call it refills the save as
-the same view of the replay's own value of the argument. What the body creates (its
-internal activations) is kept as before.
+A SAVE region's body is never replayed, but an argument produced by bare code or a
+RECOMPUTE region is computed again before the replay reaches the region call. So a
+save of the body that shares storage with such an argument (the argument, or a view
+like the flattened input ``nn.Linear`` saves) is packed as a :class:`RebuiltSave`,
+refilled at the region call as the same view of the replay's value. What the body
+creates (its internal activations) is kept as before.
 
 The decision is final when the forward ends (:func:`finish_rebuilds`). Until then a
 candidate save holds its tensor; it is kept after all (as a ``RegionSaved``) when
@@ -21,7 +19,8 @@ candidate save holds its tensor; it is kept after all (as a ``RegionSaved``) whe
   recreate anyway, it may only run ops ``FlopCounterMode`` counts as free
   (elementwise ops, copies, views): the user made the region SAVE to avoid recompute
   FLOPs, and a rebuild must not add them back. With ``early_stop=False`` the replay
-  runs every op anyway, so this rule never keeps a save.
+  runs every op anyway, so this rule never keeps a save; ``rebuild="always"`` turns
+  it off (more replayed FLOPs for fewer bytes), ``rebuild="never"`` keeps every save.
 
 Only top-level SAVE regions (called from replayed code) rebuild: a save anywhere in
 their extent, nested SAVE regions included, that shares storage with one of their
@@ -144,6 +143,8 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
     Its rebuildable arguments are those replayed code produced: created by a recorded
     op of this checkpoint's forward, and neither a checkpoint input, a SAVE output
     (those are kept anyway) nor a parameter."""
+    if frame.rebuild_policy == "never":
+        return None
     found = []
     sources, start = frame.sources, frame.start_seq
     for i, x in enumerate(region_leaves(args, kwargs)):
@@ -276,7 +277,8 @@ def finish_rebuilds(frame: Any, output_edges: dict, roots: list[Any]) -> None:
     arg_nodes = [a.node for r in frame.rebuilds.values() for a in r.args]
     stop = {id(n) for n in frame.save_output_nodes}
     # Without early stop the replay runs every op anyway: any rebuild is free.
-    limit = _first_flop_node([*roots, *arg_nodes], stop, lo) if frame.early_stop else 2**63
+    free_only = frame.early_stop and frame.rebuild_policy == "free"
+    limit = _first_flop_node([*roots, *arg_nodes], stop, lo) if free_only else 2**63
     nodes = {id(n): n for n in frame.save_output_nodes}
     unkept = [nodes[k[0]]._sequence_nr() for k, src in output_edges.items() if not src.keep]
     floor = max(min(unkept), frame.start_seq) if unkept else None
