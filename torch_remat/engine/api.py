@@ -138,7 +138,6 @@ def checkpoint(
     )
     check_metadata = determinism_check != "none"
     bitwise = determinism_check == "bitwise"
-    replay = (early_stop, rebuild)
 
     def decorator(fn: F) -> F:
         if not callable(fn):
@@ -155,6 +154,8 @@ def checkpoint(
                 "function that computes and returns its tensors."
             )
         name = region_name or _default_name(fn)
+        # (early stop, rebuild choice, this function's memo of rebuild.py's FLOP walks)
+        replay = (early_stop, rebuild, {})
 
         def checkpointed(*a: Any, **kw: Any) -> Any:
             if torch.compiler.is_compiling() and not compiled.eager_checkpoint_running():
@@ -175,8 +176,9 @@ def checkpoint(
 def _run(fn, name, hooks, replay, check_metadata, bitwise, kept, args, kwargs) -> Any:
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    early_stop, rebuild = replay
+    early_stop, rebuild, flop_limits = replay
     frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise, kept, rebuild)
+    frame.flop_limits = flop_limits
     try:
         return frame.run_forward(args, kwargs)
     except RuntimeError as e:

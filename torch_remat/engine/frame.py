@@ -36,6 +36,7 @@ from .naming import current_prefixes
 from .observers import observers_for_new_checkpoint
 from .profiling import profiler_range
 from .rebuild import RebuiltSave
+from .rebuild_decide import settle_rebuilds
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_traceback
 from .region_io import consume_region_args, record_region_outputs
@@ -67,6 +68,7 @@ class CheckpointFrame(FrameBackward):
         self.state_hooks = state_hooks
         self.early_stop = early_stop
         self.rebuild_policy = rebuild  # "free", "always" or "never" (rebuild.py)
+        self.flop_limits: dict | None = None  # rebuild.py's memo, per checkpointed function
         self.check_metadata = check_metadata
         self.bitwise_check = bitwise_check
         self.holders: list[weakref.ref] = []
@@ -374,7 +376,7 @@ class CheckpointFrame(FrameBackward):
             mark_inputs_read_by_replayed_code(
                 out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
             )
-        rb.settle_rebuilds(self, out)
+        settle_rebuilds(self, out)
         for s in self.inputs:
             s.store(self.name)
         for s in self.output_sources:

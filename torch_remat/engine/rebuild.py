@@ -7,20 +7,9 @@ like the flattened input ``nn.Linear`` saves) is packed as a :class:`RebuiltSave
 refilled at the region call as the same view of the replay's value. What the body
 creates (its internal activations) is kept as before.
 
-The decision is final when the forward ends (:func:`finish_rebuilds`). Until then a
-candidate save holds its tensor; it is kept after all (as a ``RegionSaved``) when
-
-* the argument's storage was modified in place after the save (backward must see
-  that error, as without the checkpoint);
-* the replay could not recompute the argument: its autograd history reaches an
-  output of a SAVE region that is not kept (a placeholder in the replay);
-* rebuilding would make the replay run an op with FLOPs (a matmul, a convolution,
-  attention) that early stop skips today. Beyond the last tensor the replay must
-  recreate anyway, it may only run ops ``FlopCounterMode`` counts as free
-  (elementwise ops, copies, views): the user made the region SAVE to avoid recompute
-  FLOPs, and a rebuild must not add them back. With ``early_stop=False`` the replay
-  runs every op anyway, so this rule never keeps a save; ``rebuild="always"`` turns
-  it off (more replayed FLOPs for fewer bytes), ``rebuild="never"`` keeps every save.
+The decision is final when the forward ends (:mod:`.rebuild_decide`); until then a
+candidate save holds its tensor. ``rebuild="never"`` keeps every save as a
+``RegionSaved``.
 
 Only top-level SAVE regions (called from replayed code) rebuild: a save anywhere in
 their extent, nested SAVE regions included, that shares storage with one of their
@@ -32,7 +21,7 @@ tensor and cost nothing.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,11 +34,15 @@ from .placeholder import Placeholder
 from .records import RegionSaved
 
 
-def region_leaves(args: tuple, kwargs: dict) -> list[Any]:
+def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
     """A region call's arguments as one flat list, the same in forward and replay."""
-    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
-        return tree_flatten((args, kwargs))[0]
-    return list(args)
+    if not kwargs:
+        for a in args:
+            if isinstance(a, (list, tuple, dict)):
+                break
+        else:
+            return args
+    return tree_flatten((args, kwargs))[0]
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -179,7 +172,7 @@ def close_rebuild(frame: Any, rebuild: RegionRebuild, ok: bool) -> None:
     if not ok:
         # The replay re-raises the body's error at this call; nothing to refill.
         for arg in rebuild.args:
-            _keep_all(frame, arg)
+            keep_all(frame, arg)
     used = []
     for arg in rebuild.args:
         if arg.saves and ok:
@@ -194,7 +187,7 @@ def close_rebuild(frame: Any, rebuild: RegionRebuild, ok: bool) -> None:
         frame.rebuilds[rebuild.pos] = rebuild
 
 
-def _keep_all(frame: Any, arg: RebuildArg) -> None:
+def keep_all(frame: Any, arg: RebuildArg) -> None:
     for saved in arg.live_saves():
         t, saved.pending = saved.pending, None
         region = saved.region
@@ -205,111 +198,6 @@ def _keep_all(frame: Any, arg: RebuildArg) -> None:
         saved.kept = kept
         for observer in frame.observers.kept:
             observer.tensor_kept(frame, kept, t)
-
-
-def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> bool:
-    """Does the replay of ``node``'s history read a SAVE output that is not kept?
-    (``start``: no such output's node is older, so older nodes need no visit.)"""
-    seen = {id(node)}
-    stack, visited = [node], [node]
-    while stack:
-        n = stack.pop()
-        for nxt, nr in n.next_functions:
-            if nxt is None:
-                continue
-            src = outputs.get((id(nxt), nr))
-            if src is not None:
-                if not src.keep:
-                    return True
-                continue
-            k = id(nxt)
-            if k in seen or k in clean:
-                continue
-            seen.add(k)
-            if nxt._sequence_nr() >= start:
-                stack.append(nxt)
-                visited.append(nxt)
-    clean.update(id(v) for v in visited)
-    return False
-
-
-_FLOP_OPS: frozenset[str] | None = None
-
-
-def _has_flops(node: Any) -> bool:
-    """Is ``node`` the backward of an op ``FlopCounterMode`` counts (matmul-like)?"""
-    global _FLOP_OPS
-    if _FLOP_OPS is None:
-        from torch.utils.flop_counter import flop_registry
-
-        _FLOP_OPS = frozenset(str(op).split(".")[-1].replace("_", "").lower() for op in flop_registry)
-    name = type(node).__name__.rstrip("0123456789")
-    return name.endswith("Backward") and name[: -len("Backward")].lower() in _FLOP_OPS
-
-
-def _first_flop_node(roots: Iterable[Any], stop: set[int], lo: int) -> int:
-    """The lowest sequence number >= ``lo`` of a node with FLOPs that the replay runs
-    (reachable from ``roots`` without entering SAVE region outputs ``stop``)."""
-    first = 2**63
-    seen: set[int] = set()
-    stack = [n for n in roots if n is not None]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen or id(n) in stop:
-            continue
-        seen.add(id(n))
-        seq = n._sequence_nr()
-        if seq < lo:
-            continue
-        if seq < first and _has_flops(n):
-            first = seq
-        stack.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
-    return first
-
-
-def finish_rebuilds(frame: Any, output_edges: dict, roots: list[Any]) -> None:
-    """End of forward: rebuild each candidate save, or keep it after all."""
-    clean: set[int] = set()
-    # Where early stop would end the replay without rebuilds (the node of the op
-    # that saved the last tensor to recreate), and the first op with FLOPs after it.
-    # (Nodes before the checkpoint's start are not replayed.)
-    lo = max(frame.last_needed_seq - 1, frame.start_seq)
-    arg_nodes = [a.node for r in frame.rebuilds.values() for a in r.args]
-    stop = {id(n) for n in frame.save_output_nodes}
-    # Without early stop the replay runs every op anyway: any rebuild is free.
-    free_only = frame.early_stop and frame.rebuild_policy == "free"
-    limit = _first_flop_node([*roots, *arg_nodes], stop, lo) if free_only else 2**63
-    nodes = {id(n): n for n in frame.save_output_nodes}
-    unkept = [nodes[k[0]]._sequence_nr() for k, src in output_edges.items() if not src.keep]
-    floor = max(min(unkept), frame.start_seq) if unkept else None
-    for rebuild in list(frame.rebuilds.values()):
-        for arg in rebuild.args:
-            saves = arg.live_saves()
-            node, arg.node = arg.node, None
-            if (
-                rebuild.seq > limit
-                or any(s.pending._version != s.version for s in saves)
-                or (floor is not None and _reaches_unkept_output(node, output_edges, floor, clean))
-            ):
-                _keep_all(frame, arg)
-                continue
-            for s in saves:
-                s.pending = None
-        rebuild.args = [a for a in rebuild.args if a.live_saves()]
-        if not rebuild.args:
-            del frame.rebuilds[rebuild.pos]
-
-
-def settle_rebuilds(frame: Any, out: Any) -> None:
-    """End of forward: decide the rebuilds; drop the inputs if nothing replays."""
-    if frame.rebuilds:
-        roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        finish_rebuilds(frame, frame.output_edges, roots + frame.walk_roots)
-    if not frame.rebuilds and all(r() is None or r().static is not None for r in frame.holders):
-        # Backward never replays this checkpoint: no input is read again (one
-        # modified in place stays, so that storing it reports the modification).
-        for s in frame.inputs:
-            s.keep = s.ref._version != s.version
 
 
 def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
@@ -343,21 +231,26 @@ def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> Non
         x = leaves[arg.index] if arg.index < len(leaves) else None
         _check_argument(frame, rebuild, arg, x)
         d = x.detach()
+        shape, stride, offset = arg.layout[:3]
         for s in saves:
             m = s.meta
-            t = d.as_strided(m.shape, m.stride, m.storage_offset)
+            if m.shape == shape and m.stride == stride and m.storage_offset == offset:
+                t = d  # the argument itself (a view of it needs as_strided)
+            else:
+                t = d.as_strided(m.shape, m.stride, m.storage_offset)
             if s.recomputed is None:
                 s.recomputed = {}
             s.recomputed[key] = (t, t._version)
             scope.filled += 1
 
 
+def _where(frame: Any, rebuild: RegionRebuild, arg: RebuildArg) -> str:
+    return f"argument {arg.index} of SAVE region '{rebuild.qualname}' in checkpoint '{frame.name}'"
+
+
 def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any) -> None:
-    where = (
-        f"argument {arg.index} of SAVE region '{rebuild.qualname}' in checkpoint "
-        f"'{frame.name}'"
-    )
     if not isinstance(x, torch.Tensor) or isinstance(x, Placeholder) or _layout(x) != arg.layout:
+        where = _where(frame, rebuild, arg)
         shape, stride, offset, dtype, device, nbytes = arg.layout
         got = (
             f"{describe_tensor(x.shape, x.dtype)}, stride {x.stride()}, storage offset "
@@ -375,7 +268,7 @@ def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any)
         )
     if x._version != arg.version:
         raise modified_in_place(
-            where, "after the forward passed it to the region", CLONE_FIRST,
+            _where(frame, rebuild, arg), "after the forward passed it to the region", CLONE_FIRST,
             (arg.version, x._version),
         )
     if arg.checksum is not None:
@@ -383,7 +276,8 @@ def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any)
 
         if checksum(x) != arg.checksum:
             raise RecomputeMismatchError(
-                f"torch_remat: determinism check failed: {where} has different bits in "
+                f"torch_remat: determinism check failed: {_where(frame, rebuild, arg)} has "
+                "different bits in "
                 "the recompute than in the forward. Something the replay depends on "
                 "changed: usually RNG state (dropout) that needs a "
                 "recompute_state_hooks entry, or a non-deterministic kernel."
