@@ -271,6 +271,33 @@ def test_unknown_rebuild_choice_is_refused_naming_the_choices():
         remat.checkpoint(rebuild="all")
 
 
+def test_each_forward_of_a_branching_function_gets_its_own_rebuild_decision(memory_probe):
+    w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
+    scale = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    lin = linear()
+
+    def fn(x, use_mm):
+        # Both branches create two autograd nodes and save three tensors.
+        h = x.exp() @ w if use_mm else x.exp() * scale
+        return save(lin, "proj")(h)
+
+    checkpointed = remat.checkpoint(region_name="c")(fn)
+    base = base_input()
+    for use_mm in (False, True, False, True):
+        with memory_probe() as probe:
+            x = base.clone()
+            out = checkpointed(x, use_mm)
+            del x
+        # h rebuilt by replaying x.exp() * scale, kept rather than replaying the mm
+        assert probe.bytes == (3 if use_mm else 2) * ROW, use_mm
+        base.grad = None
+        out.sum().backward()
+        expected = base.detach().clone().requires_grad_()
+        fn(expected.clone(), use_mm).sum().backward()
+        assert torch.equal(base.grad, expected.grad)
+        del out  # freed before the next probe starts
+
+
 def test_input_read_only_by_code_backward_never_replays_is_not_kept(memory_probe):
     def fn(x):
         # -x is replayed code, but the region saves only its own result.

@@ -88,8 +88,9 @@ def _first_flop_node(roots: Iterable[Any], stop: set[int], lo: int) -> int:
 
 def _flop_limit(frame: Any, out: Any, lo: int) -> int:
     """:func:`_first_flop_node` for this forward, memoized per checkpointed function
-    by the forward's shape: autograd nodes created, where its SAVE regions rebuild,
-    where early stop would end (sequence numbers relative to the checkpoint's start).
+    by the forward's shape: autograd nodes created, where its SAVE regions rebuild and
+    the kinds of node that made their arguments, where early stop would end
+    (sequence numbers relative to the checkpoint's start).
     A forward of another graph with the same shape could reuse a wrong answer; that
     only keeps a save or replays a matmul it need not (bytes or FLOPs, never a
     gradient), so it is worth the walk per step it saves."""
@@ -98,7 +99,10 @@ def _flop_limit(frame: Any, out: Any, lo: int) -> int:
         lo - s0,
         autograd_sequence_nr() - s0,
         len(frame.holders),
-        tuple((r.seq - s0, r.qualname, len(r.args)) for r in frame.rebuilds.values()),
+        tuple(
+            (r.seq - s0, r.qualname, *(type(a.node) for a in r.args))
+            for r in frame.rebuilds.values()
+        ),
     )
     memo = frame.flop_limits
     if memo is not None and key in memo:
