@@ -124,6 +124,20 @@ REMAT_SAVE_MATMULS = Mode(
     policy=SAVE_MATMULS,
     description="SAVE regions around the 4 linears and the 2 attention matmuls",
 )
+REMAT_SAVE_LINEARS_KEEP = Mode(
+    "remat save linears, rebuild never",
+    "remat",
+    policy=SAVE_LINEARS,
+    rebuild="never",
+    description="as remat save linears, keeping the saves of replayed arguments",
+)
+REMAT_SAVE_MATMULS_KEEP = Mode(
+    "remat save matmuls, rebuild never",
+    "remat",
+    policy=SAVE_MATMULS,
+    rebuild="never",
+    description="as remat save matmuls, keeping the saves of replayed arguments",
+)
 REMAT_MEGATRON = Mode(
     "remat Megatron-style",
     "remat",
