@@ -1,0 +1,128 @@
+"""The saved-tensors report of a compiled checkpoint: the compiled forward's saves
+are named after the checkpoint and region they were traced in, bytes exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_remat as remat
+from torch_remat.integrations import reports
+
+DTYPE = torch.float64
+COMPILED = "CompiledFunctionBackward"
+
+
+class SaveThenRecompute(torch.nn.Module):
+    """x -> [a: SAVE] tanh(linear) -> sin -> linear -> tanh -> sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32, dtype=DTYPE)
+        self.b = torch.nn.Linear(32, 8, dtype=DTYPE)
+
+    def forward(self, x):
+        h = remat.region(lambda t: torch.tanh(self.a(t)), "a", recompute=False)(x)
+        return torch.tanh(self.b(h.sin())).sum()
+
+
+class SavedStorages:
+    """The distinct non-parameter storages autograd is handed while the compiled
+    call runs (an outer torch hook sees what the compiled forward saves)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def compiled_loss(backend: str):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = SaveThenRecompute()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    step = torch.compile(
+        lambda x: remat.checkpoint(region_name="layers.0")(block)(x),
+        backend=backend,
+        fullgraph=True,
+    )
+    saved = SavedStorages(block)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        loss = step(x)
+    return loss, saved, x
+
+
+@pytest.fixture(scope="module")
+def aot_eager_run():
+    loss, saved, x = compiled_loss("aot_eager")
+    report = remat.saved_tensors_report(loss)
+    yield report, saved, x
+    loss.backward()
+    torch._dynamo.reset()
+
+
+def test_compiled_saves_of_a_save_region_are_named_after_its_checkpoint_and_region(aot_eager_run):
+    report, _, _ = aot_eager_run
+    (block,) = report.checkpoints
+    assert block.name == "layers.0"
+    assert [(r.label, r.nbytes) for r in block.regions] == [("layers.0::a", 4 * 32 * 8)]
+    assert [(row.name, row.meta.shape) for row in block.regions[0].rows] == [
+        ("tanh (compiled)", (4, 32))
+    ]
+
+
+def test_the_compiled_checkpoints_input_stays_outside_regions_with_its_bytes(aot_eager_run):
+    report, _, x = aot_eager_run
+    assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
+
+
+def test_the_report_total_equals_the_bytes_the_compiled_forward_saved(aot_eager_run):
+    report, saved, x = aot_eager_run
+    assert report.total_bytes == saved.total == 4 * 32 * 8 + x.nbytes
+
+
+def test_the_text_report_lists_the_compiled_region_under_its_checkpoint(aot_eager_run):
+    text = aot_eager_run[0].format()
+    assert "regions:\n  1.00 KiB  x1  layers.0  (1 storage)\n" in text
+    assert "layers.0::a: 1.00 KiB\n" in text
+
+
+def test_the_cross_rank_summary_counts_the_compiled_checkpoint_by_name(aot_eager_run):
+    report, _, x = aot_eager_run
+    assert reports.rank_summary(report.to_dict()) == {
+        "total": 4 * 32 * 8 + x.nbytes,
+        "regions": [["layers.0", 4 * 32 * 8, 1], [reports.OUTSIDE_REGIONS, x.nbytes, 1]],
+    }
+
+
+def test_inductor_saves_are_attributed_like_aot_eager():
+    loss, saved, x = compiled_loss("inductor")
+    try:
+        report = remat.saved_tensors_report(loss)
+        (block,) = report.checkpoints
+        assert [(r.label, r.nbytes) for r in block.regions] == [("layers.0::a", 4 * 32 * 8)]
+        assert report.total_bytes == saved.total == 4 * 32 * 8 + x.nbytes
+    finally:
+        loss.backward()
+        torch._dynamo.reset()
+
+
+def test_a_compiled_graph_without_checkpoints_keeps_its_saves_outside_regions():
+    torch._dynamo.reset()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    loss = torch.compile(lambda x: x.sin().sum(), backend="aot_eager")(x)
+    try:
+        report = remat.saved_tensors_report(loss)
+        assert report.checkpoints == []
+        assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
+    finally:
+        torch._dynamo.reset()
