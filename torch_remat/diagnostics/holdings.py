@@ -26,6 +26,7 @@ from .storage import is_parameter, tensors_in
 
 INPUTS = "(inputs)"
 STATE_SNAPSHOTS = "(state snapshots)"
+NO_REGION = "(no region)"  # a compiled checkpoint's save traced outside its regions
 
 
 @dataclass
@@ -149,3 +150,18 @@ def entry_holdings(entry: FrameEntry) -> Holdings | None:
     groups = [_region_group(rec, True) for rec in records]
     groups.append(_state_group((), records))
     return Holdings(entry.name, entry.serial, [g for g in groups if g.items])
+
+
+def compiled_holdings(saves: list[Any]) -> list[Holdings]:
+    """Holdings of compiled checkpoints, one per checkpoint name, from a graph
+    walk's ``CompiledHeld`` items (in the order the walk found them): one group per
+    region, one item per saved forward-graph output, named ``node (compiled)``."""
+    by_name: dict[str, dict[str, HeldGroup]] = {}
+    for save in saves:
+        groups = by_name.setdefault(save.checkpoint, {})
+        region = save.region or NO_REGION
+        group = groups.setdefault(region, HeldGroup(region))
+        data = save.data
+        meta = TensorMeta.of(data) if isinstance(data, torch.Tensor) else None
+        group.items.append(HeldItem(f"{save.node} (compiled)", meta, tensors_in(data)))
+    return [Holdings(name, -1, list(groups.values())) for name, groups in by_name.items()]
