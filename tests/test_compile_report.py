@@ -3,10 +3,15 @@ are named after the checkpoint and region they were traced in, bytes exact."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import torch_remat as remat
+from torch_remat import _compat
+from torch_remat.diagnostics.graph_saves import NOT_ATTRIBUTED
+from torch_remat.engine import compiled_saves
 from torch_remat.integrations import reports
 
 DTYPE = torch.float64
@@ -65,13 +70,13 @@ def compiled_loss(backend: str):
 def aot_eager_run():
     loss, saved, x = compiled_loss("aot_eager")
     report = remat.saved_tensors_report(loss)
-    yield report, saved, x
+    yield report, saved, x, loss
     loss.backward()
     torch._dynamo.reset()
 
 
 def test_compiled_saves_of_a_save_region_are_named_after_its_checkpoint_and_region(aot_eager_run):
-    report, _, _ = aot_eager_run
+    report = aot_eager_run[0]
     (block,) = report.checkpoints
     assert block.name == "layers.0"
     assert [(r.label, r.nbytes) for r in block.regions] == [("layers.0::a", 4 * 32 * 8)]
@@ -81,12 +86,12 @@ def test_compiled_saves_of_a_save_region_are_named_after_its_checkpoint_and_regi
 
 
 def test_the_compiled_checkpoints_input_stays_outside_regions_with_its_bytes(aot_eager_run):
-    report, _, x = aot_eager_run
+    report, _, x, _ = aot_eager_run
     assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
 
 
 def test_the_report_total_equals_the_bytes_the_compiled_forward_saved(aot_eager_run):
-    report, saved, x = aot_eager_run
+    report, saved, x, _ = aot_eager_run
     assert report.total_bytes == saved.total == 4 * 32 * 8 + x.nbytes
 
 
@@ -97,11 +102,28 @@ def test_the_text_report_lists_the_compiled_region_under_its_checkpoint(aot_eage
 
 
 def test_the_cross_rank_summary_counts_the_compiled_checkpoint_by_name(aot_eager_run):
-    report, _, x = aot_eager_run
+    report, _, x, _ = aot_eager_run
     assert reports.rank_summary(report.to_dict()) == {
         "total": 4 * 32 * 8 + x.nbytes,
         "regions": [["layers.0", 4 * 32 * 8, 1], [reports.OUTSIDE_REGIONS, x.nbytes, 1]],
     }
+
+
+def test_saves_that_do_not_match_their_graphs_record_are_reported_as_not_attributed(
+    aot_eager_run, monkeypatch
+):
+    report, _, x, loss = aot_eager_run
+    record = compiled_saves.compiled_saves_of(loss.grad_fn)
+    wrong = dataclasses.replace(record.checked[-1], dtype=torch.float16)
+    key = id(_compat.compiled_function_metadata(loss.grad_fn))
+    ref, _ = compiled_saves._records[key]
+    record = dataclasses.replace(record, checked=record.checked[:-1] + (wrong,))
+    monkeypatch.setitem(compiled_saves._records, key, (ref, record))
+    unattributed = remat.saved_tensors_report(loss)
+    assert unattributed.checkpoints == []
+    assert [(g.node_type, g.nbytes) for g in unattributed.outside] == [
+        (f"{COMPILED} ({NOT_ATTRIBUTED})", report.total_bytes)
+    ]
 
 
 def test_inductor_saves_are_attributed_like_aot_eager():
