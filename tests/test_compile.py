@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, grads
+from helpers import SavedBytes, assert_bitwise_equal, grads
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -49,26 +49,6 @@ def loss_of(out):
 
 def checkpointed(block):
     return lambda x: loss_of(remat.checkpoint(region_name="layers.0")(block)(x, scale=2.0))
-
-
-class SavedBytes:
-    """Bytes of the distinct storages autograd saves while the block runs (an outer
-    saved-tensor hook sees what the compiled forward hands its backward), not
-    counting parameters, which are resident anyway."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.parameters:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def forward_graph_capture():

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import SavedBytes
 
 import torch_remat as remat
 from torch_remat import _compat
@@ -31,25 +32,6 @@ class SaveThenRecompute(torch.nn.Module):
         return torch.tanh(self.b(h.sin())).sum()
 
 
-class SavedStorages:
-    """The distinct non-parameter storages autograd is handed while the compiled
-    call runs (an outer torch hook sees what the compiled forward saves)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.parameters:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
-
-
 def compiled_loss(backend: str):
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -60,7 +42,7 @@ def compiled_loss(backend: str):
         backend=backend,
         fullgraph=True,
     )
-    saved = SavedStorages(block)
+    saved = SavedBytes(block)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         loss = step(x)
     return loss, saved, x

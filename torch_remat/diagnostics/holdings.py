@@ -161,7 +161,7 @@ def compiled_holdings(saves: list[Any]) -> list[Holdings]:
         groups = by_name.setdefault(save.checkpoint, {})
         region = save.region or NO_REGION
         group = groups.setdefault(region, HeldGroup(region))
-        data = save.data
-        meta = TensorMeta.of(data) if isinstance(data, torch.Tensor) else None
-        group.items.append(HeldItem(f"{save.node} (compiled)", meta, tensors_in(data)))
+        tensors = tensors_in(save.data)  # what an outer pack hook returned, if any
+        meta = TensorMeta.of(tensors[0]) if len(tensors) == 1 else None
+        group.items.append(HeldItem(f"{save.node} (compiled)", meta, tensors))
     return [Holdings(name, -1, list(groups.values())) for name, groups in by_name.items()]

@@ -156,7 +156,8 @@ def checkpoint(
         name = region_name or _default_name(fn)
         # (early stop, rebuild choice, this function's memo of rebuild.py's FLOP walks)
         replay = (early_stop, rebuild, {})
-        refusal = compiled.option_refusal(name, hooks, kept) if hooks or kept != (None, None) else None
+        # Built here, not while Dynamo traces (see compiled.option_refusal).
+        refusal = compiled.option_refusal(name, hooks, kept)
 
         def checkpointed(*a: Any, **kw: Any) -> Any:
             if torch.compiler.is_compiling() and not compiled.eager_checkpoint_running():

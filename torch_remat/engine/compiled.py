@@ -32,6 +32,12 @@ What the eager engine does in Python has no run time of its own here: the
   is refused with :class:`~torch_remat.RematCompileError`.
 * ``early_stop``, ``rebuild`` and ``determinism_check`` concern the Python replay and do
   nothing.
+* Saved-tensor hooks (``saved_tensors_hooks=``, ``input_saved_tensors_hooks=``, a
+  ``remat.saved_tensors_hooks`` context) would pack what remat keeps; the compiled
+  graph saves its tensors itself, so they are refused with
+  :class:`~torch_remat.RematCompileError` rather than ignored.
+* The reports name a compiled graph's saved tensors after their checkpoint and
+  region from what AOTAutograd's partition of the graph records (compiled_saves.py).
 """
 
 from __future__ import annotations
@@ -179,7 +185,9 @@ def _ambient_hooks_message(name: str) -> str:
     )
 
 
-def option_refusal(name: str, hooks: tuple[Any, ...], kept: tuple[Any, Any]) -> Callable[[], None] | None:
+def option_refusal(
+    name: str, hooks: tuple[Any, ...], kept: tuple[Any, Any]
+) -> Callable[[], None] | None:
     """What a compiled call of checkpoint ``name`` must raise for its options, built
     when the checkpoint is created: None when every option works under compile."""
     if any(refuses_state_hook(h) for h in hooks):
