@@ -58,6 +58,19 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
+class CounterHook:
+    """A user RecomputeStateHook for state other than RNG (an int counter)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def snapshot(self):
+        return self.value
+
+    def restore(self, state):
+        self.value = state
+
+
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
     """``save_on_cpu`` that records the shapes it offloads."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CounterHook
 from torch import nn
 
 import torch_remat as remat
@@ -13,11 +14,7 @@ from torch_remat.integrations import RematConfig, apply_remat
 DTYPE = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def identity_hooks():
@@ -66,17 +63,6 @@ def test_apply_remat_with_an_offloading_config_then_compile_raises():
     model.compile(backend="aot_eager")
     with pytest.raises(remat.RematCompileError, match=r"'0'.*saved_tensors_hooks"):
         model(torch.randn(2, 4, dtype=DTYPE, requires_grad=True))
-
-
-class CounterHook:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def snapshot(self):
-        return self.value
-
-    def restore(self, state):
-        self.value = state
 
 
 def test_a_user_state_hook_under_fullgraph_names_the_checkpoint_and_the_hook():
