@@ -84,10 +84,16 @@ def observe_saved_tensor_partition(callback) -> None:
     into saved tensors, call ``callback(fw_module, fw_metadata, num_forward_outputs)``:
     the forward graph, the ``ViewAndMutationMeta`` its ``CompiledFunction`` carries
     at run time, and how many outputs precede the saved ones. Installed once; an
-    error in ``callback`` is its own to handle."""
-    from torch._functorch._aot_autograd import graph_compile
+    error in ``callback`` is its own to handle. Does nothing on a torch without
+    that step."""
+    try:
+        from torch._functorch._aot_autograd import graph_compile
 
-    original = graph_compile._categorize_saved_tensors_for_backward
+        original = graph_compile._categorize_saved_tensors_for_backward
+    except (ImportError, AttributeError):
+        # Another torch layout: compiling must not fail over a report; compiled
+        # saves are then reported outside regions (bytes still exact).
+        return
     if getattr(original, "torch_remat_observer", None) is callback:
         return
 
