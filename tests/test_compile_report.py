@@ -32,13 +32,14 @@ class SaveThenRecompute(torch.nn.Module):
         return torch.tanh(self.b(h.sin())).sum()
 
 
-def compiled_loss(backend: str):
+def compiled_loss(backend: str, outside=lambda x: 0.0):
+    """The block checkpointed as ``layers.0`` plus ``outside(x)``, compiled."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = SaveThenRecompute()
     x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
     step = torch.compile(
-        lambda x: remat.checkpoint(region_name="layers.0")(block)(x),
+        lambda x: remat.checkpoint(region_name="layers.0")(block)(x) + outside(x),
         backend=backend,
         fullgraph=True,
     )
@@ -61,15 +62,30 @@ def test_compiled_saves_of_a_save_region_are_named_after_its_checkpoint_and_regi
     report = aot_eager_run[0]
     (block,) = report.checkpoints
     assert block.name == "layers.0"
-    assert [(r.label, r.nbytes) for r in block.regions] == [("layers.0::a", 4 * 32 * 8)]
-    assert [(row.name, row.meta.shape) for row in block.regions[0].rows] == [
-        ("tanh (compiled)", (4, 32))
-    ]
+    region = block.regions[-1]
+    assert (region.label, region.nbytes) == ("layers.0::a", 4 * 32 * 8)
+    assert [(row.name, row.meta.shape) for row in region.rows] == [("tanh (compiled)", (4, 32))]
 
 
-def test_the_compiled_checkpoints_input_stays_outside_regions_with_its_bytes(aot_eager_run):
+def test_an_input_only_the_checkpoints_backward_reads_is_listed_as_its_input(aot_eager_run):
     report, _, x, _ = aot_eager_run
-    assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
+    (block,) = report.checkpoints
+    inputs = block.regions[0]
+    assert (inputs.label, inputs.nbytes) == ("layers.0::(inputs)", x.nbytes)
+    assert [row.name for row in inputs.rows] == ["primals_1 (compiled)"]
+    assert report.outside == []
+
+
+def test_an_input_also_saved_for_code_outside_the_checkpoint_stays_outside_regions():
+    loss, _, x = compiled_loss("aot_eager", outside=lambda x: (x * x).sum())
+    try:
+        report = remat.saved_tensors_report(loss)
+        (block,) = report.checkpoints
+        assert [(r.label, r.nbytes) for r in block.regions] == [("layers.0::a", 4 * 32 * 8)]
+        assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
+    finally:
+        loss.backward()
+        torch._dynamo.reset()
 
 
 def test_the_report_total_equals_the_bytes_the_compiled_forward_saved(aot_eager_run):
@@ -79,7 +95,8 @@ def test_the_report_total_equals_the_bytes_the_compiled_forward_saved(aot_eager_
 
 def test_the_text_report_lists_the_compiled_region_under_its_checkpoint(aot_eager_run):
     text = aot_eager_run[0].format()
-    assert "regions:\n  1.00 KiB  x1  layers.0  (1 storage)\n" in text
+    assert "regions:\n  1.50 KiB  x1  layers.0  (2 storages)\n" in text
+    assert "layers.0::(inputs): 512 B\n" in text
     assert "layers.0::a: 1.00 KiB\n" in text
 
 
@@ -87,7 +104,7 @@ def test_the_cross_rank_summary_counts_the_compiled_checkpoint_by_name(aot_eager
     report, _, x, _ = aot_eager_run
     assert reports.rank_summary(report.to_dict()) == {
         "total": 4 * 32 * 8 + x.nbytes,
-        "regions": [["layers.0", 4 * 32 * 8, 1], [reports.OUTSIDE_REGIONS, x.nbytes, 1]],
+        "regions": [["layers.0", 4 * 32 * 8 + x.nbytes, 1], [reports.OUTSIDE_REGIONS, 0, 0]],
     }
 
 
@@ -113,7 +130,10 @@ def test_inductor_saves_are_attributed_like_aot_eager():
     try:
         report = remat.saved_tensors_report(loss)
         (block,) = report.checkpoints
-        assert [(r.label, r.nbytes) for r in block.regions] == [("layers.0::a", 4 * 32 * 8)]
+        assert [(r.label, r.nbytes) for r in block.regions] == [
+            ("layers.0::(inputs)", x.nbytes),
+            ("layers.0::a", 4 * 32 * 8),
+        ]
         assert report.total_bytes == saved.total == 4 * 32 * 8 + x.nbytes
     finally:
         loss.backward()
