@@ -81,9 +81,10 @@ def cuda_oom_observer_attacher():
 
 def observe_saved_tensor_partition(callback) -> None:
     """After AOTAutograd splits a joint graph and sorts the forward graph's outputs
-    into saved tensors, call ``callback(fw_module, fw_metadata, num_forward_outputs)``:
-    the forward graph, the ``ViewAndMutationMeta`` its ``CompiledFunction`` carries
-    at run time, and how many outputs precede the saved ones. Installed once; an
+    into saved tensors, call ``callback(fw_module, bw_module, fw_metadata,
+    num_forward_outputs)``: the forward and backward graphs, the
+    ``ViewAndMutationMeta`` its ``CompiledFunction`` carries at run time, and how many
+    forward outputs precede the saved ones. Installed once; an
     error in ``callback`` is its own to handle. Does nothing on a torch without
     that step."""
     try:
@@ -99,7 +100,7 @@ def observe_saved_tensor_partition(callback) -> None:
 
     def categorize(fw_module, bw_module, inner_meta, fw_metadata, num_inner_fwd_outputs):
         result = original(fw_module, bw_module, inner_meta, fw_metadata, num_inner_fwd_outputs)
-        callback(fw_module, fw_metadata, num_inner_fwd_outputs)
+        callback(fw_module, bw_module, fw_metadata, num_inner_fwd_outputs)
         return result
 
     categorize.torch_remat_observer = callback  # type: ignore[attr-defined]

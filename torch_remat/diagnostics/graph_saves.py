@@ -52,6 +52,7 @@ class CompiledHeld:
 
     checkpoint: str
     region: str | None  # None: traced in the checkpoint, outside its regions
+    is_input: bool  # traced before the checkpoint, read only by its backward
     node: str  # the forward graph node it is the output of
     data: Any  # what autograd holds: the tensor, or what an outer pack hook returned
 
@@ -201,7 +202,9 @@ def _compiled_saves(node: Any, result: GraphSaves) -> None:
         if not tensors:
             continue
         if entry is not None and entry.checkpoint is not None:
-            result.compiled.append(CompiledHeld(entry.checkpoint, entry.region, entry.node, data))
+            result.compiled.append(
+                CompiledHeld(entry.checkpoint, entry.region, entry.is_input, entry.node, data)
+            )
         else:
             outside.extend(tensors)
     if outside:

@@ -155,11 +155,12 @@ def entry_holdings(entry: FrameEntry) -> Holdings | None:
 def compiled_holdings(saves: list[Any]) -> list[Holdings]:
     """Holdings of compiled checkpoints, one per checkpoint name, from a graph
     walk's ``CompiledHeld`` items (in the order the walk found them): one group per
-    region, one item per saved forward-graph output, named ``node (compiled)``."""
+    region (and ``(inputs)``), one item per saved forward-graph output, named
+    ``node (compiled)``."""
     by_name: dict[str, dict[str, HeldGroup]] = {}
     for save in saves:
         groups = by_name.setdefault(save.checkpoint, {})
-        region = save.region or NO_REGION
+        region = INPUTS if save.is_input else (save.region or NO_REGION)
         group = groups.setdefault(region, HeldGroup(region))
         tensors = tensors_in(save.data)  # what an outer pack hook returned, if any
         meta = TensorMeta.of(tensors[0]) if len(tensors) == 1 else None

@@ -9,6 +9,11 @@ So when AOTAutograd partitions a graph, the checkpoint and region of each saved
 output are recorded here, keyed by the metadata object that the compiled
 function keeps; the reports look the record up from the autograd node.
 
+A saved tensor that carries no checkpoint of its own (a graph input, or the output
+of code before the checkpoint) is recorded as the input of a checkpoint when every
+node of the backward graph that reads it was traced in that checkpoint: then it is
+held for that checkpoint alone. Read by anything else, it stays unattributed.
+
 A record describes the graph, not one call: tensors are matched to it by
 position, and a mismatch in count, dtype or a static size makes the lookup say
 "not attributed" instead of guessing.
@@ -31,10 +36,11 @@ class CompiledSave:
     """One tensor output of a partitioned forward graph saved for backward."""
 
     node: str  # the forward graph node's name (``tanh``, ``primals_1``)
-    checkpoint: str | None  # the remat checkpoint it was traced in, if any
+    checkpoint: str | None  # the remat checkpoint it was traced in, or is an input of
     region: str | None  # the qualified name of its innermost region, if any
     dtype: torch.dtype | None
     shape: tuple[int | None, ...] | None  # None for a symbolic size
+    is_input: bool = False  # traced outside ``checkpoint``, read only by its backward
 
     def matches(self, t: torch.Tensor) -> bool:
         if self.dtype is not None and t.dtype != self.dtype:
@@ -63,28 +69,47 @@ def _static(size: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def _describe(node: Any) -> CompiledSave | None:
+def _checkpoint_of(node: Any) -> str | None:
+    return (getattr(node, "meta", {}).get("custom") or {}).get(CHECKPOINT_KEY)
+
+
+def _sole_reader(placeholder: Any) -> str | None:
+    """The checkpoint every backward node reading ``placeholder`` was traced in."""
+    if placeholder is None or not placeholder.users:
+        return None
+    readers = {_checkpoint_of(user) for user in placeholder.users}
+    return readers.pop() if len(readers) == 1 else None
+
+
+def _describe(node: Any, backward_inputs: dict[str, Any]) -> CompiledSave | None:
     """None for what is not a tensor (a symbolic int, an opaque object)."""
     val = getattr(node, "meta", {}).get("val")
     if not isinstance(val, torch.Tensor):
         return None
-    custom = node.meta.get("custom") or {}
+    checkpoint = _checkpoint_of(node)
+    is_input = False
+    if checkpoint is None:
+        # The backward graph's placeholder for a saved tensor has its forward name.
+        checkpoint = _sole_reader(backward_inputs.get(node.name))
+        is_input = checkpoint is not None
     return CompiledSave(
         node.name,
-        custom.get(CHECKPOINT_KEY),
-        custom.get(REGION_KEY),
+        checkpoint,
+        None if is_input else (node.meta.get("custom") or {}).get(REGION_KEY),
         val.dtype,
         tuple(_static(s) for s in val.shape),
+        is_input,
     )
 
 
-def _record(fw_module: Any, fw_metadata: Any, num_forward_outputs: int) -> None:
+def _record(fw_module: Any, bw_module: Any, fw_metadata: Any, num_forward_outputs: int) -> None:
     try:
         (output,) = fw_module.graph.find_nodes(op="output")
+        backward_inputs = {p.name: p for p in bw_module.graph.find_nodes(op="placeholder")}
         checked: list[CompiledSave] = []
         unchecked: list[CompiledSave] = []
         for node in output.args[0][num_forward_outputs:]:
-            save = _describe(node)
+            save = _describe(node, backward_inputs)
             if save is not None:
                 unchecked_save = node.meta.get("saved_tensor_with_no_vc_check", False)
                 (unchecked if unchecked_save else checked).append(save)
