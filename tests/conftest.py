@@ -33,6 +33,14 @@ class MemoryProbe:
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Reset Dynamo before and after a test, so no compiled code leaks between tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def memory_probe():
     return MemoryProbe
 

@@ -38,6 +38,39 @@ def assert_bitwise_equal(a, b):
             assert torch.equal(ga, gb), f"gradient {i} differs: max abs diff {(ga - gb).abs().max()}"
 
 
+class SavedBytes:
+    """Bytes of the distinct storages autograd saves while the block runs (an outer
+    saved-tensor hook sees what the compiled forward hands its backward), not
+    counting parameters, which are resident anyway."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+class CounterHook:
+    """A user RecomputeStateHook for state other than RNG (an int counter)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def snapshot(self):
+        return self.value
+
+    def restore(self, state):
+        self.value = state
+
+
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
     """``save_on_cpu`` that records the shapes it offloads."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, grads
+from helpers import CounterHook, SavedBytes, assert_bitwise_equal, grads
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -18,11 +18,7 @@ import torch_remat as remat
 DTYPE = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class TwoRegionBlock(torch.nn.Module):
@@ -49,26 +45,6 @@ def loss_of(out):
 
 def checkpointed(block):
     return lambda x: loss_of(remat.checkpoint(region_name="layers.0")(block)(x, scale=2.0))
-
-
-class SavedBytes:
-    """Bytes of the distinct storages autograd saves while the block runs (an outer
-    saved-tensor hook sees what the compiled forward hands its backward), not
-    counting parameters, which are resident anyway."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.parameters:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def forward_graph_capture():
@@ -206,17 +182,6 @@ def test_dropout_under_the_eager_backend_uses_the_forward_mask_in_backward():
     expected = torch.cos(x * w.detach() * kept) * kept * x
     # A mask drawn anew in backward would differ in about half of the entries.
     torch.testing.assert_close(w.grad, expected, rtol=1e-12, atol=1e-12)
-
-
-class CounterHook:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def snapshot(self):
-        return self.value
-
-    def restore(self, state):
-        self.value = state
 
 
 def test_a_user_state_hook_under_compile_raises_remat_compile_error_naming_the_checkpoint():

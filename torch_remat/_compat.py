@@ -27,6 +27,10 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
+``_functorch._aot_autograd.graph_compile.         see which forward-graph node each tensor a
+_categorize_saved_tensors_for_backward``          compiled graph saves comes from (reports)
+``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
+_forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a compiled node
 ===============================================  =============================================
 """
 
@@ -73,3 +77,46 @@ def cuda_oom_observer_attacher():
     """``torch._C._cuda_attach_out_of_memory_observer``, or None on builds without
     CUDA; looked up at call time."""
     return getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+
+
+def observe_saved_tensor_partition(callback) -> None:
+    """After AOTAutograd splits a joint graph and sorts the forward graph's outputs
+    into saved tensors, call ``callback(fw_module, bw_module, fw_metadata,
+    num_forward_outputs)``: the forward and backward graphs, the
+    ``ViewAndMutationMeta`` its ``CompiledFunction`` carries at run time, and how many
+    forward outputs precede the saved ones. Installed once; an
+    error in ``callback`` is its own to handle. Does nothing on a torch without
+    that step."""
+    try:
+        from torch._functorch._aot_autograd import graph_compile
+
+        original = graph_compile._categorize_saved_tensors_for_backward
+    except (ImportError, AttributeError):
+        # Another torch layout: compiling must not fail over a report; compiled
+        # saves are then reported outside regions (bytes still exact).
+        return
+    if getattr(original, "torch_remat_observer", None) is callback:
+        return
+
+    def categorize(fw_module, bw_module, inner_meta, fw_metadata, num_inner_fwd_outputs):
+        result = original(fw_module, bw_module, inner_meta, fw_metadata, num_inner_fwd_outputs)
+        callback(fw_module, bw_module, fw_metadata, num_inner_fwd_outputs)
+        return result
+
+    categorize.torch_remat_observer = callback  # type: ignore[attr-defined]
+    graph_compile._categorize_saved_tensors_for_backward = categorize
+
+
+def compiled_function_metadata(node) -> object | None:
+    """The ``ViewAndMutationMeta`` of an AOTAutograd ``CompiledFunctionBackward``
+    autograd node, or None for any other node."""
+    forward_cls = getattr(node, "_forward_cls", None)
+    if forward_cls is None or not hasattr(forward_cls, "compiled_fw"):
+        return None
+    return getattr(forward_cls, "metadata", None)
+
+
+def unchecked_compiled_saves(node) -> list:
+    """Tensors a compiled node keeps without a version-counter check (stashed on
+    ``ctx`` rather than saved with ``save_for_backward``), after its saved tensors."""
+    return list(getattr(node, "_tensors_no_vc_check", None) or ())

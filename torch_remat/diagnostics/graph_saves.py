@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..engine.compiled_saves import compiled_saves_of, is_compiled_node, unchecked_saves
 from ..engine.rebuild import RebuiltSave
 from ..engine.records import Holder, RegionSaved
 from .storage import is_parameter, storages_of, tensors_in
@@ -46,8 +47,20 @@ class NodeSaves:
 
 
 @dataclass
+class CompiledHeld:
+    """A tensor a compiled graph saved inside a remat checkpoint."""
+
+    checkpoint: str
+    region: str | None  # None: traced in the checkpoint, outside its regions
+    is_input: bool  # traced before the checkpoint, read only by its backward
+    node: str  # the forward graph node it is the output of
+    data: Any  # what autograd holds: the tensor, or what an outer pack hook returned
+
+
+@dataclass
 class GraphSaves:
     outside: list[NodeSaves] = field(default_factory=list)
+    compiled: list[CompiledHeld] = field(default_factory=list)
     parameter_storages: set[int] = field(default_factory=set)
     nodes: int = 0
     # what torch_remat packed in these graphs, to tell which checkpoints they reach
@@ -149,6 +162,55 @@ def _saved_values(node: Any) -> list[Any]:
     return out
 
 
+def _non_parameters(data: Any, result: GraphSaves) -> list[torch.Tensor]:
+    """The tensors in ``data``; parameters go to ``result.parameter_storages``."""
+    out = []
+    for t in tensors_in(data):
+        if is_parameter(t):
+            result.parameter_storages.update(s.key for s in storages_of(t))
+        else:
+            out.append(t)
+    return out
+
+
+NOT_ATTRIBUTED = "not attributed: its compiled graph's record does not match these saves"
+
+
+def _compiled_saves(node: Any, result: GraphSaves) -> None:
+    """A compiled graph's saves: those traced inside a checkpoint to
+    ``result.compiled``, the rest outside regions under the node's type.
+
+    A graph without a record was partitioned before any remat checkpoint was
+    traced (recording starts then) or loaded from AOTAutograd's cache, which a
+    graph with a remat checkpoint bypasses: either way none of its saves is a
+    checkpoint's."""
+    values = _saved_values(node) + unchecked_saves(node)
+    record = compiled_saves_of(node)
+    node_type = type(node).__name__
+    entries: tuple[Any, ...] = (None,) * len(values)
+    if record is not None:
+        recorded = record.checked + record.unchecked
+        if len(recorded) == len(values) and all(
+            e.matches(v) for e, v in zip(recorded, values) if isinstance(v, torch.Tensor)
+        ):
+            entries = recorded
+        else:
+            node_type = f"{node_type} ({NOT_ATTRIBUTED})"
+    outside: list[torch.Tensor] = []
+    for entry, data in zip(entries, values):
+        tensors = _non_parameters(data, result)
+        if not tensors:
+            continue
+        if entry is not None and entry.checkpoint is not None:
+            result.compiled.append(
+                CompiledHeld(entry.checkpoint, entry.region, entry.is_input, entry.node, data)
+            )
+        else:
+            outside.extend(tensors)
+    if outside:
+        result.outside.append(NodeSaves(node_type, outside))
+
+
 def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
     """Every node reachable from ``roots``, once; see the module docstring."""
     if not hasattr(_compat.SavedTensor, "data"):
@@ -172,8 +234,13 @@ def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
             if is_parameter(variable):
                 result.parameter_storages.update(s.key for s in storages_of(variable))
             continue
+        if is_compiled_node(node):
+            _compiled_saves(node, result)
+            values: list[Any] = []
+        else:
+            values = _saved_values(node)
         tensors = []
-        for data in _saved_values(node):
+        for data in values:
             if isinstance(data, Holder):  # a checkpoint's; its report counts it
                 result.frames[id(data.frame)] = data.frame
                 continue
@@ -183,11 +250,7 @@ def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
             if isinstance(data, RebuiltSave):  # refilled by the replay, or kept
                 result.frames[id(data.frame)] = data.frame
                 continue
-            for t in tensors_in(data):
-                if is_parameter(t):
-                    result.parameter_storages.update(s.key for s in storages_of(t))
-                else:
-                    tensors.append(t)
+            tensors.extend(_non_parameters(data, result))
         if tensors:
             result.outside.append(NodeSaves(type(node).__name__, tensors))
         try:

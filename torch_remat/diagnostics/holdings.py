@@ -26,6 +26,7 @@ from .storage import is_parameter, tensors_in
 
 INPUTS = "(inputs)"
 STATE_SNAPSHOTS = "(state snapshots)"
+NO_REGION = "(no region)"  # a compiled checkpoint's save traced outside its regions
 
 
 @dataclass
@@ -149,3 +150,19 @@ def entry_holdings(entry: FrameEntry) -> Holdings | None:
     groups = [_region_group(rec, True) for rec in records]
     groups.append(_state_group((), records))
     return Holdings(entry.name, entry.serial, [g for g in groups if g.items])
+
+
+def compiled_holdings(saves: list[Any]) -> list[Holdings]:
+    """Holdings of compiled checkpoints, one per checkpoint name, from a graph
+    walk's ``CompiledHeld`` items (in the order the walk found them): one group per
+    region (and ``(inputs)``), one item per saved forward-graph output, named
+    ``node (compiled)``."""
+    by_name: dict[str, dict[str, HeldGroup]] = {}
+    for save in saves:
+        groups = by_name.setdefault(save.checkpoint, {})
+        region = INPUTS if save.is_input else (save.region or NO_REGION)
+        group = groups.setdefault(region, HeldGroup(region))
+        tensors = tensors_in(save.data)  # what an outer pack hook returned, if any
+        meta = TensorMeta.of(tensors[0]) if len(tensors) == 1 else None
+        group.items.append(HeldItem(f"{save.node} (compiled)", meta, tensors))
+    return [Holdings(name, -1, list(groups.values())) for name, groups in by_name.items()]

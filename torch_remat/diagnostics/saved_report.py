@@ -37,7 +37,7 @@ import torch
 
 from .format import align_rows, format_bytes, plural
 from .graph_saves import live_graph_roots, root_nodes, walk_graph_saves
-from .holdings import entry_holdings
+from .holdings import compiled_holdings, entry_holdings
 from .memory_report import (
     CheckpointBlock,
     Ledger,
@@ -218,6 +218,10 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
             block = checkpoint_block(holdings, ledger)
             if block.regions:
                 blocks.append(block)
+    for holdings in compiled_holdings(graph.compiled):
+        block = checkpoint_block(holdings, ledger)
+        if block.regions:
+            blocks.append(block)
     groups: dict[str, OutsideGroup] = {}
     for saves in graph.outside:
         new = []

@@ -156,10 +156,12 @@ def checkpoint(
         name = region_name or _default_name(fn)
         # (early stop, rebuild choice, this function's memo of rebuild.py's FLOP walks)
         replay = (early_stop, rebuild, {})
+        # Built here, not while Dynamo traces (see compiled.option_refusal).
+        refusal = compiled.option_refusal(name, hooks, kept)
 
         def checkpointed(*a: Any, **kw: Any) -> Any:
             if torch.compiler.is_compiling() and not compiled.eager_checkpoint_running():
-                return compiled.run_checkpoint(fn, name, hooks, a, kw)
+                return compiled.run_checkpoint(fn, name, refusal, a, kw)
             if torch.compiler.is_compiling():
                 return _run_eagerly(fn, name, hooks, replay, check_metadata, bitwise, kept, a, kw)
             return _run(fn, name, hooks, replay, check_metadata, bitwise, kept, a, kw)

@@ -32,6 +32,12 @@ What the eager engine does in Python has no run time of its own here: the
   is refused with :class:`~torch_remat.RematCompileError`.
 * ``early_stop``, ``rebuild`` and ``determinism_check`` concern the Python replay and do
   nothing.
+* Saved-tensor hooks (``saved_tensors_hooks=``, ``input_saved_tensors_hooks=``, a
+  ``remat.saved_tensors_hooks`` context) would pack what remat keeps; the compiled
+  graph saves its tensors itself, so they are refused with
+  :class:`~torch_remat.RematCompileError` rather than ignored.
+* The reports name a compiled graph's saved tensors after their checkpoint and
+  region from what AOTAutograd's partition of the graph records (compiled_saves.py).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._errors import RematCompileError
+from .saved_hooks import hooks_context_active
 from .state import current_scope
 from .state_hooks import DeviceRNGStateHook
 
@@ -101,12 +108,48 @@ def refuses_state_hook(hook: Any) -> bool:
     return not isinstance(hook, DeviceRNGStateHook)
 
 
-@torch.compiler.disable
-def _refuse_state_hooks(name: str, hooks: tuple[Any, ...]) -> None:
-    # Run eagerly (a graph break) so the error reaches the caller as raised; raised
-    # while Dynamo traces it would only make Dynamo fall back to the eager path.
+def _raise_compile_error(message: str) -> None:
+    raise RematCompileError(message)
+
+
+# A refusal runs as a graph break (torch.compiler.disable): raised while Dynamo
+# traces, the error would only make Dynamo fall back to eager, or, under
+# fullgraph=True, turn into its "observed exception" report without our text.
+# Under fullgraph=True Dynamo cannot break there and reports the disabled call
+# with its reason, so the reason is the message itself where it can be.
+_refuse_in_trace = torch.compiler.disable(
+    _raise_compile_error,
+    reason="it raises RematCompileError: a remat.checkpoint option that cannot work under torch.compile "
+    "(state hooks other than the RNG hooks, saved_tensors_hooks, "
+    "input_saved_tensors_hooks); without fullgraph=True the RematCompileError names "
+    "the checkpoint and the option",
+)
+_refuse_ambient_hooks = torch.compiler.disable(
+    _raise_compile_error,
+    reason="it raises RematCompileError: a remat.saved_tensors_hooks context is active around a "
+    "compiled remat.checkpoint, and its hooks cannot run inside a compiled graph; "
+    "leave the context out of compiled code or run the block eagerly",
+)
+_refusals: dict[str, Callable[[], None]] = {}
+
+
+def _refusal(message: str) -> Callable[[], None]:
+    if torch.compiler.is_compiling():
+        # Decorated while Dynamo traces, where torch.compiler.disable cannot run.
+        return functools.partial(_refuse_in_trace, message)
+    refuse = _refusals.get(message)
+    if refuse is None:
+        refuse = torch.compiler.disable(
+            functools.partial(_raise_compile_error, message),
+            reason=f"it raises RematCompileError: {message}",
+        )
+        _refusals[message] = refuse
+    return refuse
+
+
+def _state_hooks_message(name: str, hooks: tuple[Any, ...]) -> str:
     names = ", ".join(type(h).__name__ for h in hooks if refuses_state_hook(h))
-    raise RematCompileError(
+    return (
         f"torch_remat: checkpoint '{name}' runs under torch.compile with "
         f"recompute_state_hooks ({names}) that the compiled graph cannot call: its "
         "recompute is part of the compiled backward, where no Python runs, so "
@@ -117,12 +160,68 @@ def _refuse_state_hooks(name: str, hooks: tuple[Any, ...]) -> None:
     )
 
 
-def run_checkpoint(fn: Callable[..., Any], name: str, hooks: tuple[Any, ...], args, kwargs):
-    """``remat.checkpoint(region_name=name)(fn)(*args, **kwargs)`` while Dynamo traces."""
+def _pack_hooks_message(name: str, options: list[str]) -> str:
+    given = " and ".join(options)
+    return (
+        f"torch_remat: checkpoint '{name}' was given {given}, which cannot run under "
+        "torch.compile: the compiled graph saves its tensors for backward itself and "
+        "calls no remat pack or unpack hook, so an offloader would silently keep "
+        "everything on the device. Run this block eagerly (leave it out of "
+        "torch.compile, e.g. with torch.compiler.disable), or drop the option and "
+        "offload what the compiled graph saves with torch's own hooks around the "
+        "compiled call (torch.autograd.graph.save_on_cpu() or "
+        "torch.autograd.graph.saved_tensors_hooks)."
+    )
+
+
+def _ambient_hooks_message(name: str) -> str:
+    return (
+        f"torch_remat: checkpoint '{name}' runs under torch.compile inside a "
+        "remat.saved_tensors_hooks context, whose hooks cannot run there: the compiled "
+        "graph saves its tensors for backward itself and calls no remat pack or unpack "
+        "hook. Leave the context out around compiled code, run this block eagerly, or "
+        "use torch's own hooks around the compiled call "
+        "(torch.autograd.graph.save_on_cpu() or torch.autograd.graph.saved_tensors_hooks)."
+    )
+
+
+def option_refusal(
+    name: str, hooks: tuple[Any, ...], kept: tuple[Any, Any]
+) -> Callable[[], None] | None:
+    """What a compiled call of checkpoint ``name`` must raise for its options, built
+    when the checkpoint is created: None when every option works under compile."""
     if any(refuses_state_hook(h) for h in hooks):
-        _refuse_state_hooks(name, hooks)
+        return _refusal(_state_hooks_message(name, hooks))
+    options = [
+        option
+        for option, pair in zip(("saved_tensors_hooks", "input_saved_tensors_hooks"), kept)
+        if pair is not None
+    ]
+    if options:
+        return _refusal(_pack_hooks_message(name, options))
+    return None
+
+
+@torch.compiler.assume_constant_result
+def _observe_partitions() -> bool:
+    # Runs once per trace, outside the graph: from now on AOTAutograd's partitions
+    # record which checkpoint and region each saved tensor comes from (reports).
+    from .compiled_saves import observe_compiled_partitions
+
+    observe_compiled_partitions()
+    return True
+
+
+def run_checkpoint(fn: Callable[..., Any], name: str, refusal, args, kwargs):
+    """``remat.checkpoint(region_name=name)(fn)(*args, **kwargs)`` while Dynamo
+    traces; ``refusal`` is :func:`option_refusal`'s."""
+    if refusal is not None:
+        refusal()
+    if hooks_context_active():  # Dynamo guards on it: entering one retraces
+        _refuse_ambient_hooks(_ambient_hooks_message(name))
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    _observe_partitions()
 
     # Keyword arguments go through a closure: torch's checkpoint would take those
     # named like its own options (debug, early_stop, ...) for itself.

@@ -117,6 +117,11 @@ _state = _HookState()
 _calls = itertools.count()
 
 
+def hooks_context_active() -> bool:
+    """True inside a :class:`saved_tensors_hooks` block (this thread)."""
+    return bool(_state.stack)
+
+
 def next_call_serial() -> int:
     return next(_calls)
 

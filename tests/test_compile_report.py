@@ -1,0 +1,152 @@
+"""The saved-tensors report of a compiled checkpoint: the compiled forward's saves
+are named after the checkpoint and region they were traced in, bytes exact."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import SavedBytes
+
+import torch_remat as remat
+from torch_remat import _compat
+from torch_remat.diagnostics.graph_saves import NOT_ATTRIBUTED
+from torch_remat.engine import compiled_saves
+from torch_remat.integrations import reports
+
+DTYPE = torch.float64
+COMPILED = "CompiledFunctionBackward"
+
+
+class SaveThenRecompute(torch.nn.Module):
+    """x -> [a: SAVE] tanh(linear) -> sin -> linear -> tanh -> sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32, dtype=DTYPE)
+        self.b = torch.nn.Linear(32, 8, dtype=DTYPE)
+
+    def forward(self, x):
+        h = remat.region(lambda t: torch.tanh(self.a(t)), "a", recompute=False)(x)
+        return torch.tanh(self.b(h.sin())).sum()
+
+
+def compiled_loss(backend: str, outside=lambda x: 0.0):
+    """The block checkpointed as ``layers.0`` plus ``outside(x)``, compiled."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = SaveThenRecompute()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    step = torch.compile(
+        lambda x: remat.checkpoint(region_name="layers.0")(block)(x) + outside(x),
+        backend=backend,
+        fullgraph=True,
+    )
+    saved = SavedBytes(block)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        loss = step(x)
+    return loss, saved, x
+
+
+@pytest.fixture(scope="module")
+def aot_eager_run():
+    loss, saved, x = compiled_loss("aot_eager")
+    report = remat.saved_tensors_report(loss)
+    yield report, saved, x, loss
+    loss.backward()
+    torch._dynamo.reset()
+
+
+def test_compiled_saves_of_a_save_region_are_named_after_its_checkpoint_and_region(aot_eager_run):
+    report = aot_eager_run[0]
+    (block,) = report.checkpoints
+    assert block.name == "layers.0"
+    region = block.regions[-1]
+    assert (region.label, region.nbytes) == ("layers.0::a", 4 * 32 * 8)
+    assert [(row.name, row.meta.shape) for row in region.rows] == [("tanh (compiled)", (4, 32))]
+
+
+def test_an_input_only_the_checkpoints_backward_reads_is_listed_as_its_input(aot_eager_run):
+    report, _, x, _ = aot_eager_run
+    (block,) = report.checkpoints
+    inputs = block.regions[0]
+    assert (inputs.label, inputs.nbytes) == ("layers.0::(inputs)", x.nbytes)
+    assert [row.name for row in inputs.rows] == ["primals_1 (compiled)"]
+    assert report.outside == []
+
+
+def test_an_input_also_saved_for_code_outside_the_checkpoint_stays_outside_regions():
+    loss, _, x = compiled_loss("aot_eager", outside=lambda x: (x * x).sum())
+    try:
+        report = remat.saved_tensors_report(loss)
+        (block,) = report.checkpoints
+        assert [(r.label, r.nbytes) for r in block.regions] == [("layers.0::a", 4 * 32 * 8)]
+        assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
+    finally:
+        loss.backward()
+        torch._dynamo.reset()
+
+
+def test_the_report_total_equals_the_bytes_the_compiled_forward_saved(aot_eager_run):
+    report, saved, x, _ = aot_eager_run
+    assert report.total_bytes == saved.total == 4 * 32 * 8 + x.nbytes
+
+
+def test_the_text_report_lists_the_compiled_region_under_its_checkpoint(aot_eager_run):
+    text = aot_eager_run[0].format()
+    assert "regions:\n  1.50 KiB  x1  layers.0  (2 storages)\n" in text
+    assert "layers.0::(inputs): 512 B\n" in text
+    assert "layers.0::a: 1.00 KiB\n" in text
+
+
+def test_the_cross_rank_summary_counts_the_compiled_checkpoint_by_name(aot_eager_run):
+    report, _, x, _ = aot_eager_run
+    assert reports.rank_summary(report.to_dict()) == {
+        "total": 4 * 32 * 8 + x.nbytes,
+        "regions": [["layers.0", 4 * 32 * 8 + x.nbytes, 1], [reports.OUTSIDE_REGIONS, 0, 0]],
+    }
+
+
+def test_saves_that_do_not_match_their_graphs_record_are_reported_as_not_attributed(
+    aot_eager_run, monkeypatch
+):
+    report, _, x, loss = aot_eager_run
+    record = compiled_saves.compiled_saves_of(loss.grad_fn)
+    wrong = dataclasses.replace(record.checked[-1], dtype=torch.float16)
+    key = id(_compat.compiled_function_metadata(loss.grad_fn))
+    ref, _ = compiled_saves._records[key]
+    record = dataclasses.replace(record, checked=record.checked[:-1] + (wrong,))
+    monkeypatch.setitem(compiled_saves._records, key, (ref, record))
+    unattributed = remat.saved_tensors_report(loss)
+    assert unattributed.checkpoints == []
+    assert [(g.node_type, g.nbytes) for g in unattributed.outside] == [
+        (f"{COMPILED} ({NOT_ATTRIBUTED})", report.total_bytes)
+    ]
+
+
+def test_inductor_saves_are_attributed_like_aot_eager():
+    loss, saved, x = compiled_loss("inductor")
+    try:
+        report = remat.saved_tensors_report(loss)
+        (block,) = report.checkpoints
+        assert [(r.label, r.nbytes) for r in block.regions] == [
+            ("layers.0::(inputs)", x.nbytes),
+            ("layers.0::a", 4 * 32 * 8),
+        ]
+        assert report.total_bytes == saved.total == 4 * 32 * 8 + x.nbytes
+    finally:
+        loss.backward()
+        torch._dynamo.reset()
+
+
+def test_a_compiled_graph_without_checkpoints_keeps_its_saves_outside_regions():
+    torch._dynamo.reset()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    loss = torch.compile(lambda x: x.sin().sum(), backend="aot_eager")(x)
+    try:
+        report = remat.saved_tensors_report(loss)
+        assert report.checkpoints == []
+        assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
+    finally:
+        torch._dynamo.reset()
