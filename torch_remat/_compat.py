@@ -98,9 +98,22 @@ def observe_saved_tensor_partition(callback) -> None:
     if getattr(original, "torch_remat_observer", None) is callback:
         return
 
-    def categorize(fw_module, bw_module, inner_meta, fw_metadata, num_inner_fwd_outputs):
-        result = original(fw_module, bw_module, inner_meta, fw_metadata, num_inner_fwd_outputs)
-        callback(fw_module, bw_module, fw_metadata, num_inner_fwd_outputs)
+    import inspect
+
+    signature = inspect.signature(original)
+
+    def categorize(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+            observed = (
+                bound["fw_module"], bound["bw_module"], bound["fw_metadata"],
+                bound["num_inner_fwd_outputs"],
+            )
+        except (TypeError, KeyError):
+            # Another signature: leave the graph unrecorded (reported outside regions).
+            return result
+        callback(*observed)
         return result
 
     categorize.torch_remat_observer = callback  # type: ignore[attr-defined]
