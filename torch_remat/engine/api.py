@@ -154,7 +154,7 @@ def checkpoint(
                 "function that computes and returns its tensors."
             )
         name = region_name or _default_name(fn)
-        # (early stop, rebuild choice, this function's memo of rebuild.py's FLOP walks)
+        # (early stop, rebuild choice, this function's memo of rebuild_decide's FLOP walks)
         replay = (early_stop, rebuild, {})
         # Built here, not while Dynamo traces (see compiled.option_refusal).
         refusal = compiled.option_refusal(name, hooks, kept)
@@ -179,8 +179,9 @@ def _run(fn, name, hooks, replay, check_metadata, bitwise, kept, args, kwargs) -
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     early_stop, rebuild, flop_limits = replay
-    frame = CheckpointFrame(fn, name, hooks, early_stop, check_metadata, bitwise, kept, rebuild)
-    frame.flop_limits = flop_limits
+    frame = CheckpointFrame(
+        fn, name, hooks, early_stop, check_metadata, bitwise, kept, rebuild, flop_limits
+    )
     try:
         return frame.run_forward(args, kwargs)
     except RuntimeError as e:

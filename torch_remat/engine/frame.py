@@ -62,13 +62,14 @@ class CheckpointFrame(FrameBackward):
         bitwise_check: bool,
         kept_options: tuple[Any, Any] = (None, None),
         rebuild: str = "free",
+        flop_limits: dict | None = None,
     ) -> None:
         self.fn = fn
         self.name = name
         self.state_hooks = state_hooks
         self.early_stop = early_stop
         self.rebuild_policy = rebuild  # "free", "always" or "never" (rebuild.py)
-        self.flop_limits: dict | None = None  # rebuild.py's memo, per checkpointed function
+        self.flop_limits = flop_limits  # rebuild_decide's memo, per checkpointed function
         self.check_metadata = check_metadata
         self.bitwise_check = bitwise_check
         self.holders: list[weakref.ref] = []
