@@ -62,18 +62,22 @@ class _CellSlot:
 
 
 class _Slot:
-    __slots__ = ("owner", "key", "tensor", "version", "name", "kind", "copy")
+    __slots__ = ("owner", "key", "tensor", "version", "prefix", "kind", "copy")
 
-    def __init__(self, owner, key, tensor, version, name, kind) -> None:
+    def __init__(self, owner, key, tensor, version, prefix, kind, copy=None) -> None:
         self.owner = owner
         self.key = key
         self.tensor = tensor
         self.version = version
-        self.name = name
+        self.prefix = prefix  # the qualified name is prefix + key (closures: prefix only)
         self.kind = kind
         # buffers: the value at the checkpoint's start while the forward runs; kept
         # afterwards only if the forward updated the buffer in place
-        self.copy: torch.Tensor | None = None
+        self.copy: torch.Tensor | None = copy
+
+    @property
+    def name(self) -> str:
+        return self.prefix if self.kind == CLOSURE else self.prefix + self.key
 
 
 def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]]]:
@@ -127,28 +131,34 @@ def _module_slots(
     buffer_groups: list[tuple[nn.Module, list[_Slot]]],
     seen: set[int],
 ) -> None:
+    # Runs at every checkpoint call: plain loops, names built only for messages.
     stack = [(prefix, root)]
+    pop, push = stack.pop, stack.append
     while stack:
-        p, m = stack.pop()
-        if id(m) in seen:
+        p, m = pop()
+        i = id(m)
+        if i in seen:
             continue
-        seen.add(id(m))
+        seen.add(i)
         params = m._parameters
-        for k, t in params.items():
-            if t is not None:
-                slots.append(_Slot(params, k, t, t._version, p + k, PARAMETER))
+        if params:
+            for k, t in params.items():
+                if t is not None:
+                    slots.append(_Slot(params, k, t, t._version, p, PARAMETER))
         buffers = m._buffers
         if buffers:
             group = []
             for k, t in buffers.items():
                 if t is not None:
-                    slot = _Slot(buffers, k, t, t._version, p + k, BUFFER)
-                    slot.copy = t.detach().clone()  # detached: no grad mode needed
-                    group.append(slot)
+                    # detached: no grad mode needed
+                    group.append(_Slot(buffers, k, t, t._version, p, BUFFER, t.detach().clone()))
             slots.extend(group)
             buffer_groups.append((m, group))
-        children = [(f"{p}{k}.", c) for k, c in m._modules.items() if c is not None]
-        stack.extend(reversed(children))  # named_modules order
+        children = m._modules
+        if children:
+            for k, c in reversed(children.items()):  # named_modules order
+                if c is not None:
+                    push((p + k + ".", c))
 
 
 def _updates_buffers_unseen(m: nn.Module) -> bool:

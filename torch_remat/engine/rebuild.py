@@ -46,13 +46,9 @@ def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
 
 
 def _layout(t: torch.Tensor) -> tuple:
+    # (shape, stride, storage offset, dtype, device, storage bytes)
     return (
-        tuple(t.shape),
-        t.stride(),
-        t.storage_offset(),
-        t.dtype,
-        t.device,
-        t.untyped_storage().nbytes(),
+        t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes()
     )
 
 
@@ -61,19 +57,24 @@ class RebuildArg:
 
     __slots__ = ("index", "tensor", "root", "node", "layout", "version", "checksum", "saves")
 
-    def __init__(self, index: int, t: torch.Tensor) -> None:
+    def __init__(self, index: int, t: torch.Tensor, node: Any) -> None:
         self.index = index
         # Strong references only while the forward runs (the caller holds them then).
         self.tensor: torch.Tensor | None = t
         self.root: torch.Tensor | None = storage_root(t)
-        self.node = t.grad_fn
+        self.node = node
         self.layout = _layout(t)
         self.version = t._version
         self.checksum: Any = None
         self.saves: list[weakref.ref] = []
 
     def live_saves(self) -> list[RebuiltSave]:
-        return [s for s in (r() for r in self.saves) if s is not None and s.kept is None]
+        out = []
+        for r in self.saves:
+            s = r()
+            if s is not None and s.kept is None:
+                out.append(s)
+        return out
 
 
 class RegionRebuild:
@@ -97,26 +98,34 @@ class RebuiltSave:
     is kept after all as ``kept`` (a ``RegionSaved``).
     """
 
-    __slots__ = ("frame", "arg", "region", "meta", "version", "pending", "kept", "hooks",
-                 "recomputed", "__weakref__")
+    __slots__ = ("frame", "arg", "region", "view", "requires_grad", "version", "pending",
+                 "kept", "hooks", "recomputed", "__weakref__")
 
     def __init__(self, frame: Any, arg: RebuildArg, region: Any, t: torch.Tensor) -> None:
         self.frame = frame
         self.arg = arg
         self.region = region
-        self.meta = TensorMeta.of(t)
+        # (shape, stride, storage offset) in the argument's storage
+        self.view = (t.shape, t.stride(), t.storage_offset())
+        self.requires_grad = t.requires_grad
         self.version = t._version
-        self.pending: torch.Tensor | None = t.detach()
+        self.pending: torch.Tensor | None = t
         self.kept: RegionSaved | None = None
         # the hooks a kept save would get, as of the save (if it is kept after all)
         self.hooks = frame.kept_hooks.region_save(region.qualname, t) or frame.outer_hooks
         self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
 
+    @property
+    def meta(self) -> TensorMeta:
+        shape, stride, offset = self.view
+        _, _, _, dtype, device, _ = self.arg.layout
+        return TensorMeta(tuple(shape), stride, offset, dtype, device, self.requires_grad)
+
     def unpack(self) -> torch.Tensor:
         if self.kept is not None:
             return self.kept.unpack()
         if self.pending is not None:  # backward inside the forward: still held
-            return self.pending
+            return self.pending.detach()
         return self.frame.unpack_rebuilt(self)
 
 
@@ -141,13 +150,14 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
     found = []
     sources, start = frame.sources, frame.start_seq
     for i, x in enumerate(region_leaves(args, kwargs)):
-        if not isinstance(x, torch.Tensor) or x.grad_fn is None:
+        if not isinstance(x, torch.Tensor):
             continue
-        if x.grad_fn._sequence_nr() < start or is_parameter(x):
+        node = x.grad_fn  # None for parameters and other leaves
+        if node is None or node._sequence_nr() < start or is_parameter(x):
             continue
         if sources and sources.lookup(x) is not None:
             continue
-        found.append(RebuildArg(i, x))
+        found.append(RebuildArg(i, x, node))
     if not found:
         return None
     frame.rebuild = RegionRebuild(len(frame.replay_regions) - 1, qualname, found)
@@ -157,7 +167,8 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
 def match_save(frame: Any, rebuild: RegionRebuild, t: torch.Tensor) -> RebuiltSave | None:
     """A :class:`RebuiltSave` if ``t`` is (a view of) an argument of ``rebuild`` not
     modified in place since the region call, else None."""
-    root = storage_root(t)
+    base = t._base
+    root = t if base is None else base
     for arg in rebuild.args:
         if arg.root is root and t.dtype == arg.layout[3] and t._version == arg.version:
             saved = RebuiltSave(frame, arg, frame.region_stack[-1], t)
@@ -206,17 +217,31 @@ def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
     rebuilds = list(frame.rebuilds.values())
     if frame.rebuild is not None:
         rebuilds.append(frame.rebuild)
-    return [s for r in rebuilds for a in r.args for s in a.live_saves()]
+    out: list[RebuiltSave] = []
+    for r in rebuilds:
+        for a in r.args:
+            out.extend(a.live_saves())
+    return out
 
 
 def count_to_refill(frame: Any, key: Any) -> int:
-    return sum(1 for s in rebuilt_saves(frame) if s.recomputed is None or key not in s.recomputed)
+    n = 0
+    for r in frame.rebuilds.values():
+        for a in r.args:
+            for ref in a.saves:
+                s = ref()
+                if s is not None and s.kept is None and (s.recomputed is None or key not in s.recomputed):
+                    n += 1
+    return n
 
 
 def forget_rebuilt(frame: Any, key: Any) -> None:
-    for s in rebuilt_saves(frame):
-        if s.recomputed:
-            s.recomputed.pop(key, None)
+    for r in frame.rebuilds.values():
+        for a in r.args:
+            for ref in a.saves:
+                s = ref()
+                if s is not None and s.recomputed:
+                    s.recomputed.pop(key, None)
 
 
 def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> None:
@@ -224,24 +249,31 @@ def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> Non
     replay's arguments, after checking they are laid out as in the forward."""
     frame, key = scope.frame, scope.key
     leaves = region_leaves(args, kwargs)
+    filled = 0
     for arg in rebuild.args:
-        saves = [s for s in arg.live_saves() if s.recomputed is None or key not in s.recomputed]
-        if not saves:
-            continue
-        x = leaves[arg.index] if arg.index < len(leaves) else None
-        _check_argument(frame, rebuild, arg, x)
-        d = x.detach()
-        shape, stride, offset = arg.layout[:3]
-        for s in saves:
-            m = s.meta
-            if m.shape == shape and m.stride == stride and m.storage_offset == offset:
+        d = None
+        for ref in arg.saves:
+            s = ref()
+            if s is None or s.kept is not None:
+                continue
+            rec = s.recomputed
+            if rec is None:
+                s.recomputed = rec = {}
+            elif key in rec:
+                continue
+            if d is None:
+                x = leaves[arg.index] if arg.index < len(leaves) else None
+                _check_argument(frame, rebuild, arg, x)
+                d = x.detach()
+                layout = arg.layout
+            shape, stride, offset = s.view
+            if shape == layout[0] and stride == layout[1] and offset == layout[2]:
                 t = d  # the argument itself (a view of it needs as_strided)
             else:
-                t = d.as_strided(m.shape, m.stride, m.storage_offset)
-            if s.recomputed is None:
-                s.recomputed = {}
-            s.recomputed[key] = (t, t._version)
-            scope.filled += 1
+                t = d.as_strided(shape, stride, offset)
+            rec[key] = (t, t._version)
+            filled += 1
+    scope.filled += filled
 
 
 def _where(frame: Any, rebuild: RegionRebuild, arg: RebuildArg) -> str:
@@ -249,7 +281,17 @@ def _where(frame: Any, rebuild: RegionRebuild, arg: RebuildArg) -> str:
 
 
 def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any) -> None:
-    if not isinstance(x, torch.Tensor) or isinstance(x, Placeholder) or _layout(x) != arg.layout:
+    layout = arg.layout
+    if not (
+        isinstance(x, torch.Tensor)
+        and not isinstance(x, Placeholder)
+        and x.shape == layout[0]
+        and x.stride() == layout[1]
+        and x.storage_offset() == layout[2]
+        and x.dtype == layout[3]
+        and x.device == layout[4]
+        and x.untyped_storage().nbytes() == layout[5]
+    ):
         where = _where(frame, rebuild, arg)
         shape, stride, offset, dtype, device, nbytes = arg.layout
         got = (

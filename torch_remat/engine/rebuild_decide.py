@@ -95,15 +95,13 @@ def _flop_limit(frame: Any, out: Any, lo: int) -> int:
     only keeps a save or replays a matmul it need not (bytes or FLOPs, never a
     gradient), so it is worth the walk per step it saves."""
     s0 = frame.start_seq
-    key = (
-        lo - s0,
-        autograd_sequence_nr() - s0,
-        len(frame.holders),
-        tuple(
-            (r.seq - s0, r.qualname, *(type(a.node) for a in r.args))
-            for r in frame.rebuilds.values()
-        ),
-    )
+    parts: list[Any] = [lo - s0, autograd_sequence_nr() - s0, len(frame.holders)]
+    for r in frame.rebuilds.values():
+        parts.append(r.seq - s0)
+        parts.append(r.qualname)
+        for a in r.args:
+            parts.append(type(a.node))
+    key = tuple(parts)
     memo = frame.flop_limits
     if memo is not None and key in memo:
         return s0 + memo[key]
@@ -129,29 +127,33 @@ def finish_rebuilds(frame: Any, output_edges: dict, out: Any) -> None:
     # Without early stop the replay runs every op anyway: any rebuild is free. So is
     # one the replay reaches before the last tensor it recreates anyway.
     limit = 2**63
-    if (
-        frame.early_stop
-        and frame.rebuild_policy == "free"
-        and any(r.seq > lo for r in frame.rebuilds.values())
-    ):
-        limit = _flop_limit(frame, out, lo)
-    nodes = {id(n): n for n in frame.save_output_nodes}
-    unkept = [nodes[k[0]]._sequence_nr() for k, src in output_edges.items() if not src.keep]
-    floor = max(min(unkept), frame.start_seq) if unkept else None
+    if frame.early_stop and frame.rebuild_policy == "free":
+        for r in frame.rebuilds.values():
+            if r.seq > lo:
+                limit = _flop_limit(frame, out, lo)
+                break
+    floor = None
+    if output_edges:
+        unkept = [k[0] for k, src in output_edges.items() if not src.keep]
+        if unkept:
+            nodes = {id(n): n for n in frame.save_output_nodes}
+            floor = max(min(nodes[k]._sequence_nr() for k in unkept), frame.start_seq)
     for rebuild in list(frame.rebuilds.values()):
         rebuilt = []
         for arg in rebuild.args:
             saves = arg.live_saves()
             node, arg.node = arg.node, None
-            if (
-                rebuild.seq > limit
-                or any(s.pending._version != s.version for s in saves)
-                or (
-                    floor is not None
-                    and node._sequence_nr() >= floor
-                    and _reaches_unkept_output(node, output_edges, floor, clean)
-                )
-            ):
+            keep = rebuild.seq > limit or (
+                floor is not None
+                and node._sequence_nr() >= floor
+                and _reaches_unkept_output(node, output_edges, floor, clean)
+            )
+            if not keep:
+                for s in saves:
+                    if s.pending._version != s.version:
+                        keep = True
+                        break
+            if keep:
                 keep_all(frame, arg)
                 continue
             for s in saves:

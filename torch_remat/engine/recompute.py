@@ -43,10 +43,13 @@ def _forget(frame_ref: weakref.ref, key: Any) -> None:
         frame.forget(key)
 
 
+@functools.lru_cache(maxsize=1)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def _autocast_devices(leaves: Sequence[Any]) -> list[str]:
-    devices = ["cpu"]
-    if torch.cuda.is_available():
-        devices.append("cuda")
+    devices = ["cpu", "cuda"] if _cuda_available() else ["cpu"]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             dt = x.device.type

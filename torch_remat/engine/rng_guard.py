@@ -42,8 +42,10 @@ class _CPUGenerator:
     def fingerprint() -> bytes:
         # Below dispatch modes: a recording mode (gradient_checkpoint_scope) would
         # otherwise hold on to the state tensor.
-        with _compat.DisableTorchDispatch():
-            return torch.default_generator.get_state().numpy().tobytes()
+        if _compat.dispatch_mode_depth():
+            with _compat.DisableTorchDispatch():
+                return torch.default_generator.get_state().numpy().tobytes()
+        return torch.default_generator.get_state().numpy().tobytes()
 
     @staticmethod
     def get_state() -> torch.Tensor:
@@ -77,7 +79,7 @@ _cuda_generators: list[_CUDAGenerator] = []
 
 def _generators() -> list[Any]:
     # CUDA generators exist only once CUDA is initialized; never initialize it here.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
         n = torch.cuda.device_count()
         while len(_cuda_generators) < n:
             _cuda_generators.append(_CUDAGenerator(len(_cuda_generators)))
