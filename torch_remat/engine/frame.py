@@ -240,10 +240,16 @@ class CheckpointFrame(FrameBackward):
         return holder
 
     def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved | RebuiltSave:
-        if self.rebuild is not None:
-            rebuilt = rb.match_save(self, self.rebuild, t)
-            if rebuilt is not None:
-                return rebuilt
+        rebuild = self.rebuild
+        if rebuild is not None:
+            # (a view of) an argument the replay recomputes, not modified since the call
+            base = t._base
+            root = t if base is None else base
+            for arg in rebuild.args:
+                if arg.root is root and t.dtype == arg.layout[3] and t._version == arg.version:
+                    saved = RebuiltSave(self, arg, self.region_stack[-1], t)
+                    arg.saves.append(weakref.ref(saved))
+                    return saved
         region = self.region_stack[-1]
         hooks = self.kept_hooks.region_save(region.qualname, t) or self.outer_hooks
         saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks)

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._compat import autograd_sequence_nr
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
-from .._tensors import TensorMeta, describe_tensor, is_parameter, storage_root
+from .._tensors import TensorMeta, describe_tensor, is_parameter
 from .placeholder import Placeholder
 from .records import RegionSaved
 
@@ -45,13 +45,6 @@ def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
     return tree_flatten((args, kwargs))[0]
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    # (shape, stride, storage offset, dtype, device, storage bytes)
-    return (
-        t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes()
-    )
-
-
 class RebuildArg:
     """One argument of a SAVE region call that the replay recomputes."""
 
@@ -61,9 +54,13 @@ class RebuildArg:
         self.index = index
         # Strong references only while the forward runs (the caller holds them then).
         self.tensor: torch.Tensor | None = t
-        self.root: torch.Tensor | None = storage_root(t)
+        base = t._base
+        self.root: torch.Tensor | None = t if base is None else base
         self.node = node
-        self.layout = _layout(t)
+        # (shape, stride, storage offset, dtype, device, storage bytes)
+        self.layout = (
+            t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes()
+        )
         self.version = t._version
         self.checksum: Any = None
         self.saves: list[weakref.ref] = []
@@ -126,7 +123,7 @@ class RebuiltSave:
             return self.kept.unpack()
         if self.pending is not None:  # backward inside the forward: still held
             return self.pending.detach()
-        return self.frame.unpack_rebuilt(self)
+        return self.frame.take_recomputed(self)
 
 
 def reset(frame: Any) -> None:
@@ -147,9 +144,11 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
     (those are kept anyway) nor a parameter."""
     if frame.rebuild_policy == "never":
         return None
-    found = []
+    found = None
     sources, start = frame.sources, frame.start_seq
-    for i, x in enumerate(region_leaves(args, kwargs)):
+    i = -1
+    for x in region_leaves(args, kwargs):
+        i += 1
         if not isinstance(x, torch.Tensor):
             continue
         node = x.grad_fn  # None for parameters and other leaves
@@ -157,24 +156,13 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
             continue
         if sources and sources.lookup(x) is not None:
             continue
+        if found is None:
+            found = []
         found.append(RebuildArg(i, x, node))
-    if not found:
+    if found is None:
         return None
     frame.rebuild = RegionRebuild(len(frame.replay_regions) - 1, qualname, found)
     return frame.rebuild
-
-
-def match_save(frame: Any, rebuild: RegionRebuild, t: torch.Tensor) -> RebuiltSave | None:
-    """A :class:`RebuiltSave` if ``t`` is (a view of) an argument of ``rebuild`` not
-    modified in place since the region call, else None."""
-    base = t._base
-    root = t if base is None else base
-    for arg in rebuild.args:
-        if arg.root is root and t.dtype == arg.layout[3] and t._version == arg.version:
-            saved = RebuiltSave(frame, arg, frame.region_stack[-1], t)
-            arg.saves.append(weakref.ref(saved))
-            return saved
-    return None
 
 
 def close_rebuild(frame: Any, rebuild: RegionRebuild, ok: bool) -> None:
@@ -263,9 +251,20 @@ def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> Non
                 continue
             if d is None:
                 x = leaves[arg.index] if arg.index < len(leaves) else None
-                _check_argument(frame, rebuild, arg, x)
-                d = x.detach()
                 layout = arg.layout
+                if not (  # laid out as in the forward, not modified since (else: why)
+                    type(x) is torch.Tensor
+                    and x._version == arg.version
+                    and arg.checksum is None
+                    and x.shape == layout[0]
+                    and x.stride() == layout[1]
+                    and x.storage_offset() == layout[2]
+                    and x.dtype == layout[3]
+                    and x.device == layout[4]
+                    and x.untyped_storage().nbytes() == layout[5]
+                ):
+                    _check_argument(frame, rebuild, arg, x)
+                d = x.detach()
             shape, stride, offset = s.view
             if shape == layout[0] and stride == layout[1] and offset == layout[2]:
                 t = d  # the argument itself (a view of it needs as_strided)

@@ -76,12 +76,9 @@ class FrameBackward:
             if static._version != holder.static_version:
                 raise self._modified_error(holder.index, holder.static_version, static._version)
             return static
-        return self._take_recomputed(holder)
+        return self.take_recomputed(holder)
 
-    def unpack_rebuilt(self, saved: RebuiltSave) -> torch.Tensor:
-        return self._take_recomputed(saved)
-
-    def _take_recomputed(self, holder: Holder | RebuiltSave) -> torch.Tensor:
+    def take_recomputed(self, holder: Holder | RebuiltSave) -> torch.Tensor:
         """The tensor the recompute refilled for this backward, recomputing first."""
         key = graph_task_key()
         rec = holder.recomputed
