@@ -53,7 +53,7 @@ class ReplayScope:
         self.filled = 0
         self.region_pos = 0
         self.region_stack: list[RegionRecord] = []
-        self.seen_regions: list[str] = []
+        self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
 
     def pack(self, t: torch.Tensor) -> Any:
         i = self.counter
@@ -115,13 +115,13 @@ class ReplayScope:
 
     def region_sequences(self) -> str:
         fwd = ", ".join(f"{r.qualname} ({r.kind})" for r in self.frame.replay_regions)
-        rec = ", ".join(self.seen_regions)
+        rec = ", ".join(f"{q} ({'recompute' if r else 'save'})" for q, r in self.seen_regions)
         return f"Regions in forward: [{fwd}]; regions in the recompute so far: [{rec}]."
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
         frame = self.frame
         qualname = self.qualify(name)
-        self.seen_regions.append(f"{qualname} ({'recompute' if recompute else 'save'})")
+        self.seen_regions.append((qualname, recompute))
         pos = self.region_pos
         expected = frame.replay_regions[pos] if pos < len(frame.replay_regions) else None
         if expected is None or expected.qualname != qualname or expected.recompute != recompute:
@@ -148,12 +148,14 @@ class ReplayScope:
                 refill(self, rebuild, args, kwargs)
                 if self.filled == self.needed and frame.early_stop:
                     raise _StopRecompute
+            outputs = expected.outputs
+            if expected.output_spec is None:
+                o = outputs[0]
+                return o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
-                for o in expected.outputs
+                for o in outputs
             ]
-            if expected.output_spec is None:
-                return leaves[0]
             return tree_unflatten(leaves, expected.output_spec)
         self.region_stack.append(expected)
         try:
