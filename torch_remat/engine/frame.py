@@ -216,16 +216,23 @@ class CheckpointFrame(FrameBackward):
         # A tensor the checkpoint keeps anyway fills its holder now, unless the
         # user's own hooks (offloading) were active around the checkpoint: then the
         # kept copy lives where those hooks put it, and the replay refills the holder.
-        if self.sources:
-            sources = self.sources.lookup(t)
-            if sources is not None:
-                for s in sources:
-                    s.mark_kept(t)
-                # Kept tensors packed by hooks live where the hooks put them.
-                if self.outer_hooks is None and not any(s.hooks for s in sources):
-                    d = t.detach()
-                    holder.static = d
-                    holder.static_version = d._version
+        by_root = self.sources.by_root  # SourceIndex.lookup, inline (runs per save)
+        entry = None
+        if by_root:
+            base = t._base
+            root = t if base is None else base
+            entry = by_root.get(id(root))
+            if entry is not None and entry[0]() is not root:
+                entry = None
+        if entry is not None:
+            sources = entry[1]
+            for s in sources:
+                s.mark_kept(t)
+            # Kept tensors packed by hooks live where the hooks put them.
+            if self.outer_hooks is None and not any(s.hooks for s in sources):
+                d = t.detach()
+                holder.static = d
+                holder.static_version = d._version
         if holder.static is None:
             self.last_needed_seq = _compat.autograd_sequence_nr()
         self.holders.append(weakref.ref(holder))
