@@ -43,9 +43,18 @@ def _forget(frame_ref: weakref.ref, key: Any) -> None:
         frame.forget(key)
 
 
-@functools.lru_cache(maxsize=1)
+_CUDA_AVAILABLE: list[bool] = []
+
+
 def _cuda_available() -> bool:
-    return torch.cuda.is_available()
+    # Asked once per process (a Python call per checkpoint otherwise), at the first
+    # checkpoint rather than at import: CUDA_VISIBLE_DEVICES may be set in between.
+    if _CUDA_AVAILABLE:
+        return _CUDA_AVAILABLE[0]
+    available = torch.cuda.is_available()
+    if not torch.compiler.is_compiling():
+        _CUDA_AVAILABLE.append(available)
+    return available
 
 
 def _autocast_devices(leaves: Sequence[Any]) -> list[str]:
