@@ -252,16 +252,11 @@ def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> Non
             if d is None:
                 x = leaves[arg.index] if arg.index < len(leaves) else None
                 layout = arg.layout
-                if not (  # laid out as in the forward, not modified since (else: why)
+                if not (  # as in the forward and not modified since; else: why not
                     type(x) is torch.Tensor
                     and x._version == arg.version
                     and arg.checksum is None
-                    and x.shape == layout[0]
-                    and x.stride() == layout[1]
-                    and x.storage_offset() == layout[2]
-                    and x.dtype == layout[3]
-                    and x.device == layout[4]
-                    and x.untyped_storage().nbytes() == layout[5]
+                    and _same_layout(x, layout)
                 ):
                     _check_argument(frame, rebuild, arg, x)
                 d = x.detach()
@@ -279,17 +274,21 @@ def _where(frame: Any, rebuild: RegionRebuild, arg: RebuildArg) -> str:
     return f"argument {arg.index} of SAVE region '{rebuild.qualname}' in checkpoint '{frame.name}'"
 
 
-def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any) -> None:
-    layout = arg.layout
-    if not (
-        isinstance(x, torch.Tensor)
-        and not isinstance(x, Placeholder)
-        and x.shape == layout[0]
+def _same_layout(x: torch.Tensor, layout: tuple) -> bool:
+    """Is ``x`` laid out as ``RebuildArg.layout`` records the forward's argument?"""
+    return (
+        x.shape == layout[0]
         and x.stride() == layout[1]
         and x.storage_offset() == layout[2]
         and x.dtype == layout[3]
         and x.device == layout[4]
         and x.untyped_storage().nbytes() == layout[5]
+    )
+
+
+def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any) -> None:
+    if not (
+        isinstance(x, torch.Tensor) and not isinstance(x, Placeholder) and _same_layout(x, arg.layout)
     ):
         where = _where(frame, rebuild, arg)
         shape, stride, offset, dtype, device, nbytes = arg.layout
