@@ -216,15 +216,11 @@ class CheckpointFrame(FrameBackward):
         # A tensor the checkpoint keeps anyway fills its holder now, unless the
         # user's own hooks (offloading) were active around the checkpoint: then the
         # kept copy lives where those hooks put it, and the replay refills the holder.
-        by_root = self.sources.by_root  # SourceIndex.lookup, inline (runs per save)
-        entry = None
-        if by_root:
-            base = t._base
-            root = t if base is None else base
-            entry = by_root.get(id(root))
-            if entry is not None and entry[0]() is not root:
-                entry = None
-        if entry is not None:
+        # (SourceIndex.lookup, inline: this runs for every save)
+        base = t._base
+        root = t if base is None else base
+        entry = self.sources.by_root.get(id(root))
+        if entry is not None and entry[0]() is root:
             sources = entry[1]
             for s in sources:
                 s.mark_kept(t)
