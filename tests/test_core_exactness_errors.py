@@ -218,3 +218,18 @@ def test_partial_backwards_of_a_scope_with_retain_graph_do_not_grow(memory_probe
         for _ in range(5):
             torch.autograd.grad(loss, inputs=[w], retain_graph=True)
     assert probe.bytes == 0
+
+
+def test_rng_fingerprints_stay_out_of_a_pre_dispatch_trace():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def body(x):
+        h = torch.nn.functional.dropout(x, 0.5)
+        return remat.region(torch.sin, "s", recompute=False)(h)
+
+    def traced(x):
+        return remat.checkpoint(region_name="blk", recompute_state_hooks=[remat.CPURNGStateHook()])(body)(x)
+
+    gm = make_fx(traced, pre_dispatch=True)(torch.randn(4, 4, requires_grad=True))
+    # The generator state read for the fingerprints (5 KB each) is not a graph constant.
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "_tensor_constant" in str(n.target)]

@@ -357,3 +357,58 @@ def test_save_regions_around_linears_hold_no_more_bytes_than_sac_saving_mm(memor
     sac_grad, base.grad = base.grad, None
     out.sum().backward()
     assert torch.equal(base.grad, sac_grad)
+
+
+class _SaveOutputAliasingArgument(torch.autograd.Function):
+    """Saves its own output, a view of its argument (the node then reaches the save)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        out = a.view_as(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (out,) = ctx.saved_tensors
+        return g * torch.ones_like(out)
+
+
+def test_forward_raising_after_a_save_region_frees_its_rebuilt_saves_without_gc():
+    import gc
+    import weakref
+
+    seen = []
+
+    def fn(x):
+        h = x * 2
+        out = save(lambda a: _SaveOutputAliasingArgument.apply(a) * 1, "f")(h)
+        seen.append(weakref.ref(out.grad_fn.next_functions[0][0]))
+        raise ValueError("after the region")
+
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="after the region"):
+            remat.checkpoint(region_name="c")(fn)(base_input())
+        # no reference cycle through autograd nodes: plain refcounting frees it
+        assert seen[0]() is None
+    finally:
+        gc.enable()
+
+
+def test_pack_hooks_of_a_save_kept_after_all_see_a_detached_tensor():
+    seen = []
+
+    def pack(t):
+        seen.append((t.requires_grad, t.grad_fn))
+        return t
+
+    def fn(x):
+        h = x * 2
+        y = save(torch.sin, "s")(h)
+        h.add_(1)  # modified after the save: the save is kept, not rebuilt
+        return y
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        remat.checkpoint(region_name="c")(fn)(base_input())
+    assert seen == [(False, None)]  # sin's input, packed by the user's hook
