@@ -20,8 +20,7 @@ default_hooks``                                   per checkpoint (the pack path 
 ``autograd.Variable._execution_engine``           free refills a backward did not use when it
                                                   ends (``queue_callback``)
 ``_C._autograd._profiler_enabled``                build profiler range names only when profiling
-``_C._DisableTorchDispatch``,                     compare state snapshots below dispatch modes
-``_C._len_torch_dispatch_stack``                  (only when one is active)
+``_C._DisableTorchDispatch``                      compare state snapshots below dispatch modes
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
                                                   forward saw (saved-tensor checks compare it)
 ``_C._disabled_torch_function_impl``              placeholder subclass without torch_function
@@ -57,7 +56,6 @@ current_graph_task_id = torch._C._current_graph_task_id
 get_graph_exec_group = getattr(torch._C, "_get_graph_exec_group", lambda: None)
 profiler_enabled = torch._C._autograd._profiler_enabled
 DisableTorchDispatch = torch._C._DisableTorchDispatch
-dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 1)
 set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo

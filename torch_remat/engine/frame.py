@@ -204,7 +204,7 @@ class CheckpointFrame(FrameBackward):
         self.inputs = []
         self.output_sources = []
         self.save_output_nodes = []
-        rb.reset(self)
+        rb.abandon(self)
         self.sources = SourceIndex()
         self.leaves = []
         self.module_state = self.rng_start = None

@@ -136,6 +136,15 @@ def reset(frame: Any) -> None:
     frame.output_edges = {}
 
 
+def abandon(frame: Any) -> None:
+    """The forward raised: saves still pending let go of their tensors (a save that
+    is an output of the node holding it would form a cycle through autograd nodes,
+    which the garbage collector cannot see), then :func:`reset`."""
+    for s in rebuilt_saves(frame):
+        s.pending = None
+    reset(frame)
+
+
 def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> RegionRebuild | None:
     """Start the call of a top-level SAVE region (the last of ``frame.replay_regions``).
 
@@ -188,7 +197,8 @@ def close_rebuild(frame: Any, rebuild: RegionRebuild, ok: bool) -> None:
 
 def keep_all(frame: Any, arg: RebuildArg) -> None:
     for saved in arg.live_saves():
-        t, saved.pending = saved.pending, None
+        # detached: the pending tensor may be an output of the node holding the save
+        t, saved.pending = saved.pending.detach(), None
         region = saved.region
         kept = RegionSaved(region, f"saved.{len(region.saved)}", t, saved.hooks)
         if kept.tensor is not None:

@@ -42,10 +42,8 @@ class _CPUGenerator:
     def fingerprint() -> bytes:
         # Below dispatch modes: a recording mode (gradient_checkpoint_scope) would
         # otherwise hold on to the state tensor.
-        if _compat.dispatch_mode_depth():
-            with _compat.DisableTorchDispatch():
-                return torch.default_generator.get_state().numpy().tobytes()
-        return torch.default_generator.get_state().numpy().tobytes()
+        with _compat.DisableTorchDispatch():
+            return torch.default_generator.get_state().numpy().tobytes()
 
     @staticmethod
     def get_state() -> torch.Tensor:
