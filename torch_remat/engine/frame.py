@@ -216,12 +216,8 @@ class CheckpointFrame(FrameBackward):
         # A tensor the checkpoint keeps anyway fills its holder now, unless the
         # user's own hooks (offloading) were active around the checkpoint: then the
         # kept copy lives where those hooks put it, and the replay refills the holder.
-        # (SourceIndex.lookup, inline: this runs for every save)
-        base = t._base
-        root = t if base is None else base
-        entry = self.sources.by_root.get(id(root))
-        if entry is not None and entry[0]() is root:
-            sources = entry[1]
+        sources = self.sources.lookup(t)
+        if sources is not None:
             for s in sources:
                 s.mark_kept(t)
             # Kept tensors packed by hooks live where the hooks put them.
@@ -246,8 +242,7 @@ class CheckpointFrame(FrameBackward):
         rebuild = self.rebuild
         if rebuild is not None:
             # (a view of) an argument the replay recomputes, not modified since the call
-            base = t._base
-            root = t if base is None else base
+            root = storage_root(t)
             for arg in rebuild.args:
                 if arg.root is root and t.dtype == arg.layout[3] and t._version == arg.version:
                     saved = RebuiltSave(self, arg, self.region_stack[-1], t)

@@ -223,23 +223,13 @@ def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
 
 
 def count_to_refill(frame: Any, key: Any) -> int:
-    n = 0
-    for r in frame.rebuilds.values():
-        for a in r.args:
-            for ref in a.saves:
-                s = ref()
-                if s is not None and s.kept is None and (s.recomputed is None or key not in s.recomputed):
-                    n += 1
-    return n
+    return sum(1 for s in rebuilt_saves(frame) if s.recomputed is None or key not in s.recomputed)
 
 
 def forget_rebuilt(frame: Any, key: Any) -> None:
-    for r in frame.rebuilds.values():
-        for a in r.args:
-            for ref in a.saves:
-                s = ref()
-                if s is not None and s.recomputed:
-                    s.recomputed.pop(key, None)
+    for s in rebuilt_saves(frame):
+        if s.recomputed:
+            s.recomputed.pop(key, None)
 
 
 def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> None:

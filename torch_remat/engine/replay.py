@@ -148,14 +148,12 @@ class ReplayScope:
                 refill(self, rebuild, args, kwargs)
                 if self.filled == self.needed and frame.early_stop:
                     raise _StopRecompute
-            outputs = expected.outputs
-            if expected.output_spec is None:
-                o = outputs[0]
-                return o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
-                for o in outputs
+                for o in expected.outputs
             ]
+            if expected.output_spec is None:
+                return leaves[0]
             return tree_unflatten(leaves, expected.output_spec)
         self.region_stack.append(expected)
         try:
