@@ -151,6 +151,27 @@ def backward_memory(loss):
     return peak, at_start
 
 
+def test_backward_memory_ignores_frees_of_blocks_seen_by_an_earlier_profile():
+    # An earlier test's tensor, allocated while that test profiled, dropped during
+    # this backward (by a hook here, by the garbage collector in a real suite).
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ):
+        junk = [torch.empty(640, dtype=D)]
+    a = torch.randn(B, DIM, dtype=D, requires_grad=True)
+
+    def drop_junk(grad):
+        junk.clear()
+        return grad
+
+    y = a.exp()
+    y.register_hook(drop_junk)
+    # exp's backward output (ACT, kept as a.grad) and the loss's gradient (8 B); the
+    # earlier profile's 5,120 B block is freed in between and not counted.
+    assert backward_memory(y.sum()) == (ACT + 8, [])
+    assert junk == []
+
+
 def run_model(ca_compiler, compiled_autograd):
     # Garbage left by earlier tests would otherwise be freed (by gc) at any moment of
     # the measured backward and show up as a negative allocation.
