@@ -128,27 +128,46 @@ def make_model():
 
 def backward_memory(loss):
     """Peak live bytes during ``loss.backward()`` and the live bytes at the start of
-    each recompute, from the profiler's allocation events in time order."""
+    each recompute, from the profiler's allocation events in time order.
+
+    Only blocks allocated inside the profile count, and their frees: the CPU
+    allocator also reports frees of blocks it saw during an earlier profile (an
+    earlier test's garbage, dropped at any moment), which are not this backward's."""
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
         loss.backward()
-    events = prof.profiler.kineto_results.events()
-    allocs = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    starts = sorted(
-        (e.start_ns(), e.name()) for e in events if e.name().startswith("remat.recompute:")
+    events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    allocs = sorted(
+        (e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size)
+        for e in events
+        if type(e.extra_fields).__name__ == "_ExtraFields_Allocation"
     )
+    starts = sorted(e.start_time_ns for e in events if e.name.startswith("remat.recompute:"))
+    mine = set()
     live = peak = 0
     at_start = []
     i = 0
-    for ts, nbytes in allocs:
-        while i < len(starts) and starts[i][0] <= ts:
+    for ts, ptr, nbytes in allocs:
+        if nbytes > 0:
+            mine.add(ptr)
+        elif ptr in mine:
+            mine.discard(ptr)
+        else:
+            continue
+        while i < len(starts) and starts[i] <= ts:
             at_start.append(live)
             i += 1
         live += nbytes
         peak = max(peak, live)
     at_start += [live] * (len(starts) - i)
     return peak, at_start
+
+
+def _walk(events):
+    for e in events:
+        yield e
+        yield from _walk(e.children)
 
 
 def test_backward_memory_ignores_frees_of_blocks_seen_by_an_earlier_profile():
