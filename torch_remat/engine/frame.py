@@ -244,7 +244,7 @@ class CheckpointFrame(FrameBackward):
             # (a view of) an argument the replay recomputes, not modified since the call
             root = storage_root(t)
             for arg in rebuild.args:
-                if arg.root is root and t.dtype == arg.layout[3] and t._version == arg.version:
+                if arg.root is root and t.dtype is arg.layout[3] and t._version == arg.version:
                     saved = RebuiltSave(self, arg, self.region_stack[-1], t)
                     arg.saves.append(weakref.ref(saved))
                     return saved

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._compat import autograd_sequence_nr
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
-from .._tensors import TensorMeta, describe_tensor, is_parameter
+from .._tensors import TensorMeta, describe_tensor
 from .placeholder import Placeholder
 from .records import RegionSaved
 
@@ -50,12 +50,11 @@ class RebuildArg:
 
     __slots__ = ("index", "tensor", "root", "node", "layout", "version", "checksum", "saves")
 
-    def __init__(self, index: int, t: torch.Tensor, node: Any) -> None:
+    def __init__(self, index: int, t: torch.Tensor, root: torch.Tensor, node: Any) -> None:
         self.index = index
         # Strong references only while the forward runs (the caller holds them then).
         self.tensor: torch.Tensor | None = t
-        base = t._base
-        self.root: torch.Tensor | None = t if base is None else base
+        self.root: torch.Tensor | None = root  # storage_root(t)
         self.node = node
         # (shape, stride, storage offset, dtype, device, storage bytes)
         self.layout = (
@@ -102,8 +101,14 @@ class RebuiltSave:
         self.frame = frame
         self.arg = arg
         self.region = region
-        # (shape, stride, storage offset) in the argument's storage
-        self.view = (t.shape, t.stride(), t.storage_offset())
+        # (shape, stride, storage offset) in the argument's storage; None when the
+        # save is laid out as the argument itself
+        layout = arg.layout
+        shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+        if shape == layout[0] and stride == layout[1] and offset == layout[2]:
+            self.view: tuple | None = None
+        else:
+            self.view = (shape, stride, offset)
         self.requires_grad = t.requires_grad
         self.version = t._version
         self.pending: torch.Tensor | None = t
@@ -114,8 +119,9 @@ class RebuiltSave:
 
     @property
     def meta(self) -> TensorMeta:
-        shape, stride, offset = self.view
-        _, _, _, dtype, device, _ = self.arg.layout
+        shape, stride, offset, dtype, device, _ = self.arg.layout
+        if self.view is not None:
+            shape, stride, offset = self.view
         return TensorMeta(tuple(shape), stride, offset, dtype, device, self.requires_grad)
 
     def unpack(self) -> torch.Tensor:
@@ -161,13 +167,17 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
         if not isinstance(x, torch.Tensor):
             continue
         node = x.grad_fn  # None for parameters and other leaves
-        if node is None or node._sequence_nr() < start or is_parameter(x):
+        if node is None or node._sequence_nr() < start:
             continue
-        if sources and sources.lookup(x) is not None:
-            continue
+        base = x._base
+        root = x if base is None else base
+        if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):
+            continue  # (a view of) a parameter: is_parameter(x)
+        if sources and sources.lookup_root(root) is not None:
+            continue  # a checkpoint input or SAVE output (or a view of one)
         if found is None:
             found = []
-        found.append(RebuildArg(i, x, node))
+        found.append(RebuildArg(i, x, root, node))
     if found is None:
         return None
     frame.rebuild = RegionRebuild(len(frame.replay_regions) - 1, qualname, found)
@@ -223,7 +233,16 @@ def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
 
 
 def count_to_refill(frame: Any, key: Any) -> int:
-    return sum(1 for s in rebuilt_saves(frame) if s.recomputed is None or key not in s.recomputed)
+    """How many rebuilt saves of ``frame`` the replay for ``key`` must refill (the
+    count of :func:`rebuilt_saves` not refilled yet, without building the list)."""
+    n = 0
+    for r in frame.rebuilds.values():
+        for a in r.args:
+            for ref in a.saves:
+                s = ref()
+                if s is not None and s.kept is None and (s.recomputed is None or key not in s.recomputed):
+                    n += 1
+    return n
 
 
 def forget_rebuilt(frame: Any, key: Any) -> None:
@@ -251,20 +270,16 @@ def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> Non
                 continue
             if d is None:
                 x = leaves[arg.index] if arg.index < len(leaves) else None
-                layout = arg.layout
                 if not (  # as in the forward and not modified since; else: why not
                     type(x) is torch.Tensor
                     and x._version == arg.version
                     and arg.checksum is None
-                    and _same_layout(x, layout)
+                    and _same_layout(x, arg.layout)
                 ):
                     _check_argument(frame, rebuild, arg, x)
                 d = x.detach()
-            shape, stride, offset = s.view
-            if shape == layout[0] and stride == layout[1] and offset == layout[2]:
-                t = d  # the argument itself (a view of it needs as_strided)
-            else:
-                t = d.as_strided(shape, stride, offset)
+            view = s.view
+            t = d if view is None else d.as_strided(*view)  # the argument, or a view of it
             rec[key] = (t, t._version)
             filled += 1
     scope.filled += filled
@@ -280,7 +295,7 @@ def _same_layout(x: torch.Tensor, layout: tuple) -> bool:
         x.shape == layout[0]
         and x.stride() == layout[1]
         and x.storage_offset() == layout[2]
-        and x.dtype == layout[3]
+        and x.dtype is layout[3]
         and x.device == layout[4]
         and x.untyped_storage().nbytes() == layout[5]
     )
