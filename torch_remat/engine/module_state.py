@@ -127,11 +127,13 @@ def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]]]
 def _module_slots(
     prefix: str,
     root: nn.Module,
+    params: list[tuple],
     slots: list[_Slot],
     buffer_groups: list[tuple[nn.Module, list[_Slot]]],
     seen: set[int],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
+    # Parameters, the most numerous, are plain tuples (ModuleState.params).
     stack = [(prefix, root)]
     pop, push = stack.pop, stack.append
     while stack:
@@ -140,18 +142,19 @@ def _module_slots(
         if i in seen:
             continue
         seen.add(i)
-        params = m._parameters
-        if params:
-            for k, t in params.items():
+        ps = m._parameters
+        if ps:
+            for k, t in ps.items():
                 if t is not None:
-                    slots.append(_Slot(params, k, t, t._version, p, PARAMETER))
+                    params.append((ps, k, t, t._version, p))
         buffers = m._buffers
         if buffers:
             group = []
             for k, t in buffers.items():
                 if t is not None:
-                    # detached: no grad mode needed
-                    group.append(_Slot(buffers, k, t, t._version, p, BUFFER, t.detach().clone()))
+                    # a copy, not a node of the graph (buffers rarely require grad)
+                    copy = t.detach().clone() if t.requires_grad else t.clone()
+                    group.append(_Slot(buffers, k, t, t._version, p, BUFFER, copy))
             slots.extend(group)
             buffer_groups.append((m, group))
         children = m._modules
@@ -174,10 +177,17 @@ def _updates_buffers_unseen(m: nn.Module) -> bool:
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("slots", "buffer_groups")
+    __slots__ = ("params", "slots", "buffer_groups")
 
-    def __init__(self, slots: list[_Slot], buffer_groups: list[tuple[nn.Module, list[_Slot]]]) -> None:
-        self.slots = slots
+    def __init__(
+        self,
+        params: list[tuple],
+        slots: list[_Slot],
+        buffer_groups: list[tuple[nn.Module, list[_Slot]]],
+    ) -> None:
+        # parameters: (module._parameters, key, tensor, version, name prefix)
+        self.params = params
+        self.slots = slots  # buffers and closure cells
         # (module, its buffer slots): a module that updated one buffer in forward
         # may have updated the others in place unseen, so all are replayed from copies
         self.buffer_groups = buffer_groups
@@ -188,15 +198,16 @@ class ModuleState:
         modules, cells = _roots(fn)
         if not modules and not cells:
             return None
+        params: list[tuple] = []
         slots: list[_Slot] = []
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
         for prefix, module in modules:
-            _module_slots(prefix, module, slots, groups, seen)
+            _module_slots(prefix, module, params, slots, groups, seen)
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, t._version, name, CLOSURE))
-        return ModuleState(slots, groups) if slots else None
+        return ModuleState(params, slots, groups) if params or slots else None
 
     def finish(self, checkpoint: str) -> None:
         """End of the forward: keep copies of the buffers it updated, drop the rest;
@@ -208,18 +219,13 @@ class ModuleState:
             else:
                 for s in group:
                     s.copy = None
+        for _, key, t, version, prefix in self.params:
+            if t._version != version:
+                raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
         for s in self.slots:
             t = s.tensor
             if t._version != s.version and s.kind != BUFFER:
-                raise modified_in_place(
-                    f"the {s.kind} '{s.name}' read by checkpoint '{checkpoint}'",
-                    "during the checkpoint's forward",
-                    "The recompute in backward would read the updated value. Update "
-                    "it outside the checkpoint, or register it as a buffer of the "
-                    "checkpointed module (buffers updated in forward are replayed "
-                    "from a copy).",
-                    (s.version, t._version),
-                )
+                raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
 
     def buffers_now(self) -> list[tuple[Any, int]]:
         """Before a SAVE region: the tensor in every buffer slot and its version."""
@@ -262,6 +268,13 @@ class ModuleState:
         :meth:`restore` puts back."""
         undo: list[tuple[Any, Any, Any]] = []
         try:
+            for owner, key, t, version, prefix in self.params:
+                if t._version != version:
+                    raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
+                current = owner.get(key)
+                if current is not t:
+                    undo.append((owner, key, current))
+                    owner[key] = t
             for s in self.slots:
                 current = s.owner.get(s.key)
                 if s.copy is not None:
@@ -273,15 +286,7 @@ class ModuleState:
                     continue
                 t = s.tensor
                 if t._version != s.version:
-                    raise modified_in_place(
-                        f"the {s.kind} '{s.name}' read by checkpoint '{checkpoint}'",
-                        "after the forward, before backward recomputed the checkpoint "
-                        "(an in-place update under no_grad, an optimizer step)",
-                        "The recompute would read the new value and the gradients "
-                        "would be wrong. Run backward before updating it (e.g. "
-                        "optimizer.step() after loss.backward()), or update a clone.",
-                        (s.version, t._version),
-                    )
+                    raise _modified_before_replay(s.kind, s.name, checkpoint, s.version, t)
                 if current is not t:
                     undo.append((s.owner, s.key, current))
                     s.owner[s.key] = t
@@ -289,6 +294,30 @@ class ModuleState:
             restore(undo)
             raise
         return undo
+
+
+def _modified_in_forward(kind: str, name: str, checkpoint: str, version: int, t) -> Exception:
+    return modified_in_place(
+        f"the {kind} '{name}' read by checkpoint '{checkpoint}'",
+        "during the checkpoint's forward",
+        "The recompute in backward would read the updated value. Update "
+        "it outside the checkpoint, or register it as a buffer of the "
+        "checkpointed module (buffers updated in forward are replayed "
+        "from a copy).",
+        (version, t._version),
+    )
+
+
+def _modified_before_replay(kind: str, name: str, checkpoint: str, version: int, t) -> Exception:
+    return modified_in_place(
+        f"the {kind} '{name}' read by checkpoint '{checkpoint}'",
+        "after the forward, before backward recomputed the checkpoint "
+        "(an in-place update under no_grad, an optimizer step)",
+        "The recompute would read the new value and the gradients "
+        "would be wrong. Run backward before updating it (e.g. "
+        "optimizer.step() after loss.backward()), or update a clone.",
+        (version, t._version),
+    )
 
 
 def restore(undo: list[tuple[Any, Any, Any]]) -> None:
