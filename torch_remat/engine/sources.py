@@ -12,9 +12,10 @@ recompute needs it:
 
 When the forward finishes, kept sources are packed by the hooks bound to them
 (``saved_hooks.py``: a checkpoint option or ``remat.saved_tensors_hooks``), or else
-stored as autograd ``SavedTensor``\\ s, so the user's own torch ``saved_tensors_hooks``
-(offloading) apply to them and, without such hooks, autograd's in-place check guards
-them.
+stored as autograd ``SavedTensor``\\ s while the user's own torch
+``saved_tensors_hooks`` (offloading) are active, so that those apply to them. With no
+hooks at all a kept tensor is held as it is (:class:`KeptTensor`, the same in-place
+check for a third of the cost).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import weakref
 
 import torch
 
-from .._compat import make_saved_tensor
+from .._compat import make_saved_tensor, top_saved_tensors_hooks
 from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, storage_root
 from .placeholder import PlaceholderOrigin, make_placeholder
@@ -31,6 +32,22 @@ from .saved_hooks import SavedTensorKind
 
 INPUT = "input"
 OUTPUT = "output"
+
+
+class KeptTensor:
+    """A kept tensor held as it is, with its version (an autograd ``SavedTensor``
+    without hooks, minus the autograd bookkeeping). ``unpack`` returns None once the
+    tensor was modified in place."""
+
+    __slots__ = ("data", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.data = t  # the name SavedTensor uses: the reports look for tensors in it
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor | None:
+        t = self.data
+        return t if t._version == self.version else None
 
 
 class TensorSource:
@@ -95,6 +112,8 @@ class TensorSource:
             kind = SavedTensorKind.CHECKPOINT_INPUT if self.kind == INPUT else SavedTensorKind.SAVE_OUTPUT
             self.saved = self.hooks.pack(t, kind, self.region, self.index)
             self.hooks = None  # drop the captured context with the binding
+        elif top_saved_tensors_hooks(False) is None:
+            self.saved = KeptTensor(t.detach())
         else:
             self.saved = make_saved_tensor(t.detach(), is_output=False)
 
@@ -116,6 +135,13 @@ class TensorSource:
             "inside the region.",
         )
 
+    def _modified_before_replay(self, checkpoint: str) -> Exception:
+        return modified_in_place(
+            f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'",
+            "after the forward, before backward recomputed the checkpoint",
+            "Don't modify tensors that backward still needs; clone them first.",
+        )
+
     def replay_value(self, checkpoint: str) -> torch.Tensor:
         """The value the recompute sees: the kept tensor, or a placeholder."""
         meta = self.meta
@@ -123,15 +149,14 @@ class TensorSource:
             origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self.region)
             return make_placeholder(meta, origin)
         try:
-            t = self.saved.unpack().detach()
+            t = self.saved.unpack()
         except RuntimeError as e:
             if "modified by an inplace operation" not in str(e):
                 raise
-            raise modified_in_place(
-                f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'",
-                "after the forward, before backward recomputed the checkpoint",
-                "Don't modify tensors that backward still needs; clone them first.",
-            ) from e
+            raise self._modified_before_replay(checkpoint) from e
+        if t is None:  # a KeptTensor modified in place
+            raise self._modified_before_replay(checkpoint)
+        t = t.detach()
         if self.hold_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
             meta.shape,
             meta.stride,
@@ -176,6 +201,13 @@ class SourceIndex:
 
     def lookup(self, t: torch.Tensor) -> list[TensorSource] | None:
         root = storage_root(t)
+        entry = self.by_root.get(id(root))
+        if entry is None or entry[0]() is not root:
+            return None
+        return entry[1]
+
+    def lookup_root(self, root: torch.Tensor) -> list[TensorSource] | None:
+        """:meth:`lookup` for a tensor whose ``storage_root`` is ``root``."""
         entry = self.by_root.get(id(root))
         if entry is None or entry[0]() is not root:
             return None
