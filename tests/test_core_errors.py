@@ -137,6 +137,27 @@ def test_checkpoint_input_modified_after_forward():
         out.sum().backward()
 
 
+def test_kept_save_output_modified_after_forward_is_refused_by_the_replay():
+    # Without saved-tensor hooks a kept tensor is held as it is, with its version.
+    outputs = []
+
+    def fn(x):
+        y = remat.region(torch.exp, "exp", recompute=False)(x)
+        remat.recompute_needs_tensor(y)
+        outputs.append(y)
+        return (y + 1).sin()  # the replay reads y; nothing saves it
+
+    x = torch.randn(3, requires_grad=True)
+    out = remat.checkpoint(region_name="blk")(fn)(x)
+    with torch.no_grad():
+        outputs.pop().add_(1)  # the kept exp output
+    with pytest.raises(
+        remat.SavedTensorModifiedError,
+        match="output 0 of SAVE region 'exp' of checkpoint 'blk'.*after the forward, before backward",
+    ):
+        out.sum().backward()
+
+
 def test_checkpoint_input_modified_in_place_by_the_function():
     def fn(x):
         x.mul_(2)
