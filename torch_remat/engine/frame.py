@@ -283,13 +283,13 @@ class CheckpointFrame(FrameBackward):
         if not in_save:
             self.replay_regions.append(record)
         if self.sources:
-            self._consume(args, kwargs, recompute and not in_save, not in_save)
+            consume_region_args(self, args, kwargs, recompute and not in_save, not in_save)
         for outer in _tls.stack[:-1]:
             # A checkpoint nested in the replayed code of an outer one is re-run whole
             # (SAVE bodies included) by the outer replay: for the outer frame, this
             # region reads its arguments in replayed code.
             if outer.phase == FORWARD and not outer.in_save_region and outer.sources:
-                outer._consume(args, kwargs, True, False)
+                consume_region_args(outer, args, kwargs, True, False)
         observers = self.observers.regions
         for observer in observers:
             observer.region_entered(self, record)
@@ -331,7 +331,7 @@ class CheckpointFrame(FrameBackward):
             if rebuild is not None:
                 rb.close_rebuild(self, rebuild, ok)
         if not recompute and not in_save:
-            self._record_outputs(record, out)
+            record_region_outputs(self, record, out)
             record.exit_states = self._snapshot_after_region()
         return out
 
@@ -345,12 +345,6 @@ class CheckpointFrame(FrameBackward):
             states.append(previous if same_state(previous, state) else state)
         self.last_states = states
         return states
-
-    def _consume(self, args, kwargs, by_replayed_code: bool, replay_level: bool) -> None:
-        consume_region_args(self, args, kwargs, by_replayed_code, replay_level)
-
-    def _record_outputs(self, record: RegionRecord, out: Any) -> None:
-        record_region_outputs(self, record, out)
 
     def keep(self, t: torch.Tensor) -> bool:
         """``recompute_needs_tensor`` during the forward. False if ``t`` is unknown."""

@@ -21,28 +21,16 @@ tensor and cost nothing.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .._compat import autograd_sequence_nr
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
 from .._tensors import TensorMeta, describe_tensor
 from .placeholder import Placeholder
 from .records import RegionSaved
-
-
-def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
-    """A region call's arguments as one flat list, the same in forward and replay."""
-    if not kwargs:
-        for a in args:
-            if isinstance(a, (list, tuple, dict)):
-                break
-        else:
-            return args
-    return tree_flatten((args, kwargs))[0]
+from .region_io import region_leaves
 
 
 class RebuildArg:

@@ -3,6 +3,7 @@ it (``CheckpointFrame.run_region``): the producer-responsibility bookkeeping."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,15 +15,22 @@ from .records import RegionRecord
 from .sources import OUTPUT, TensorSource
 
 
+def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
+    """A region call's arguments as one flat list, the same in forward and replay."""
+    if not kwargs:
+        for a in args:
+            if isinstance(a, (list, tuple, dict)):
+                break
+        else:
+            return args
+    return tree_flatten((args, kwargs))[0]
+
+
 def consume_region_args(frame, args, kwargs, by_replayed_code: bool, replay_level: bool) -> None:
     """A region call's tensor arguments, as producer responsibility sees them: SAVE
     outputs it reads are kept; checkpoint inputs are kept when replayed code reads
     them, else marked as consumed by a SAVE region (the input walk decides)."""
-    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
-        leaves = tree_flatten((args, kwargs))[0]
-    else:
-        leaves = args
-    for x in leaves:
+    for x in region_leaves(args, kwargs):
         if isinstance(x, torch.Tensor):
             sources = frame.sources.lookup(x)
             if sources is None:
@@ -50,9 +58,10 @@ def record_region_outputs(frame, record: RegionRecord, out: Any) -> None:
             src.hooks = hooks
             frame.sources.add(leaf, src)
             frame.output_sources.append(src)
-            if leaf.grad_fn is not None:
-                frame.save_output_nodes.append(leaf.grad_fn)
-                frame.output_edges[(id(leaf.grad_fn), leaf.output_nr)] = src
+            node = leaf.grad_fn
+            if node is not None:
+                frame.save_output_nodes.append(node)
+                frame.output_edges[(id(node), leaf.output_nr)] = src
             if pending and any(p is storage_root(leaf) for p in pending):
                 src.mark_kept(leaf)
             record.outputs.append(src)
