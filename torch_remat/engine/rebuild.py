@@ -148,7 +148,7 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
     if frame.rebuild_policy == "never":
         return None
     found = None
-    sources, start = frame.sources, frame.start_seq
+    by_root, start = frame.sources.by_root, frame.start_seq
     i = -1
     for x in region_leaves(args, kwargs):
         i += 1
@@ -161,7 +161,8 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
         root = x if base is None else base
         if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):
             continue  # (a view of) a parameter: is_parameter(x)
-        if sources and sources.lookup_root(root) is not None:
+        entry = by_root.get(id(root)) if by_root else None  # SourceIndex.lookup
+        if entry is not None and entry[0]() is root:
             continue  # a checkpoint input or SAVE output (or a view of one)
         if found is None:
             found = []
@@ -258,13 +259,19 @@ def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> Non
                 continue
             if d is None:
                 x = leaves[arg.index] if arg.index < len(leaves) else None
-                if not (  # as in the forward and not modified since; else: why not
+                layout = arg.layout
+                if not (  # as in the forward (_same_layout, inlined) and not modified
                     type(x) is torch.Tensor
                     and x._version == arg.version
                     and arg.checksum is None
-                    and _same_layout(x, arg.layout)
+                    and x.shape == layout[0]
+                    and x.stride() == layout[1]
+                    and x.storage_offset() == layout[2]
+                    and x.dtype is layout[3]
+                    and x.device == layout[4]
+                    and x.untyped_storage().nbytes() == layout[5]
                 ):
-                    _check_argument(frame, rebuild, arg, x)
+                    _check_argument(frame, rebuild, arg, x)  # raises why, or passes the slow checks
                 d = x.detach()
             view = s.view
             t = d if view is None else d.as_strided(*view)  # the argument, or a view of it

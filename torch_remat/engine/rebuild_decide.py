@@ -141,7 +141,11 @@ def finish_rebuilds(frame: Any, output_edges: dict, out: Any) -> None:
     for rebuild in list(frame.rebuilds.values()):
         rebuilt = []
         for arg in rebuild.args:
-            saves = arg.live_saves()
+            saves = []  # arg.live_saves(), inlined
+            for ref in arg.saves:
+                s = ref()
+                if s is not None and s.kept is None:
+                    saves.append(s)
             node, arg.node = arg.node, None
             keep = rebuild.seq > limit or (
                 floor is not None

@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from .. import _compat
-from .._autograd_hooks import graph_task_key, pop_hooks, push_hooks
+from .._autograd_hooks import pop_hooks, push_hooks
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -35,6 +35,9 @@ from .rebuild import RebuiltSave, count_to_refill, describe_rebuilt, forget_rebu
 from .records import Holder, describe_region, release_traceback
 from .replay import ReplayScope, replay_unpack
 from .state import _tls
+
+_graph_exec_group = _compat.get_graph_exec_group
+_graph_task_id = _compat.current_graph_task_id
 
 
 def _forget(frame_ref: weakref.ref, key: Any) -> None:
@@ -89,7 +92,12 @@ class FrameBackward:
 
     def take_recomputed(self, holder: Holder | RebuiltSave) -> torch.Tensor:
         """The tensor the recompute refilled for this backward, recomputing first."""
-        key = graph_task_key()
+        # graph_task_key(), inlined: this runs for every tensor backward unpacks
+        key = _graph_exec_group()
+        if key is None:
+            key = _graph_task_id()
+            if key == -1:
+                key = object()
         rec = holder.recomputed
         if rec is None or key not in rec:
             if key in self.recomputed_keys:

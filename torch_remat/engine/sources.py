@@ -205,10 +205,3 @@ class SourceIndex:
         if entry is None or entry[0]() is not root:
             return None
         return entry[1]
-
-    def lookup_root(self, root: torch.Tensor) -> list[TensorSource] | None:
-        """:meth:`lookup` for a tensor whose ``storage_root`` is ``root``."""
-        entry = self.by_root.get(id(root))
-        if entry is None or entry[0]() is not root:
-            return None
-        return entry[1]
