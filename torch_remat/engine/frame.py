@@ -39,7 +39,7 @@ from .rebuild import RebuiltSave
 from .rebuild_decide import settle_rebuilds
 from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_traceback
-from .region_io import consume_region_args, record_region_outputs
+from .region_io import consume_region_args, record_region_outputs, region_leaves
 from .region_writes import SaveRegionWatch
 from .rng_guard import RNGUse, fingerprints
 from .saved_hooks import KeptTensorHooks, next_call_serial
@@ -282,33 +282,34 @@ class CheckpointFrame(FrameBackward):
         self.regions.append(record)
         if not in_save:
             self.replay_regions.append(record)
+        leaves = region_leaves(args, kwargs)
         if self.sources:
-            consume_region_args(self, args, kwargs, recompute and not in_save, not in_save)
+            consume_region_args(self, leaves, recompute and not in_save, not in_save)
         for outer in _tls.stack[:-1]:
             # A checkpoint nested in the replayed code of an outer one is re-run whole
             # (SAVE bodies included) by the outer replay: for the outer frame, this
             # region reads its arguments in replayed code.
             if outer.phase == FORWARD and not outer.in_save_region and outer.sources:
-                consume_region_args(outer, args, kwargs, True, False)
+                consume_region_args(outer, leaves, True, False)
         observers = self.observers.regions
         for observer in observers:
             observer.region_entered(self, record)
         try:
-            out = self._run_region_body(fn, record, in_save, args, kwargs)
+            out = self._run_region_body(fn, record, in_save, args, kwargs, leaves)
         finally:
             for observer in observers:
                 observer.region_exited(self, record)
         return out
 
-    def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs) -> Any:
+    def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs, leaves) -> Any:
         recompute = record.recompute
-        watch = None if recompute or in_save else SaveRegionWatch(self.module_state, args, kwargs)
+        watch = None if recompute or in_save else SaveRegionWatch(self.module_state, leaves)
         self.region_stack.append(record)
         rebuild = None
         if not recompute:
             self.save_depth += 1
             if not in_save:
-                rebuild = rb.open_rebuild(self, record.qualname, args, kwargs)
+                rebuild = rb.open_rebuild(self, record.qualname, leaves)
         ok = False
         try:
             with profiler_range("remat.region:", self.name, "::", record.qualname):

@@ -241,11 +241,17 @@ class ModuleState:
         updated (the replay skips the region and installs these instead)."""
         out: list[tuple[_Slot, Any, int]] = []
         i = 0
-        for _, group in self.buffer_groups:
-            entry = before[i : i + len(group)]
-            i += len(group)
-            now = [s.owner.get(s.key) for s in group]
-            if all(t is t0 and (t is None or t._version == v) for t, (t0, v) in zip(now, entry)):
+        for _, group in self.buffer_groups:  # runs after every SAVE region: plain loops
+            changed = False
+            now = []
+            for s in group:
+                t0, v = before[i]
+                i += 1
+                t = s.owner.get(s.key)
+                now.append(t)
+                if t is not t0 or (t is not None and t._version != v):
+                    changed = True
+            if not changed:
                 continue
             with torch.no_grad():
                 for s, t in zip(group, now):

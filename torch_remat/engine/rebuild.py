@@ -21,6 +21,7 @@ tensor and cost nothing.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -139,8 +140,9 @@ def abandon(frame: Any) -> None:
     reset(frame)
 
 
-def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> RegionRebuild | None:
-    """Start the call of a top-level SAVE region (the last of ``frame.replay_regions``).
+def open_rebuild(frame: Any, qualname: str, leaves: Sequence[Any]) -> RegionRebuild | None:
+    """Start the call of a top-level SAVE region (the last of ``frame.replay_regions``;
+    ``leaves``: its arguments, flattened by ``region_leaves``).
 
     Its rebuildable arguments are those replayed code produced: created by a recorded
     op of this checkpoint's forward, and neither a checkpoint input, a SAVE output
@@ -150,7 +152,7 @@ def open_rebuild(frame: Any, qualname: str, args: tuple, kwargs: dict) -> Region
     found = None
     by_root, start = frame.sources.by_root, frame.start_seq
     i = -1
-    for x in region_leaves(args, kwargs):
+    for x in leaves:
         i += 1
         if not isinstance(x, torch.Tensor):
             continue

@@ -26,11 +26,12 @@ def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
     return tree_flatten((args, kwargs))[0]
 
 
-def consume_region_args(frame, args, kwargs, by_replayed_code: bool, replay_level: bool) -> None:
-    """A region call's tensor arguments, as producer responsibility sees them: SAVE
-    outputs it reads are kept; checkpoint inputs are kept when replayed code reads
-    them, else marked as consumed by a SAVE region (the input walk decides)."""
-    for x in region_leaves(args, kwargs):
+def consume_region_args(frame, leaves: Sequence[Any], by_replayed_code: bool, replay_level: bool) -> None:
+    """A region call's tensor arguments (``leaves``: :func:`region_leaves`), as
+    producer responsibility sees them: SAVE outputs it reads are kept; checkpoint
+    inputs are kept when replayed code reads them, else marked as consumed by a SAVE
+    region (the input walk decides)."""
+    for x in leaves:
         if isinstance(x, torch.Tensor):
             sources = frame.sources.lookup(x)
             if sources is None:

@@ -16,32 +16,27 @@ it reads the values the forward read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from .._errors import modified_in_place
 
 
-def argument_versions(args: tuple, kwargs: dict) -> list[tuple[int, torch.Tensor, int]]:
-    """``(position, tensor, version)`` of every tensor among the arguments."""
-    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
-        leaves = tree_flatten((args, kwargs))[0]
-    else:
-        leaves = args
-    return [(i, t, t._version) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-
-
 class SaveRegionWatch:
-    """Set up before a (top-level) SAVE region's body runs, checked after it."""
+    """Set up before a (top-level) SAVE region's body runs, checked after it.
+    ``leaves``: the call's arguments, flattened (``region_io.region_leaves``)."""
 
     __slots__ = ("module_state", "arguments", "buffers")
 
-    def __init__(self, module_state: Any, args: tuple, kwargs: dict) -> None:
+    def __init__(self, module_state: Any, leaves: Sequence[Any]) -> None:
         self.module_state = module_state
-        self.arguments = argument_versions(args, kwargs)
-        self.buffers = module_state.buffers_now() if module_state is not None else None
+        # (position, tensor, version) of every tensor argument
+        self.arguments = [(i, t, t._version) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self.buffers = (
+            module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
+        )
 
     def check(self, frame: Any, region: str) -> None:
         refuse_argument_writes(self.arguments, region, frame.name)
