@@ -88,7 +88,11 @@ def save_for_backward(
 
 def link_saved_outputs(record: Any) -> None:
     """Mark each tensor a SAVE region saved that shares storage with one of the
-    region's outputs, so reports can say ``(output at idx i)`` after the forward."""
+    region's outputs, so reports can say ``(output at idx i)`` after the forward.
+    (Saved parameters are left out: reports do not list them.)"""
+    candidates = [saved for saved in record.live_saved() if not saved.parameter]
+    if not candidates:
+        return
     outputs: dict[int, int] = {}
     for src in record.outputs:
         ref = getattr(src, "ref", None)
@@ -101,7 +105,7 @@ def link_saved_outputs(record: Any) -> None:
             continue
     if not outputs:
         return
-    for saved in record.live_saved():
+    for saved in candidates:
         # packed by the user's own hooks when .tensor is None: look inside
         tensors = [saved.tensor] if saved.tensor is not None else tensors_in(saved.packed)
         for t in tensors:
