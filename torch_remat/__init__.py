@@ -26,18 +26,18 @@ from .diagnostics.saved_report import (
 )
 from .diagnostics.snapshot_annotate import memory_snapshot_annotate
 from .diagnostics.trace import Trace, collect_trace, trace_scope
-from .engine.active import ActiveCheckpoint, active_checkpoint
+from .engine.context import ActiveCheckpoint, active_checkpoint
 from .engine.api import checkpoint
-from .engine.naming import name_scope
-from .engine.regions import recompute_needs_tensor, region
+from .engine.context import name_scope
+from .engine.api import recompute_needs_tensor, region
 from .engine.saved_hooks import (
     SavedTensorInfo,
     SavedTensorKind,
     current_saved_tensor_info,
     saved_tensors_hooks,
 )
-from .engine.state import is_recomputing
-from .engine.state_hooks import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
+from .engine.context import is_recomputing
+from .engine.rng import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
 from .scope.api import gradient_checkpoint_scope
 
 __version__ = "0.2.0"

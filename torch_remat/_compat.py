@@ -27,6 +27,9 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
+``utils._pytree.tree_flatten/unflatten/map``      flatten arguments and region outputs the
+                                                  way torch.compile and torch's checkpoint do
+                                                  (namedtuples, registered containers)
 ``_functorch._aot_autograd.graph_compile.         see which forward-graph node each tensor a
 _categorize_saved_tensors_for_backward``          compiled graph saves comes from (reports)
 ``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
@@ -37,6 +40,7 @@ _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a com
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as _pytree
 
 TESTED_TORCH = "2.13.0"
 
@@ -59,6 +63,9 @@ DisableTorchDispatch = torch._C._DisableTorchDispatch
 set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
 
 
 def cuda_memory_history_may_be_enabled() -> bool:

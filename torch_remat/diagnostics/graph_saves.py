@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..engine.compiled_saves import compiled_saves_of, is_compiled_node, unchecked_saves
+from ..engine.compiled import compiled_saves_of, is_compiled_node, unchecked_saves
 from ..engine.rebuild import RebuiltSave
 from ..engine.records import Holder, RegionSaved
 from .storage import is_parameter, storages_of, tensors_in

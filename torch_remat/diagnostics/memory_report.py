@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._tensors import TensorMeta
-from ..engine.state import FORWARD, current_scope
+from ..engine.context import FORWARD, current_scope
 from .alloc_sites import cuda_site_lookup
 from .format import align_rows, format_bytes, format_dtype, format_shape
 from .holdings import HeldGroup, Holdings, frame_holdings

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..engine.observers import CheckpointObserver
-from ..engine.state import current_scope
+from ..engine.context import current_scope
 from .storage import tensors_in
 
 

@@ -19,7 +19,7 @@ from typing import IO, Any
 import torch
 
 from .. import _compat
-from ..engine.active import active_checkpoint
+from ..engine.context import active_checkpoint
 from .format import format_bytes
 
 _FAILED = "torch_remat: OOM observer failed while building its report"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..engine.observers import CheckpointObserver, observe
-from ..engine.state import is_recomputing
+from ..engine.context import is_recomputing
 
 
 class _TraceState(threading.local):

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
 
 from .. import _compat
 from .._errors import PlaceholderReadError
+
+tree_map = _compat.tree_map
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .._tensors import is_parameter
-from .state import _tls as _engine_tls
+from .context import _tls as _engine_tls
 
 
 class SavedTensorKind(enum.Enum):

@@ -13,7 +13,7 @@ from .._autograd_hooks import push_hooks as _push_hooks
 from .._autograd_hooks import top_hooks as _top_hooks
 from .._autograd_hooks import unpack_packed
 from .._errors import RematError
-from ..engine.state import current_scope
+from ..engine.context import current_scope
 from .hooks import ScopeHook, registry, remove_hook
 from .ops import scope_tls
 from .record import ScopeRecord
