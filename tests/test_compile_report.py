@@ -12,7 +12,7 @@ from helpers import SavedBytes
 import torch_remat as remat
 from torch_remat import _compat
 from torch_remat.diagnostics.graph_saves import NOT_ATTRIBUTED
-from torch_remat.engine import compiled_saves
+from torch_remat.engine import compiled as compiled_saves
 from torch_remat.integrations import reports
 
 DTYPE = torch.float64

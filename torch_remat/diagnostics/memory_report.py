@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._tensors import TensorMeta
-from ..engine.context import FORWARD, current_scope
+from ..engine.context import FORWARD, current_pass
 from .alloc_sites import cuda_site_lookup
 from .format import align_rows, format_bytes, format_dtype, format_shape
 from .holdings import HeldGroup, Holdings, frame_holdings
@@ -270,10 +270,10 @@ def add_allocation_sites(rows: list[TensorRow]) -> None:
 
 def current_memory_block() -> CheckpointBlock | None:
     """The block of the checkpoint whose forward is running in this thread."""
-    scope = current_scope()
-    if scope is None or scope.phase != FORWARD:
+    active = current_pass()
+    if active is None or active.phase != FORWARD:
         return None
-    block = checkpoint_block(frame_holdings(scope), Ledger())
+    block = checkpoint_block(frame_holdings(active), Ledger())
     add_allocation_sites(block.rows())
     return block
 
@@ -289,15 +289,15 @@ def format_current_memory_report() -> str:
     else ``saved.<i>``; kept region outputs read ``(output at idx i)`` and kept
     checkpoint inputs ``(input i)``.
     """
-    scope = current_scope()
-    if scope is None:
+    active = current_pass()
+    if active is None:
         return (
             "torch_remat: no checkpoint forward is running in this thread; "
             "print_current_memory_report() describes the checkpoint whose forward calls it."
         )
     block = current_memory_block()
     if block is None:
-        name = scope.frame.name
+        name = active.frame.name
         return (
             f"torch_remat: checkpoint '{name}' is being recomputed; the memory report "
             "describes the original forward only. Guard the call with "

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from ..engine.context import current_pass
 from ..engine.observers import CheckpointObserver
-from ..engine.context import current_scope
 from .storage import tensors_in
 
 
@@ -78,12 +78,12 @@ def save_for_backward(
     anywhere else this is exactly ``ctx.save_for_backward(*tensors, *named.values())``.
     """
     ctx.save_for_backward(*tensors, *named.values())
-    scope = current_scope()
-    if scope is None or not scope.in_save_region:
+    active = current_pass()
+    if active is None or not active.in_save_region:
         return
     live = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
     if live:
-        _namer_of(scope.frame).add_names(live)
+        _namer_of(active.frame).add_names(live)
 
 
 def link_saved_outputs(record: Any) -> None:

@@ -15,7 +15,7 @@ import torch
 from .. import _compat
 from .._errors import RematError
 from . import compiled
-from .context import current_prefixes, current_scope, scoped_name, without_prefixes
+from .context import current_pass, current_prefixes, prefixed_name, without_prefixes
 from .frame import CheckpointFrame
 from .module_state import BufferMemo
 from .observers import thread_observers
@@ -321,10 +321,10 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
         full, body = name, fn
         prefixes = current_prefixes()
         if prefixes:  # inside remat.name_scope
-            full, body = scoped_name(name, prefixes), without_prefixes(fn)
-        scope = current_scope()
-        if scope is not None:
-            return scope.run_region(body, full, recompute, args, kwargs)
+            full, body = prefixed_name(name, prefixes), without_prefixes(fn)
+        active = current_pass()
+        if active is not None:
+            return active.run_region(body, full, recompute, args, kwargs)
         observers = thread_observers()
         if not observers:
             return fn(*args, **kwargs)
@@ -373,9 +373,9 @@ def recompute_needs_tensor(*tensors: torch.Tensor) -> Any:
     if torch.compiler.is_compiling():
         # the compiled graph names every dependency (engine/compiled.py)
         return tensors[0] if len(tensors) == 1 else tensors
-    scope = current_scope()
-    if scope is not None:
+    active = current_pass()
+    if active is not None:
         for t in tensors:
-            scope.keep(t)
+            active.keep(t)
     return tensors[0] if len(tensors) == 1 else tensors
 

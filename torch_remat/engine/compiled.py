@@ -76,11 +76,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from .. import _compat
 from .._errors import RematCompileError
-from .context import current_scope
+from .context import current_pass
 from .rng import DeviceRNGStateHook
 from .saved_hooks import hooks_context_active
-
-# ---------------------------------------------------------------- [compiled.py]
 
 CHECKPOINT_KEY = "remat_checkpoint"
 """``node.meta["custom"]`` key: the name of the checkpoint a node was traced in."""
@@ -126,7 +124,7 @@ def _enclosing_region() -> tuple[str, bool]:
 
 @torch.compiler.assume_constant_result
 def _eager_checkpoint_running() -> bool:
-    return current_scope() is not None
+    return current_pass() is not None
 
 
 def refuses_state_hook(hook: Any) -> bool:
@@ -282,8 +280,10 @@ def eager_checkpoint_running() -> bool:
     return _eager_checkpoint_running()
 
 
-# ---------------------------------------------------------------- Which checkpoint and region each tensor a compiled graph saves comes from:
+# ----------------------------------------------- where a compiled graph's saves come from
 
+
+@dataclass(frozen=True)
 class CompiledSave:
     """One tensor output of a partitioned forward graph saved for backward."""
 

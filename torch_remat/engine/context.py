@@ -5,7 +5,7 @@ Like PyTorch's saved-tensor hooks, all of it is per thread: two threads that run
 checkpoints at the same time never see each other's passes.
 
 * The *active pass* (:func:`current_pass`): the innermost checkpoint forward (a
-  ``CheckpointFrame``) or replay (a ``ReplayScope``) running in this thread, which
+  ``CheckpointFrame``) or replay (a ``ReplayPass``) running in this thread, which
   ``remat.region``, ``recompute_needs_tensor`` and the diagnostics ask.
 * ``remat.name_scope``: prefixes for region names, so one sub-block called twice in
   a checkpoint gets distinct regions. A checkpoint remembers the prefixes active
@@ -35,12 +35,11 @@ import torch
 
 from .._compat import profiler_enabled as _profiler_enabled
 
-# ---------------------------------------------------------------- [state.py]
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        # Active scopes, innermost last: a checkpoint frame during its forward, or a
-        # replay scope during a recompute.
+        # Active passes, innermost last: a checkpoint frame during its forward, or a
+        # replay pass during its replay.
         self.stack: list[Any] = []
         self.recompute_depth = 0
 
@@ -48,10 +47,10 @@ class _ThreadState(threading.local):
 _tls = _ThreadState()
 
 
-class ActiveScope(Protocol):
-    """What code running inside a checkpoint can ask of the scope around it: the
+class ActivePass(Protocol):
+    """What code running inside a checkpoint can ask of the pass around it: the
     forward of a checkpoint (a ``CheckpointFrame``) or its recompute (a
-    ``ReplayScope``). ``remat.region`` and ``recompute_needs_tensor`` call into it;
+    ``ReplayPass``). ``remat.region`` and ``recompute_needs_tensor`` call into it;
     diagnostics read it. Nothing else is assumed of the objects on the stack."""
 
     phase: str
@@ -75,7 +74,7 @@ FORWARD = "forward"
 RECOMPUTE = "recompute"
 
 
-def current_scope() -> ActiveScope | None:
+def current_pass() -> ActivePass | None:
     """The innermost checkpoint forward or recompute running in this thread."""
     stack = _tls.stack
     return stack[-1] if stack else None
@@ -98,7 +97,6 @@ def is_recomputing() -> bool:
     return _tls.recompute_depth > 0
 
 
-# ---------------------------------------------------------------- [active.py]
 
 # Attribute set on an exception by the innermost checkpoint or region it leaves.
 _WHERE = "__remat_active_checkpoint__"
@@ -149,17 +147,17 @@ def active_checkpoint(exception: BaseException | None = None) -> ActiveCheckpoin
     stack = _tls.stack
     if not stack:
         return None
-    scope = stack[-1]
-    regions = scope.region_stack
+    active = stack[-1]
+    regions = active.region_stack
     return ActiveCheckpoint(
-        scope.frame.name,
+        active.frame.name,
         RECOMPUTE if _tls.recompute_depth else FORWARD,
         regions[-1].qualname if regions else None,
     )
 
 
 def note_exception(exception: BaseException) -> None:
-    """Record on ``exception`` where it was raised, while the scope it leaves is
+    """Record on ``exception`` where it was raised, while the pass it leaves is
     still active (the innermost checkpoint or region it passes through records it;
     the outer ones leave it as it is). :func:`active_checkpoint` reads it back."""
     if getattr(exception, _WHERE, None) is None:
@@ -174,7 +172,6 @@ def forget_exception_site(exception: BaseException) -> None:
     exception.__dict__.pop(_WHERE, None)
 
 
-# ---------------------------------------------------------------- [naming.py]
 
 class _Prefixes(threading.local):
     def __init__(self) -> None:
@@ -213,7 +210,7 @@ def current_prefixes() -> tuple[str, ...]:
     return _prefixes.active
 
 
-def scoped_name(name: str, prefixes: tuple[str, ...]) -> str:
+def prefixed_name(name: str, prefixes: tuple[str, ...]) -> str:
     return "/".join((*prefixes, name))
 
 
@@ -242,7 +239,6 @@ def without_prefixes(fn: Callable[..., Any]) -> Callable[..., Any]:
     return body
 
 
-# ---------------------------------------------------------------- [profiling.py]
 
 _NULL = contextlib.nullcontext()
 

@@ -21,7 +21,7 @@ Forward (:meth:`CheckpointFrame.run_forward`):
   settled, and what is kept is stored (``TensorSource.store``).
 
 Backward: the first unpack of an empty holder replays the function
-(:meth:`~CheckpointFrame.recompute`) as a replay pass (``ReplayScope``) that refills
+(:meth:`~CheckpointFrame.recompute`) as a replay pass (``ReplayPass``) that refills
 the holders in order. SAVE regions are not replayed: they return their kept
 outputs, or placeholders, and restore the state snapshots taken when they returned
 in forward. The replay stops as soon as every live holder is refilled (early stop).
@@ -74,10 +74,11 @@ from .records import (
     TensorSource,
     describe_region,
     detached_copy,
+    qualified_name,
     region_leaves,
     release_traceback,
 )
-from .replay import ReplayScope, checksum, replay_unpack
+from .replay import ReplayPass, replay_unpack
 from .rng import RNGUse, fingerprints, same_state
 from .saved_hooks import KeptTensorHooks, next_call_serial
 
@@ -179,7 +180,7 @@ class CheckpointFrame:
         for observer in self.observers.all:
             observer.checkpoint_created(self)
 
-    # ------------------------------------------------------ the active-scope protocol
+    # ------------------------------------------------------ the active-pass protocol
 
     phase = FORWARD
 
@@ -302,6 +303,8 @@ class CheckpointFrame:
             (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, t._version)
         )
         if self.bitwise_check:
+            from .replay import checksum  # looked up at the call: tests count its calls
+
             self.holder_checksums.append(checksum(t))
         return holder
 
@@ -323,12 +326,8 @@ class CheckpointFrame:
             observer.tensor_kept(self, saved, t)
         return saved
 
-    def qualify(self, name: str) -> str:
-        stack = self.region_stack
-        return f"{stack[-1].qualname}.{name}" if stack else name
-
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
-        qualname = self.qualify(name)
+        qualname = qualified_name(self.region_stack, name)
         if qualname in self.region_names:
             raise ValueError(
                 f"torch_remat: region name '{qualname}' is used twice in one forward of "
@@ -562,7 +561,7 @@ class CheckpointFrame:
                 needed += 1
         if self.rebuilds:
             needed += self.rebuilds.count_to_refill(key)
-        scope = ReplayScope(self, key, needed)
+        replay = ReplayPass(self, key, needed)
         args, kwargs = self.replay_args()
         hooks = self.state_hooks
         rng = self.rng_use
@@ -581,13 +580,13 @@ class CheckpointFrame:
                 raise
         rng_error = None
         tls = _tls
-        tls.stack.append(scope)
+        tls.stack.append(replay)
         tls.recompute_depth += 1
         observers = self.observers.all
         for observer in observers:
             observer.replay_started(self)
         try:
-            push_hooks(scope.pack, replay_unpack)
+            push_hooks(replay.pack, replay_unpack)
             try:
                 with torch.enable_grad(), self._autocast_context(), profiler_range(
                     "remat.recompute:", self.name
@@ -614,13 +613,13 @@ class CheckpointFrame:
                 observer.replay_ended(self)
         if rng_error is not None:
             raise rng_error
-        if scope.filled < needed:
+        if replay.filled < needed:
             raise RecomputeMismatchError(
                 f"torch_remat: the recompute of checkpoint '{self.name}' saved "
-                f"{scope.counter} tensors for backward, but its forward saved "
-                f"{len(self.holders)} outside SAVE regions, so {needed - scope.filled} "
+                f"{replay.counter} tensors for backward, but its forward saved "
+                f"{len(self.holders)} outside SAVE regions, so {needed - replay.filled} "
                 "needed tensor(s) were never recreated. "
-                + scope.region_sequences()
+                + replay.region_sequences()
                 + " The replay must take the same path as the forward."
             )
         if type(key) is not object:

@@ -24,7 +24,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .frame import CheckpointFrame
 
 
 class CheckpointObserver:
@@ -35,28 +38,28 @@ class CheckpointObserver:
     :class:`~torch_remat.engine.records.RegionRecord`.
     """
 
-    def checkpoint_created(self, frame: Any) -> None:
+    def checkpoint_created(self, frame: CheckpointFrame | None) -> None:
         """A checkpoint call starts (before its forward runs)."""
 
-    def forward_entered(self, frame: Any) -> None:
+    def forward_entered(self, frame: CheckpointFrame | None) -> None:
         """The checkpointed function is about to run."""
 
-    def forward_exited(self, frame: Any) -> None:
+    def forward_exited(self, frame: CheckpointFrame | None) -> None:
         """The checkpointed function returned or raised."""
 
-    def region_entered(self, frame: Any, record: Any) -> None:
+    def region_entered(self, frame: CheckpointFrame | None, record: Any) -> None:
         """A ``remat.region`` body is about to run in a forward."""
 
-    def region_exited(self, frame: Any, record: Any) -> None:
+    def region_exited(self, frame: CheckpointFrame | None, record: Any) -> None:
         """A region body returned or raised; a SAVE region's outputs are recorded."""
 
-    def tensor_kept(self, frame: Any, saved: Any, tensor: Any) -> None:
+    def tensor_kept(self, frame: CheckpointFrame | None, saved: Any, tensor: Any) -> None:
         """A SAVE region kept ``tensor`` for backward as ``saved`` (a RegionSaved)."""
 
-    def replay_started(self, frame: Any) -> None:
+    def replay_started(self, frame: CheckpointFrame | None) -> None:
         """Backward starts recomputing the checkpoint."""
 
-    def replay_ended(self, frame: Any) -> None:
+    def replay_ended(self, frame: CheckpointFrame | None) -> None:
         """The recompute stopped (done, stopped early, or raised)."""
 
 

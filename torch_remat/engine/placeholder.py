@@ -194,3 +194,13 @@ def make_placeholder(meta, origin: PlaceholderOrigin) -> Placeholder:
         meta.requires_grad,
         origin,
     )
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is (a view of) a placeholder: during a replay, the stand-in
+    for a skipped SAVE region's output that was not kept. It has the output's shape,
+    strides, dtype and device, so metadata and view ops work on it, but any op that
+    reads its data raises :class:`~torch_remat.PlaceholderReadError`. Check it before
+    reading data in code that runs in the replay; outside a replay it is always
+    False."""
+    return isinstance(tensor, Placeholder)

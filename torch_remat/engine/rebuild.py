@@ -52,7 +52,7 @@ tree_flatten = _compat.tree_flatten
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
-    from .replay import ReplayScope
+    from .replay import ReplayPass
 
 
 class RebuildArg:
@@ -361,14 +361,14 @@ class Rebuilds:
             if s.recomputed:
                 s.recomputed.pop(key, None)
 
-    def refill(self, scope: ReplayScope, pos: int, args: tuple, kwargs: dict) -> int:
+    def refill(self, replay: ReplayPass, pos: int, args: tuple, kwargs: dict) -> int:
         """The replay reached the SAVE region call at replay position ``pos``:
         refill its saves from the replay's arguments, after checking they are laid
         out as in the forward. Returns how many saves it refilled."""
         rebuild = self.by_pos.get(pos)
         if rebuild is None:
             return 0
-        frame, key = scope.frame, scope.key
+        frame, key = replay.frame, replay.key
         leaves = region_leaves(args, kwargs)
         filled = 0
         for arg in rebuild.args:

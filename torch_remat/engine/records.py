@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,7 +37,6 @@ from .context import forget_exception_site
 from .placeholder import PlaceholderOrigin, make_placeholder
 from .saved_hooks import SavedTensorKind
 
-# ---------------------------------------------------------------- [records.py]
 
 class Holder:
     """Packed in place of a tensor saved outside SAVE regions.
@@ -51,7 +50,7 @@ class Holder:
 
     __slots__ = ("frame", "index", "static", "static_version", "recomputed", "__weakref__")
 
-    def __init__(self, frame: Any, index: int) -> None:
+    def __init__(self, frame: CheckpointFrame, index: int) -> None:
         self.frame = frame
         self.index = index
         self.static: torch.Tensor | None = None
@@ -62,6 +61,9 @@ class Holder:
         return self.frame.unpack_holder(self)
 
 tree_flatten = _compat.tree_flatten
+
+if TYPE_CHECKING:
+    from .frame import CheckpointFrame
 
 
 class RegionSaved:
@@ -117,6 +119,12 @@ class RegionSaved:
                 (self.version, t._version),
             )
         return t
+
+
+def qualified_name(region_stack: Sequence[RegionRecord], name: str) -> str:
+    """The name a region called ``name`` gets inside the regions of ``region_stack``
+    (``outer.inner``): the one rule the forward and the replay both follow."""
+    return f"{region_stack[-1].qualname}.{name}" if region_stack else name
 
 
 def describe_region(qualname: str | None) -> str:
@@ -214,7 +222,6 @@ def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
     return tree_flatten((args, kwargs))[0]
 
 
-# ---------------------------------------------------------------- [sources.py]
 
 INPUT = "input"
 OUTPUT = "output"

@@ -1,6 +1,6 @@
 """The replay pass: what runs while backward recomputes a checkpoint.
 
-:class:`ReplayScope` is the active pass during one replay of a
+:class:`ReplayPass` is the active pass during one replay of a
 ``CheckpointFrame``: its pack hook refills the frame's holders in order (checking
 each recreated tensor against what the forward saved), and its region calls hand
 back a skipped SAVE region's kept outputs (or placeholders), restore the state
@@ -32,7 +32,7 @@ from .._errors import (
 from .._tensors import format_dtype
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
-from .records import RegionRecord, TensorSource, describe_region, detached_copy
+from .records import RegionRecord, TensorSource, describe_region, detached_copy, qualified_name
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 tree_unflatten = _compat.tree_unflatten
 
 
-# ---------------------------------------------------------------- [replay.py]
 
 # Packed for tensors saved during a replay; the replay's own graph is never run.
 _REPLAYED = object()
@@ -54,10 +53,10 @@ def replay_unpack(packed: Any) -> torch.Tensor:
     )
 
 
-class ReplayScope:
+class ReplayPass:
     """Refills a frame's holders for one backward (graph task) ``key``.
 
-    While it runs it is the active scope (see :class:`~torch_remat.engine.context.ActiveScope`).
+    While it runs it is the active pass (see :class:`~torch_remat.engine.context.ActivePass`).
     """
 
     phase = RECOMPUTE
@@ -125,10 +124,6 @@ class ReplayScope:
             raise _StopRecompute
         return _REPLAYED
 
-    def qualify(self, name: str) -> str:
-        stack = self.region_stack
-        return f"{stack[-1].qualname}.{name}" if stack else name
-
     def region_sequences(self) -> str:
         fwd = ", ".join(f"{r.qualname} ({r.kind})" for r in self.frame.replay_regions)
         rec = ", ".join(f"{q} ({'recompute' if r else 'save'})" for q, r in self.seen_regions)
@@ -136,7 +131,7 @@ class ReplayScope:
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
         frame = self.frame
-        qualname = self.qualify(name)
+        qualname = qualified_name(self.region_stack, name)
         self.seen_regions.append((qualname, recompute))
         pos = self.region_pos
         expected = frame.replay_regions[pos] if pos < len(frame.replay_regions) else None
@@ -186,7 +181,6 @@ class ReplayScope:
         return True
 
 
-# ---------------------------------------------------------------- [determinism.py]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -34,14 +34,13 @@ Generators passed explicitly (``torch.rand(..., generator=g)``) are not seen.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .. import _compat
 from .._errors import RecomputeMismatchError
 
-# ---------------------------------------------------------------- [rng_guard.py]
 
 class DefaultGenerator:
     """One device's default generator: what the stock state hook snapshots and the
@@ -167,8 +166,10 @@ class RNGUse:
         )
 
 
-# ---------------------------------------------------------------- [state_hooks.py]
+# ---------------------------------------------------------------- state hooks
 
+
+@runtime_checkable
 class RecomputeStateHook(Protocol):
     """State that code inside a checkpoint reads and that the recompute must replay.
 

@@ -237,7 +237,7 @@ class DeferredPack:
 
 
 def _is_engine_hook(hooks: Any) -> bool:
-    # Bound methods of a CheckpointFrame or a ReplayScope (the active-scope protocol).
+    # Bound methods of a CheckpointFrame or a ReplayPass (the active-pass protocol).
     owner = getattr(hooks[0], "__self__", None)
     return owner is not None and hasattr(owner, "run_region") and hasattr(owner, "phase")
 
