@@ -474,11 +474,16 @@ class CheckpointFrame:
     def take_recomputed(self, holder: Holder | RebuiltSave) -> torch.Tensor:
         """The tensor the recompute refilled for this backward, recomputing first."""
         # graph_task_key(), inlined: this runs for every tensor backward unpacks
-        key = _graph_exec_group()
-        if key is None:
+        group = _graph_exec_group()
+        if group is None:
             key = _graph_task_id()
             if key == -1:
                 key = object()
+        else:
+            # A torch.utils.checkpoint.GraphExecGroup: several backwards share one
+            # replay. Keyed by its id, not the group, so that the refills do not keep
+            # the group alive: they are freed when it dies (see recompute).
+            key = (id(group),)
         rec = holder.recomputed
         if rec is None or key not in rec:
             if key in self.recomputed_keys:
@@ -627,6 +632,12 @@ class CheckpointFrame:
         if type(key) is int:
             # At the end of this backward, free what it refilled but did not use.
             _compat.queue_backward_callback(functools.partial(_forget, weakref.ref(self), key))
+        elif type(key) is tuple:
+            # The backwards of a GraphExecGroup may come one after the other: free
+            # what they refilled and did not use when the group object dies.
+            group = _graph_exec_group()
+            if group is not None:
+                weakref.finalize(group, _forget, weakref.ref(self), key)
 
     # ------------------------------------------- a SAVE region's arguments and outputs
 
