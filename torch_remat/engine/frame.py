@@ -269,7 +269,7 @@ class CheckpointFrame:
         # reach this frame through the pack hook: a cycle through autograd nodes,
         # which the garbage collector cannot see.
         for source in self.inputs + self.output_sources:  # also listed by RegionRecords
-            source.ref = source.hold = None
+            source.ref = source.kept_tensor = None
         self.walk_roots = []
         self.inputs = []
         self.output_sources = []
@@ -293,9 +293,9 @@ class CheckpointFrame:
             # Kept tensors packed by hooks live where the hooks put them.
             if self.outer_hooks is None and not any(s.hooks for s in sources):
                 d = t.detach()
-                holder.static = d
-                holder.static_version = d._version
-        if holder.static is None:
+                holder.kept = d
+                holder.kept_version = d._version
+        if holder.kept is None:
             self.rebuilds.last_needed_seq = _compat.autograd_sequence_nr()
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
@@ -445,7 +445,7 @@ class CheckpointFrame:
                 out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
             )
         self.rebuilds.settle(self, out)
-        if not self.rebuilds and all(r() is None or r().static is not None for r in self.holders):
+        if not self.rebuilds and all(r() is None or r().kept is not None for r in self.holders):
             # Backward never replays this checkpoint: no input is read again (one
             # modified in place stays, so that storing it reports the modification).
             for s in self.inputs:
@@ -464,11 +464,11 @@ class CheckpointFrame:
 
 
     def unpack_holder(self, holder: Holder) -> torch.Tensor:
-        static = holder.static
-        if static is not None:
-            if static._version != holder.static_version:
-                raise self._modified_error(holder.index, holder.static_version, static._version)
-            return static
+        kept = holder.kept
+        if kept is not None:
+            if kept._version != holder.kept_version:
+                raise self._modified_error(holder.index, holder.kept_version, kept._version)
+            return kept
         return self.take_recomputed(holder)
 
     def take_recomputed(self, holder: Holder | RebuiltSave) -> torch.Tensor:
@@ -562,7 +562,7 @@ class CheckpointFrame:
         needed = 0
         for ref in self.holders:
             h = ref()
-            if h is not None and h.static is None and (h.recomputed is None or key not in h.recomputed):
+            if h is not None and h.kept is None and (h.recomputed is None or key not in h.recomputed):
                 needed += 1
         if self.rebuilds:
             needed += self.rebuilds.count_to_refill(key)

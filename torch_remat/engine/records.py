@@ -43,18 +43,18 @@ class Holder:
 
     The tensor itself is not kept: the recompute refills ``recomputed[gid]`` for the
     backward (graph task) ``gid`` that needs it, and unpacking removes it again so
-    recomputed tensors die as soon as backward has used them. A holder is *static*
+    recomputed tensors die as soon as backward has used them. A holder is *kept*
     when the saved tensor is one the checkpoint keeps anyway (an input or a kept
     SAVE output); then it holds that tensor and never triggers a recompute.
     """
 
-    __slots__ = ("frame", "index", "static", "static_version", "recomputed", "__weakref__")
+    __slots__ = ("frame", "index", "kept", "kept_version", "recomputed", "__weakref__")
 
     def __init__(self, frame: CheckpointFrame, index: int) -> None:
         self.frame = frame
         self.index = index
-        self.static: torch.Tensor | None = None
-        self.static_version = 0
+        self.kept: torch.Tensor | None = None
+        self.kept_version = 0
         self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     def unpack(self) -> torch.Tensor:
@@ -250,8 +250,8 @@ class TensorSource:
         "region",
         "meta",
         "ref",
-        "hold",
-        "hold_is_root",
+        "kept_tensor",
+        "kept_is_root",
         "version",
         "keep",
         "save_consumed",
@@ -269,8 +269,8 @@ class TensorSource:
         # Inputs are referenced strongly until the forward ends (the caller holds
         # them anyway); outputs weakly, so observing them costs no memory.
         self.ref = t if kind == INPUT else weakref.ref(t)
-        self.hold: torch.Tensor | None = None
-        self.hold_is_root = False
+        self.kept_tensor: torch.Tensor | None = None
+        self.kept_is_root = False
         self.version = t._version
         self.keep = False
         self.save_consumed = False
@@ -283,20 +283,20 @@ class TensorSource:
     def mark_kept(self, alias: torch.Tensor) -> None:
         """Keep this source; ``alias`` is any tensor sharing its storage."""
         self.keep = True
-        if self.kind == OUTPUT and self.hold is None:
+        if self.kind == OUTPUT and self.kept_tensor is None:
             t = self.ref()
             if t is not None:
-                self.hold = t
+                self.kept_tensor = t
             else:
-                self.hold = storage_root(alias)
-                self.hold_is_root = True
+                self.kept_tensor = storage_root(alias)
+                self.kept_is_root = True
 
     def store(self, checkpoint: str) -> None:
         """End of forward: turn a kept source into a SavedTensor; forget the rest."""
         if self.kind == INPUT:
             t, self.ref = self.ref, None
         else:
-            t, self.hold, self.ref = self.hold, None, None
+            t, self.kept_tensor, self.ref = self.kept_tensor, None, None
         if not self.keep:
             return
         if t._version != self.version:
@@ -350,7 +350,7 @@ class TensorSource:
         if t is None:  # a KeptTensor modified in place
             raise self._modified_before_replay(checkpoint)
         t = t.detach()
-        if self.hold_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
+        if self.kept_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
             meta.shape,
             meta.stride,
             meta.storage_offset,

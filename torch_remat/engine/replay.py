@@ -84,7 +84,7 @@ class ReplayPass:
                 "path as the forward."
             )
         holder = frame.holders[i]()
-        if holder is None or holder.static is not None:
+        if holder is None or holder.kept is not None:
             return _REPLAYED
         rec = holder.recomputed
         if rec is not None and self.key in rec:
