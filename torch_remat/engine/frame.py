@@ -177,7 +177,7 @@ class CheckpointFrame:
         self.rng_use: RNGUse | None = None
         self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
-        for observer in self.observers.all:
+        for observer in self.observers.created:
             observer.checkpoint_created(self)
 
     # ------------------------------------------------------ the active-pass protocol
@@ -240,7 +240,7 @@ class CheckpointFrame:
             ) from e
         tls = _tls
         tls.stack.append(self)
-        observers = self.observers.all
+        observers = self.observers.forward
         try:
             try:
                 for observer in observers:
@@ -587,7 +587,7 @@ class CheckpointFrame:
         tls = _tls
         tls.stack.append(replay)
         tls.recompute_depth += 1
-        observers = self.observers.all
+        observers = self.observers.replay
         for observer in observers:
             observer.replay_started(self)
         try:

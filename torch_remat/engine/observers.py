@@ -69,15 +69,22 @@ def _overrides(observer: Any, method: str) -> bool:
 
 
 class ObserverSet:
-    """The observers of one checkpoint, split by event so the engine's hot paths
-    (region calls, SAVE-region packs) loop only over those that care."""
+    """The observers of one checkpoint, split by event so the engine loops only over
+    those that implement it (an observer's no-op defaults are never called)."""
 
-    __slots__ = ("all", "regions", "kept")
+    __slots__ = ("all", "created", "forward", "regions", "kept", "replay")
 
     def __init__(self, observers: tuple[Any, ...] = ()) -> None:
         self.all = observers
+        self.created = tuple(o for o in observers if _overrides(o, "checkpoint_created"))
+        self.forward = tuple(
+            o for o in observers if _overrides(o, "forward_entered") or _overrides(o, "forward_exited")
+        )
         self.regions = tuple(o for o in observers if _overrides(o, "region_entered") or _overrides(o, "region_exited"))
         self.kept = tuple(o for o in observers if _overrides(o, "tensor_kept"))
+        self.replay = tuple(
+            o for o in observers if _overrides(o, "replay_started") or _overrides(o, "replay_ended")
+        )
 
     def with_(self, observer: Any) -> ObserverSet:
         return self if observer in self.all else ObserverSet((*self.all, observer))
@@ -121,7 +128,14 @@ def thread_observers() -> tuple[Any, ...]:
     return _thread.observers
 
 
+_sets: dict[tuple[Any, ...], ObserverSet] = {}
+
+
 def observers_for_new_checkpoint(recomputing: bool) -> ObserverSet:
-    if recomputing:
-        return ObserverSet(tuple(_process))
-    return ObserverSet((*_process, *_thread.observers))
+    key = tuple(_process) if recomputing else (*_process, *_thread.observers)
+    found = _sets.get(key)
+    if found is None:
+        if len(_sets) >= 64:  # ever new observer combinations: start over
+            _sets.clear()
+        found = _sets[key] = ObserverSet(key)
+    return found
