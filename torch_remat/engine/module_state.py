@@ -234,9 +234,11 @@ class ModuleState:
         for module, group in self.buffer_groups:
             if any(s.tensor._version != s.version for s in group) or _updates_buffers_unseen(module):
                 unwritten.pop(id(module), None)
+                if any(s.copy is None for s in group):
+                    changed = [s for s in group if s.tensor._version != s.version] or group
+                    s = changed[0]
+                    raise _written_without_copy(s.name, checkpoint, s.version, s.tensor)
                 for s in group:
-                    if s.copy is None:
-                        raise _written_without_copy(s.name, checkpoint, s.version, s.tensor)
                     _compat.set_version_counters((s.copy,), (s.version,))
             else:
                 for s in group:
