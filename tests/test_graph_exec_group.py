@@ -15,7 +15,7 @@ def block(x):
 
 
 def refilled_holders() -> list[Holder]:
-    return [o for o in gc.get_objects() if isinstance(o, Holder) and o.recomputed]
+    return [o for o in gc.get_objects() if isinstance(o, Holder) and o.refills]
 
 
 def test_refills_a_group_did_not_use_are_freed_when_the_group_dies():

@@ -168,7 +168,7 @@ class CheckpointFrame:
         self.name_prefixes = current_prefixes()  # remat.name_scope; the replay reuses them
         self.start_seq = 0
         self.forward_done = False
-        self.recomputed_keys: set[Any] = set()
+        self.replayed_keys: set[Any] = set()
         self.arg_aliases: list[tuple[int, int]] = []  # (i, j): argument i is argument j
         self.module_state: ModuleState | None = None
         # replay_regions index of a SAVE region -> copies of the buffers it updated
@@ -469,9 +469,9 @@ class CheckpointFrame:
             if kept._version != holder.kept_version:
                 raise self._modified_error(holder.index, holder.kept_version, kept._version)
             return kept
-        return self.take_recomputed(holder)
+        return self.take_refill(holder)
 
-    def take_recomputed(self, holder: Holder | RebuiltSave) -> torch.Tensor:
+    def take_refill(self, holder: Holder | RebuiltSave) -> torch.Tensor:
         """The tensor the recompute refilled for this backward, recomputing first."""
         # graph_task_key(), inlined: this runs for every tensor backward unpacks
         group = _graph_exec_group()
@@ -484,16 +484,16 @@ class CheckpointFrame:
             # replay. Keyed by its id, not the group, so that the refills do not keep
             # the group alive: they are freed when it dies (see recompute).
             key = (id(group),)
-        rec = holder.recomputed
+        rec = holder.refills
         if rec is None or key not in rec:
-            if key in self.recomputed_keys:
+            if key in self.replayed_keys:
                 raise RematError(
                     f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
                     "unpacked twice in the same backward. If a custom autograd Function "
                     "reads ctx.saved_tensors more than once, read it once and reuse it."
                 )
-            self.recompute(key)
-            rec = holder.recomputed
+            self.replay(key)
+            rec = holder.refills
         t, version = rec.pop(key)
         if type(key) is object:
             self.forget(key)  # unpacked outside a backward: nothing else will use them
@@ -510,11 +510,11 @@ class CheckpointFrame:
         with ``retain_graph=True``)."""
         for ref in self.holders:
             h = ref()
-            if h is not None and h.recomputed:
-                h.recomputed.pop(key, None)
+            if h is not None and h.refills:
+                h.refills.pop(key, None)
         if self.rebuilds:
             self.rebuilds.forget(key)
-        self.recomputed_keys.discard(key)
+        self.replayed_keys.discard(key)
 
     def _modified_error(self, index: int, old: int, new: int) -> RematError:
         return modified_in_place(
@@ -551,7 +551,7 @@ class CheckpointFrame:
                 )
         return stack
 
-    def recompute(self, key: Any) -> None:
+    def replay(self, key: Any) -> None:
         if not self.forward_done:
             raise RematError(
                 f"torch_remat: backward reached tensors saved inside checkpoint "
@@ -562,7 +562,7 @@ class CheckpointFrame:
         needed = 0
         for ref in self.holders:
             h = ref()
-            if h is not None and h.kept is None and (h.recomputed is None or key not in h.recomputed):
+            if h is not None and h.kept is None and (h.refills is None or key not in h.refills):
                 needed += 1
         if self.rebuilds:
             needed += self.rebuilds.count_to_refill(key)
@@ -628,7 +628,7 @@ class CheckpointFrame:
                 + " The replay must take the same path as the forward."
             )
         if type(key) is not object:
-            self.recomputed_keys.add(key)
+            self.replayed_keys.add(key)
         if type(key) is int:
             # At the end of this backward, free what it refilled but did not use.
             _compat.queue_backward_callback(functools.partial(_forget, weakref.ref(self), key))

@@ -100,12 +100,12 @@ class RebuiltSave:
     """Packed in place of a SAVE-region save that the replay refills.
 
     ``pending`` holds the tensor until the forward ends; then either the save is
-    rebuilt (``recomputed[gid]`` is refilled per backward, like a ``Holder``) or it
+    rebuilt (``refills[gid]`` is refilled per backward, like a ``Holder``) or it
     is kept after all as ``kept`` (a ``RegionSaved``).
     """
 
     __slots__ = ("frame", "arg", "region", "view", "requires_grad", "version", "pending",
-                 "kept", "hooks", "recomputed", "__weakref__")
+                 "kept", "hooks", "refills", "__weakref__")
 
     def __init__(self, frame: CheckpointFrame, arg: RebuildArg, region: RegionRecord, t: torch.Tensor) -> None:
         self.frame = frame
@@ -125,7 +125,7 @@ class RebuiltSave:
         self.kept: RegionSaved | None = None
         # the hooks a kept save would get, as of the save (if it is kept after all)
         self.hooks = frame.kept_hooks.region_save(region.qualname, t) or frame.outer_hooks
-        self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
+        self.refills: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     @property
     def meta(self) -> TensorMeta:
@@ -139,7 +139,7 @@ class RebuiltSave:
             return self.kept.unpack()
         if self.pending is not None:  # backward inside the forward: still held
             return self.pending.detach()
-        return self.frame.take_recomputed(self)
+        return self.frame.take_refill(self)
 
 
 
@@ -351,15 +351,15 @@ class Rebuilds:
             for a in r.args:
                 for ref in a.saves:
                     s = ref()
-                    if s is not None and s.kept is None and (s.recomputed is None or key not in s.recomputed):
+                    if s is not None and s.kept is None and (s.refills is None or key not in s.refills):
                         n += 1
         return n
 
     def forget(self, key: Any) -> None:
         """Drop what the replay for ``key`` refilled and nothing unpacked."""
         for s in self.live_saves():
-            if s.recomputed:
-                s.recomputed.pop(key, None)
+            if s.refills:
+                s.refills.pop(key, None)
 
     def refill(self, replay: ReplayPass, pos: int, args: tuple, kwargs: dict) -> int:
         """The replay reached the SAVE region call at replay position ``pos``:
@@ -377,9 +377,9 @@ class Rebuilds:
                 s = ref()
                 if s is None or s.kept is not None:
                     continue
-                rec = s.recomputed
+                rec = s.refills
                 if rec is None:
-                    s.recomputed = rec = {}
+                    s.refills = rec = {}
                 elif key in rec:
                     continue
                 if d is None:

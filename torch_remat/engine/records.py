@@ -41,21 +41,21 @@ from .saved_hooks import SavedTensorKind
 class Holder:
     """Packed in place of a tensor saved outside SAVE regions.
 
-    The tensor itself is not kept: the recompute refills ``recomputed[gid]`` for the
+    The tensor itself is not kept: the replay refills ``refills[gid]`` for the
     backward (graph task) ``gid`` that needs it, and unpacking removes it again so
     recomputed tensors die as soon as backward has used them. A holder is *kept*
     when the saved tensor is one the checkpoint keeps anyway (an input or a kept
     SAVE output); then it holds that tensor and never triggers a recompute.
     """
 
-    __slots__ = ("frame", "index", "kept", "kept_version", "recomputed", "__weakref__")
+    __slots__ = ("frame", "index", "kept", "kept_version", "refills", "__weakref__")
 
     def __init__(self, frame: CheckpointFrame, index: int) -> None:
         self.frame = frame
         self.index = index
         self.kept: torch.Tensor | None = None
         self.kept_version = 0
-        self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
+        self.refills: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     def unpack(self) -> torch.Tensor:
         return self.frame.unpack_holder(self)

@@ -86,7 +86,7 @@ class ReplayPass:
         holder = frame.holders[i]()
         if holder is None or holder.kept is not None:
             return _REPLAYED
-        rec = holder.recomputed
+        rec = holder.refills
         if rec is not None and self.key in rec:
             return _REPLAYED
         if isinstance(t, Placeholder):
@@ -117,7 +117,7 @@ class ReplayPass:
             check_bitwise(frame, i, t, region)
         d = t.detach()
         if rec is None:
-            holder.recomputed = rec = {}
+            holder.refills = rec = {}
         rec[self.key] = (d, d._version)
         self.filled += 1
         if self.filled == self.needed and frame.early_stop:
