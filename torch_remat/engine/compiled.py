@@ -77,6 +77,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .. import _compat
 from .._errors import RematCompileError
 from .context import current_pass
+from .records import nested_name, refuse_recompute_inside_save
 from .rng import DeviceRNGStateHook
 from .saved_hooks import hooks_context_active
 
@@ -261,13 +262,9 @@ def run_region(fn: Callable[..., Any], name: str, recompute: bool, args, kwargs)
     """``remat.region(fn, name, recompute=...)(*args, **kwargs)`` while Dynamo traces.
     Outside a compiled checkpoint the annotation steers nothing."""
     outer, outer_saves = _enclosing_region()
-    qualname = f"{outer}.{name}" if outer else name
+    qualname = nested_name(outer, name)
     if outer_saves and recompute:
-        raise ValueError(
-            f"torch_remat: region '{qualname}' asks to be recomputed, but it is nested "
-            f"inside SAVE region '{outer}' whose activations are all kept. Make the "
-            "outer region recompute=True, or the inner one recompute=False."
-        )
+        raise refuse_recompute_inside_save(qualname, outer)
     with fx_traceback.annotate({REGION_KEY: qualname, SAVE_KEY: not recompute}):
         return fn(*args, **kwargs)
 

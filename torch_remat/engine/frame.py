@@ -42,7 +42,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import _compat
-from .._autograd_hooks import pop_hooks, push_hooks, top_hooks, unpack_packed
+from .._autograd_hooks import VersionedTensor, pop_hooks, push_hooks, top_hooks, unpack_packed
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -75,6 +75,7 @@ from .records import (
     describe_region,
     detached_copy,
     qualified_name,
+    refuse_recompute_inside_save,
     region_leaves,
     release_traceback,
 )
@@ -293,8 +294,7 @@ class CheckpointFrame:
             # Kept tensors packed by hooks live where the hooks put them.
             if self.outer_hooks is None and not any(s.hooks for s in sources):
                 d = t.detach()
-                holder.kept = d
-                holder.kept_version = d._version
+                holder.kept = VersionedTensor(d)
         if holder.kept is None:
             self.rebuilds.last_needed_seq = _compat.autograd_sequence_nr()
         self.holders.append(weakref.ref(holder))
@@ -337,12 +337,7 @@ class CheckpointFrame:
             )
         in_save = self.save_depth > 0
         if in_save and recompute:
-            raise ValueError(
-                f"torch_remat: region '{qualname}' asks to be recomputed, but it is "
-                f"nested inside SAVE region '{self.region_stack[-1].qualname}' whose "
-                "body is never replayed. Make the outer region recompute=True, or the "
-                "inner one recompute=False."
-            )
+            raise refuse_recompute_inside_save(qualname, self.region_stack[-1].qualname)
         self.region_names.add(qualname)
         record = RegionRecord(self.name, name, qualname, recompute)
         self.regions.append(record)
@@ -466,9 +461,10 @@ class CheckpointFrame:
     def unpack_holder(self, holder: Holder) -> torch.Tensor:
         kept = holder.kept
         if kept is not None:
-            if kept._version != holder.kept_version:
-                raise self._modified_error(holder.index, holder.kept_version, kept._version)
-            return kept
+            t = kept.data
+            if t._version != kept.version:
+                raise self._modified_error(holder.index, kept.version, t._version)
+            return t
         return self.take_refill(holder)
 
     def take_refill(self, holder: Holder | RebuiltSave) -> torch.Tensor:

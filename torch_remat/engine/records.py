@@ -16,7 +16,7 @@ When the forward finishes, kept sources are packed by the hooks bound to them
 (``saved_hooks.py``: a checkpoint option or ``remat.saved_tensors_hooks``), or else
 stored as autograd ``SavedTensor``\\ s while the user's own torch
 ``saved_tensors_hooks`` (offloading) are active, so that those apply to them. With no
-hooks at all a kept tensor is held as it is (:class:`KeptTensor`, the same in-place
+hooks at all a kept tensor is held as it is (a ``VersionedTensor``, the same in-place
 check for a third of the cost).
 """
 
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
+from .._autograd_hooks import VersionedTensor
 from .._compat import make_saved_tensor, top_saved_tensors_hooks
 from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, is_parameter, storage_root
@@ -48,13 +49,12 @@ class Holder:
     SAVE output); then it holds that tensor and never triggers a recompute.
     """
 
-    __slots__ = ("frame", "index", "kept", "kept_version", "refills", "__weakref__")
+    __slots__ = ("frame", "index", "kept", "refills", "__weakref__")
 
     def __init__(self, frame: CheckpointFrame, index: int) -> None:
         self.frame = frame
         self.index = index
-        self.kept: torch.Tensor | None = None
-        self.kept_version = 0
+        self.kept: VersionedTensor | None = None
         self.refills: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     def unpack(self) -> torch.Tensor:
@@ -123,8 +123,25 @@ class RegionSaved:
 
 def qualified_name(region_stack: Sequence[RegionRecord], name: str) -> str:
     """The name a region called ``name`` gets inside the regions of ``region_stack``
-    (``outer.inner``): the one rule the forward and the replay both follow."""
+    (``outer.inner``): the one rule the forward, the replay and a compiled trace
+    follow (the latter through :func:`nested_name`)."""
     return f"{region_stack[-1].qualname}.{name}" if region_stack else name
+
+
+def nested_name(outer: str | None, name: str) -> str:
+    """:func:`qualified_name` given the enclosing region's qualified name."""
+    return f"{outer}.{name}" if outer else name
+
+
+def refuse_recompute_inside_save(qualname: str, outer: str) -> ValueError:
+    """The error for a RECOMPUTE region nested in a SAVE region (whose body is never
+    replayed, eagerly or in a compiled graph)."""
+    return ValueError(
+        f"torch_remat: region '{qualname}' asks to be recomputed, but it is nested "
+        f"inside SAVE region '{outer}' whose body is never replayed (its activations "
+        "are all kept). Make the outer region recompute=True, or the inner one "
+        "recompute=False."
+    )
 
 
 def describe_region(qualname: str | None) -> str:
@@ -227,22 +244,6 @@ INPUT = "input"
 OUTPUT = "output"
 
 
-class KeptTensor:
-    """A kept tensor held as it is, with its version (an autograd ``SavedTensor``
-    without hooks, minus the autograd bookkeeping). ``unpack`` returns None once the
-    tensor was modified in place."""
-
-    __slots__ = ("data", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.data = t  # the name SavedTensor uses: the reports look for tensors in it
-        self.version = t._version
-
-    def unpack(self) -> torch.Tensor | None:
-        t = self.data
-        return t if t._version == self.version else None
-
-
 class TensorSource:
     __slots__ = (
         "kind",
@@ -306,7 +307,7 @@ class TensorSource:
             self.saved = self.hooks.pack(t, kind, self.region, self.index)
             self.hooks = None  # drop the captured context with the binding
         elif top_saved_tensors_hooks(False) is None:
-            self.saved = KeptTensor(t.detach())
+            self.saved = VersionedTensor(t.detach())
         else:
             self.saved = make_saved_tensor(t.detach(), is_output=False)
 
@@ -341,14 +342,18 @@ class TensorSource:
         if self.saved is None:
             origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self.region)
             return make_placeholder(meta, origin)
-        try:
-            t = self.saved.unpack()
-        except RuntimeError as e:
-            if "modified by an inplace operation" not in str(e):
-                raise
-            raise self._modified_before_replay(checkpoint) from e
-        if t is None:  # a KeptTensor modified in place
-            raise self._modified_before_replay(checkpoint)
+        saved = self.saved
+        if type(saved) is VersionedTensor:
+            if not saved.intact():
+                raise self._modified_before_replay(checkpoint)
+            t = saved.data
+        else:
+            try:
+                t = saved.unpack()
+            except RuntimeError as e:
+                if "modified by an inplace operation" not in str(e):
+                    raise
+                raise self._modified_before_replay(checkpoint) from e
         t = t.detach()
         if self.kept_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
             meta.shape,

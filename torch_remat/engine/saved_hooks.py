@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .._autograd_hooks import PackedPayload
 from .._tensors import is_parameter
 from .context import _tls as _engine_tls
 
@@ -193,24 +194,6 @@ def pack_with(
         _state.info = previous
 
 
-class HookPacked:
-    """A kept input or output packed by a pair (in place of an autograd SavedTensor)."""
-
-    __slots__ = ("packed", "unpack_fn")
-
-    def __init__(self, packed: Any, unpack_fn: Callable[[Any], torch.Tensor]) -> None:
-        self.packed = packed
-        self.unpack_fn = unpack_fn
-
-    @property
-    def data(self) -> Any:
-        """What is held (the reports look for tensors in it), as ``SavedTensor.data``."""
-        return self.packed
-
-    def unpack(self) -> torch.Tensor:
-        return self.unpack_fn(self.packed)
-
-
 class DeferredPack:
     """A pair bound to a kept input or output, to be run when the forward ends."""
 
@@ -222,7 +205,7 @@ class DeferredPack:
         self.checkpoint = checkpoint
         self.call = call
 
-    def pack(self, t: torch.Tensor, kind: SavedTensorKind, region: str | None, index: int) -> HookPacked:
+    def pack(self, t: torch.Tensor, kind: SavedTensorKind, region: str | None, index: int) -> PackedPayload:
         is_output = kind is SavedTensorKind.SAVE_OUTPUT
         info = SavedTensorInfo(
             self.checkpoint,
@@ -233,7 +216,7 @@ class DeferredPack:
             call=self.call,
             is_parameter=is_parameter(t),
         )
-        return HookPacked(pack_with(self.pair, t, info, self.context, True), self.pair.unpack)
+        return PackedPayload(pack_with(self.pair, t, info, self.context, True), self.pair.unpack)
 
 
 def _is_engine_hook(hooks: Any) -> bool:
