@@ -27,6 +27,9 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
+``Tensor._make_wrapper_subclass``                 placeholders: a tensor subclass without storage
+``nn.modules.batchnorm._NormBase``                batch norm's kernels update running statistics
+                                                  without a version bump: such buffers are copied
 ``utils._pytree.tree_flatten/unflatten/map``      flatten arguments and region outputs the
                                                   way torch.compile and torch's checkpoint do
                                                   (namedtuples, registered containers)
@@ -63,6 +66,8 @@ DisableTorchDispatch = torch._C._DisableTorchDispatch
 set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+BatchNormBase = torch.nn.modules.batchnorm._NormBase
 tree_flatten = _pytree.tree_flatten
 tree_unflatten = _pytree.tree_unflatten
 tree_map = _pytree.tree_map

@@ -180,7 +180,7 @@ def _updates_buffers_unseen(m: nn.Module) -> bool:
     # The batch-norm kernels update running_mean/var in place without bumping their
     # versions; only num_batches_tracked (updated in Python) shows the update.
     return (
-        isinstance(m, nn.modules.batchnorm._NormBase)
+        isinstance(m, _compat.BatchNormBase)
         and m.training
         and m.track_running_stats
     )

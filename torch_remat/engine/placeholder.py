@@ -84,7 +84,7 @@ class Placeholder(torch.Tensor):
         requires_grad: bool,
         origin: PlaceholderOrigin,
     ) -> Placeholder:
-        out = torch.Tensor._make_wrapper_subclass(
+        out = _compat.make_wrapper_subclass(
             cls,
             shape,
             strides=stride,
