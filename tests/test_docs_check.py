@@ -1,5 +1,8 @@
-"""scripts/docs_check.py: how a quote is compared with real output, and that every
-marked quote in README.md and docs/ is checked by a test."""
+"""scripts/docs_check.py: how a quote is compared with real output, how the blocks of a
+page are classified and run, and that every named quote in README.md and docs/ is
+checked by a test."""
+
+import pytest
 
 # Each marked block and the test that passes it the output of its run.
 CHECKED = {
@@ -35,3 +38,73 @@ def test_a_stale_quote_fails_with_the_file_and_both_texts(docs_check, monkeypatc
         assert "Actual:\nstep    1  loss 0.0000" in str(e)
     else:
         raise AssertionError("a stale quote passed")
+
+
+PAGE = """# A page
+
+```python
+x = 6 * 7
+```
+
+```python
+print("x is", x)  # the blocks of a page share one namespace
+```
+
+```text
+x is {answer}
+```
+
+`ex_alone.py`:
+
+```python
+print("alone:", "x" in globals())
+```
+
+```text
+alone: False
+```
+
+<!-- docs-check: fragment: uses a model the page does not define -->
+```python
+model(batch)
+```
+"""
+
+
+def _page(tmp_path, text):
+    path = tmp_path / "page.md"
+    path.write_text(text)
+    return path
+
+
+def test_each_block_of_a_page_is_classified(docs_check, tmp_path):
+    page = _page(tmp_path, PAGE.format(answer=42) + "\n```\nunmarked output\n```\n")
+    kinds = [b.kind for b in docs_check.parse(page)]
+    assert kinds == ["python", "python", "output", "script", "output", "fragment", "unmarked"]
+
+
+def test_an_output_block_is_compared_with_what_the_block_before_it_printed(
+    docs_check, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("DOCS_CHECK_WRITE", raising=False)
+    assert docs_check.check_page(_page(tmp_path, PAGE.format(answer=42))) == 3
+    with pytest.raises(AssertionError, match=r"page.md:11: the output block no longer shows"):
+        docs_check.check_page(_page(tmp_path, PAGE.format(answer=43)))
+
+
+def test_a_block_that_raises_fails_the_page(docs_check, tmp_path):
+    page = _page(tmp_path, "```python\nraise KeyError('boom')\n```\n")
+    with pytest.raises(AssertionError, match=r"(?s)page.md:1: the python block failed.*KeyError"):
+        docs_check.check_page(page)
+
+
+def test_write_mode_rewrites_a_stale_quote_in_place(docs_check, tmp_path, monkeypatch):
+    monkeypatch.setenv("DOCS_CHECK_WRITE", "1")
+    page = _page(tmp_path, "- item:\n\n  ```python\n  print(1)\n  ```\n\n  ```\n  2\n  ```\n")
+    docs_check.check_page(page)
+    assert page.read_text() == "- item:\n\n  ```python\n  print(1)\n  ```\n\n  ```\n  1\n  ```\n"
+
+
+def test_addresses_and_dates_are_machine_dependent(docs_check):
+    assert docs_check.matches("at 0x7f00aa  2026-11-29T13:27:45.196Z", "at 0x55d1  2027-01-02T00:00:00.001Z")
+    assert not docs_check.matches("at 0x7f00aa rank 1", "at 0x7f00aa rank 2")

@@ -1,0 +1,34 @@
+"""Every fenced block of README.md and docs/**/*.md is run, compared with a run, or
+visibly marked (scripts/docs_check.py): the python blocks of each page run in order in
+one process, and each output block after one must show what it printed."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "docs_check.py"
+_spec = importlib.util.spec_from_file_location("docs_check_pages", _path)
+docs_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(docs_check)
+
+# Pages whose blocks take long (compilation, process groups): the slow tier.
+SLOW = {"docs/compilation.md", "docs/distributed.md", "docs/planning.md"}
+
+
+def _param(page):
+    name = str(page.relative_to(docs_check.ROOT))
+    return pytest.param(page, id=name, marks=[pytest.mark.slow] if name in SLOW else [])
+
+
+def test_every_block_is_run_compared_or_marked():
+    bad = docs_check.unmarked()
+    assert not bad, (
+        "blocks neither run, compared with a run, nor marked (see scripts/docs_check.py):\n"
+        + "\n".join(f"  {b.where} ({b.lang or 'no language'})" for b in bad)
+    )
+
+
+@pytest.mark.parametrize("page", [_param(p) for p in docs_check.pages()])
+def test_the_blocks_of_a_page_run_and_print_what_it_quotes(page):
+    docs_check.check_page(page)
