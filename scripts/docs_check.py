@@ -256,6 +256,7 @@ def _run_cells(path: pathlib.Path) -> list[dict]:
     results = []
     rel = _rel(path)
     with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # files a block writes (plan.json, memory.json) land here
         for block in parse(path):
             if block.kind == "script":
                 script = pathlib.Path(tmp) / block.script
@@ -282,8 +283,8 @@ def _run_cells(path: pathlib.Path) -> list[dict]:
 
 
 def run_page(path: pathlib.Path, timeout: float = 1200) -> dict[int, dict]:
-    """Run the python blocks of a page in a fresh process (cwd: the repository root):
-    line of each block -> {"output", "error"}."""
+    """Run the python blocks of a page in a fresh process (cwd: a temporary folder;
+    the repository root on ``sys.path``): line of each block -> {"output", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
         record = pathlib.Path(tmp) / "cells.json"
         env = dict(os.environ, PYTHONUNBUFFERED="1")

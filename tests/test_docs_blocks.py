@@ -12,8 +12,8 @@ _spec = importlib.util.spec_from_file_location("docs_check_pages", _path)
 docs_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(docs_check)
 
-# Pages whose blocks take long (compilation, process groups): the slow tier.
-SLOW = {"docs/compilation.md", "docs/distributed.md", "docs/planning.md"}
+# Pages whose blocks start process groups and torchrun: the slow tier.
+SLOW = {"docs/distributed.md"}
 
 
 def _param(page):
