@@ -32,3 +32,20 @@ def test_every_block_is_run_compared_or_marked():
 @pytest.mark.parametrize("page", [_param(p) for p in docs_check.pages()])
 def test_the_blocks_of_a_page_run_and_print_what_it_quotes(page):
     docs_check.check_page(page)
+
+
+def test_the_remat_config_table_of_distributed_md_lists_every_field():
+    import dataclasses
+    import re
+
+    from torch_remat.integrations import RematConfig
+
+    text = (docs_check.ROOT / "docs" / "distributed.md").read_text()
+    start = text.index("| field | default | meaning |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    documented = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert documented == {f.name for f in dataclasses.fields(RematConfig)}
