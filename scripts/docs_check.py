@@ -68,6 +68,7 @@ SCRIPT_LINE = re.compile(r"^`(?P<name>[\w.-]+\.py)`.*:$")
 OUTPUT_LANGS = ("", "text", "console")
 MACHINE_DEPENDENT = [
     (re.compile(r"[\d,]+ tok/s"), "N tok/s"),
+    (re.compile(r"\+\d+\.\d{3} s\b"), "+N s"),
     (re.compile(r"\b0x[0-9a-fA-F]+\b"), "0xADDR"),
     (re.compile(r"\d{4}-\d\d-\d\d[T_]\d\d:\d\d:\d\d(?:\.\d+)?Z?"), "DATE"),
 ]
@@ -204,8 +205,16 @@ def _normalized(line: str) -> str:
     return line.rstrip()
 
 
+def _line_matches(want: str, have: str) -> bool:
+    if "…" not in want:
+        return want == have
+    pattern = ".*".join(re.escape(part) for part in want.split("…"))
+    return re.fullmatch(pattern, have) is not None
+
+
 def matches(quoted: str, actual: str) -> bool:
-    """Whether ``actual`` output is what ``quoted`` shows (``...`` lines skip any lines)."""
+    """Whether ``actual`` output is what ``quoted`` shows: a ``...`` line skips any
+    number of lines, a ``…`` inside a line any characters of that line."""
     want = [_normalized(x) for x in quoted.splitlines()]
     have = [_normalized(x) for x in actual.splitlines()]
     memo: dict[tuple[int, int], bool] = {}
@@ -217,7 +226,8 @@ def matches(quoted: str, actual: str) -> bool:
             elif want[i] == "...":
                 memo[i, j] = any(match(i + 1, k) for k in range(j, len(have) + 1))
             else:
-                memo[i, j] = j < len(have) and want[i] == have[j] and match(i + 1, j + 1)
+                memo[i, j] = (j < len(have) and _line_matches(want[i], have[j])
+                              and match(i + 1, j + 1))
         return memo[i, j]
 
     return match(0, 0)
@@ -230,11 +240,37 @@ def _rewrite(path: pathlib.Path, offset: int, length: int, indent: str, actual: 
     path.write_text(text[:offset] + new + text[offset + length :])
 
 
+def _split_commands(quoted: str) -> tuple[list[str], str]:
+    """A transcript's leading ``$ command`` lines (continuations ending in ``\\``
+    joined) and the output after them."""
+    lines = quoted.splitlines(keepends=True)
+    commands: list[str] = []
+    i = 0
+    while i < len(lines) and lines[i].startswith("$ "):
+        command = lines[i][2:].rstrip("\n")
+        while command.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            command = command[:-1].rstrip() + " " + lines[i].strip()
+        commands.append(command)
+        i += 1
+    return commands, "".join(lines[i:])
+
+
+def quoted_commands(name: str) -> list[str]:
+    """The ``$ command`` lines a named transcript starts with (the test that runs them
+    asserts they are the commands it ran)."""
+    return _split_commands(blocks()[name][1])[0]
+
+
 def check(name: str, actual: str) -> None:
     """Fail (``AssertionError``) when block ``name`` does not show ``actual``; with
     ``DOCS_CHECK_WRITE=1`` write ``actual`` in its place instead (whole: abridge it
-    again by hand)."""
+    again by hand). A quote that starts with ``$ command`` lines is a transcript:
+    ``actual`` is compared with what follows them."""
     path, quoted, offset = blocks()[name]
+    commands, output = _split_commands(quoted)
+    skipped = len(quoted) - len(output)
+    quoted, offset = output, offset + skipped
     if matches(quoted, actual):
         return
     if os.environ.get("DOCS_CHECK_WRITE") == "1":

@@ -108,3 +108,13 @@ def test_write_mode_rewrites_a_stale_quote_in_place(docs_check, tmp_path, monkey
 def test_addresses_and_dates_are_machine_dependent(docs_check):
     assert docs_check.matches("at 0x7f00aa  2026-11-29T13:27:45.196Z", "at 0x55d1  2027-01-02T00:00:00.001Z")
     assert not docs_check.matches("at 0x7f00aa rank 1", "at 0x7f00aa rank 2")
+
+
+def test_an_ellipsis_inside_a_line_skips_any_characters_of_that_line(docs_check):
+    assert docs_check.matches("first: rank 1 (…, oom_…_1.json)", "first: rank 1 (node7, oom_ab_12_1.json)")
+    assert not docs_check.matches("first: rank 1 (…)", "first: rank 2 (node7)")
+
+
+def test_a_transcript_is_compared_after_its_command_lines(docs_check):
+    commands, output = docs_check._split_commands("$ run a \\\n    --flag\n$ merge\nout\n")
+    assert (commands, output) == (["run a --flag", "merge"], "out\n")
