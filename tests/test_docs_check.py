@@ -10,11 +10,23 @@ CHECKED = {
     "readme-remat-policies": "tests/launch/test_train.py::test_losses_identical_across_remat_policies_single_process",
     "train-accelerate": "tests/launch/test_train_accelerate.py::test_output_is_what_the_docs_quote",
     "hooks-worked-example": "tests/test_offload.py::test_the_worked_example_of_the_hooks_page_prints_what_it_quotes",
+    "distributed-multi-node": "tests/launch/test_multi_node.py::test_the_docs_transcript_shows_what_the_first_node_prints",
+    "distributed-oom-train": "tests/distributed/test_integrations_oom_train.py::test_train_with_oom_dump_dir_writes_the_failing_ranks_dump",
+    "distributed-oom-merge": "tests/distributed/test_integrations_oom_train.py::test_train_with_oom_dump_dir_writes_the_failing_ranks_dump",
+    "distributed-oom-3-ranks": "tests/distributed/test_integrations_oom_multi_rank.py::test_the_docs_quote_the_merge_of_the_two_jobs",
+    "distributed-oom-skipped": "tests/distributed/test_integrations_oom_multi_rank.py::test_the_docs_quote_what_the_merge_says_of_unusable_files",
+    "distributed-report-uneven": "tests/distributed/test_integrations_multi_rank.py::test_the_docs_quote_what_the_report_checks_print",
+    "distributed-report-even": "tests/distributed/test_integrations_multi_rank.py::test_the_docs_quote_what_the_report_checks_print",
+    "distributed-report-timeout": "tests/distributed/test_integrations_multi_rank.py::test_the_docs_quote_what_the_report_checks_print",
 }
 
 
 def test_every_marked_block_is_checked_by_a_test(docs_check):
     assert set(docs_check.blocks()) == set(CHECKED)
+    for name, test in CHECKED.items():
+        path, function = test.split("::")
+        source = (docs_check.ROOT / path).read_text()
+        assert f"def {function}(" in source and f'"{name}"' in source, (name, test)
 
 
 def test_an_ellipsis_line_skips_any_number_of_lines(docs_check):
