@@ -12,8 +12,9 @@ _spec = importlib.util.spec_from_file_location("docs_check_pages", _path)
 docs_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(docs_check)
 
-# Pages whose blocks start process groups and torchrun: the slow tier.
-SLOW = {"docs/distributed.md"}
+# Pages whose blocks compile or measure many steps: the slow tier (torchrun transcripts
+# are checked by the tests that launch them, marked slow there).
+SLOW = {"docs/compilation.md", "docs/planning.md"}
 
 
 def _param(page):

@@ -46,6 +46,7 @@ DOCS_QUOTES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, check, rank, key", DOCS_QUOTES)
 def test_the_docs_quote_what_the_report_checks_print(results_2rank, docs_check, name, check, rank, key):
     assert_check_passed(results_2rank, check)

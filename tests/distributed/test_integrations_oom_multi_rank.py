@@ -76,12 +76,14 @@ def test_merge_text_for_one_job(launched):
 DOCS_FOLDER = "/tmp/oom3/scratch/oom"
 
 
+@pytest.mark.slow
 def test_the_docs_quote_the_merge_of_the_two_jobs(launched, docs_check):
     _, folder = launched
     assert docs_check.quoted_commands("distributed-oom-3-ranks") == [f"torch-remat-oom {DOCS_FOLDER}"]
     docs_check.check("distributed-oom-3-ranks", merge(folder).replace(folder, DOCS_FOLDER))
 
 
+@pytest.mark.slow
 def test_the_docs_quote_what_the_merge_says_of_unusable_files(launched, docs_check, tmp_path):
     _, folder = launched
     copy = tmp_path / "oom"

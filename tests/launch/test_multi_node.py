@@ -85,6 +85,7 @@ def test_second_node_prints_nothing_of_rank_0(two_nodes):
     assert sum("torch_remat train:" in out for out in outs) == 1
 
 
+@pytest.mark.slow
 def test_the_docs_transcript_shows_what_the_first_node_prints(two_nodes, docs_check):
     commands = docs_check.quoted_commands("distributed-multi-node")
     assert commands[0].startswith("export NNODES=2 NPROC=1 RDZV_ENDPOINT=127.0.0.1:")
