@@ -173,6 +173,30 @@ def unmarked() -> list[Block]:
     return [b for b in all_blocks() if b.kind == "unmarked"]
 
 
+# -- names the prose mentions ------------------------------------------------------------
+
+NAME_MENTION = re.compile(r"(?<![\w.])remat\.([A-Za-z_]\w*)(?![\w:])")  # not profiler ranges
+INTEGRATIONS_MENTION = re.compile(r"torch_remat\.integrations\.([A-Za-z_]\w*)")
+
+
+def unknown_names(text: str) -> list[str]:
+    """``remat.NAME`` and ``torch_remat.integrations.NAME`` mentions in ``text`` that
+    the package does not have (renamed or removed names the docs still use)."""
+    import importlib
+
+    import torch_remat
+    import torch_remat.integrations as integrations
+
+    unknown = [f"remat.{n}" for n in NAME_MENTION.findall(text) if not hasattr(torch_remat, n)]
+    for name in INTEGRATIONS_MENTION.findall(text):
+        if not hasattr(integrations, name):
+            try:
+                importlib.import_module(f"torch_remat.integrations.{name}")
+            except ImportError:
+                unknown.append(f"torch_remat.integrations.{name}")
+    return sorted(set(unknown))
+
+
 # -- named blocks: checked by the tests that run their commands ----------------------
 
 TABLE_MARKER = re.compile(r"^<!-- docs-check: (?P<name>[\w.-]+) -->\n(?P<table>(?:^\|[^\n]*\n)+)",

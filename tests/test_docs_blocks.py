@@ -50,3 +50,9 @@ def test_the_remat_config_table_of_distributed_md_lists_every_field():
         rows.append(line)
     documented = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert documented == {f.name for f in dataclasses.fields(RematConfig)}
+
+
+def test_every_name_the_docs_mention_exists():
+    unknown = {str(p.relative_to(docs_check.ROOT)): docs_check.unknown_names(p.read_text())
+               for p in docs_check.pages()}
+    assert not {page: names for page, names in unknown.items() if names}

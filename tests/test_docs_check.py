@@ -130,3 +130,8 @@ def test_an_ellipsis_inside_a_line_skips_any_characters_of_that_line(docs_check)
 def test_a_transcript_is_compared_after_its_command_lines(docs_check):
     commands, output = docs_check._split_commands("$ run a \\\n    --flag\n$ merge\nout\n")
     assert (commands, output) == (["run a --flag", "merge"], "out\n")
+
+
+def test_a_name_the_package_does_not_have_is_reported(docs_check):
+    text = "Use `remat.checkpoint`, `remat.no_such_hook()` and `torch_remat.integrations.nope`; ranges `remat.forward:layers.0`."
+    assert docs_check.unknown_names(text) == ["remat.no_such_hook", "torch_remat.integrations.nope"]
