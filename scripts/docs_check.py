@@ -28,10 +28,17 @@ Each fenced block of a page is one of:
 Any other block fails the check (:func:`unmarked`), so a block added later is
 run, compared or visibly marked. Comparison rules (:func:`matches`):
 
-* a line ``...`` in the quote stands for any number of skipped lines (abridged output);
+* a line ``...`` in the quote stands for any number of skipped lines (abridged output),
+  a ``…`` inside a line for any characters of that line (a host name, a pid);
 * numbers that depend on the machine are masked on both sides: throughput
-  (``1,234 tok/s``), addresses (``0x7f...``), wall-clock times and dates;
-  everything else must match exactly, trailing spaces aside.
+  (``1,234 tok/s``), addresses (``0x7f...``), dates and times, ``+0.082 s`` offsets;
+  everything else must match exactly, trailing spaces aside;
+* a named quote that starts with ``$ command`` lines is a transcript: the output
+  after them is compared, and :func:`quoted_commands` gives the commands to the test
+  that ran them.
+
+The pages' blocks run in a temporary folder (files they write land there), with the
+repository root on ``sys.path``; a page's output is what a CPU build of torch prints.
 
 Set ``DOCS_CHECK_WRITE=1`` to have a failing comparison rewrite the quote with the
 fresh output instead (then review the diff, and abridge again by hand).
