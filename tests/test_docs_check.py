@@ -18,6 +18,8 @@ CHECKED = {
     "distributed-report-uneven": "tests/distributed/test_integrations_multi_rank.py::test_the_docs_quote_what_the_report_checks_print",
     "distributed-report-even": "tests/distributed/test_integrations_multi_rank.py::test_the_docs_quote_what_the_report_checks_print",
     "distributed-report-timeout": "tests/distributed/test_integrations_multi_rank.py::test_the_docs_quote_what_the_report_checks_print",
+    "benchmarks-w5-quick": "tests/test_benchmarks_quick.py::test_the_docs_quote_the_quick_w5_table",
+    "benchmarks-w6-quick": "tests/test_benchmarks_quick.py::test_the_docs_quote_the_quick_w6_output",
 }
 
 
