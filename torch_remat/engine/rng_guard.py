@@ -26,6 +26,7 @@ Generators passed explicitly (``torch.rand(..., generator=g)``) are not seen.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ class _CPUGenerator:
         # Below dispatch modes: a recording mode (gradient_checkpoint_scope) would
         # otherwise hold on to the state tensor.
         with _compat.DisableTorchDispatch():
-            return torch.default_generator.get_state().numpy().tobytes()
+            state = torch.default_generator.get_state()  # a fresh contiguous uint8 tensor
+        # Its bytes, copied once and without numpy (an optional dependency of torch).
+        return ctypes.string_at(state.data_ptr(), state.nbytes)
 
     @staticmethod
     def get_state() -> torch.Tensor:
