@@ -5,6 +5,7 @@ source code can be marked to keep their activations
 (``remat.region(fn, name, recompute=False)``) instead of being recomputed.
 """
 
+from . import _source_checkout
 from ._errors import (
     PlaceholderReadError,
     RecomputeMismatchError,
@@ -83,3 +84,6 @@ __all__ = [
     "ActiveCheckpoint",
     "format_bytes",
 ]
+
+# From a source checkout, torch_remat.integrations is the sibling folder integrations/.
+_source_checkout.install(__path__[0])
