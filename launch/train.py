@@ -127,6 +127,13 @@ def usage_error(message: str, rank: int | None = None) -> NoReturn:
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    """Prints its help and usage errors on rank 0 only (torchrun starts every rank
+    with the same arguments)."""
+
+    def print_help(self, file=None) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            super().print_help(file)
+
     def error(self, message: str) -> NoReturn:
         if int(os.environ.get("RANK", "0")) == 0:
             self.print_usage(sys.stderr)
@@ -270,7 +277,8 @@ def _agree(ok: bool) -> bool:
     """True if ``ok`` on every rank (a collective under torchrun)."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([int(ok)])
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # nccl reduces CUDA tensors
+    flag = torch.tensor([int(ok)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -297,15 +305,25 @@ def _cause(error: BaseException | None) -> str:
 
 
 def check_writable(directory: pathlib.Path, rank: int) -> None:
-    """Fail at start, not at the first save, where ``directory`` cannot be written."""
+    """Fail at start, not at the first save, where a rank cannot write ``directory``."""
     probe = directory / f".write-check.rank{rank}"
+    error = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        usage_error(f"--checkpoint-dir {directory}: cannot write there ({e.strerror or e}); "
-                    "choose another directory or make this one writable", rank)
+        error = e.strerror or str(e)
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, e = failed[0]
+        usage_error(f"--checkpoint-dir {directory}: cannot write there"
+                    f"{f' from rank {r}' if r else ''} ({e}); choose another directory or "
+                    "make this one writable", rank)
 
 
 @contextlib.contextmanager
