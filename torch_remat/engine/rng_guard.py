@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from .. import _compat
 from .._errors import RecomputeMismatchError
 
 
@@ -41,11 +40,10 @@ class _CPUGenerator:
 
     @staticmethod
     def fingerprint() -> bytes:
-        # Below dispatch modes: a recording mode (gradient_checkpoint_scope) would
-        # otherwise hold on to the state tensor.
-        with _compat.DisableTorchDispatch():
-            state = torch.default_generator.get_state()  # a fresh contiguous uint8 tensor
-        # Its bytes, copied once and without numpy (an optional dependency of torch).
+        # The state's bytes, read without numpy (an optional dependency of torch) and
+        # without an aten op, so that no dispatch mode (gradient_checkpoint_scope's
+        # recording mode) sees the state tensor: get_state() dispatches nothing.
+        state = torch.default_generator.get_state()  # a fresh contiguous uint8 tensor
         return ctypes.string_at(state.data_ptr(), state.nbytes)
 
     @staticmethod
