@@ -270,7 +270,9 @@ def build(args, vocab: int, device: torch.device, world: int):
 # optimizer (torch.distributed.checkpoint, sharded as trained) and every rank's
 # random generators (rng/rankR.pt: dropout draws from them, so a resumed run draws
 # the masks the uninterrupted run would have). A save is written to stepN.tmp and
-# renamed when complete; DIR/latest.json names the newest step.
+# renamed when complete; DIR/latest.json names the newest step. Under torchrun on
+# several nodes DIR is a folder every node sees (rank 0 writes the metadata and
+# renames).
 
 
 def _agree(ok: bool) -> bool:
@@ -367,6 +369,8 @@ def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, k
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        for stale in directory.glob("step*.tmp"):  # unfinished saves of crashed attempts
+            shutil.rmtree(stale, ignore_errors=True)
         latest = directory / "latest.json.tmp"
         latest.write_text(json.dumps({"step": step}))
         latest.replace(directory / "latest.json")

@@ -60,8 +60,8 @@ def test_checkpoints_keep_k_refuse_a_rerun_and_skip_corrupt_ones(tmp_path):
     # says so and resumes from step 4, exactly where the uninterrupted run was.
     (ckpt / "latest.json").write_text("{")
     (next((ckpt / "step6").glob("*.distcp"))).write_bytes(b"\0" * 64)
-    (ckpt / "step8.tmp").mkdir()
-    (ckpt / "step8.tmp" / "__0_0.distcp").write_bytes(b"half")
+    (ckpt / "step7.tmp").mkdir()
+    (ckpt / "step7.tmp" / "__0_0.distcp").write_bytes(b"half")
     resumed = train("--steps", "8", *common)
     assert f"{ckpt / 'latest.json'} is unreadable" in resumed.stdout
     assert f"checkpoint {ckpt / 'step6'} is unreadable" in resumed.stdout
@@ -69,6 +69,7 @@ def test_checkpoints_keep_k_refuse_a_rerun_and_skip_corrupt_ones(tmp_path):
     assert losses(log) == losses(uninterrupted)  # bitwise: the same floats
     assert json.loads(log.read_text())["resumed_at"] == [4]
     assert "Warning" not in resumed.stderr, resumed.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step6", "step8"]
 
 
 def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
