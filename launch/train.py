@@ -463,7 +463,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps; resume from the latest")
+    p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps (with every rank's random generators); resume from the newest complete checkpoint there, exactly")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="keep the K newest checkpoints, delete older ones (default 0: keep all)")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
