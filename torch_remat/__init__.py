@@ -8,6 +8,7 @@ source code can be marked to keep their activations
 import warnings as _warnings
 from typing import Any as _Any
 
+from . import _source_checkout
 from ._errors import (
     PlaceholderReadError,
     RecomputeMismatchError,
@@ -109,3 +110,6 @@ def __getattr__(name: str) -> _Any:
     from . import diagnostics
 
     return getattr(diagnostics, name)
+
+# From a source checkout, torch_remat.integrations is the sibling folder integrations/.
+_source_checkout.install(__path__[0])

@@ -33,6 +33,7 @@ Generators passed explicitly (``torch.rand(..., generator=g)``) are not seen.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -63,10 +64,11 @@ class DefaultGenerator:
         if self.device.type == "cuda":
             g = torch.cuda.default_generators[self.device.index]
             return g.initial_seed(), g.get_offset()
-        # Below dispatch modes: a recording mode (gradient_checkpoint_scope) would
-        # otherwise hold on to the state tensor.
-        with _compat.DisableTorchDispatch():
-            return torch.default_generator.get_state().numpy().tobytes()
+        # The state's bytes, read without numpy (an optional dependency of torch) and
+        # without an aten op, so that no dispatch mode (gradient_checkpoint_scope's
+        # recording mode) sees the state tensor: get_state() dispatches nothing.
+        state = torch.default_generator.get_state()  # a fresh contiguous uint8 tensor
+        return ctypes.string_at(state.data_ptr(), state.nbytes)
 
     def get_state(self) -> torch.Tensor:
         if self.device.type == "cuda":
