@@ -1,0 +1,147 @@
+"""Code written for the upstream torch-remat 0.2.2 API under ``torch.compile``.
+
+Regions around a custom ``autograd.Function``'s ``apply`` (flash-attention
+wrappers, fused kernels) inside a compiled checkpoint, region wrappers built
+eagerly and called in compiled code, and checkpoints created inside compiled code
+without a ``region_name``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, grads
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils.checkpoint import CheckpointPolicy
+
+import torch_remat as remat
+
+DTYPE = torch.float64
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class MatExp(torch.autograd.Function):
+    """y = exp(x @ w); saves y and w for its own backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        y = (x @ w).exp()
+        ctx.save_for_backward(y, w)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        y, w = ctx.saved_tensors
+        return (g * y) @ w.t(), None
+
+
+def body(x, w, recompute):
+    h = x.sin()
+    y = remat.region(MatExp.apply, "attn", recompute=recompute)(h, w)
+    return y.cos()
+
+
+def compiled_loss(recompute, backend, fullgraph):
+    def loss(x, w):
+        return remat.checkpoint(region_name="blk")(body)(x, w, recompute).sum()
+
+    return torch.compile(loss, backend=backend, fullgraph=fullgraph)
+
+
+def inputs():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    w = (torch.randn(16, 16, dtype=DTYPE) * 0.1).requires_grad_()
+    return x, w
+
+
+def forward_graphs():
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm, _example_inputs):
+        graphs.append(gm)
+        return gm
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: gm), graphs
+
+
+def saved_nodes(forward: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    return [n for n in outputs[1:] if isinstance(n, torch.fx.Node)]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_function_apply_region_compiles_as_one_graph_with_fullgraph(recompute):
+    x, w = inputs()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = compiled_loss(recompute, counter, fullgraph=True)
+    actual = grads([], [x, w], compiled)
+    expected = grads([], [x, w], lambda x, w: body(x, w, recompute).sum())
+    assert counter.frame_count == 1
+    assert_bitwise_equal(actual, expected)
+
+
+def test_without_fullgraph_a_function_apply_region_is_compiled_not_run_eagerly():
+    x, w = inputs()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    actual = grads([], [x, w], compiled_loss(False, backend, fullgraph=False))
+    # The checkpoint, with the Function inside it, is part of a compiled graph.
+    assert len(graphs) > 0
+    targets = {n.target for gm in graphs for n in gm.graph.nodes}
+    assert torch.ops.higher_order.tag_activation_checkpoint in targets
+    assert_bitwise_equal(actual, grads([], [x, w], lambda x, w: body(x, w, False).sum()))
+
+
+def test_the_partitioner_keeps_a_save_function_region_and_recomputes_a_recompute_one():
+    saved = {}
+    for recompute in (False, True):
+        torch._dynamo.reset()
+        backend, graphs = forward_graphs()
+        x, w = inputs()
+        compiled_loss(recompute, backend, fullgraph=True)(x, w).backward()
+        saved[recompute] = [
+            (n.meta.get("custom", {}).get("remat_region"), n.meta.get("recompute"))
+            for n in saved_nodes(graphs[0])
+            if n.op == "call_function"
+        ]
+    # SAVE: the Function's own saved activation (exp) is kept, tagged with the region.
+    assert saved[False] == [("attn", CheckpointPolicy.MUST_SAVE)]
+    # RECOMPUTE: nothing computed inside the checkpoint is kept (only its inputs).
+    assert saved[True] == []
+
+
+class EagerWrapperBlock(torch.nn.Module):
+    """Region wrappers built once, eagerly, in ``__init__`` and called in forward."""
+
+    def __init__(self, recompute: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16, dtype=DTYPE) * 0.1)
+        self.attn = remat.region(MatExp.apply, "attn", recompute=recompute)
+        self.act = remat.region(torch.tanh, "act", recompute=True)
+
+    def forward(self, x):
+        return self.act(self.attn(x.sin(), self.w)).cos()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_eagerly_constructed_region_wrapper_compiles_with_fullgraph(recompute):
+    torch.manual_seed(0)
+    block = EagerWrapperBlock(recompute)
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda x: remat.checkpoint(region_name="blk")(block)(x).sum(),
+        backend=counter,
+        fullgraph=True,
+    )
+    actual = grads(list(block.parameters()), [x], compiled)
+    expected = grads(list(block.parameters()), [x], lambda x: block(x).sum())
+    assert counter.frame_count == 1
+    assert_bitwise_equal(actual, expected)
