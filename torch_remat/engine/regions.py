@@ -34,7 +34,10 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     are named ``outer.inner``, and inside ``remat.name_scope(prefix)`` a region is
     named ``prefix/name``.
     """
-    if not callable(fn):
+    # Dynamo cannot trace callable() on an autograd Function's apply (a builtin):
+    # under compilation the check ran when the model was first called eagerly, or
+    # the call below reports it.
+    if not torch.compiler.is_compiling() and not callable(fn):
         raise TypeError(
             f"remat.region: the first argument must be the callable to run, got "
             f"{type(fn).__name__}. Write remat.region(fn, 'name', recompute=False)(*args)."
