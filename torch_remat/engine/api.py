@@ -169,7 +169,8 @@ def checkpoint(
         checkpointed.__wrapped__ = fn  # type: ignore[attr-defined]
         checkpointed.__name__ = f"remat_checkpoint_{name}"
         checkpointed.__qualname__ = checkpointed.__name__
-        checkpointed.__doc__ = getattr(fn, "__doc__", None)
+        if not torch.compiler.is_compiling():  # Dynamo cannot read a partial's __doc__
+            checkpointed.__doc__ = getattr(fn, "__doc__", None)
         return checkpointed  # type: ignore[return-value]
 
     return decorator
@@ -208,5 +209,16 @@ _run_eagerly = _compat.disable_dynamo(_run)
 
 
 def _default_name(fn: Any) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return name or type(fn).__name__
+    # A plain string in eager and traced code alike: while Dynamo traces, the
+    # __qualname__ of a bound method reads as the descriptor of the function type and
+    # that of a closure as None; the code object's co_qualname (Python 3.11+) is what
+    # __qualname__ says in eager code.
+    code = getattr(fn, "__code__", None)
+    for name in (
+        getattr(fn, "__qualname__", None),
+        getattr(code, "co_qualname", None),
+        getattr(fn, "__name__", None),
+    ):
+        if isinstance(name, str) and name:
+            return name
+    return type(fn).__name__
