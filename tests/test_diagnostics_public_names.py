@@ -84,15 +84,16 @@ def test_the_snapshot_is_reused_until_the_allocator_changes_or_the_cache_is_clea
     remat.clear_memory_snapshot_cache()
 
 
-def test_discovered_roots_are_the_losses_not_the_intermediates_they_reach():
+def test_discovered_roots_are_the_live_tensors_with_a_grad_fn_losses_and_intermediates():
+    # upstream's contract (issue 27): every live tensor with a grad_fn, not only
+    # those no other graph reaches
     a = torch.randn(3, requires_grad=True)
-    h = a.exp()  # alive, but reached from loss1's graph
+    h = a.exp()  # alive, and reached from loss1's graph
     loss1 = (h * 2).sum()
     loss2 = a.sin().sum()
-    roots = remat.discover_autograd_roots()
-    ids = {id(n) for n in roots}
-    assert id(loss1.grad_fn) in ids and id(loss2.grad_fn) in ids
-    assert id(h.grad_fn) not in ids
+    ids = {id(t) for t in remat.discover_autograd_roots()}
+    assert {id(loss1), id(loss2), id(h)} <= ids
+    assert id(a) not in ids
 
 
 def test_oom_text_names_the_checkpoint_an_exception_was_raised_in():

@@ -29,6 +29,7 @@ from .diagnostics.trace import Trace, collect_trace, trace_scope
 from .engine.active import ActiveCheckpoint, active_checkpoint
 from .engine.api import checkpoint
 from .engine.naming import name_scope
+from .engine.placeholder import is_placeholder
 from .engine.regions import recompute_needs_tensor, region
 from .engine.saved_hooks import (
     SavedTensorInfo,
@@ -51,6 +52,7 @@ __all__ = [
     "CPURNGStateHook",
     "DeviceRNGStateHook",
     "is_recomputing",
+    "is_placeholder",
     "saved_tensors_hooks",
     "current_saved_tensor_info",
     "SavedTensorInfo",

@@ -144,6 +144,13 @@ class Placeholder(torch.Tensor):
         raise PlaceholderReadError(read_error_message(origin, f"the op {func}"))
 
 
+def is_placeholder(t: torch.Tensor) -> bool:
+    """True if ``t`` is a placeholder (or a view of one): the stand-in a skipped SAVE
+    region returns during a recompute for an output that was not kept. Its metadata
+    is real; reading its data raises :class:`~torch_remat.PlaceholderReadError`."""
+    return isinstance(t, Placeholder)
+
+
 def read_error_message(origin: PlaceholderOrigin, reader: str) -> str:
     return (
         f"torch_remat: during the recompute of checkpoint '{origin.checkpoint}', "
