@@ -1,4 +1,4 @@
-"""memory_snapshot_annotate (on a synthetic snapshot of CPU storages), the snapshot
+"""label_memory_snapshot (on a synthetic snapshot of CPU storages), the snapshot
 cache, discover_autograd_roots and format_oom_saved_tensors_report."""
 
 import pytest
@@ -50,7 +50,7 @@ def checkpoint_keeping_exp(name):
 def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_and_name():
     loss, kept = checkpoint_keeping_exp("layers.0")
     snapshot = synthetic_snapshot(kept)
-    assert remat.memory_snapshot_annotate(snapshot, device_type="cpu") is snapshot
+    assert remat.label_memory_snapshot(snapshot, device_type="cpu") is snapshot
     free, active = snapshot["segments"][0]["blocks"]
     assert "remat" not in free
     assert active["remat"] == [
@@ -62,7 +62,7 @@ def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_
 def test_annotate_leaves_blocks_of_other_devices_alone():
     loss, kept = checkpoint_keeping_exp("c")
     snapshot = synthetic_snapshot(kept)
-    remat.memory_snapshot_annotate(snapshot)  # device_type="cuda": no CPU storage matches
+    remat.label_memory_snapshot(snapshot)  # device_type="cuda": no CPU storage matches
     assert all("remat" not in b for b in snapshot["segments"][0]["blocks"])
     loss.backward()
 

@@ -24,7 +24,7 @@ from .diagnostics.saved_report import (
     print_saved_tensors_report,
     saved_tensors_report,
 )
-from .diagnostics.snapshot_annotate import memory_snapshot_annotate
+from .diagnostics.snapshot_annotate import label_memory_snapshot, memory_snapshot_annotate
 from .diagnostics.trace import Trace, collect_trace, trace_scope
 from .engine.active import ActiveCheckpoint, active_checkpoint
 from .engine.api import checkpoint
@@ -80,6 +80,7 @@ __all__ = [
     "format_oom_saved_tensors_report",
     "discover_autograd_roots",
     "memory_snapshot_annotate",
+    "label_memory_snapshot",
     "clear_memory_snapshot_cache",
     "active_checkpoint",
     "ActiveCheckpoint",
