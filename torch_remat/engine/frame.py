@@ -42,7 +42,7 @@ from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_t
 from .region_io import consume_region_args, record_region_outputs, region_leaves
 from .region_writes import SaveRegionWatch
 from .rng_guard import RNGUse, fingerprints
-from .saved_hooks import KeptTensorHooks, next_call_serial
+from .saved_hooks import KeptTensorHooks, next_call_serial, torch_hooks_around
 from .sources import INPUT, SourceIndex, TensorSource
 from .state import FORWARD, _tls
 from .state_hooks import same_state
@@ -152,7 +152,7 @@ class CheckpointFrame(FrameBackward):
         self.entry_states = self.last_states = [h.snapshot() for h in self.state_hooks]
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.outer_hooks = top_hooks(False)
+        self.outer_hooks = torch_hooks_around(top_hooks(False))
         self.kept_hooks = KeptTensorHooks(self.name, self.call, *self.kept_options, self.outer_hooks)
         for src in self.inputs:
             src.hooks = self.kept_hooks.inputs
