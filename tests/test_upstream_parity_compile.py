@@ -213,3 +213,33 @@ def test_torchtitan_style_layers_with_a_function_attention_compile_fullgraph_bit
     assert_bitwise_equal(actual, grads(params, [x], lambda x: model(x, False)))
     # ... and equal to the eager checkpoint as well.
     assert_bitwise_equal(actual, grads(params, [x], lambda x: model(x, True)))
+
+
+class NamedExp(torch.autograd.Function):
+    """exp saved through upstream's ``remat.save_for_backward(ctx, {name: t})``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        e = torch.exp(x)
+        remat.save_for_backward(ctx, {"e": e})
+        return e
+
+    @staticmethod
+    def backward(ctx, g):
+        (e,) = ctx.saved_tensors
+        return g * e
+
+
+def test_a_function_naming_its_saves_with_a_mapping_compiles_fullgraph():
+    x, w = inputs()
+
+    def block(x, w):
+        return remat.region(NamedExp.apply, "exp", recompute=False)(x @ w).sum()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(
+        lambda x, w: remat.checkpoint(region_name="blk")(block)(x, w), backend=counter, fullgraph=True
+    )
+    actual = grads([], [x, w], compiled)
+    assert counter.frame_count == 1
+    assert_bitwise_equal(actual, grads([], [x, w], block))

@@ -175,3 +175,39 @@ def test_is_placeholder_is_true_for_a_skipped_save_output_and_its_views_during_t
     assert seen == [(False, False, False), (True, True, True)]
     assert remat.is_placeholder(torch.ones(2)) is False
     assert "is_placeholder" in remat.__all__
+
+
+# ------------------------------------------------- save_for_backward(ctx, mapping)
+
+
+class NamedExp(torch.autograd.Function):
+    """Saves its result through upstream's form, one mapping of names to tensors."""
+
+    @staticmethod
+    def forward(ctx, x):
+        e = torch.exp(x)
+        remat.save_for_backward(ctx, {"e": e})
+        return e
+
+    @staticmethod
+    def backward(ctx, g):
+        (e,) = ctx.saved_tensors
+        return g * e
+
+
+def test_save_for_backward_takes_one_mapping_of_names_as_upstream_does():
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    texts = []
+
+    def fn(x):
+        y = remat.region(NamedExp.apply, "exp", recompute=False)(x)
+        if not remat.is_recomputing():
+            texts.append(remat.format_current_memory_report())
+        return y.sum()
+
+    remat.checkpoint(region_name="c")(fn)(x).backward()
+    assert torch.equal(x.grad, x.detach().exp())
+    (row,) = [line for line in texts[0].splitlines() if "(3, 4)" in line]
+    assert " e " in row and "saved.0" not in row
+    with pytest.raises(TypeError, match="mapping"):
+        remat.save_for_backward(object(), {"a": torch.ones(1)}, b=torch.ones(1))
