@@ -211,3 +211,32 @@ def test_save_for_backward_takes_one_mapping_of_names_as_upstream_does():
     assert " e " in row and "saved.0" not in row
     with pytest.raises(TypeError, match="mapping"):
         remat.save_for_backward(object(), {"a": torch.ones(1)}, b=torch.ones(1))
+
+
+# ------------------------------------------------------ upstream's module paths
+
+
+def test_upstream_module_paths_of_the_labeller_and_the_region_registry():
+    from torch_remat._annotate import (
+        _alloc_site_from_frames,
+        _memory_snapshot,
+        clear_memory_snapshot_cache,
+        memory_snapshot_annotate,
+    )
+    from torch_remat._region import _live_regions
+
+    assert memory_snapshot_annotate is remat.memory_snapshot_annotate
+    assert _alloc_site_from_frames(MODEL_FRAMES) == "attn.py:42 forward"
+    assert _alloc_site_from_frames(None) is None
+    clear_memory_snapshot_cache()
+    first = _memory_snapshot()
+    assert _memory_snapshot() is first
+    assert _memory_snapshot(refresh=True) is not first
+    remat.clear_memory_snapshot_cache()
+    assert _memory_snapshot() is not first
+
+    loss, _kept = _kept_by_a_save_region()
+    assert "layers.0" in remat.format_saved_tensors_report()
+    _live_regions.clear()  # the reports forget the checkpoint calls made so far
+    assert "layers.0" not in remat.format_saved_tensors_report()
+    loss.backward()
