@@ -243,3 +243,14 @@ def test_a_function_naming_its_saves_with_a_mapping_compiles_fullgraph():
     actual = grads([], [x, w], compiled)
     assert counter.frame_count == 1
     assert_bitwise_equal(actual, grads([], [x, w], block))
+
+
+def test_inductor_compiles_a_function_apply_region_with_gradients_close_to_eager():
+    x, w = inputs()
+    compiled = compiled_loss(False, "inductor", fullgraph=True)
+    loss, actual = grads([], [x, w], compiled)
+    expected_loss, expected = grads([], [x, w], lambda x, w: body(x, w, False).sum())
+    # Inductor fuses and reorders float arithmetic: close, not bitwise.
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
