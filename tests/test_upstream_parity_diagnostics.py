@@ -240,3 +240,15 @@ def test_upstream_module_paths_of_the_labeller_and_the_region_registry():
     _live_regions.clear()  # the reports forget the checkpoint calls made so far
     assert "layers.0" not in remat.format_saved_tensors_report()
     loss.backward()
+
+
+def test_a_model_file_of_this_machine_in_a_directory_named_torch_remat_is_a_user_frame(tmp_path):
+    model = tmp_path / "torch_remat" / "model.py"  # e.g. a checkout of this repository
+    model.parent.mkdir()
+    model.write_text("")
+    t = torch.zeros(4)
+    frames = [
+        {"filename": torch.__file__, "line": 1, "name": "call"},
+        {"filename": str(model), "line": 7, "name": "forward"},
+    ]
+    assert remat.memory_snapshot_annotate(snapshot_of(block(t, frames)))(t) == "model.py:7 forward"
