@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -57,11 +58,15 @@ def held_storage_labels(device_type: str) -> list[tuple[int, int, dict[str, Any]
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def _library_path(filename: str) -> bool:
-    # Library frames: inside this torch or torch_remat, or (stacks recorded on
-    # another machine) under a directory named torch or torch_remat.
+    # A file of this machine is judged by where it is (inside torch, torch_remat or
+    # its integrations); a stack recorded elsewhere (a snapshot loaded from disk)
+    # by its directories: one named torch or torch_remat is a library's.
+    if os.path.exists(filename):
+        return not is_user_file(filename)
     parts = filename.replace(os.sep, "/").split("/")[:-1]
-    return not is_user_file(filename) or "torch" in parts or "torch_remat" in parts
+    return not filename.endswith(".py") or "torch" in parts or "torch_remat" in parts
 
 
 def site_from_frames(frames: Sequence[Mapping[str, Any]] | None) -> str | None:
