@@ -252,3 +252,14 @@ def test_a_model_file_of_this_machine_in_a_directory_named_torch_remat_is_a_user
         {"filename": str(model), "line": 7, "name": "forward"},
     ]
     assert remat.memory_snapshot_annotate(snapshot_of(block(t, frames)))(t) == "model.py:7 forward"
+
+
+def test_print_saved_tensors_report_takes_upstreams_roots_keyword():
+    loss, _kept = _kept_by_a_save_region()
+    by_roots, by_loss = io.StringIO(), io.StringIO()
+    remat.print_saved_tensors_report(roots=[loss], file=by_roots)
+    remat.print_saved_tensors_report(loss, file=by_loss)
+    assert by_roots.getvalue() == by_loss.getvalue() and "layers.0" in by_loss.getvalue()
+    with pytest.raises(TypeError, match="roots"):
+        remat.print_saved_tensors_report(loss, roots=[loss])
+    loss.backward()
