@@ -284,7 +284,7 @@ def format_saved_tensors_report(roots: Any = None, annotate: Any = None) -> str:
 
 
 def print_saved_tensors_report(
-    loss: Any = None, file: IO[str] | None = None, annotate: Any = None
+    loss: Any = None, file: IO[str] | None = None, annotate: Any = None, *, roots: Any = None
 ) -> None:
     """Print what is held for backward, by checkpoint region and outside regions.
 
@@ -299,7 +299,15 @@ def print_saved_tensors_report(
     holding memory and every live graph. The total equals the bytes those storages
     occupy; parameters are not counted. It never triggers a recompute. Prints to
     stdout unless ``file`` is given; ``annotate`` labels rows (see
-    :func:`saved_tensors_report`).
+    :func:`saved_tensors_report`). ``roots=`` (upstream torch-remat's name) is the
+    same as ``loss``.
     """
+    if roots is not None:
+        if loss is not None:
+            raise TypeError(
+                "print_saved_tensors_report: pass the graph roots once, as loss or as "
+                "roots=, not both."
+            )
+        loss = roots
     text = format_saved_tensors_report(loss, annotate)
     print(text, file=file if file is not None else sys.stdout)
