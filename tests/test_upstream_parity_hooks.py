@@ -208,3 +208,19 @@ def test_a_saved_parameter_reaches_the_pack_hook_as_the_parameter():
     w2 = weight.detach().clone().requires_grad_()
     Linear.apply(expected, w2).sum().backward()
     assert torch.equal(x.grad, expected.grad) and torch.equal(weight.grad, w2.grad)
+
+
+def test_a_block_entered_inside_compiled_code_still_refuses_a_compiled_checkpoint_by_name():
+    import pytest
+
+    def f(x):
+        with remat.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return remat.checkpoint(region_name="c")(lambda t: t.sin())(x).sum()
+
+    x = torch.randn(3, requires_grad=True)
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(Exception, match="remat.saved_tensors_hooks context"):
+            torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
