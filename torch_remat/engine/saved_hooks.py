@@ -237,7 +237,9 @@ class saved_tensors_hooks:
     def __enter__(self) -> saved_tensors_hooks:
         # Inside a checkpoint forward (or a scope) its own hooks see every save and
         # hand the kept ones to the pair; elsewhere the pair is torch's hook too.
-        native = not _remat_machinery(top_hooks(False))
+        # (Not while Dynamo traces: a compiled graph calls no hook, and a compiled
+        # checkpoint inside the block refuses it by name, compiled.py.)
+        native = not torch.compiler.is_compiling() and not _remat_machinery(top_hooks(False))
         if native:
             push_hooks(_NativePack(self._pair), self._pair.unpack)
         self._native = native
