@@ -197,18 +197,18 @@ def torch_hooks_around(hooks: Any) -> Any:
 class saved_tensors_hooks:
     """Run ``pack_hook``/``unpack_hook`` on the tensors checkpoints keep resident.
 
-    The shape of ``torch.autograd.graph.saved_tensors_hooks``, but the hooks see
-    only what remat keeps for backward: saves inside SAVE regions, kept SAVE-region
-    outputs and kept checkpoint inputs, never a tensor that will be recomputed, and
-    never during a replay. ``pack_hook(tensor)`` receives a detached tensor (an
-    identity hook creates no reference cycle) and returns any object;
-    ``unpack_hook(packed)`` returns the tensor. With ``capture_context``,
-    ``pack_hook(tensor, context)`` is called instead, where ``context`` is what
-    ``capture_context()`` returned when the pair was bound to the tensor: at the
-    save for SAVE-region saves, when the region returned for its kept outputs, when
-    the checkpoint started for its inputs (those two are packed when the forward
-    ends). Inside ``pack_hook``, :func:`current_saved_tensor_info` describes the
-    tensor. The pair is bound when the tensor is saved: leaving the block before
+    The shape of ``torch.autograd.graph.saved_tensors_hooks``, but inside
+    checkpoints the hooks see only what remat keeps for backward: saves inside SAVE
+    regions, kept SAVE-region outputs and kept checkpoint inputs, never a tensor
+    that will be recomputed, and never during a replay. ``pack_hook(tensor)``
+    receives a detached tensor there (an identity hook creates no reference cycle)
+    and returns any object; ``unpack_hook(packed)`` returns the tensor. With
+    ``capture_context``, ``capture_context()`` is called when the pair is bound to
+    the tensor: at the save for SAVE-region saves, when the region returned for its
+    kept outputs, when the checkpoint started for its inputs (those two are packed
+    when the forward ends); its result is ``current_saved_tensor_info().context``
+    and, for a ``pack_hook`` of two arguments, the second argument. Inside
+    ``pack_hook``, :func:`current_saved_tensor_info` describes the tensor. The pair is bound when the tensor is saved: leaving the block before
     backward does not change which ``unpack_hook`` runs.
 
     Outside checkpoints the pair applies as torch's own hooks do (it is added to
