@@ -80,6 +80,12 @@ def cuda_memory_history_may_be_enabled() -> bool:
     return enabled is None or bool(enabled())
 
 
+def cuda_memory_snapshot_available() -> bool:
+    """Whether this build can take ``torch.cuda.memory._snapshot()`` (CPU-only
+    builds lack the binding)."""
+    return hasattr(torch._C, "_cuda_memorySnapshot")
+
+
 def queue_backward_callback(callback) -> None:
     """Run ``callback`` when the current backward (graph task) finishes."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -21,7 +21,7 @@ from .saved_report import (
     print_saved_tensors_report,
     saved_tensors_report,
 )
-from .snapshot_annotate import memory_snapshot_annotate
+from .snapshot_annotate import label_memory_snapshot, memory_snapshot_annotate
 from .trace import Trace, collect_trace, trace_scope
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "format_oom_saved_tensors_report",
     "discover_autograd_roots",
     "memory_snapshot_annotate",
+    "label_memory_snapshot",
     "clear_memory_snapshot_cache",
     "active_checkpoint",
     "ActiveCheckpoint",

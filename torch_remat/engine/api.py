@@ -217,7 +217,8 @@ class CheckpointedFunction:
         self.__wrapped__ = fn
         self.__name__ = f"remat_checkpoint_{name}"
         self.__qualname__ = self.__name__
-        self.__doc__ = getattr(fn, "__doc__", None)
+        if not torch.compiler.is_compiling():  # Dynamo cannot read a partial's __doc__
+            self.__doc__ = getattr(fn, "__doc__", None)
         self.name = name
         self.options = options
         self.flop_memo: dict[tuple, int] = {}
@@ -270,8 +271,19 @@ _run_eagerly = _compat.disable_dynamo(_run)
 
 
 def _default_name(fn: Any) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return name or type(fn).__name__
+    # A plain string in eager and traced code alike: while Dynamo traces, the
+    # __qualname__ of a bound method reads as the descriptor of the function type and
+    # that of a closure as None; the code object's co_qualname (Python 3.11+) is what
+    # __qualname__ says in eager code.
+    code = getattr(fn, "__code__", None)
+    for name in (
+        getattr(fn, "__qualname__", None),
+        getattr(code, "co_qualname", None),
+        getattr(fn, "__name__", None),
+    ):
+        if isinstance(name, str) and name:
+            return name
+    return type(fn).__name__
 
 
 # ------------------------------------------------------------------ regions
@@ -296,7 +308,10 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     are named ``outer.inner``, and inside ``remat.name_scope(prefix)`` a region is
     named ``prefix/name``.
     """
-    if not callable(fn):
+    # Dynamo cannot trace callable() on an autograd Function's apply (a builtin):
+    # under compilation the check ran when the model was first called eagerly, or
+    # the call below reports it.
+    if not torch.compiler.is_compiling() and not callable(fn):
         raise TypeError(
             f"remat.region: the first argument must be the callable to run, got "
             f"{type(fn).__name__}. Write remat.region(fn, 'name', recompute=False)(*args)."

@@ -81,7 +81,7 @@ from .records import (
 )
 from .replay import ReplayPass, replay_unpack
 from .rng import RNGUse, fingerprints, same_state
-from .saved_hooks import KeptTensorHooks, next_call_serial
+from .saved_hooks import KeptTensorHooks, next_call_serial, torch_hooks_around
 
 if TYPE_CHECKING:
     from .api import CheckpointedFunction
@@ -221,7 +221,7 @@ class CheckpointFrame:
         self.entry_states = self.last_states = [h.snapshot() for h in self.state_hooks]
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.outer_hooks = top_hooks(False)
+        self.outer_hooks = torch_hooks_around(top_hooks(False))
         self.kept_hooks = KeptTensorHooks(
             self.name, self.call, *self.checkpointed.options.kept_hooks, self.outer_hooks
         )
