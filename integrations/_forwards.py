@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import torch_remat as remat
+from torch_remat._compat import tree_flatten
 
 from ._repeated_calls import call_scope, counting_calls
 from ._selection import save_modules_of
