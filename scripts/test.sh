@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
 ruff check .
-python -m pytest -q "$@"
+python -m pytest -q -m "" "$@"  # -m "": every tier (plain pytest skips the slow one)
