@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def _env(**extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    # launch/run.sh runs `torchrun` (and `python`) from PATH: this interpreter's.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.pop("WORLD_SIZE", None)
     return env
 
