@@ -22,6 +22,7 @@ from torch_remat._compat import (
     OffloadWrapper,
     checkpoint_wrapper,
     offload_wrapper,
+    run_fsdp_policy,
 )
 
 
@@ -117,7 +118,7 @@ def select_like_torch(
     if not callable(policy):
         if not isinstance(policy, FSDPPolicy):
             raise ValueError(f"Expected {policy} to be callable or be a pre-defined wrap policy")
-        targets = policy._run_policy(model, ignored_modules=set(), root_kwargs={})
+        targets = run_fsdp_policy(policy, model)
         seen: set[nn.Module] = {model}
 
         def post_order(module: nn.Module) -> None:

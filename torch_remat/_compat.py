@@ -45,8 +45,9 @@ tree_map``                                        outputs, and rebuild the conta
 wrapper`` (``CheckpointImpl``, ``CheckpointWrap   their options (apply_remat takes the arguments
 per``, ``OffloadWrapper``, ``checkpoint_wrapper   of apply_activation_checkpointing); torch
 ``, ``offload_wrapper``)                          exports them only from this module
-``distributed.fsdp.wrap._Policy``                 tell an FSDP auto-wrap policy object from a
-                                                  callable one, as torch's own code does
+``distributed.fsdp.wrap._Policy``,                tell an FSDP auto-wrap policy object from a
+``_Policy._run_policy``                           callable one and ask it which modules it
+                                                  wraps, as torch's own code does
 ``distributed.tensor._random`` (``_rng_tracker``  create DTensor's RNG tracker before the first
 , ``OffsetBasedRNGTracker``, ``is_rng_supported_  checkpoint, as its dispatcher would at the
 mesh``)                                           first random op (no public constructor)
@@ -111,6 +112,12 @@ def __getattr__(name: str):
 
         return _Policy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run_fsdp_policy(policy, model) -> dict:
+    """The modules an FSDP ``_Policy`` object selects in ``model`` (none ignored), each
+    with its wrapper kwargs: what ``apply_activation_checkpointing`` asks of it."""
+    return policy._run_policy(model, ignored_modules=set(), root_kwargs={})
 
 
 def dtensor_rng_tracker() -> object | None:
