@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import torch_remat as remat
+from torch_remat._integration import tree_flatten
 
 from ._repeated_calls import repeated_call_prefix, run_counting_calls
 from ._selection import save_modules_of

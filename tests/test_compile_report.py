@@ -125,6 +125,7 @@ def test_saves_that_do_not_match_their_graphs_record_are_reported_as_not_attribu
     ]
 
 
+@pytest.mark.slow
 def test_inductor_saves_are_attributed_like_aot_eager():
     loss, saved, x = compiled_loss("inductor")
     try:

@@ -27,23 +27,44 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
-``Tensor._make_wrapper_subclass``                 placeholders: a tensor subclass without storage
-``nn.modules.batchnorm._NormBase``                batch norm's kernels update running statistics
-                                                  without a version bump: such buffers are copied
-``utils._pytree.tree_flatten/unflatten/map``      flatten arguments and region outputs the
-                                                  way torch.compile and torch's checkpoint do
-                                                  (namedtuples, registered containers)
 ``_functorch._aot_autograd.graph_compile.         see which forward-graph node each tensor a
 _categorize_saved_tensors_for_backward``          compiled graph saves comes from (reports)
 ``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
 _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a compiled node
+``utils._pytree.tree_flatten/tree_unflatten/      find the tensors in a region's arguments and
+tree_map``                                        outputs, and rebuild the containers, exactly
+                                                  as autograd and torch.compile see them
+``utils._python_dispatch.TorchDispatchMode``      record the aten ops a scope or the planner's
+                                                  measuring pass runs
+``Tensor._make_wrapper_subclass``                 a placeholder tensor without storage
+``nn.modules.batchnorm._NormBase``                tell batch norms apart: their kernels update
+                                                  running stats without bumping versions
+``_subclasses.fake_tensor.FakeTensor``            leave fake tensors' graphs out of the reports
+``cuda.memory._snapshot``                         the allocator's blocks with their stacks
+                                                  (allocation sites, snapshot annotation)
+``distributed.algorithms._checkpoint.checkpoint_  recognise torch's checkpoint wrappers and read
+wrapper`` (``CheckpointImpl``, ``CheckpointWrap   their options (apply_remat takes the arguments
+per``, ``OffloadWrapper``, ``checkpoint_wrapper   of apply_activation_checkpointing); torch
+``, ``offload_wrapper``)                          exports them only from this module
+``distributed.fsdp.wrap._Policy``,                tell an FSDP auto-wrap policy object from a
+``_Policy._run_policy``                           callable one and ask it which modules it
+                                                  wraps, as torch's own code does
+``distributed.tensor._random`` (``_rng_tracker``  create DTensor's RNG tracker before the first
+, ``OffsetBasedRNGTracker``, ``is_rng_supported_  checkpoint, as its dispatcher would at the
+mesh``)                                           first random op (no public constructor)
 ===============================================  =============================================
+
+The torch.distributed names are looked up on first use, so that ``import torch_remat``
+works on builds of torch without torch.distributed.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as _pytree
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._pytree import tree_flatten as tree_flatten
+from torch.utils._pytree import tree_map as tree_map
+from torch.utils._pytree import tree_unflatten as tree_unflatten
 
 TESTED_TORCH = "2.13.0"
 
@@ -68,9 +89,67 @@ disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
 make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 BatchNormBase = torch.nn.modules.batchnorm._NormBase
-tree_flatten = _pytree.tree_flatten
-tree_unflatten = _pytree.tree_unflatten
-tree_map = _pytree.tree_map
+
+
+def fake_tensor_type() -> type:
+    """``torch._subclasses.fake_tensor.FakeTensor``: the reports skip the graphs of fake
+    tensors (a tracing mode's, whose storages must not be touched)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+def cuda_memory_snapshot() -> dict:
+    """``torch.cuda.memory._snapshot()``: the caching allocator's segments and blocks."""
+    return torch.cuda.memory._snapshot()
+
+
+_CHECKPOINT_WRAPPER_NAMES = (
+    "CheckpointImpl", "CheckpointWrapper", "OffloadWrapper", "checkpoint_wrapper",
+    "offload_wrapper",
+)
+
+
+def __getattr__(name: str):
+    """The torch.distributed names of the table above, imported on first use."""
+    if name in _CHECKPOINT_WRAPPER_NAMES:
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+
+        return getattr(checkpoint_wrapper, name)
+    if name == "FSDPPolicy":
+        from torch.distributed.fsdp.wrap import _Policy
+
+        return _Policy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run_fsdp_policy(policy, model) -> dict:
+    """The modules an FSDP ``_Policy`` object selects in ``model`` (none ignored), each
+    with its wrapper kwargs: what ``apply_activation_checkpointing`` asks of it."""
+    return policy._run_policy(model, ignored_modules=set(), root_kwargs={})
+
+
+def dtensor_rng_tracker() -> object | None:
+    """DTensor's RNG tracker (``torch.distributed.tensor._random._rng_tracker``), None
+    before DTensor or :func:`create_dtensor_rng_tracker` made one."""
+    from torch.distributed.tensor import _random
+
+    return _random._rng_tracker
+
+
+def dtensor_rng_supported_mesh(mesh) -> bool:
+    """Whether DTensor draws random numbers on ``mesh`` through its RNG tracker."""
+    from torch.distributed.tensor import _random
+
+    return _random.is_rng_supported_mesh(mesh)
+
+
+def create_dtensor_rng_tracker(mesh) -> None:
+    """Make DTensor's RNG tracker for ``mesh``, as DTensor's dispatcher does at its
+    first random op (rank 0's generator state is broadcast: call on every rank)."""
+    from torch.distributed.tensor import _random
+
+    _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=True)
 
 
 def cuda_memory_history_may_be_enabled() -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from dist_harness import assert_check_passed, check_names, launch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

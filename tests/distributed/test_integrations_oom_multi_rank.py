@@ -15,7 +15,7 @@ import pytest
 from checks_oom_3rank import JOB, OTHER_JOB
 from dist_harness import assert_check_passed, check_names, launch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _env(**extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    # launch/run.sh runs `torchrun` (and `python`) from PATH: this interpreter's.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.pop("WORLD_SIZE", None)
     return env
 

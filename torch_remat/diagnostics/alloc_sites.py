@@ -150,7 +150,7 @@ _cache: tuple[Any, tuple[dict[str, Any], SnapshotIndex]] | None = None
 
 
 def _take_snapshot() -> dict[str, Any]:
-    return torch.cuda.memory._snapshot()
+    return _compat.cuda_memory_snapshot()
 
 
 def _allocator_epoch() -> Any:

@@ -101,7 +101,7 @@ def live_graph_tensors() -> list[torch.Tensor]:
     """Every live tensor with a ``grad_fn`` that the garbage collector tracks,
     FakeTensors excepted (their graphs hold fake tensors of a tracing mode that
     may be gone, whose storages must not be touched)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    FakeTensor = _compat.fake_tensor_type()
 
     out = []
     tensor = torch.Tensor

@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._autograd_hooks import disabled_message as _disabled_message
 from .._autograd_hooks import push_hooks as _push_hooks
 from .._autograd_hooks import top_hooks as _top_hooks
 from .._autograd_hooks import unpack_packed
+from .._compat import TorchDispatchMode
 from .._errors import RematError
 from ..engine.context import current_pass
 from .hooks import ScopeHook, registry, remove_hook
