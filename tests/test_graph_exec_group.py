@@ -1,31 +1,38 @@
 """Refills made for the backwards of a torch.utils.checkpoint.GraphExecGroup are
 shared by them and freed when the group object dies."""
 
-import gc
-
 import torch
 from torch.utils.checkpoint import GraphExecGroup
 
 import torch_remat as remat
-from torch_remat.engine.records import Holder
+from torch_remat.engine.observers import CheckpointObserver, observe
 
 
 def block(x):
     return (x.sin().exp() * 2).cos()
 
 
-def refilled_holders() -> list[Holder]:
-    return [o for o in gc.get_objects() if isinstance(o, Holder) and o.refills]
+class Frames(CheckpointObserver):
+    def __init__(self) -> None:
+        self.frames = []
+
+    def checkpoint_created(self, frame) -> None:
+        self.frames.append(frame)
+
+    def refilled(self) -> list:
+        return [h for f in self.frames for r in f.holders if (h := r()) is not None and h.refills]
 
 
 def test_refills_a_group_did_not_use_are_freed_when_the_group_dies():
     x = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
     y = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
-    loss = remat.checkpoint(region_name="b")(lambda a, b: block(a) + block(b))(x, y).sum()
+    frames = Frames()
+    with observe(frames):
+        loss = remat.checkpoint(region_name="b")(lambda a, b: block(a) + block(b))(x, y).sum()
     with GraphExecGroup():
         (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
     # block(y)'s refills were made by the one replay but never unpacked
-    assert refilled_holders() == []
+    assert frames.refilled() == []
     (ref,) = torch.autograd.grad((block(x) + block(y)).sum(), [x])
     assert torch.equal(gx, ref)
 
