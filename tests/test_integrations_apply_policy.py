@@ -82,7 +82,7 @@ def test_a_collection_holding_something_else_than_module_classes_is_refused():
     with pytest.raises(TypeError, match=r"auto_wrap_policy.*module classes.*'layers'"):
         apply_remat(model, auto_wrap_policy={Layer, "layers"})
     with pytest.raises(TypeError, match=r"auto_wrap_policy.*module classes"):
-        apply_remat(model, auto_wrap_policy=[Layer()])
+        apply_remat(model, auto_wrap_policy=[Layer(8)])
 
 
 def test_an_empty_collection_is_refused():
