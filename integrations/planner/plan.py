@@ -288,15 +288,32 @@ def measure_table(
     table: dict[str, list[Measured]] = {
         b: [Measured(OFF, off.bytes_by_block[b], 0, 0)] for b in blocks
     }
-    for group in groups:
-        for option in group.options()[1:]:
-            run = measure(
-                model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save)), blocks
+    def run(group: Group, option: Option) -> None:
+        got = measure(
+            model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save)), blocks
+        )
+        for b in group.blocks:
+            table[b].append(
+                Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b])
             )
-            for b in group.blocks:
-                table[b].append(
-                    Measured(option, run.bytes_by_block[b], run.flops_by_block[b], run.ops_by_block[b])
-                )
+
+    for group in groups:
+        if group.exhaustive:
+            for option in group.options()[1:]:
+                run(group, option)
+            continue
+        # Too many subsets to measure: the full checkpoint and each unit alone, then
+        # the combinations their sums predict to be on the frontier (see _space).
+        for option in group.first_options():
+            run(group, option)
+
+        def summed(i: int, group: Group = group) -> tuple[int, tuple[int, int]]:
+            ms = [table[b][i] for b in group.blocks]
+            return sum(m.bytes for m in ms), (sum(m.flops for m in ms), sum(m.ops for m in ms))
+
+        single = [summed(2 + u) for u in range(len(group.units))]
+        for option in group.predicted_options(single, summed(1)):
+            run(group, option)
     return off.bytes_by_block[BASE], [table[b] for b in blocks]
 
 
@@ -339,7 +356,7 @@ def plan_remat(
     refuse_applied_remat(model)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     names = select_blocks(model, blocks)
-    groups = group_blocks(model, names, candidates)
+    groups = group_blocks(model, names, candidates, args)
     base, table = measure_table(model, args, loss_fn, names, groups)
     measured = RematPlan(
         names, table, [0] * len(names), base, 0,
