@@ -31,10 +31,16 @@ default_hooks``                                   per checkpoint (the pack path 
 _categorize_saved_tensors_for_backward``          compiled graph saves comes from (reports)
 ``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
 _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a compiled node
+``_higher_order_ops.wrap`` logger and its         drop torch's context_fn warning for the
+``tag_activation_checkpoint_impl`` frame          region policy torch_remat passes itself
 ===============================================  =============================================
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import sys
 
 import torch
 
@@ -133,3 +139,43 @@ def unchecked_compiled_saves(node) -> list:
     """Tensors a compiled node keeps without a version-counter check (stashed on
     ``ctx`` rather than saved with ``save_for_backward``), after its saved tensors."""
     return list(getattr(node, "_tensors_no_vc_check", None) or ())
+
+
+class _OwnContextFnFilter(logging.Filter):
+    """Drops torch's "Detected that context_fn is passed to torch.utils.checkpoint
+    under torch.compile" record when the ``context_fn`` is ``own``: torch_remat's
+    compiled checkpoint passes its region policy that way (a partial, compared by
+    function and arguments, since Dynamo rebuilds it), and the warning (about
+    in-place ops in a user's selective-checkpoint policy) would name an argument
+    the user never gave. The record of any other ``context_fn`` passes.
+    (torch logs it once per process: once dropped for ours, a later one of the
+    user's is not logged in that process.)"""
+
+    def __init__(self, own: object) -> None:
+        super().__init__()
+        self.own = own
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "context_fn is passed to torch.utils.checkpoint" not in str(record.msg):
+            return True
+        frame = sys._getframe()
+        while frame is not None:
+            if frame.f_code.co_name == "tag_activation_checkpoint_impl":
+                return not _same_partial(frame.f_locals.get("context_fn"), self.own)
+            frame = frame.f_back
+        return True
+
+
+def _same_partial(a: object, b: object) -> bool:
+    # Dynamo hands the traced op a rebuilt copy of the partial, not the object.
+    return a is b or (
+        isinstance(a, functools.partial) and isinstance(b, functools.partial)
+        and a.func is b.func and a.args == b.args and a.keywords == b.keywords
+    )
+
+
+def quiet_own_context_fn_warning(own: object) -> None:
+    """Install :class:`_OwnContextFnFilter` for ``own`` on torch's logger (once)."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _OwnContextFnFilter) and f.own is own for f in logger.filters):
+        logger.addFilter(_OwnContextFnFilter(own))

@@ -50,6 +50,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .._compat import quiet_own_context_fn_warning
 from .._errors import RematCompileError
 from .saved_hooks import hooks_context_active
 from .state import current_scope
@@ -87,6 +88,7 @@ def region_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 _REGION_CONTEXT_FN = functools.partial(
     create_selective_checkpoint_contexts, region_policy, allow_cache_entry_mutation=True
 )
+quiet_own_context_fn_warning(_REGION_CONTEXT_FN)  # the user passed no context_fn
 
 
 @torch.compiler.assume_constant_result
