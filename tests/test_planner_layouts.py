@@ -313,3 +313,58 @@ def test_below_the_exhaustive_limit_every_combination_is_measured(monkeypatch):
     assert len(pruned.table[0]) <= 2 + 8 + _space.MAX_PREDICTED
     assert {m.option for m in pruned.table[0]} <= {m.option for m in full.table[0]}
     assert pruned.recompute_flops >= full.recompute_flops
+
+
+# ---------------------------------------------------------------- small blocks
+
+
+class NineReLU(nn.Module):
+    def __init__(self, d: int, p: float = 0.0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({f"l{i}": nn.Linear(d, d) for i in range(9)})
+        self.p = p
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = F.dropout(torch.relu(layer(x)), self.p, self.training)
+        return x
+
+
+def test_small_blocks_that_draw_no_random_numbers_keep_no_rng_state():
+    # A CPU RNG snapshot (5,056 B) per checkpoint is more than these blocks hold;
+    # blocks that drew no random numbers in the example forward keep none.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(NineReLU(32) for _ in range(4)))
+    x = torch.randn(8, 32)
+    plan = plan_remat(model, x, budget=0.4)
+    assert plan.measured_bytes == plan.predicted_bytes <= plan.budget_bytes
+    assert plan.rng_free == ["0", "1", "2", "3"]
+    params = list(model.parameters())
+    ref = grads(params, [], lambda: model(x).sum())
+    plan.apply()
+    try:
+        assert_bitwise_equal(ref, grads(params, [], lambda: model(x).sum()))
+    finally:
+        remove_remat(model)
+
+
+def test_blocks_with_dropout_keep_their_rng_state_and_stay_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(NineReLU(64, p=0.1) for _ in range(3))).double()
+    x = torch.randn(16, 64, dtype=torch.float64)
+    plan = plan_remat(model, x, budget=0.4)
+    assert plan.rng_free == []
+    params = list(model.parameters())
+    ref = grads(params, [], lambda: model(x).sum())
+    plan.apply()
+    try:
+        assert_bitwise_equal(ref, grads(params, [], lambda: model(x).sum()))
+    finally:
+        remove_remat(model)
+
+
+def test_a_model_planned_in_eval_mode_keeps_the_rng_state():
+    # Dropout is off in eval mode; training later would draw: keep the snapshot.
+    model = nn.Sequential(*(NineReLU(64, p=0.1) for _ in range(3))).eval()
+    plan = plan_remat(model, torch.randn(16, 64), budget=0.6)
+    assert plan.rng_free == []
