@@ -22,7 +22,16 @@ from torch import nn
 import torch_remat as remat
 
 from . import _distributed, _report
-from ._measure import BASE, Config, LossFn, activation_bytes, install, measure, refuse_applied_remat
+from ._measure import (
+    BASE,
+    Config,
+    LossFn,
+    activation_bytes,
+    blocks_drawing_no_random_numbers,
+    install,
+    measure,
+    refuse_applied_remat,
+)
 from ._solve import Point, cheapest_within, frontier
 from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
 
@@ -80,6 +89,9 @@ class RematPlan:
     """Bytes measured with the plan installed (None: not verified)."""
     _model: Any = field(default=None, repr=False, compare=False)
     _frontier: list[Point] | None = field(default=None, repr=False, compare=False)
+    rng_free: list[str] = field(default_factory=list)
+    """Blocks that drew no random numbers while planning: checkpointed without an
+    RNG snapshot."""
 
     # ---------------------------------------------------------------- numbers
 
@@ -136,7 +148,7 @@ class RematPlan:
             raise InfeasibleBudgetError(_infeasible(budget, budget_bytes, self))
         return RematPlan(
             self.blocks, self.table, list(point.choices), self.base_bytes, budget_bytes,
-            self.candidates, None, self._model, self.frontier(),
+            self.candidates, None, self._model, self.frontier(), list(self.rng_free),
         )
 
     def pareto(self, budgets: Sequence[float] | None = None) -> _report.ParetoTable:
@@ -152,7 +164,8 @@ class RematPlan:
 
     def config(self) -> Config:
         return Config(
-            {n: o.save for n, o in self.options.items() if o.checkpoint}
+            {n: o.save for n, o in self.options.items() if o.checkpoint},
+            frozenset(self.rng_free),
         )
 
     def apply(self, model: nn.Module | None = None) -> list[str]:
@@ -195,6 +208,7 @@ class RematPlan:
             "budget_bytes": self.budget_bytes,
             "candidates": self.candidates,
             "measured_bytes": self.measured_bytes,
+            "rng_free": self.rng_free,
         }
 
     def save(self, path: str | Path) -> None:
@@ -216,6 +230,7 @@ class RematPlan:
             data["budget_bytes"],
             {k: dict(v) for k, v in data["candidates"].items()},
             data["measured_bytes"],
+            rng_free=list(data.get("rng_free", [])),
         )
 
     @staticmethod
@@ -280,7 +295,8 @@ def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
 
 
 def measure_table(
-    model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group]
+    model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group],
+    rng_free: frozenset[str] = frozenset(),
 ) -> tuple[int, list[list[Measured]]]:
     """Run every option of every group once; ``(base bytes, per-block options)``."""
     measure(model, args, loss_fn, Config(), blocks)  # warm-up: lazy state, first-call caches
@@ -290,7 +306,8 @@ def measure_table(
     }
     def run(group: Group, option: Option) -> None:
         got = measure(
-            model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save)), blocks
+            model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save), rng_free),
+            blocks,
         )
         for b in group.blocks:
             table[b].append(
@@ -357,10 +374,12 @@ def plan_remat(
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     names = select_blocks(model, blocks)
     groups = group_blocks(model, names, candidates, args)
-    base, table = measure_table(model, args, loss_fn, names, groups)
+    rng_free = blocks_drawing_no_random_numbers(model, args, names)
+    base, table = measure_table(model, args, loss_fn, names, groups, frozenset(rng_free))
     measured = RematPlan(
         names, table, [0] * len(names), base, 0,
         {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None, weakref.ref(model),
+        rng_free=rng_free,
     )
     plan, error = _solve_or_error(measured, budget)
     if not per_rank:
