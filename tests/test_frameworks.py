@@ -60,7 +60,7 @@ def run_recipe(name: str, tmp_path: Path) -> str:
             "import runpy, sys; sys.modules['torchao'] = None; "
             f"runpy.run_path({str(script)!r}, run_name='__main__')",
         ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
