@@ -8,6 +8,7 @@ CHECKED = {
     "train-accelerate": "tests/launch/test_train_accelerate.py::test_output_is_what_the_docs_quote",
     "hooks-worked-example": "tests/test_offload.py::test_the_worked_example_of_the_hooks_page_prints_what_it_quotes",
     "frameworks-torchtune": "tests/test_frameworks.py::test_a_single_process_recipe_prints_what_the_page_quotes",
+    "frameworks-torchtune-switch": "tests/test_frameworks.py::test_a_single_process_recipe_prints_what_the_page_quotes",
     "frameworks-lightning-ddp": "tests/test_frameworks.py::test_a_two_process_recipe_prints_what_the_page_quotes",
     "frameworks-lightning-fsdp2": "tests/test_frameworks.py::test_a_two_process_recipe_prints_what_the_page_quotes",
     "frameworks-peft": "tests/test_frameworks.py::test_a_single_process_recipe_prints_what_the_page_quotes",

@@ -20,6 +20,7 @@ RECIPE = re.compile(r"^<!-- recipe: (?P<name>[\w.-]+) -->\n```python\n(?P<code>.
 # recipe -> (module it needs, runs two processes)
 RECIPES = {
     "torchtune": ("torchtune", False),
+    "torchtune-switch": ("torchtune", False),
     "lightning-ddp": ("lightning", True),
     "lightning-fsdp2": ("lightning", True),
     "peft": ("peft", False),
