@@ -38,7 +38,7 @@ BlockSelector = type | tuple | list | Callable[[nn.Module], bool] | None
 MAX_EXHAUSTIVE_OPTIONS = 128
 """Blocks with at most this many checkpoint options have every one measured."""
 
-MAX_PREDICTED = 24
+MAX_PREDICTED = 16
 """Beyond that: the full checkpoint, each unit alone, and at most this many
 combinations of units, so at most ``2 + units + MAX_PREDICTED`` options per
 distinct block (no checkpoint included)."""

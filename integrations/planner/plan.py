@@ -356,10 +356,17 @@ def plan_remat(
         budget: a fraction (float) of the activation bytes without remat, bytes
             (int), or ``"auto"`` (free CUDA memory less a margin; an error on CPU).
         blocks: the modules to checkpoint (class, classes or predicate); default
-            the children of the model's largest ``nn.ModuleList``.
+            the children with submodules and parameters of the outermost
+            ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` holding two or
+            more of them (the model itself included).
         candidates: submodules that may become SAVE regions: module classes and
             glob patterns of qualified names, or a predicate ``(path, module)``;
-            default the leaf modules with parameters and attention/MLP containers.
+            default the leaf modules with parameters and the attention/MLP/MoE
+            containers with parameters, sibling projections that read the same
+            input (q/k/v, gate/up) taken together. A block with more than
+            ``MAX_EXHAUSTIVE_OPTIONS`` (128) options is measured for the full
+            checkpoint, each candidate alone and at most ``MAX_PREDICTED`` (16)
+            combinations predicted to be on its frontier, not for every subset.
         per_rank: under an initialized process group, each rank plans for its own
             measurements and budget; otherwise rank 0's choice is broadcast, so
             every rank applies the same policy. Every rank runs the measurements
