@@ -368,3 +368,36 @@ def test_a_model_planned_in_eval_mode_keeps_the_rng_state():
     model = nn.Sequential(*(NineReLU(64, p=0.1) for _ in range(3))).eval()
     plan = plan_remat(model, torch.randn(16, 64), budget=0.6)
     assert plan.rng_free == []
+
+
+class TakesPositions(nn.Module):
+    """A block handed a tensor made outside the blocks that it does not use (as
+    transformers' decoder layers get position_ids): only a checkpoint keeps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, x, positions):
+        return torch.tanh(self.fc(x))
+
+
+class PositionsNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TakesPositions() for _ in range(3))
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[0])
+        for layer in self.layers:
+            x = layer(x, positions)
+        return x
+
+
+def test_bytes_a_checkpoint_keeps_outside_the_blocks_are_predicted():
+    torch.manual_seed(0)
+    model = PositionsNet()
+    x = _x()
+    for budget in (0.4, 0.7, 1.0):
+        plan = plan_remat(model, x, loss_fn, budget=budget)  # verify: measured == predicted
+        assert plan.measured_bytes == plan.predicted_bytes <= plan.budget_bytes
