@@ -376,10 +376,11 @@ class TakesPositions(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(D, D, dtype=torch.float64)
+        self.fc1 = nn.Linear(D, 4 * D, dtype=torch.float64)
+        self.fc2 = nn.Linear(4 * D, D, dtype=torch.float64)
 
     def forward(self, x, positions):
-        return torch.tanh(self.fc(x))
+        return x + self.fc2(torch.tanh(self.fc1(x)))
 
 
 class PositionsNet(nn.Module):
@@ -398,6 +399,6 @@ def test_bytes_a_checkpoint_keeps_outside_the_blocks_are_predicted():
     torch.manual_seed(0)
     model = PositionsNet()
     x = _x()
-    for budget in (0.4, 0.7, 1.0):
+    for budget in (0.5, 0.7, 0.9):
         plan = plan_remat(model, x, loss_fn, budget=budget)  # verify: measured == predicted
         assert plan.measured_bytes == plan.predicted_bytes <= plan.budget_bytes
