@@ -92,6 +92,11 @@ class RematPlan:
     rng_free: list[str] = field(default_factory=list)
     """Blocks that drew no random numbers while planning: checkpointed without an
     RNG snapshot."""
+    checkpoint_base_bytes: int | None = None
+    """Bytes held outside every block when some block is checkpointed (None: as
+    ``base_bytes``): a checkpoint keeps its block's inputs, and an input made outside
+    the blocks that the block itself does not save (transformers' ``position_ids``)
+    is then held too. Shared by all blocks, so it is counted once."""
 
     # ---------------------------------------------------------------- numbers
 
@@ -99,10 +104,16 @@ class RematPlan:
     def chosen(self) -> list[Measured]:
         return [options[i] for options, i in zip(self.table, self.choices)]
 
+    def base_for(self, choices: Sequence[int]) -> int:
+        """Bytes outside the blocks for a plan choosing ``choices`` (index 0: off)."""
+        if any(choices) and self.checkpoint_base_bytes is not None:
+            return self.checkpoint_base_bytes
+        return self.base_bytes
+
     @property
     def predicted_bytes(self) -> int:
         """Activation bytes held after the forward with the plan applied."""
-        return self.base_bytes + sum(m.bytes for m in self.chosen)
+        return self.base_for(self.choices) + sum(m.bytes for m in self.chosen)
 
     @property
     def recompute_flops(self) -> int:
@@ -130,7 +141,14 @@ class RematPlan:
         if self._frontier is None:
             points = frontier([[(m.bytes, (m.flops, m.ops)) for m in opts] for opts in self.table])
             # Shared by the plans for_budget derives: they have the same table.
-            self._frontier = [Point(p.bytes + self.base_bytes, p.cost, p.choices) for p in points]
+            based = sorted(
+                (Point(p.bytes + self.base_for(p.choices), p.cost, p.choices) for p in points),
+                key=lambda p: (p.bytes, p.cost),
+            )
+            self._frontier = []
+            for p in based:  # the base differs for the plan without checkpoints
+                if not self._frontier or p.cost < self._frontier[-1].cost:
+                    self._frontier.append(p)
         return list(self._frontier)
 
     @property
@@ -149,6 +167,7 @@ class RematPlan:
         return RematPlan(
             self.blocks, self.table, list(point.choices), self.base_bytes, budget_bytes,
             self.candidates, None, self._model, self.frontier(), list(self.rng_free),
+            self.checkpoint_base_bytes,
         )
 
     def pareto(self, budgets: Sequence[float] | None = None) -> _report.ParetoTable:
@@ -209,6 +228,7 @@ class RematPlan:
             "candidates": self.candidates,
             "measured_bytes": self.measured_bytes,
             "rng_free": self.rng_free,
+            "checkpoint_base_bytes": self.checkpoint_base_bytes,
         }
 
     def save(self, path: str | Path) -> None:
@@ -231,6 +251,7 @@ class RematPlan:
             {k: dict(v) for k, v in data["candidates"].items()},
             data["measured_bytes"],
             rng_free=list(data.get("rng_free", [])),
+            checkpoint_base_bytes=data.get("checkpoint_base_bytes"),
         )
 
     @staticmethod
@@ -297,18 +318,22 @@ def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
 def measure_table(
     model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group],
     rng_free: frozenset[str] = frozenset(),
-) -> tuple[int, list[list[Measured]]]:
-    """Run every option of every group once; ``(base bytes, per-block options)``."""
+) -> tuple[int, int, list[list[Measured]]]:
+    """Run every option of every group once; ``(base bytes without checkpoints, base
+    bytes with some, per-block options)``."""
     measure(model, args, loss_fn, Config(), blocks)  # warm-up: lazy state, first-call caches
     off = measure(model, args, loss_fn, Config(), blocks)
     table: dict[str, list[Measured]] = {
         b: [Measured(OFF, off.bytes_by_block[b], 0, 0)] for b in blocks
     }
+    bases: list[int] = []
+
     def run(group: Group, option: Option) -> None:
         got = measure(
             model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save), rng_free),
             blocks,
         )
+        bases.append(got.bytes_by_block[BASE])
         for b in group.blocks:
             table[b].append(
                 Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b])
@@ -331,7 +356,8 @@ def measure_table(
         single = [summed(2 + u) for u in range(len(group.units))]
         for option in group.predicted_options(single, summed(1)):
             run(group, option)
-    return off.bytes_by_block[BASE], [table[b] for b in blocks]
+    base = off.bytes_by_block[BASE]
+    return base, max(bases, default=base), [table[b] for b in blocks]
 
 
 def plan_remat(
@@ -382,11 +408,13 @@ def plan_remat(
     names = select_blocks(model, blocks)
     groups = group_blocks(model, names, candidates, args)
     rng_free = blocks_drawing_no_random_numbers(model, args, names)
-    base, table = measure_table(model, args, loss_fn, names, groups, frozenset(rng_free))
+    base, checkpoint_base, table = measure_table(
+        model, args, loss_fn, names, groups, frozenset(rng_free)
+    )
     measured = RematPlan(
         names, table, [0] * len(names), base, 0,
         {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None, weakref.ref(model),
-        rng_free=rng_free,
+        rng_free=rng_free, checkpoint_base_bytes=checkpoint_base,
     )
     plan, error = _solve_or_error(measured, budget)
     if not per_rank:
