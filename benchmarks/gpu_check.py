@@ -12,8 +12,10 @@ suite cannot, and exercises every CUDA-only path of the project:
 * ``rng``: ``DeviceRNGStateHook("cuda")`` replays dropout inside a checkpoint
   exactly (bitwise gradients against the uncheckpointed run).
 * ``sites``: with the allocator's memory history on, the memory report names this
-  file as the allocation site of kept tensors, and ``memory_snapshot_annotate``
-  labels the blocks of a real snapshot.
+  file as the allocation site of kept tensors, ``memory_snapshot_annotate``'s
+  labeller gives that site for a kept tensor and as the ``annotate=`` of the
+  saved-tensors report, and ``label_memory_snapshot`` labels the blocks of a real
+  snapshot.
 * ``oom``: ``attach_oom_observer`` prints its report when an allocation fails.
 
 Prints one line per check and a JSON summary; exits 1 if a check fails, 2 when no
@@ -193,22 +195,34 @@ def check_sites(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         remat.clear_memory_snapshot_cache()
         x = torch.randn(512, 512, device=device, requires_grad=True)
         reports: list[str] = []
+        kept: list[torch.Tensor] = []
 
         def fn(t):
             h = remat.region(lambda u: u.exp().sin(), "kept", recompute=False)(t)
             reports.append(remat.format_current_memory_report())
+            kept.append(h)
             return h.sum()
 
         loss = remat.checkpoint(region_name="sites")(fn)(x)
-        snapshot = remat.memory_snapshot_annotate(torch.cuda.memory._snapshot())
+        label = remat.memory_snapshot_annotate(torch.cuda.memory._snapshot())
+        site = label(kept[0])
+        annotated = remat.format_saved_tensors_report(loss, annotate=label)
+        snapshot = remat.diagnostics.label_memory_snapshot(torch.cuda.memory._snapshot())
         labels = [lab for seg in snapshot["segments"] for b in seg.get("blocks", ()) for lab in b.get("remat", ())]
         loss.backward()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
         remat.clear_memory_snapshot_cache()
-    named = Path(__file__).name in reports[0]
+    here = Path(__file__).name
+    named = here in reports[0]
+    site_named = site is not None and site.startswith(here) and f"@ {site}" in annotated
     labelled = any(lab["checkpoint"] == "sites" and lab["region"] == "kept" for lab in labels)
-    return {"report_names_this_file": named, "snapshot_labels": len(labels), "ok": named and labelled}
+    return {
+        "report_names_this_file": named,
+        "labeller_site": site,
+        "snapshot_labels": len(labels),
+        "ok": named and site_named and labelled,
+    }
 
 
 def check_oom(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

@@ -6,7 +6,9 @@ transformers adapters import those packages only when one of their functions is
 called, so importing this package needs neither.
 """
 
-from ._forwards import RematForward, SaveRegionForward
+# Importable here for code written against earlier releases, but not part of __all__:
+# the module forwards are internal, the RNG hook is torch_remat.DeviceRNGStateHook.
+from ._forwards import RematForward, SaveRegionForward  # noqa: F401
 from .accelerate import apply_remat_for_accelerator, prepare_with_remat
 from .apply import RematConfig, apply_remat, remat_module_names, remove_remat, save_region_names
 from .ddp import ddp_with_remat
@@ -18,7 +20,7 @@ from .reports import (
     RegionAcrossRanks,
     gather_memory_report,
 )
-from .rng import DeviceRNGStateHook, default_rng_state_hooks, local_device, prepare_dtensor_rng
+from .rng import DeviceRNGStateHook, default_rng_state_hooks, local_device, prepare_dtensor_rng  # noqa: F401
 from .switch import torch_checkpointing_as_remat
 from .tensor_parallel import parallelize_with_remat
 from .transformers import disable_remat, enable_remat, remat_layer_names
@@ -30,12 +32,9 @@ __all__: list[str] = [
     "remat_module_names",
     "save_region_names",
     "RematConfig",
-    "RematForward",
-    "SaveRegionForward",
     "fully_shard_with_remat",
     "ddp_with_remat",
     "parallelize_with_remat",
-    "DeviceRNGStateHook",
     "default_rng_state_hooks",
     "local_device",
     "prepare_dtensor_rng",

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch_remat as remat
+from torch_remat._integration import format_bytes
 
 from ._rank_groups import equal_value_groups, group_lines, heaviest_label, top_ranks
 
@@ -107,7 +107,7 @@ class ClusterMemoryReport:
         return self.format()
 
     def _headline(self) -> str:
-        fmt, totals = remat.format_bytes, self.totals
+        fmt, totals = format_bytes, self.totals
         head = f"torch_remat memory across {len(self.ranks)} ranks: saved for backward {fmt(sum(totals))} in total"
         if min(totals) == max(totals):
             return f"{head}, {fmt(totals[0])} on every rank"
@@ -122,10 +122,10 @@ class ClusterMemoryReport:
         if len(groups) == 1:
             return []  # the headline says it
         head = "per rank, equal totals grouped (outliers first):"
-        return [head, *group_lines(groups, remat.format_bytes, limit=self.groups, indent="  ")]
+        return [head, *group_lines(groups, format_bytes, limit=self.groups, indent="  ")]
 
     def _region_lines(self) -> list[str]:
-        fmt = remat.format_bytes
+        fmt = format_bytes
         rows = [["region", "min", "median", "max", "most on", ""]]
         details: list[list[str]] = []
         for r in self.regions:

@@ -5,17 +5,18 @@ a checkpointed block (:class:`RematForward`) and a SAVE region inside one
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import torch_remat as remat
+from torch_remat._integration import tree_flatten
 
-from ._repeated_calls import call_scope, counting_calls
+from ._repeated_calls import repeated_call_prefix, run_counting_calls
 from ._selection import save_modules_of
 
 
@@ -30,9 +31,17 @@ class _ModuleForward:
     its parameters alive until the garbage collector's next cycle pass.
     """
 
-    def __init__(self, module: nn.Module, region_name: str) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        region_name: str,
+        state_hooks: tuple[Any, ...] = (),
+        checkpoint_options: dict[str, Any] | None = None,
+    ) -> None:
         self._module = weakref.ref(module)
         self.region_name = region_name
+        self.state_hooks = state_hooks
+        self.checkpoint_options = checkpoint_options or {}
         # A forward that was set on the instance before us (None: the class's own).
         self.previous_forward = module.__dict__.get("forward")
 
@@ -50,6 +59,15 @@ class _ModuleForward:
         state = dict(self.__dict__)
         state["_module"] = self.module
         return state
+
+    def build_checkpoint(self, region_name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``remat.checkpoint`` with this forward's options, around ``fn``: built once
+        (its option checks and memos then serve every call)."""
+        return remat.checkpoint(
+            region_name=region_name,
+            recompute_state_hooks=self.state_hooks,
+            **self.checkpoint_options,
+        )(fn)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
@@ -85,15 +103,19 @@ class RematForward(_ModuleForward):
         offload: bool = False,
         checkpointed: bool = True,
     ) -> None:
-        super().__init__(module, region_name)
-        self.state_hooks = state_hooks
-        self.checkpoint_options = checkpoint_options
+        super().__init__(module, region_name, state_hooks, checkpoint_options)
         # offload: keep what the forward saves on the host (save_on_cpu).
         # checkpointed=False with offload is torch's offload_wrapper: offload only.
         self.offload = offload
         self.checkpointed = checkpointed
         self.compile_options: dict[str, Any] | None = None
         self._compiled: Callable[..., Any] | None = None
+        # SAVE-region modules are installed inside (install_save_regions): their
+        # repeated calls are numbered per run of the forward
+        self.counts_calls = False
+        self._checkpointed: Callable[..., Any] | None = (
+            self.build_checkpoint(region_name, _CountedForward(self)) if checkpointed else None
+        )
 
     @property
     def __remat_module__(self) -> tuple[str, nn.Module]:
@@ -116,6 +138,7 @@ class RematForward(_ModuleForward):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_compiled"] = None  # compiled code is rebuilt on the copy's first call
+        state["_checkpointed"] = None  # and so is the checkpoint (it holds this weakly)
         return state
 
     def _function(self) -> Callable[..., Any]:
@@ -126,7 +149,9 @@ class RematForward(_ModuleForward):
         return self._compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
+        module = self._module()
+        if module is None:
+            module = self.module  # raises
         if module.training and module.__dict__.get("gradient_checkpointing") is True:
             raise RuntimeError(
                 f"torch_remat: checkpoint '{self.region_name}' was called inside "
@@ -142,16 +167,48 @@ class RematForward(_ModuleForward):
         if not self.checkpointed:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return self._function()(*args, **kwargs)
-        # Decorated per call (cheap: the options were validated at apply time) so that
-        # no closure ties this object to itself.
-        fn = remat.checkpoint(
-            region_name=self.region_name,
-            recompute_state_hooks=self.state_hooks,
-            **self.checkpoint_options,
-        )(counting_calls(self._function()))
+        fn = self._checkpointed
+        if fn is None:  # a copy (deepcopy, unpickling): built on its first call
+            fn = self._checkpointed = self.build_checkpoint(self.region_name, _CountedForward(self))
         if self.offload:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+
+class _CountedForward:
+    """What a :class:`RematForward` checkpoints: its module's forward (compiled if
+    asked), run with a fresh count of save-module calls when SAVE-region modules are
+    installed inside it. It reaches the ``RematForward`` through a weak reference, so
+    the checkpointed function built once from it ties nothing to itself."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: RematForward) -> None:
+        self._owner = weakref.ref(owner)
+
+    @property
+    def __remat_module__(self) -> tuple[str, nn.Module]:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("torch_remat: a checkpointed module forward ran after its module was deleted.")
+        return owner.__remat_module__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("torch_remat: a checkpointed module forward ran after its module was deleted.")
+        if owner.compile_options is not None:
+            fn = owner._function()
+        elif owner.previous_forward is not None:
+            fn = owner.previous_forward
+        else:
+            module = owner._module()
+            if module is None:
+                module = owner.module  # raises
+            fn = functools.partial(type(module).forward, module)
+        if owner.counts_calls:
+            return run_counting_calls(fn, args, kwargs)
         return fn(*args, **kwargs)
 
 
@@ -160,7 +217,7 @@ class SaveRegionForward(_ModuleForward):
     kept, since ``apply_remat`` cannot know which of their consumers are replayed."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with call_scope(self):  # a repeated call gets its own region names
+        with repeated_call_prefix(self):  # a repeated call gets its own region names
             out = remat.region(self.original_forward, self.region_name, recompute=False)(
                 *args, **kwargs
             )
@@ -183,6 +240,11 @@ def install_save_regions(
     """Run the outermost ``is_save`` matches inside each of ``blocks`` as SAVE regions."""
     blocks = set(blocks)
     for block in blocks:
+        found = False
         for path, sub in save_modules_of(block, blocks, is_save):
+            found = True
             if installed_forward(sub) is None:
                 sub.forward = SaveRegionForward(sub, path)
+        checkpointed = installed_forward(block)
+        if found and isinstance(checkpointed, RematForward):
+            checkpointed.counts_calls = True

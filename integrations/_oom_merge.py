@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch_remat as remat
+from torch_remat._integration import format_bytes
 
 from ._oom_read import RankDump, SkippedFile, is_int, read_dumps
 from ._rank_groups import rank_label, rank_ranges
@@ -107,7 +107,7 @@ class JobOOMReport:
             notes.append(f"{whose} no saved-tensors report ({why})")
         for rank, count, nbytes in trimmed[:NOTE_ROWS]:
             notes.append(f"rank {rank}'s dump left out {count} smaller regions "
-                         f"({remat.format_bytes(nbytes)}) to stay within its size bound")
+                         f"({format_bytes(nbytes)}) to stay within its size bound")
         if len(trimmed) > NOTE_ROWS:
             notes.append(f"{len(trimmed) - NOTE_ROWS} more dumps left out smaller regions (--json: regions_left_out)")
         later = len(self.dumps) - len(self.first_per_rank)
@@ -167,8 +167,8 @@ class JobOOMReport:
                 on_low = on_high = "all ranks"
             else:
                 on_low, on_high = rank_label(low, limit=2), rank_label(high, limit=2)
-            rows.append([r.name, remat.format_bytes(r.min_bytes), on_low,
-                         remat.format_bytes(r.max_bytes), on_high])
+            rows.append([r.name, format_bytes(r.min_bytes), on_low,
+                         format_bytes(r.max_bytes), on_high])
         return ["", "saved for backward when each rank ran out (its first dump):", *_table(rows, right={1, 3})]
 
     def _tensor_lines(self) -> list[str]:
@@ -178,7 +178,7 @@ class JobOOMReport:
         rows = [["bytes", "rank", "region", "tensor", "shape", "dtype", "site"]]
         for t in tensors:
             shape = t.get("shape")
-            rows.append([remat.format_bytes(t["bytes"]), str(t["rank"]), str(t.get("region")),
+            rows.append([format_bytes(t["bytes"]), str(t["rank"]), str(t.get("region")),
                          str(t.get("tensor")), "" if shape is None else str(tuple(shape)),
                          str(t.get("dtype") or ""), str(t.get("site") or "")])
         return ["", "largest tensors held for backward:", *_table(rows, right={0, 1})]
@@ -283,7 +283,7 @@ def _show(merge: OOMMerge, rank: int) -> str:
         for d in job.first_per_rank:
             if d.rank == rank:
                 allocator = d.data.get("allocator") or {}
-                stats = [f"  {k}: {remat.format_bytes(v) if k.endswith('bytes') and is_int(v) else v}"
+                stats = [f"  {k}: {format_bytes(v) if k.endswith('bytes') and is_int(v) else v}"
                          for k, v in allocator.items()]
                 text = d.detail().get("saved_tensors_text") or "(no text report in this dump)"
                 return "\n".join([f"rank {rank}, {os.path.basename(d.path)}", d.error_line(),

@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch_remat as remat
+import torch_remat.diagnostics as remat_diagnostics
+from torch_remat._integration import format_bytes
 
 from ._oom_dump import FORMAT, VERSION
 
@@ -63,7 +64,7 @@ class RankDump:
         location = self.data.get("location")
         if not isinstance(location, dict) or not isinstance(location.get("checkpoint"), str):
             return "outside checkpoints"
-        return remat.ActiveCheckpoint(
+        return remat_diagnostics.ActiveCheckpoint(
             location["checkpoint"], str(location.get("phase")), location.get("region")
         ).format()
 
@@ -71,7 +72,7 @@ class RankDump:
         n = self.data.get("requested_bytes")
         if not is_int(n):
             return "?"
-        return ("" if self.data.get("requested_bytes_exact") else "~") + remat.format_bytes(n)
+        return ("" if self.data.get("requested_bytes_exact") else "~") + format_bytes(n)
 
     def error_line(self) -> str:
         error = self.data.get("error")
@@ -134,7 +135,7 @@ def _load(path: str) -> tuple[Any, str | None]:
     except OSError as e:
         return None, f"could not be read ({e.strerror or e})"
     if len(raw) > READ_LIMIT_BYTES:
-        return None, f"larger than {remat.format_bytes(READ_LIMIT_BYTES)}; not read"
+        return None, f"larger than {format_bytes(READ_LIMIT_BYTES)}; not read"
     if not raw.strip():
         return None, "empty: a writer that stopped before writing, or not a dump"
     try:

@@ -27,24 +27,21 @@ class _Counts(threading.local):
 _counts = _Counts()
 
 
-def counting_calls(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run with a fresh count of save-module calls."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            # Compiled code has no replay to match names with, and Dynamo cannot
-            # trace a thread-local's mutation: no numbering there.
-            return fn(*args, **kwargs)
-        _counts.stack.append({})
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _counts.stack.pop()
-
-    return run
+def run_counting_calls(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with a fresh count of save-module calls."""
+    if torch.compiler.is_compiling():
+        # Compiled code has no replay to match names with, and Dynamo cannot
+        # trace a thread-local's mutation: no numbering there.
+        return fn(*args, **kwargs)
+    stack = _counts.stack
+    stack.append({})
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        stack.pop()
 
 
-def call_scope(module: Any) -> contextlib.AbstractContextManager:
+def repeated_call_prefix(module: Any) -> contextlib.AbstractContextManager:
     """The name scope for this call of ``module``: none for its first call in the
     running checkpointed forward, ``call<n>`` for the ones after."""
     if torch.compiler.is_compiling() or not _counts.stack:

@@ -11,16 +11,19 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
+from torch.utils.checkpoint import checkpoint as torch_utils_checkpoint
+from torch.utils.checkpoint import noop_context_fn
+
+from torch_remat._integration import (
     CheckpointImpl,
     CheckpointWrapper,
+    FSDPPolicy,
     OffloadWrapper,
     checkpoint_wrapper,
     offload_wrapper,
+    run_fsdp_policy,
 )
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, _Policy, lambda_auto_wrap_policy
-from torch.utils.checkpoint import checkpoint as torch_utils_checkpoint
-from torch.utils.checkpoint import noop_context_fn
 
 
 def wrapper_spec(checkpoint_wrapper_fn: Any) -> tuple[bool, dict[str, Any]]:
@@ -138,9 +141,9 @@ def select_like_torch(
     )
     selected: list[tuple[nn.Module, dict[str, Any]]] = []
     if not callable(policy):
-        if not isinstance(policy, _Policy):
+        if not isinstance(policy, FSDPPolicy):
             raise ValueError(f"Expected {policy} to be callable or be a pre-defined wrap policy")
-        targets = policy._run_policy(model, ignored_modules=set(), root_kwargs={})
+        targets = run_fsdp_policy(policy, model)
         seen: set[nn.Module] = {model}
 
         def post_order(module: nn.Module) -> None:

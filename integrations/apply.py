@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.distributed.fsdp.wrap import _Policy
+
+from torch_remat._integration import CheckpointWrapper, FSDPPolicy
 
 from ._forwards import (
     RematForward,
@@ -117,7 +117,7 @@ def apply_remat(
     model: nn.Module,
     checkpoint_wrapper_fn: Callable[..., Any] | None = None,
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
-    auto_wrap_policy: Callable[..., bool] | _Policy | set[type] | list[type] | None = None,
+    auto_wrap_policy: Callable[..., bool] | FSDPPolicy | set[type] | list[type] | None = None,
     *,
     remat: RematConfig | None = None,
 ) -> list[str]:

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 import torch_remat as remat
+import torch_remat.diagnostics as remat_diagnostics
 
 from ._oom_bound import encode_bounded
 from ._oom_dump import (
@@ -246,7 +247,7 @@ class OOMDumps:
         self.written.append(path)
         step = f" at step {dump['step']}" if dump.get("step") is not None else ""
         where = dump.get("location")
-        inside = f" in {remat.ActiveCheckpoint(**where).format()}" if where else ""
+        inside = f" in {remat_diagnostics.ActiveCheckpoint(**where).format()}" if where else ""
         _warn(f"rank {dump['rank']} ran out of memory{step}{inside}; dump written to {path}")
         return path
 
@@ -346,7 +347,7 @@ def _observe_installed(device: int, alloc: int, device_alloc: int, device_free: 
         dumps.observe(device, alloc, device_alloc, device_free)
 
 
-def _location(active: remat.ActiveCheckpoint | None) -> dict[str, Any] | None:
+def _location(active: remat_diagnostics.ActiveCheckpoint | None) -> dict[str, Any] | None:
     return active.to_dict() if active is not None else None
 
 

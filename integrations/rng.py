@@ -31,6 +31,11 @@ from typing import Any
 import torch
 
 from torch_remat import DeviceRNGStateHook
+from torch_remat._integration import (
+    create_dtensor_rng_tracker,
+    dtensor_rng_supported_mesh,
+    dtensor_rng_tracker,
+)
 
 
 def local_device() -> torch.device:
@@ -63,16 +68,14 @@ def prepare_dtensor_rng(mesh: Any) -> bool:
     """
     # DTensor exposes no public constructor for its tracker; this is what its own
     # dispatcher does at the first random op (torch/distributed/tensor/_dispatch.py).
-    from torch.distributed.tensor import _random as dtensor_random
-
-    if dtensor_random._rng_tracker is not None:
+    if dtensor_rng_tracker() is not None:
         return True
     if mesh.device_type == "cpu":
         return False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        supported = dtensor_random.is_rng_supported_mesh(mesh)
+        supported = dtensor_rng_supported_mesh(mesh)
     if not supported:
         return False
-    dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(mesh, run_state_sync=True)
+    create_dtensor_rng_tracker(mesh)
     return True

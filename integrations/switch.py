@@ -32,7 +32,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as _torch
+
+from torch_remat._integration import checkpoint_wrapper_module
 
 from .apply import RematConfig, apply_remat
 
@@ -45,6 +46,7 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
     ``checkpoint_wrapper`` apply remat (``remat``: the options, as for
     :func:`~torch_remat.integrations.apply_remat`). Not thread-safe: it replaces
     module attributes for the whole process while it is open."""
+    _torch = checkpoint_wrapper_module()
     originals = {name: getattr(_torch, name) for name in _NAMES}
     if any(getattr(f, "torch_remat_switch", False) for f in originals.values()):
         raise RuntimeError(

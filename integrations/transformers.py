@@ -31,9 +31,7 @@ from typing import Any
 
 from torch import nn
 
-import torch_remat as remat
-
-from ._forwards import SaveRegionForward, install_save_regions, installed_forward
+from ._forwards import SaveRegionForward, _ModuleForward, install_save_regions, installed_forward
 from .apply import RematConfig, remat_module_names
 from .rng import default_rng_state_hooks
 
@@ -42,9 +40,10 @@ class RematLayerCheckpoint:
     """The ``_gradient_checkpointing_func`` :func:`enable_remat` installs on a module.
 
     Called by transformers as ``func(layer_callable, *args, **kwargs)``; runs it under
-    ``remat.checkpoint(region_name=<the layer's qualified name>)``. It holds its
-    module weakly (as ``apply_remat``'s forwards do), so a deleted model is freed at
-    once; ``copy.deepcopy`` and pickling carry it along with the model.
+    ``remat.checkpoint(region_name=<the layer's qualified name>)``, built once per
+    layer and reused by every call. It holds its module weakly (as ``apply_remat``'s
+    forwards do), so a deleted model is freed at once; ``copy.deepcopy`` and pickling
+    carry it along with the model.
     """
 
     def __init__(
@@ -61,11 +60,16 @@ class RematLayerCheckpoint:
         # Region names of the owner's submodules, for models whose model-level loop
         # calls its own hook with each layer (transformers < 4.52). Built on first use.
         self._submodule_names: weakref.WeakKeyDictionary[nn.Module, str] | None = None
+        # region name -> the checkpointed layer call, built on its first call
+        self._checkpoints: dict[str, Any] = {}
+
+    build_checkpoint = _ModuleForward.build_checkpoint
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_owner"] = self._owner()
         state["_submodule_names"] = None
+        state["_checkpoints"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -74,29 +78,54 @@ class RematLayerCheckpoint:
         self.__dict__.update(state)
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        return remat.checkpoint(
-            region_name=self.region_name_for(function),
-            recompute_state_hooks=self.state_hooks,
-            **self.checkpoint_options,
-        )(function)(*args, **kwargs)
+        name, module = self.layer_of(function)
+        checkpointed = self._checkpoints.get(name)
+        if checkpointed is None:
+            checkpointed = self.build_checkpoint(name, _LayerCall(name, module))
+            self._checkpoints[name] = checkpointed
+        return checkpointed(function, *args, **kwargs)
 
     def region_name_for(self, function: Any) -> str:
         """The qualified name of the layer ``function`` runs (the owner's by default)."""
+        return self.layer_of(function)[0]
+
+    def layer_of(self, function: Any) -> tuple[str, nn.Module | None]:
+        """The qualified name and module of the layer ``function`` runs."""
         module = _module_of(function)
         owner = self._owner()
         if module is None or owner is None or module is owner:
-            return self.region_name
+            return self.region_name, owner if module is None else module
         if self._submodule_names is None:
             self._submodule_names = weakref.WeakKeyDictionary(
                 (m, n) for n, m in owner.named_modules() if n
             )
         relative = self._submodule_names.get(module)
         if relative is None:
-            return self.region_name
-        return f"{self.region_name}.{relative}" if self.region_name else relative
+            return self.region_name, module
+        return (f"{self.region_name}.{relative}" if self.region_name else relative), module
 
     def __repr__(self) -> str:
         return f"RematLayerCheckpoint({self.region_name!r})"
+
+
+class _LayerCall:
+    """What a layer's checkpoint runs: the callable transformers hands over (its
+    first argument, so one checkpointed function serves every call), for one layer,
+    whose parameters and buffers the checkpoint checks and replays."""
+
+    __slots__ = ("region_name", "_module")
+
+    def __init__(self, region_name: str, module: nn.Module | None) -> None:
+        self.region_name = region_name
+        self._module = None if module is None else weakref.ref(module)
+
+    @property
+    def __remat_module__(self) -> tuple[str, nn.Module] | None:
+        module = None if self._module is None else self._module()
+        return None if module is None else (self.region_name, module)
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
 
 
 def _module_of(function: Any) -> nn.Module | None:

@@ -5,6 +5,7 @@
 #   bash launch/run.sh --remat none             # same run without remat, to compare memory
 #   NPROC=4 bash launch/run.sh --parallel fsdp2+tp
 #   MAX_RESTARTS=3 bash launch/run.sh --checkpoint-dir /tmp/ckpt   # resume after a crash
+#   bash launch/run.sh --parallel none          # one process
 #
 # Several nodes: run the same command on every node, at about the same time. The
 # c10d rendezvous runs on the first host named in RDZV_ENDPOINT (its agent hosts
@@ -17,7 +18,8 @@
 #
 # Arguments go to launch/train.py (see --help), after the defaults
 # --parallel fsdp2 --remat selective --report, which they override. Environment:
-#   NPROC          processes per node (default: the GPU count, or 2 without GPUs)
+#   NPROC          processes per node (default: the GPU count, or 2 without GPUs;
+#                  always 1 with --parallel none)
 #   NNODES         number of nodes (default 1: --standalone rendezvous)
 #   RDZV_ENDPOINT  host:port of the rendezvous for multi-node runs (with NNODES > 1;
 #                  the same on every node)
@@ -28,7 +30,9 @@
 #                  gloo and NCCL is chosen by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME
 #   MAX_RESTARTS   torchrun --max-restarts (default 0)
 #   TORCH_REMAT_NO_SETUP  skip scripts/setup_env.sh (torch_remat already installed;
-#                  .venv is used when present, else the python on PATH)
+#                  .venv is used when present, else the python on PATH). Without it,
+#                  setup_env.sh installs only what is missing, one call at a time.
+# A bad argument ends the run with status 2 and train.py's message (launch/torchrun.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${TORCH_REMAT_NO_SETUP:-}" ]; then
@@ -44,6 +48,24 @@ fi
 NNODES=${NNODES:-1}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 set -- --parallel fsdp2 --remat selective --report "$@"
+# --parallel none trains in one process (the last --parallel given wins, as in
+# train.py): more would be independent runs of the same job.
+PARALLEL=
+previous=
+for arg in "$@"; do
+  case "$arg" in
+    --parallel=*) PARALLEL=${arg#--parallel=} ;;
+    *) if [ "$previous" = --parallel ]; then PARALLEL=$arg; fi ;;
+  esac
+  previous=$arg
+done
+if [ "$PARALLEL" = none ]; then
+  if [ "$NNODES" -gt 1 ]; then
+    echo "run.sh: --parallel none trains in one process; it takes NNODES=1, not $NNODES" >&2
+    exit 2
+  fi
+  NPROC=1
+fi
 if [ "$NNODES" -gt 1 ]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for a multi-node run}"
   RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
@@ -55,5 +77,7 @@ else
   RDZV=(--standalone)
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec torchrun "${RDZV[@]}" --nproc-per-node "$NPROC" --max-restarts "$MAX_RESTARTS" \
-  launch/train.py "$@"
+# torchrun, but for a worker's usage error (exit status 2), which ends the launch
+# with the worker's message alone (see launch/torchrun.py).
+exec python launch/torchrun.py "${RDZV[@]}" --nproc-per-node "$NPROC" \
+  --max-restarts "$MAX_RESTARTS" launch/train.py "$@"

@@ -20,8 +20,11 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import sys
 import time
+import warnings
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -106,11 +109,57 @@ class GPT(nn.Module):
 SUBLAYERS = ("norm1", "q", "k", "v", "proj", "norm2", "up", "down")
 
 
+def usage_error(message: str, rank: int | None = None) -> NoReturn:
+    """Exit with status 2, the status of a usage error, printing ``message`` on rank 0
+    only (``rank``: this process's; default: torchrun's RANK)."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    else:
+        # Under torchrun the first rank to exit ends the others: let rank 0 be the
+        # one, so that its message is printed.
+        time.sleep(10)
+    if dist.is_initialized():
+        sys.stdout.flush()
+        os._exit(2)  # no teardown of the process group (see the end of main)
+    sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Prints its help and usage errors on rank 0 only (torchrun starts every rank
+    with the same arguments)."""
+
+    def print_help(self, file=None) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            super().print_help(file)
+
+    def error(self, message: str) -> NoReturn:
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.print_usage(sys.stderr)
+        usage_error(message)
+
+
+def parse_budget(value: str) -> float | int | str:
+    """``--remat budget=VALUE`` -> plan_remat's budget: a fraction of the no-remat
+    activation bytes (a float), bytes (an int) or "auto" (the free CUDA memory)."""
+    if value == "auto" or (value.isdigit() and int(value) > 0):
+        return value if value == "auto" else int(value)
+    with contextlib.suppress(ValueError):
+        if 0 < float(value) < math.inf:
+            return float(value)
+    raise ValueError(value)
+
+
 def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
     """``--remat`` -> (checkpoint every block?, the sub-layers each block keeps)."""
-    if spec == "none" or spec.startswith("budget="):
-        # budget=...: no remat until plan_on_first_step installs the plan.
+    if spec == "none":
         return False, frozenset()
+    if spec.startswith("budget="):
+        # No remat until plan_on_first_step installs the plan.
+        with contextlib.suppress(ValueError):
+            parse_budget(spec.removeprefix("budget="))
+            return False, frozenset()
     if spec == "full":  # keep nothing: the whole block is recomputed
         return True, frozenset()
     if spec == "selective":
@@ -124,20 +173,26 @@ def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
     raise ValueError(
         f"--remat {spec}: expected none, full, selective, keep=NAMES with NAMES "
         f"a comma-separated subset of {','.join(SUBLAYERS)}, or budget=F (a fraction "
-        "of the no-remat activation bytes, e.g. budget=0.3), budget=BYTES or budget=auto"
+        "> 0 of the no-remat activation bytes, e.g. budget=0.3), budget=BYTES (an "
+        "integer > 0) or budget=auto (CUDA)"
     )
 
 
 def plan_on_first_step(spec: str, model, x, y, rank: int) -> None:
     """--remat budget=...: measure the options on the first batch, install the
     cheapest plan that fits, and print its table (measured bytes included)."""
-    from torch_remat.integrations import plan_remat
+    from torch_remat.integrations import InfeasibleBudgetError, plan_remat
 
-    value = spec.split("=", 1)[1]
-    budget = value if value == "auto" else int(value) if value.isdigit() else float(value)
+    # The planner measures with torch.profiler, whose library otherwise logs each of
+    # its starts and stops on stderr. Read when the profiler is first used: now.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    budget = parse_budget(spec.removeprefix("budget="))
     # The linear layers as candidates: 2**6 + 1 measured options per block.
     loss_fn = lambda logits: F.cross_entropy(logits, y.flatten())  # noqa: E731
-    plan = plan_remat(model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear])
+    try:
+        plan = plan_remat(model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear])
+    except InfeasibleBudgetError as e:
+        usage_error(f"--remat {spec}: {e}", rank)
     plan.apply(model)
     if rank == 0:
         print(plan, flush=True)
@@ -210,33 +265,165 @@ def build(args, vocab: int, device: torch.device, world: int):
 
 
 # ----------------------------------------------------------------- checkpoints
+#
+# --checkpoint-dir DIR holds one folder per saved step, DIR/stepN: the model and
+# optimizer (torch.distributed.checkpoint, sharded as trained) and every rank's
+# random generators (rng/rankR.pt: dropout draws from them, so a resumed run draws
+# the masks the uninterrupted run would have). A save is written to stepN.tmp and
+# renamed when complete; DIR/latest.json names the newest step. Under torchrun on
+# several nodes DIR is a folder every node sees (rank 0 writes the metadata and
+# renames).
 
 
-def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int) -> None:
+def _agree(ok: bool) -> bool:
+    """True if ``ok`` on every rank (a collective under torchrun)."""
+    if not dist.is_initialized():
+        return ok
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # nccl reduces CUDA tensors
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _step_folders(directory: pathlib.Path) -> list[int]:
+    """The steps of the complete checkpoints in ``directory``, newest first."""
+    steps = []
+    for path in directory.glob("step*"):
+        if path.name[4:].isdigit() and (path / ".metadata").is_file():
+            steps.append(int(path.name[4:]))
+    return sorted(steps, reverse=True)
+
+
+def _cause(error: BaseException | None) -> str:
+    """One line naming what failed (a CheckpointException holds each rank's traceback)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    if error is None:
+        return "on another rank"
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]
+    text = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {text[0]}" if text else "")
+
+
+def check_writable(directory: pathlib.Path, rank: int) -> None:
+    """Fail at start, not at the first save, where a rank cannot write ``directory``."""
+    probe = directory / f".write-check.rank{rank}"
+    error = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        error = e.strerror or str(e)
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, e = failed[0]
+        usage_error(f"--checkpoint-dir {directory}: cannot write there"
+                    f"{f' from rank {r}' if r else ''} ({e}); choose another directory or "
+                    "make this one writable", rank)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without a process group (--parallel none) torch.distributed.checkpoint warns
+    that it saves or loads in a single process, as it is meant to: not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _rng_states() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_states(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, keep: int) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    final, tmp = directory / f"step{step}", directory / f"step{step}.tmp"
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # an earlier attempt's unfinished save
+    if dist.is_initialized():
+        dist.barrier()
+    (tmp / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_states(), tmp / "rng" / f"rank{rank}.pt")
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(directory / f"step{step}"))
+    # Returns on every rank once every rank's files and the metadata are written.
+    with _single_process_quiet():
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     if rank == 0:
-        tmp = directory / "latest.json.tmp"
-        tmp.write_text(json.dumps({"step": step}))
-        tmp.replace(directory / "latest.json")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for stale in directory.glob("step*.tmp"):  # unfinished saves of crashed attempts
+            shutil.rmtree(stale, ignore_errors=True)
+        latest = directory / "latest.json.tmp"
+        latest.write_text(json.dumps({"step": step}))
+        latest.replace(directory / "latest.json")
+        for old in _step_folders(directory)[keep:] if keep else ():
+            shutil.rmtree(directory / f"step{old}")
 
 
-def load_checkpoint(directory: pathlib.Path, model, opt) -> int:
+def load_checkpoint(directory: pathlib.Path, model, opt, rank: int) -> int:
+    """Resume from the newest complete checkpoint in ``directory`` (0: none there).
+    One that cannot be read is skipped, with a message."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    say = (lambda msg: print(f"torch_remat train: {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+    steps = _step_folders(directory)
     latest = directory / "latest.json"
-    if not latest.exists():
-        return 0
-    step = json.loads(latest.read_text())["step"]
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(directory / f"step{step}"))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return step
+    if latest.exists():
+        try:
+            named = int(json.loads(latest.read_text())["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            say(f"{latest} is unreadable ({type(e).__name__}: {e}); "
+                "resuming from the newest complete checkpoint instead")
+        else:
+            if named not in steps:
+                say(f"{latest} names step{named}, which is not there; "
+                    "resuming from the newest complete checkpoint instead")
+    for step in steps:
+        path = directory / f"step{step}"
+        error = None
+        try:
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            rng_file = path / "rng" / f"rank{rank}.pt"
+            rng = torch.load(rng_file) if rng_file.exists() else None
+        except (Exception, dcp.CheckpointException) as e:  # any unreadable file: try the next
+            error = e
+        if not _agree(error is None):
+            say(f"checkpoint {path} is unreadable ({_cause(error)}); trying the next older one")
+            continue
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if not _agree(rng is not None):
+            say(f"{path} holds no random generator states for this number of ranks: dropout "
+                "masks after the resume differ from those of an uninterrupted run")
+        if rng is not None:
+            _set_rng_states(rng)
+        return step
+    if steps:
+        usage_error(f"--checkpoint-dir {directory}: none of its checkpoints "
+                    f"({', '.join(f'step{s}' for s in steps)}) can be read; move them away to "
+                    "start afresh", rank)
+    return 0
 
 
 # ---------------------------------------------------------------------------- main
@@ -265,9 +452,9 @@ def init_process_group(backend: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Train a small GPT with torch_remat.")
+    p = ArgumentParser(description="Train a small GPT with torch_remat.")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
-    p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F: plan the cheapest policy within F of the no-remat activation bytes on the first step")
+    p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
@@ -276,16 +463,23 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps; resume from the latest")
+    p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps (with every rank's random generators); resume from the newest complete checkpoint there, exactly")
     p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="keep the K newest checkpoints, delete older ones (default 0: keep all)")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
-    p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here")
+    p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run keeps the steps before its resume point and lists it in resumed_at")
     p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
     args = p.parse_args(argv)
     try:
         remat_policy(args.remat)
     except ValueError as e:
         p.error(str(e))
+    if args.remat == "budget=auto" and not torch.cuda.is_available():
+        p.error("--remat budget=auto plans within the free CUDA memory, and no CUDA device is "
+                "available: on CPU give a fraction of the no-remat activation bytes "
+                "(budget=0.3) or a number of bytes (budget=2000000)")
+    if args.keep_checkpoints < 0:
+        p.error(f"--keep-checkpoints {args.keep_checkpoints}: expected K >= 0 (0: keep all)")
     return args
 
 
@@ -320,8 +514,17 @@ def main(argv=None) -> None:
     oom_dumps = oom.install(args.oom_dump_dir) if args.oom_dump_dir else None
     start = 0
     if ckpt_dir is not None:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        start = load_checkpoint(ckpt_dir, model, opt)
+        check_writable(ckpt_dir, rank)
+        start = load_checkpoint(ckpt_dir, model, opt, rank)
+    if start and start >= args.steps:
+        if rank == 0:
+            print(f"torch_remat train: {ckpt_dir} holds step {start} and --steps is {args.steps}: "
+                  "this run is finished (raise --steps to train further, or start afresh "
+                  "in another --checkpoint-dir)", flush=True)
+        del model, opt
+        finish(distributed)
+        return
+    log = Log(args.log_json if rank == 0 else "", start, world)
     if rank == 0:
         print(
             f"torch_remat train: parallel={args.parallel} remat={args.remat} ranks={world} "
@@ -329,7 +532,7 @@ def main(argv=None) -> None:
             + (f" (resumed at step {start})" if start else ""),
             flush=True,
         )
-    losses, saved_log, report = {}, {}, None
+    report = None
     tokens = args.batch_size * args.seq_len * dp_size
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
@@ -352,15 +555,13 @@ def main(argv=None) -> None:
             loss_avg = loss_avg.item() / world
         else:
             loss_avg = loss.item()
-        losses[step] = loss_avg
-        if ckpt_dir is not None and step % args.save_every == 0:
-            save_checkpoint(ckpt_dir, model, opt, step, rank)
+        log.losses[step] = loss_avg
         if log_step:
             all_saved = [saved]
             if distributed:
                 all_saved = [None] * world
                 dist.all_gather_object(all_saved, saved)
-            saved_log[step] = all_saved
+            log.saved_bytes[step] = all_saved
             if rank == 0:
                 rate = tokens * (step - start) / (time.perf_counter() - t0)
                 bar = "#" * (20 * step // args.steps)
@@ -370,14 +571,47 @@ def main(argv=None) -> None:
                     f"{rate:,.0f} tok/s  saved for backward {mem}",
                     flush=True,
                 )
-    if rank == 0 and args.log_json:
-        pathlib.Path(args.log_json).write_text(json.dumps({"losses": losses, "saved_bytes": saved_log, "world": world}))
+        if ckpt_dir is not None and step % args.save_every == 0:
+            save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints)
+            log.write()  # up to the step a restart resumes from
+    log.write()
     if report is not None:
         print(report, flush=True)
+    # Free the wrapped model (DDP's reducer holds work on the group) before the
+    # group goes away; destroying it afterwards could hang at exit.
+    del model, opt
+    finish(distributed)
+
+
+class Log:
+    """``--log-json``: the losses of every step, what each rank saved for backward at
+    the logged steps, and the steps a run resumed at. A resumed run keeps the
+    earlier attempts' entries up to its resume point."""
+
+    def __init__(self, path: str, start: int, world: int) -> None:
+        self.path, self.world = path, world
+        self.losses, self.saved_bytes, self.resumed_at = {}, {}, []
+        if path and start and pathlib.Path(path).exists():
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                old = json.loads(pathlib.Path(path).read_text())
+                self.losses = {int(k): v for k, v in old["losses"].items() if int(k) <= start}
+                self.saved_bytes = {int(k): v for k, v in old["saved_bytes"].items() if int(k) <= start}
+                self.resumed_at = [s for s in old.get("resumed_at", []) if s < start]
+        if start:
+            self.resumed_at.append(start)
+
+    def write(self) -> None:
+        if not self.path:
+            return
+        data = {"losses": self.losses, "saved_bytes": self.saved_bytes, "world": self.world,
+                "resumed_at": self.resumed_at}
+        tmp = pathlib.Path(self.path + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.path)
+
+
+def finish(distributed: bool) -> None:
     if distributed:
-        # Free the wrapped model (DDP's reducer holds work on the group) before the
-        # group goes away; destroying it afterwards could hang at exit.
-        del model, opt
         dist.barrier()
         dist.destroy_process_group()
         # Everything is written; leave without the interpreter's teardown. Under

@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . .venv/bin/activate
 ruff check .
-python -m pytest -q "$@"
+# -m "": every test (plain pytest deselects the slow ones). Two workers, one test file
+# each at a time (module fixtures launch once); -n 0 runs in this process.
+python -m pytest -q -m "" -n 2 --dist loadfile "$@"

@@ -4,9 +4,10 @@ neither the scope API nor diagnostics, and the integrations use only public name
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
-import torch_remat
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "torch_remat"
@@ -49,56 +50,181 @@ def test_scope_api_does_not_import_diagnostics():
     assert not offending
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _is_torch(module: str) -> bool:
+    return module == "torch" or module.startswith("torch.")
+
+
+def private_torch_names(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every private torch name ``source`` uses: a ``_``-prefixed part
+    of an imported torch module (``import torch.x._y``, ``from torch.x._y import z``),
+    an imported ``_``-prefixed name (``from torch.x import _y``), and a ``_``-prefixed
+    attribute at any depth of a chain that starts at a name bound to torch by an
+    import (``torch.x._y``, ``nn.modules.m._Y`` after ``from torch import nn``),
+    also when named by a string to ``getattr``/``hasattr``/``setattr``/``delattr``."""
+    tree = ast.parse(source)
+    found = set()
+    bound = {}  # local name -> the torch path it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not _is_torch(alias.name):
+                    continue
+                if any(map(_private, alias.name.split("."))):
+                    found.add((node.lineno, f"import {alias.name}"))
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    bound[alias.name.split(".")[0]] = alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and not node.level and _is_torch(node.module or ""):
+            if any(map(_private, node.module.split("."))):
+                found.add((node.lineno, f"from {node.module} import ..."))
+            for alias in node.names:
+                if _private(alias.name):
+                    found.add((node.lineno, f"from {node.module} import {alias.name}"))
+                bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+
+    def torch_path(expr: ast.expr) -> str | None:
+        parts = []
+        while isinstance(expr, ast.Attribute):
+            parts.append(expr.attr)
+            expr = expr.value
+        if isinstance(expr, ast.Name) and expr.id in bound:
+            return ".".join([bound[expr.id], *reversed(parts)])
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            path = torch_path(node)
+            if path is not None:
+                found.add((node.lineno, path))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
+            path = torch_path(node.args[0])
+            if path is not None:
+                found.add((node.lineno, f"{path}.{node.args[1].value}"))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(
+    "source, name",
+    [
+        ("import torch\ntorch._dynamo.reset()", "torch._dynamo"),
+        ("import torch\ntorch.cuda.memory._snapshot()", "torch.cuda.memory._snapshot"),
+        ("import torch\ntorch.Tensor._make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass"),
+        ("from torch import nn\nnn.modules.batchnorm._NormBase", "torch.nn.modules.batchnorm._NormBase"),
+        ("import torch.nn as tnn\ntnn.modules._x", "torch.nn.modules._x"),
+        ("from torch.utils import checkpoint as c\nc._y", "torch.utils.checkpoint._y"),
+        ("import torch\ngetattr(torch.cuda, '_lazy_init', None)", "torch.cuda._lazy_init"),
+        ("from torch.utils._pytree import tree_map", "from torch.utils._pytree import ..."),
+        ("from torch._C import _autograd", "from torch._C import ..."),
+        ("from torch.fsdp.wrap import _Policy", "from torch.fsdp.wrap import _Policy"),
+        ("def f():\n    from torch.distributed.tensor import _random", "from torch.distributed.tensor import _random"),
+        ("import torch.utils._pytree", "import torch.utils._pytree"),
+        ("import torch._dynamo as dynamo", "import torch._dynamo"),
+    ],
+)
+def test_private_torch_names_are_found(source, name):
+    assert name in [found for _, found in private_torch_names(source)]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch\ntorch.__version__, torch.nn.Module, torch.utils.checkpoint.checkpoint",
+        "from torch import nn\nnn.Module.__init__",
+        "import torch\nx = torch.ones(1)\nx._version, x.grad_fn._saved_self",  # not torch's names
+        "import torch\nself._torch = torch\nself._x",
+        "from torch.utils.checkpoint import checkpoint\nimport torch_remat._compat",
+        "from . import _compat\n_compat.tree_flatten",
+        "import torch\ngetattr(torch, 'cuda', None)",
+    ],
+)
+def test_public_torch_names_are_not_flagged(source):
+    assert private_torch_names(source) == []
+
+
+# Temporary, while torch_remat/engine/ is re-cut: its current private torch names, to be
+# routed through torch_remat/_compat.py (which already has an entry for each) and this
+# list emptied. Keyed by file and name, not line, so moving code does not break it.
+ENGINE_PENDING: set[tuple[str, str]] = set()  # every engine use is routed through _compat
+
+
 def test_private_torch_api_is_used_only_through_compat():
+    # The package and the launch examples; benchmarks/ measures torch's own internals
+    # (its partitioner, profiler events) on purpose and tests/ pokes at Dynamo.
     offending = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "_compat.py":
+    shipped = [PACKAGE, ROOT / "integrations", ROOT / "launch"]
+    for path in sorted(p for folder in shipped for p in folder.rglob("*.py")):
+        if path == PACKAGE / "_compat.py":
             continue
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                value = node.value
-                if isinstance(value, ast.Name) and value.id == "torch":
-                    offending.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.{node.attr}")
-                if isinstance(value, ast.Attribute) and value.attr == "_C":
-                    offending.append(f"{path.relative_to(ROOT)}:{node.lineno} _C.{node.attr}")
-    assert not offending
+        where = path.relative_to(ROOT).as_posix()
+        for line, name in private_torch_names(path.read_text()):
+            if (where, name) not in ENGINE_PENDING:
+                offending.append(f"{where}:{line} {name}")
+    assert not offending, "private torch names outside torch_remat/_compat.py:\n" + "\n".join(
+        offending
+    )
+
+
+# The integrations reach private torch names and the core's shared helpers through
+# one internal module, which re-exports what they need of _compat.
+SANCTIONED_FOR_INTEGRATIONS = ("torch_remat._integration",)
+
+
+# What the integrations may use of the core: the public names of the top level and of
+# the second tier, and the one internal module that exists for them.
+_OPEN_TO_INTEGRATIONS = ("torch_remat", "torch_remat.diagnostics", "torch_remat.offload", "torch_remat._integration")
+
+
+def _public_names(module: str) -> set[str]:
+    return set(importlib.import_module(module).__all__)
 
 
 def test_integrations_use_only_public_core_names():
-    public = set(torch_remat.__all__)
+    public = {m: _public_names(m) for m in _OPEN_TO_INTEGRATIONS}
+    public["torch_remat"] |= {"__version__"} | {m.split(".")[1] for m in _OPEN_TO_INTEGRATIONS[1:3]}
     offending = []
     for path in sorted((ROOT / "integrations").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
-        aliases = {"torch_remat"}
+        aliases: dict[str, str] = {"torch_remat": "torch_remat"}
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    if alias.name == "torch_remat":
-                        aliases.add(alias.asname or alias.name)
-                    elif alias.name.startswith("torch_remat.") and not alias.name.startswith(
-                        "torch_remat.integrations"
-                    ):
+                    if alias.name.startswith("torch_remat.integrations"):
+                        continue
+                    if alias.name in public:
+                        aliases[alias.asname or alias.name] = alias.name
+                    elif alias.name.startswith("torch_remat"):
                         offending.append(f"{path.name}: import {alias.name}")
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 module = node.module or ""
-                if module == "torch_remat":
+                if module.startswith("torch_remat.integrations"):
+                    continue
+                if module in public:
                     offending += [
-                        f"{path.name}: from torch_remat import {a.name}"
+                        f"{path.name}: from {module} import {a.name}"
                         for a in node.names
-                        if a.name not in public
+                        if a.name not in public[module]
                     ]
-                elif module.startswith("torch_remat.") and not module.startswith(
-                    "torch_remat.integrations"
-                ):
+                elif module.startswith("torch_remat"):
                     offending.append(f"{path.name}: from {module} import ...")
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name)
                 and node.value.id in aliases
-                and node.attr not in public
-                and node.attr != "__version__"
+                and node.attr not in public[aliases[node.value.id]]
             ):
                 offending.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
     assert not offending

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "benchmarks" / "run.py"
 WORKLOADS = ["W1", "W1-long", "W2", "W3", "W4", "W5", "W6", "W7"]
 QUICK_TIMEOUT_S = 720  # W5 compiles five modes, W7 simulates 64 ranks
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +85,19 @@ def test_megatron_style_with_rebuild_always_holds_proj_input_less_for_the_av_flo
     assert len(rebuilt) == 1 and len(flops) == 1
     for c in rebuilt + flops:
         assert c["met"] and c["known_miss"] is None, c["measured"]
+
+
+@pytest.mark.slow
+def test_the_docs_quote_the_quick_w5_table(quick, docs_check):
+    lines = quick[0].stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mode ") and "eager live after fwd" in line)
+    docs_check.check("benchmarks-w5-quick", "\n".join(lines[start : start + 7]) + "\n")
+
+
+@pytest.mark.slow
+def test_the_docs_quote_the_quick_w6_output(quick, docs_check):
+    lines = quick[0].stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("W6 planner on the W1 stack"))
+    targets = lines.index("targets:", start)
+    end = next(i for i in range(targets, len(lines)) if not lines[i].strip())
+    docs_check.check("benchmarks-w6-quick", "\n".join(lines[start:end]) + "\n")

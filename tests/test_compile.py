@@ -137,6 +137,7 @@ def test_a_recompute_region_saves_nothing_of_its_own(compiled_runs):
     assert "b" not in regions
 
 
+@pytest.mark.slow
 def test_inductor_gives_gradients_close_to_eager():
     torch.manual_seed(0)
     block = TwoRegionBlock(save_b=True)

@@ -12,7 +12,7 @@ from helpers import SavedBytes
 import torch_remat as remat
 from torch_remat import _compat
 from torch_remat.diagnostics.graph_saves import NOT_ATTRIBUTED
-from torch_remat.engine import compiled_saves
+from torch_remat.engine import compiled as compiled_saves
 from torch_remat.integrations import reports
 
 DTYPE = torch.float64
@@ -125,6 +125,7 @@ def test_saves_that_do_not_match_their_graphs_record_are_reported_as_not_attribu
     ]
 
 
+@pytest.mark.slow
 def test_inductor_saves_are_attributed_like_aot_eager():
     loss, saved, x = compiled_loss("inductor")
     try:

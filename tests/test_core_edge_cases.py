@@ -25,7 +25,7 @@ def test_closure_tensor_modified_after_forward_is_an_error_not_a_wrong_gradient(
 
 def _retained_elements(frame_holders):
     return sum(
-        t.numel() for h in frame_holders if h.recomputed for t, _ in h.recomputed.values()
+        t.numel() for h in frame_holders if h.refills for t, _ in h.refills.values()
     )
 
 

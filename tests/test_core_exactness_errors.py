@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import torch_remat as remat
+from torch_remat.diagnostics import ActiveCheckpoint
 from torch_remat.integrations import RematConfig, apply_remat, remat_module_names
 
 D = torch.float64
@@ -203,7 +204,7 @@ def test_active_checkpoint_of_an_exception_does_not_need_its_traceback():
     with pytest.raises(torch.OutOfMemoryError) as info:
         remat.checkpoint(region_name="layers.1")(fn)(_x())
     bare = info.value.with_traceback(None)  # e.g. handed over from another thread
-    assert remat.active_checkpoint(bare) == remat.ActiveCheckpoint("layers.1", "forward", "mlp")
+    assert remat.active_checkpoint(bare) == ActiveCheckpoint("layers.1", "forward", "mlp")
 
 
 def test_partial_backwards_of_a_scope_with_retain_graph_do_not_grow(memory_probe):

@@ -1,8 +1,8 @@
-"""remat.format_bytes: the one byte formatter every report uses."""
+"""format_bytes (torch_remat._integration): the one byte formatter every report uses."""
 
 import pytest
 
-import torch_remat as remat
+from torch_remat._integration import format_bytes
 
 
 @pytest.mark.parametrize(
@@ -22,4 +22,4 @@ import torch_remat as remat
     ],
 )
 def test_format_bytes(n, text):
-    assert remat.format_bytes(n) == text
+    assert format_bytes(n) == text

@@ -4,7 +4,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torch_remat as remat
-from torch_remat.engine.profiling import profiler_range
+from torch_remat.engine.context import profiler_range
 
 
 def block(x):

@@ -1,4 +1,4 @@
-"""memory_snapshot_annotate (on a synthetic snapshot of CPU storages), the snapshot
+"""label_memory_snapshot (on a synthetic snapshot of CPU storages), the snapshot
 cache, discover_autograd_roots and format_oom_saved_tensors_report."""
 
 import pytest
@@ -50,7 +50,7 @@ def checkpoint_keeping_exp(name):
 def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_and_name():
     loss, kept = checkpoint_keeping_exp("layers.0")
     snapshot = synthetic_snapshot(kept)
-    assert remat.memory_snapshot_annotate(snapshot, device_type="cpu") is snapshot
+    assert remat.diagnostics.label_memory_snapshot(snapshot, device_type="cpu") is snapshot
     free, active = snapshot["segments"][0]["blocks"]
     assert "remat" not in free
     assert active["remat"] == [
@@ -62,7 +62,7 @@ def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_
 def test_annotate_leaves_blocks_of_other_devices_alone():
     loss, kept = checkpoint_keeping_exp("c")
     snapshot = synthetic_snapshot(kept)
-    remat.memory_snapshot_annotate(snapshot)  # device_type="cuda": no CPU storage matches
+    remat.diagnostics.label_memory_snapshot(snapshot)  # device_type="cuda": no CPU storage matches
     assert all("remat" not in b for b in snapshot["segments"][0]["blocks"])
     loss.backward()
 
@@ -84,15 +84,16 @@ def test_the_snapshot_is_reused_until_the_allocator_changes_or_the_cache_is_clea
     remat.clear_memory_snapshot_cache()
 
 
-def test_discovered_roots_are_the_losses_not_the_intermediates_they_reach():
+def test_discovered_roots_are_the_live_tensors_with_a_grad_fn_losses_and_intermediates():
+    # upstream's contract (issue 27): every live tensor with a grad_fn, not only
+    # those no other graph reaches
     a = torch.randn(3, requires_grad=True)
-    h = a.exp()  # alive, but reached from loss1's graph
+    h = a.exp()  # alive, and reached from loss1's graph
     loss1 = (h * 2).sum()
     loss2 = a.sin().sum()
-    roots = remat.discover_autograd_roots()
-    ids = {id(n) for n in roots}
-    assert id(loss1.grad_fn) in ids and id(loss2.grad_fn) in ids
-    assert id(h.grad_fn) not in ids
+    ids = {id(t) for t in remat.discover_autograd_roots()}
+    assert {id(loss1), id(loss2), id(h)} <= ids
+    assert id(a) not in ids
 
 
 def test_oom_text_names_the_checkpoint_an_exception_was_raised_in():

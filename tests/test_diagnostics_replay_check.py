@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import torch_remat as remat
 from torch_remat import CPURNGStateHook
-from torch_remat.engine import determinism as _determinism
+from torch_remat.engine import replay as _replay
 
 
 def block(x):
@@ -52,8 +52,8 @@ def test_with_the_rng_hook_it_passes_and_gradients_are_exact():
 
 def test_checksums_are_only_computed_when_asked(monkeypatch):
     calls = []
-    real = _determinism.checksum
-    monkeypatch.setattr(_determinism, "checksum", lambda t: calls.append(1) or real(t))
+    real = _replay.checksum
+    monkeypatch.setattr(_replay, "checksum", lambda t: calls.append(1) or real(t))
     hook = (CPURNGStateHook(),)
     x = torch.randn(64, requires_grad=True)
     remat.checkpoint(region_name="a", recompute_state_hooks=hook)(block)(x).sum().backward()

@@ -15,17 +15,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "frameworks.md"
-RECIPE = re.compile(r"^<!-- recipe: (?P<name>[\w.-]+) -->\n```python\n(?P<code>.*?)^```$", re.M | re.S)
+# Marked as fragments for the page runner (scripts/docs_check.py), which runs a
+# page's blocks in one process without the frameworks; each is a whole script.
+RECIPE = re.compile(
+    r"^<!-- docs-check: fragment: recipe (?P<name>[\w.-]+), [^\n]* -->\n```python\n"
+    r"(?P<code>.*?)^```$",
+    re.M | re.S,
+)
 
-# recipe -> (module it needs, runs two processes)
+# recipe -> (module it needs, runs two processes, the docs-check block of its output)
 RECIPES = {
-    "torchtune": ("torchtune", False),
-    "torchtune-switch": ("torchtune", False),
-    "lightning-ddp": ("lightning", True),
-    "lightning-fsdp2": ("lightning", True),
-    "peft": ("peft", False),
-    "olmo-core": ("olmo_core", False),
-    "torchtitan": ("torchtitan", False),
+    "torchtune": ("torchtune", False, "frameworks-torchtune"),
+    "torchtune-switch": ("torchtune", False, "frameworks-torchtune-switch"),
+    "lightning-ddp": ("lightning", True, "frameworks-lightning-ddp"),
+    "lightning-fsdp2": ("lightning", True, "frameworks-lightning-fsdp2"),
+    "peft": ("peft", False, "frameworks-peft"),
+    "olmo-core": ("olmo_core", False, "frameworks-olmo-core"),
+    "torchtitan": ("torchtitan", False, "frameworks-torchtitan"),
 }
 
 
@@ -49,7 +55,7 @@ def _torchao_too_old_for_peft() -> bool:
 
 
 def run_recipe(name: str, tmp_path: Path) -> str:
-    module, _ = RECIPES[name]
+    module = RECIPES[name][0]
     pytest.importorskip(module)
     script = tmp_path / f"recipe_{name.replace('-', '_')}.py"
     script.write_text(recipes()[name])
@@ -72,12 +78,12 @@ def run_recipe(name: str, tmp_path: Path) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("name", [n for n, (_, two) in RECIPES.items() if not two])
+@pytest.mark.parametrize("name", [n for n, r in RECIPES.items() if not r[1]])
 def test_a_single_process_recipe_prints_what_the_page_quotes(name, tmp_path, docs_check):
-    docs_check.check(f"frameworks-{name}", run_recipe(name, tmp_path))
+    docs_check.check(RECIPES[name][2], run_recipe(name, tmp_path))
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [n for n, (_, two) in RECIPES.items() if two])
+@pytest.mark.parametrize("name", [n for n, r in RECIPES.items() if r[1]])
 def test_a_two_process_recipe_prints_what_the_page_quotes(name, tmp_path, docs_check):
-    docs_check.check(f"frameworks-{name}", run_recipe(name, tmp_path))
+    docs_check.check(RECIPES[name][2], run_recipe(name, tmp_path))

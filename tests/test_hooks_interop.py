@@ -228,6 +228,7 @@ def test_compiled_autograd_graph_run_directly_unpacks_progressively(compiled_aut
     assert direct == eager
 
 
+@pytest.mark.slow
 def test_compiled_autograd_with_dynamo_gives_exact_gradients_but_not_progressive(
     compiled_autograd,
 ):
@@ -243,6 +244,7 @@ def test_compiled_autograd_with_dynamo_gives_exact_gradients_but_not_progressive
     assert compiled == (23 * ACT + 8, [8, 7 * ACT + 8, 14 * ACT + 8])
 
 
+@pytest.mark.slow
 def test_scope_under_compiled_autograd_gives_exact_gradients(compiled_autograd):
     a = torch.randn(16, dtype=D, requires_grad=True)
     c = torch.randn(16, dtype=D, requires_grad=True)

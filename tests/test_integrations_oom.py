@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torch_remat as remat
+from torch_remat.diagnostics import ActiveCheckpoint
 from torch_remat.integrations import _oom_bound, _oom_dump, oom
 
 # The expanded matmul below materialises (2**44, 4, 4) float32: 1 PiB, more than a
@@ -66,8 +67,8 @@ def test_active_checkpoint_names_the_region_running_in_forward_and_recompute():
     y = remat.checkpoint(region_name="layers.2")(block)(x)
     y.sum().backward()
     assert seen == [
-        remat.ActiveCheckpoint("layers.2", "forward", "mlp"),
-        remat.ActiveCheckpoint("layers.2", "recompute", "mlp"),
+        ActiveCheckpoint("layers.2", "forward", "mlp"),
+        ActiveCheckpoint("layers.2", "recompute", "mlp"),
     ]
     assert seen[1].format() == "checkpoint 'layers.2' (recompute), region 'mlp'"
     assert seen[0].to_dict() == {"checkpoint": "layers.2", "phase": "forward", "region": "mlp"}
@@ -90,7 +91,7 @@ def test_active_checkpoint_of_an_exception_names_where_it_was_raised_after_the_c
     with pytest.raises(torch.OutOfMemoryError) as info:
         y.sum().backward()
     assert remat.active_checkpoint() is None
-    assert remat.active_checkpoint(info.value) == remat.ActiveCheckpoint(
+    assert remat.active_checkpoint(info.value) == ActiveCheckpoint(
         "layers.0.inner", "recompute", "mlp"
     )
     assert remat.active_checkpoint(ValueError("never raised")) is None

@@ -217,6 +217,7 @@ def test_empty_and_missing_folders(tmp_path, capsys):
     assert "is not a folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_module_runs_with_python_dash_m(cluster):
     proc = subprocess.run(
         [sys.executable, "-m", "torch_remat.integrations.oom", str(cluster), "--json"],

@@ -243,6 +243,7 @@ def test_layers_already_checkpointed_by_apply_remat_are_refused():
         enable_remat(model)
 
 
+@pytest.mark.slow
 def test_importing_the_integrations_imports_neither_transformers_nor_accelerate():
     code = (
         "import sys, torch_remat.integrations\n"

@@ -5,6 +5,10 @@ source code can be marked to keep their activations
 (``remat.region(fn, name, recompute=False)``) instead of being recomputed.
 """
 
+import warnings as _warnings
+from typing import Any as _Any
+
+from . import _source_checkout
 from ._errors import (
     PlaceholderReadError,
     RecomputeMismatchError,
@@ -12,45 +16,51 @@ from ._errors import (
     RematError,
     SavedTensorModifiedError,
 )
-from .diagnostics.alloc_sites import clear_memory_snapshot_cache, record_save_sites
-from .diagnostics.format import format_bytes
-from .diagnostics.graph_saves import discover_autograd_roots
-from .diagnostics.memory_report import format_current_memory_report, print_current_memory_report
-from .diagnostics.named_save import save_for_backward
-from .diagnostics.oom import attach_oom_observer, format_oom_saved_tensors_report, oom_observer
-from .diagnostics.saved_report import (
-    SavedTensorsReport,
+from .diagnostics import (
+    attach_oom_observer,
+    clear_memory_snapshot_cache,
+    collect_trace,
+    discover_autograd_roots,
+    format_current_memory_report,
+    format_oom_saved_tensors_report,
     format_saved_tensors_report,
+    memory_snapshot_annotate,
+    oom_observer,
+    print_current_memory_report,
     print_saved_tensors_report,
+    record_save_sites,
+    save_for_backward,
     saved_tensors_report,
+    trace_scope,
 )
-from .diagnostics.snapshot_annotate import memory_snapshot_annotate
-from .diagnostics.trace import Trace, collect_trace, trace_scope
-from .engine.active import ActiveCheckpoint, active_checkpoint
-from .engine.api import checkpoint
-from .engine.naming import name_scope
-from .engine.regions import recompute_needs_tensor, region
+from .engine.api import checkpoint, recompute_needs_tensor, region
+from .engine.context import active_checkpoint, is_recomputing, name_scope
+from .engine.placeholder import is_placeholder
+from .engine.rng import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
 from .engine.saved_hooks import (
     SavedTensorInfo,
     SavedTensorKind,
     current_saved_tensor_info,
     saved_tensors_hooks,
 )
-from .engine.state import is_recomputing
-from .engine.state_hooks import CPURNGStateHook, DeviceRNGStateHook, RecomputeStateHook
 from .scope.api import gradient_checkpoint_scope
 
 __version__ = "0.2.0"
 
+# The top level: every name of the upstream torch-remat package and of its
+# documented contract, our error classes, and the few additions users reach for.
+# Everything else public is one level down (torch_remat.diagnostics,
+# torch_remat.offload, torch_remat.integrations).
 __all__ = [
     "checkpoint",
     "region",
     "recompute_needs_tensor",
+    "is_recomputing",
+    "is_placeholder",
     "name_scope",
     "RecomputeStateHook",
-    "CPURNGStateHook",
     "DeviceRNGStateHook",
-    "is_recomputing",
+    "CPURNGStateHook",
     "saved_tensors_hooks",
     "current_saved_tensor_info",
     "SavedTensorInfo",
@@ -64,22 +74,42 @@ __all__ = [
     # diagnostics
     "collect_trace",
     "trace_scope",
-    "Trace",
     "print_current_memory_report",
     "format_current_memory_report",
     "print_saved_tensors_report",
     "format_saved_tensors_report",
     "saved_tensors_report",
-    "SavedTensorsReport",
     "save_for_backward",
-    "record_save_sites",
     "oom_observer",
     "attach_oom_observer",
+    "record_save_sites",
     "format_oom_saved_tensors_report",
     "discover_autograd_roots",
     "memory_snapshot_annotate",
     "clear_memory_snapshot_cache",
     "active_checkpoint",
-    "ActiveCheckpoint",
-    "format_bytes",
 ]
+
+# Names earlier releases exported here, and where they live now.
+_MOVED = {
+    "Trace": "torch_remat.diagnostics",
+    "SavedTensorsReport": "torch_remat.diagnostics",
+    "ActiveCheckpoint": "torch_remat.diagnostics",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    where = _MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module 'torch_remat' has no attribute {name!r}")
+    _warnings.warn(
+        f"torch_remat.{name} moved to {where}.{name}; import it from there.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    from . import diagnostics
+
+    return getattr(diagnostics, name)
+
+# From a source checkout, torch_remat.integrations is the sibling folder integrations/.
+_source_checkout.install(__path__[0])

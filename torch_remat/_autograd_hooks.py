@@ -53,3 +53,54 @@ def _unpack_outside_dynamo(packed: Any) -> torch.Tensor:
     # an AOT-compiled replay saves other tensors than the eager forward did. The
     # replay must run eagerly; functions the user compiled stay compiled.
     return packed.unpack()
+
+
+class VersionedTensor:
+    """A tensor held for later with the version it had then: the one way the engine
+    and the scope API keep a tensor and refuse it once it was modified in place
+    (what an autograd ``SavedTensor`` checks, without the autograd bookkeeping).
+    ``data`` is the name ``SavedTensor`` uses, which the reports look for."""
+
+    __slots__ = ("data", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.data = t
+        self.version = t._version
+
+    def intact(self) -> bool:
+        """False once the tensor was modified in place since it was held."""
+        return self.data._version == self.version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.data
+        if t._version != self.version:
+            from ._errors import CLONE_FIRST, modified_in_place
+            from ._tensors import describe_tensor
+
+            raise modified_in_place(
+                f"a tensor saved for backward ({describe_tensor(t.shape, t.dtype)})",
+                "after it was saved",
+                CLONE_FIRST,
+                (self.version, t._version),
+            )
+        return t
+
+
+class PackedPayload:
+    """What a pack hook returned for a tensor, with the unpack hook that turns it
+    back into the tensor: the one packed form the engine's kept tensors and the
+    scope API's delegated saves share. ``data`` is what is held (the reports look
+    for tensors in it, as in ``SavedTensor.data``)."""
+
+    __slots__ = ("packed", "unpack_fn")
+
+    def __init__(self, packed: Any, unpack_fn: Any) -> None:
+        self.packed = packed
+        self.unpack_fn = unpack_fn
+
+    @property
+    def data(self) -> Any:
+        return self.packed
+
+    def unpack(self) -> torch.Tensor:
+        return self.unpack_fn(self.packed)

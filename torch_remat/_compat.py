@@ -31,9 +31,35 @@ default_hooks``                                   per checkpoint (the pack path 
 _categorize_saved_tensors_for_backward``          compiled graph saves comes from (reports)
 ``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
 _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a compiled node
+``utils._pytree.tree_flatten/tree_unflatten/      find the tensors in a region's arguments and
+tree_map``                                        outputs, and rebuild the containers, exactly
+                                                  as autograd and torch.compile see them
+``utils._python_dispatch.TorchDispatchMode``      record the aten ops a scope or the planner's
+                                                  measuring pass runs
+``Tensor._make_wrapper_subclass``                 a placeholder tensor without storage
+``nn.modules.batchnorm._NormBase``                tell batch norms apart: their kernels update
+                                                  running stats without bumping versions
+``_subclasses.fake_tensor.FakeTensor``            leave fake tensors' graphs out of the reports
+``cuda.memory._snapshot``                         the allocator's blocks with their stacks
+                                                  (allocation sites, snapshot annotation)
+``distributed.algorithms._checkpoint.checkpoint_  recognise torch's checkpoint wrappers and read
+wrapper`` (``CheckpointImpl``, ``CheckpointWrap   their options (apply_remat takes the arguments
+per``, ``OffloadWrapper``, ``checkpoint_wrapper   of apply_activation_checkpointing); torch
+``, ``offload_wrapper``)                          exports them only from this module; the
+                                                  module itself, whose two functions the
+                                                  switch torch_checkpointing_as_remat replaces
+``distributed.fsdp.wrap._Policy``,                tell an FSDP auto-wrap policy object from a
+``_Policy._run_policy``                           callable one and ask it which modules it
+                                                  wraps, as torch's own code does
+``distributed.tensor._random`` (``_rng_tracker``  create DTensor's RNG tracker before the first
+, ``OffsetBasedRNGTracker``, ``is_rng_supported_  checkpoint, as its dispatcher would at the
+mesh``)                                           first random op (no public constructor)
 ``_higher_order_ops.wrap`` logger and its         drop torch's context_fn warning for the
 ``tag_activation_checkpoint_impl`` frame          region policy torch_remat passes itself
 ===============================================  =============================================
+
+The torch.distributed names are looked up on first use, so that ``import torch_remat``
+works on builds of torch without torch.distributed.
 """
 
 from __future__ import annotations
@@ -43,6 +69,10 @@ import logging
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._pytree import tree_flatten as tree_flatten
+from torch.utils._pytree import tree_map as tree_map
+from torch.utils._pytree import tree_unflatten as tree_unflatten
 
 TESTED_TORCH = "2.13.0"
 
@@ -65,6 +95,78 @@ DisableTorchDispatch = torch._C._DisableTorchDispatch
 set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+BatchNormBase = torch.nn.modules.batchnorm._NormBase
+
+
+def fake_tensor_type() -> type:
+    """``torch._subclasses.fake_tensor.FakeTensor``: the reports skip the graphs of fake
+    tensors (a tracing mode's, whose storages must not be touched)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
+
+
+def cuda_memory_snapshot() -> dict:
+    """``torch.cuda.memory._snapshot()``: the caching allocator's segments and blocks."""
+    return torch.cuda.memory._snapshot()
+
+
+_CHECKPOINT_WRAPPER_NAMES = (
+    "CheckpointImpl", "CheckpointWrapper", "OffloadWrapper", "checkpoint_wrapper",
+    "offload_wrapper",
+)
+
+
+def __getattr__(name: str):
+    """The torch.distributed names of the table above, imported on first use."""
+    if name in _CHECKPOINT_WRAPPER_NAMES:
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+
+        return getattr(checkpoint_wrapper, name)
+    if name == "FSDPPolicy":
+        from torch.distributed.fsdp.wrap import _Policy
+
+        return _Policy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def checkpoint_wrapper_module():
+    """torch's ``distributed.algorithms._checkpoint.checkpoint_wrapper`` module itself:
+    ``torch_checkpointing_as_remat`` replaces its ``apply_activation_checkpointing``
+    and ``checkpoint_wrapper`` while it is open."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+
+    return checkpoint_wrapper
+
+
+def run_fsdp_policy(policy, model) -> dict:
+    """The modules an FSDP ``_Policy`` object selects in ``model`` (none ignored), each
+    with its wrapper kwargs: what ``apply_activation_checkpointing`` asks of it."""
+    return policy._run_policy(model, ignored_modules=set(), root_kwargs={})
+
+
+def dtensor_rng_tracker() -> object | None:
+    """DTensor's RNG tracker (``torch.distributed.tensor._random._rng_tracker``), None
+    before DTensor or :func:`create_dtensor_rng_tracker` made one."""
+    from torch.distributed.tensor import _random
+
+    return _random._rng_tracker
+
+
+def dtensor_rng_supported_mesh(mesh) -> bool:
+    """Whether DTensor draws random numbers on ``mesh`` through its RNG tracker."""
+    from torch.distributed.tensor import _random
+
+    return _random.is_rng_supported_mesh(mesh)
+
+
+def create_dtensor_rng_tracker(mesh) -> None:
+    """Make DTensor's RNG tracker for ``mesh``, as DTensor's dispatcher does at its
+    first random op (rank 0's generator state is broadcast: call on every rank)."""
+    from torch.distributed.tensor import _random
+
+    _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=True)
 
 
 def cuda_memory_history_may_be_enabled() -> bool:
@@ -72,6 +174,12 @@ def cuda_memory_history_may_be_enabled() -> bool:
     has no frames to read)."""
     enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
     return enabled is None or bool(enabled())
+
+
+def cuda_memory_snapshot_available() -> bool:
+    """Whether this build can take ``torch.cuda.memory._snapshot()`` (CPU-only
+    builds lack the binding)."""
+    return hasattr(torch._C, "_cuda_memorySnapshot")
 
 
 def queue_backward_callback(callback) -> None:

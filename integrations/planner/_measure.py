@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import CustomPolicy
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 import torch_remat as remat
+from torch_remat._integration import TorchDispatchMode
 
 from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
 

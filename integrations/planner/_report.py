@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch_remat as remat
+from torch_remat._integration import format_bytes
 
 if TYPE_CHECKING:
     from .plan import RematPlan
@@ -49,7 +49,7 @@ def _candidates_of(plan: RematPlan, block: str) -> dict[str, str]:
 
 def format_plan(plan: RematPlan) -> str:
     full, b = plan.no_remat_bytes, plan.budget_bytes
-    fb = remat.format_bytes
+    fb = format_bytes
     lines = [
         f"remat plan for {len(plan.blocks)} blocks: budget {fb(b)} ({b:,} B, "
         f"{b / full:.3f} of {fb(full)} without remat)",

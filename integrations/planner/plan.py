@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import torch_remat as remat
+from torch_remat._integration import format_bytes
 
 from . import _distributed, _report
 from ._measure import (
@@ -306,7 +307,7 @@ def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
     low, full = plan.minimum_bytes, plan.no_remat_bytes
     return (
         f"plan_remat: budget {budget!r} ({budget_bytes:,} B) is below the minimum "
-        f"achievable activation memory of {low:,} B ({remat.format_bytes(low)}, "
+        f"achievable activation memory of {low:,} B ({format_bytes(low)}, "
         f"{low / full:.3f} of the {full:,} B without remat). Raise the budget to at least "
         f"{low:,} B (or {low / full:.3f}), or add candidates/blocks so more can be recomputed."
     )

@@ -18,7 +18,7 @@ from dist_harness import HERE, assert_check_passed
 
 pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 CHECK_NAMES = [
     "check_accelerate_drops_the_fsdp_plugin_on_cpu",

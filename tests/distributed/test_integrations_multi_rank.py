@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from dist_harness import assert_check_passed, check_names, launch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +36,18 @@ def test_4_ranks(results_4rank, check, record_property):
     data = assert_check_passed(results_4rank, check)
     for key, value in data.items():
         record_property(key, value)
+
+
+# Quotes of docs/distributed.md and the check (and rank) whose output they show.
+DOCS_QUOTES = [
+    ("distributed-report-uneven", "report_uneven_batches_show_min_median_max_and_flag_imbalance", 1, "report"),
+    ("distributed-report-even", "report_even_batches_are_balanced", 0, "report"),
+    ("distributed-report-timeout", "report_names_a_rank_that_skips_the_call", 0, "error"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, check, rank, key", DOCS_QUOTES)
+def test_the_docs_quote_what_the_report_checks_print(results_2rank, docs_check, name, check, rank, key):
+    assert_check_passed(results_2rank, check)
+    docs_check.check(name, results_2rank[rank][check]["data"][key])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 from checks_oom_3rank import JOB, OTHER_JOB
 from dist_harness import assert_check_passed, check_names, launch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,27 @@ def test_merge_text_for_one_job(launched):
     assert "checkpoint 'layers.0' (recompute), region 'mlp'" in row2
     assert "largest tensors held for backward:" in text
     print(text)
+
+
+# docs/distributed.md quotes both merges with the folder as /tmp/oom3/scratch/oom
+DOCS_FOLDER = "/tmp/oom3/scratch/oom"
+
+
+@pytest.mark.slow
+def test_the_docs_quote_the_merge_of_the_two_jobs(launched, docs_check):
+    _, folder = launched
+    assert docs_check.quoted_commands("distributed-oom-3-ranks") == [f"torch-remat-oom {DOCS_FOLDER}"]
+    docs_check.check("distributed-oom-3-ranks", merge(folder).replace(folder, DOCS_FOLDER))
+
+
+@pytest.mark.slow
+def test_the_docs_quote_what_the_merge_says_of_unusable_files(launched, docs_check, tmp_path):
+    _, folder = launched
+    copy = tmp_path / "oom"
+    shutil.copytree(folder, copy)
+    dump = sorted(copy.glob("oom_*.json"))[0].read_text()
+    (copy / "oom_cut.json").write_text(dump[: len(dump) // 2])
+    (copy / ".oom_copy_rank0_1234_1.json.1234.tmp").write_text(dump[:100])
+    (copy / "config.json").write_text('{"lr": 0.1}')
+    text = merge(str(copy))
+    docs_check.check("distributed-oom-skipped", text[text.index("skipped:") :])

@@ -15,10 +15,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_train_with_oom_dump_dir_writes_the_failing_ranks_dump(tmp_path):
+def test_train_with_oom_dump_dir_writes_the_failing_ranks_dump(tmp_path, docs_check):
     folder = tmp_path / "oom"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
@@ -39,12 +39,20 @@ def test_train_with_oom_dump_dir_writes_the_failing_ranks_dump(tmp_path):
     assert "rank 1 ran out of memory at step 3 in checkpoint 'blocks.1' (forward)" in proc.stderr
     # blocks.0 had finished its forward: its SAVE regions (the Linears) hold memory
     assert {r["name"] for r in dump["regions"]} == {"blocks.0", "blocks.1", "(outside regions)"}
+    # docs/distributed.md quotes this run and its merge, with the folder as /tmp/oom
+    train_command, = docs_check.quoted_commands("distributed-oom-train")
+    assert train_command.split() == [
+        "torchrun", "--standalone", "--nproc-per-node", "2", "tests/launch/example.py", "train",
+        "--oom-at-step", "3", *SMALL, "--parallel", "ddp", "--steps", "4", "--oom-dump-dir", "/tmp/oom"]
+    assert docs_check.quoted_commands("distributed-oom-merge") == ["torch-remat-oom /tmp/oom"]
+    docs_check.check("distributed-oom-train", (proc.stdout + proc.stderr).replace(str(folder), "/tmp/oom"))
 
     merged = subprocess.run(
         [sys.executable, "-m", "torch_remat.integrations.oom", str(folder)],
         capture_output=True, text=True, timeout=120,
     )
     assert merged.returncode == 0, merged.stderr
+    docs_check.check("distributed-oom-merge", merged.stdout.replace(str(folder), "/tmp/oom"))
     lines = merged.stdout.splitlines()
     assert lines[2] == f"job '{dump['job_id']}': 1 of 2 rank(s) ran out of memory; no dump from rank(s) 0"
     assert lines[6].split()[:3] == ["1", "1", "3"]

@@ -16,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
 TIMEOUT_S = 240
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def free_loopback_port() -> int:
@@ -83,3 +83,14 @@ def test_first_node_trains_to_the_end_and_prints_the_cross_rank_report(two_nodes
 def test_second_node_prints_nothing_of_rank_0(two_nodes):
     outs = sorted(out for _, out, _ in two_nodes)
     assert sum("torch_remat train:" in out for out in outs) == 1
+
+
+@pytest.mark.slow
+def test_the_docs_transcript_shows_what_the_first_node_prints(two_nodes, docs_check):
+    commands = docs_check.quoted_commands("distributed-multi-node")
+    assert commands[0].startswith("export NNODES=2 NPROC=1 RDZV_ENDPOINT=127.0.0.1:")
+    assert [c.split("#")[0].rstrip(" &") for c in commands[1:]] == [
+        " ".join(["bash launch/run.sh", *SMALL, "--steps", "3"])
+    ] * 2
+    first = next(out for _, out, _ in two_nodes if "torch_remat train:" in out)
+    docs_check.check("distributed-multi-node", first)

@@ -12,11 +12,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _env(**extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    # launch/run.sh runs `torchrun` (and `python`) from PATH: this interpreter's.
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env.pop("WORLD_SIZE", None)
     return env
 
@@ -99,9 +101,10 @@ def test_report_in_one_process_prints_each_blocks_saved_bytes(tmp_path):
 
 
 def test_remat_budget_plans_on_the_first_step_and_trains_like_no_remat(tmp_path):
-    planned, out, _ = train(tmp_path, "--steps", "3", "--remat", "budget=0.6")
+    planned, out, err = train(tmp_path, "--steps", "3", "--remat", "budget=0.6")
     plain, _, _ = train(tmp_path, "--steps", "3", "--remat", "none")
     assert losses(planned) == losses(plain)
+    assert "USDT" not in err and "profiler_start" not in err  # the measuring steps are quiet
     assert "remat plan for 2 blocks: budget" in out and "(equal)" in out
     assert "blocks.0" in out and "saved for backward r0=" in out
 
@@ -112,12 +115,18 @@ def test_loss_falls_over_20_steps(tmp_path):
     assert sum(curve[-3:]) / 3 < 0.85 * sum(curve[:3]) / 3
 
 
-def test_crashed_rank_restarts_and_resumes_from_checkpoint(tmp_path):
+@pytest.mark.slow
+def test_crashed_rank_restarts_and_resumes_exactly_from_checkpoint(tmp_path):
+    uninterrupted, _, _ = train(tmp_path, "--parallel", "fsdp2", "--steps", "8", nproc=2)
     ckpt = tmp_path / "ckpt"
     result, out, _ = train(
         tmp_path, "--parallel", "fsdp2", "--steps", "8", "--save-every", "4",
         "--checkpoint-dir", str(ckpt), nproc=2, max_restarts=1, faults=("--fail-at-step", "6"),
     )
     assert "(resumed at step 4)" in out
-    assert sorted(int(k) for k in result["losses"]) == [5, 6, 7, 8]
+    # The log keeps the first attempt's steps 1-4; the dropout masks after the
+    # resume are the uninterrupted run's (every rank's generators were saved).
+    assert result["resumed_at"] == [4]
+    assert losses(result) == losses(uninterrupted)  # bitwise: the same floats
     assert json.loads((ckpt / "latest.json").read_text()) == {"step": 8}
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step8"]

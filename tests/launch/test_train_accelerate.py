@@ -9,7 +9,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ARGS = ["--steps", "6", "--seq-len", "32", "--dim", "32", "--batch-size", "4"]
 
 

@@ -150,7 +150,7 @@ _cache: tuple[Any, tuple[dict[str, Any], SnapshotIndex]] | None = None
 
 
 def _take_snapshot() -> dict[str, Any]:
-    return torch.cuda.memory._snapshot()
+    return _compat.cuda_memory_snapshot()
 
 
 def _allocator_epoch() -> Any:
@@ -179,6 +179,19 @@ def cached_snapshot_index() -> SnapshotIndex:
     return cached_snapshot()[1]
 
 
+_memo: dict[str, Any] | None = None
+
+
+def memoized_snapshot(refresh: bool = False) -> dict[str, Any]:
+    """``torch.cuda.memory._snapshot()``, taken once and kept until ``refresh`` or
+    :func:`clear_memory_snapshot_cache` (whatever the allocator did since). A build
+    without CUDA has no allocator blocks: an empty snapshot."""
+    global _memo
+    if refresh or _memo is None:
+        _memo = _take_snapshot() if _compat.cuda_memory_snapshot_available() else {"segments": []}
+    return _memo
+
+
 def clear_memory_snapshot_cache() -> None:
     """Drop the CUDA memory snapshot torch_remat keeps for allocation sites.
 
@@ -188,8 +201,8 @@ def clear_memory_snapshot_cache() -> None:
     (after ``torch.cuda.memory._record_memory_history()`` changed what is recorded)
     or to free the memory the snapshot occupies.
     """
-    global _cache
-    _cache = None
+    global _cache, _memo
+    _cache = _memo = None
 
 
 class _SiteRecorder(CheckpointObserver):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..engine.compiled_saves import compiled_saves_of, is_compiled_node, unchecked_saves
+from ..engine.compiled import compiled_saves_of, is_compiled_node, unchecked_saves
 from ..engine.rebuild import RebuiltSave
 from ..engine.records import Holder, RegionSaved
 from .storage import is_parameter, storages_of, tensors_in
@@ -97,50 +97,42 @@ def root_nodes(roots: Any) -> list[Any]:
     return nodes
 
 
-def live_graph_roots() -> list[Any]:
-    """``grad_fn`` of every live tensor the garbage collector tracks: the roots of
-    all autograd graphs the program can still reach, found without a loss handle."""
-    nodes = []
+def live_graph_tensors() -> list[torch.Tensor]:
+    """Every live tensor with a ``grad_fn`` that the garbage collector tracks,
+    FakeTensors excepted (their graphs hold fake tensors of a tracing mode that
+    may be gone, whose storages must not be touched)."""
+    FakeTensor = _compat.fake_tensor_type()
+
+    out = []
     tensor = torch.Tensor
     for obj in gc.get_objects():
         # type(), not isinstance(): proxies that fake __class__ (deprecated
         # attributes) would warn or run code.
-        if issubclass(type(obj), tensor):
+        tp = type(obj)
+        if issubclass(tp, tensor) and not issubclass(tp, FakeTensor):
             try:
                 fn = obj.grad_fn
             except Exception:
                 continue
             if fn is not None:
-                nodes.append(fn)
-    return nodes
+                out.append(obj)
+    return out
 
 
-def discover_autograd_roots() -> list[Any]:
-    """The autograd nodes from which every live graph can be reached: the
-    ``grad_fn`` of each live tensor (found through the garbage collector, without a
-    loss handle) that no other live tensor's graph reaches. Typically the losses
-    (and outputs) whose backward has not run yet; pass them to
-    :func:`saved_tensors_report`. Walks every live graph once."""
-    candidates: dict[int, Any] = {}
-    for node in live_graph_roots():
-        candidates.setdefault(id(node), node)
-    visited: set[int] = set()
-    reached: set[int] = set()
-    for start in candidates.values():
-        if id(start) in visited:
-            continue
-        visited.add(id(start))
-        stack = [start]
-        while stack:
-            node = stack.pop()
-            for child, _ in getattr(node, "next_functions", ()):
-                if child is None:
-                    continue
-                reached.add(id(child))
-                if id(child) not in visited:
-                    visited.add(id(child))
-                    stack.append(child)
-    return [n for key, n in candidates.items() if key not in reached]
+def live_graph_roots() -> list[Any]:
+    """``grad_fn`` of every live tensor (:func:`live_graph_tensors`): the roots of
+    all autograd graphs the program can still reach, found without a loss handle."""
+    return [t.grad_fn for t in live_graph_tensors()]
+
+
+def discover_autograd_roots() -> list[torch.Tensor]:
+    """Every live tensor with a ``grad_fn`` (found through the garbage collector,
+    without a loss handle): the outputs, losses and intermediates whose graphs
+    backward can still run. Leaves (parameters, inputs) have no ``grad_fn`` and are
+    not roots; FakeTensors (tracing leftovers) are skipped. Over-complete on
+    purpose: the reports walk each graph once however many of its tensors are
+    given. Pass the result as ``roots`` to :func:`saved_tensors_report`."""
+    return live_graph_tensors()
 
 
 def _saved_values(node: Any) -> list[Any]:

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from .._tensors import TensorMeta
-from ..engine.rebuild import rebuilt_saves
 from .registry import FrameEntry
 from .storage import is_parameter, tensors_in
 
@@ -63,7 +62,7 @@ def _source_tensors(src: Any, forward_done: bool) -> list[torch.Tensor]:
         return [] if saved is None else tensors_in(saved.data)
     if not src.keep:
         return []
-    t = src.hold if src.kind == "output" else src.ref
+    t = src.kept_tensor if src.kind == "output" else src.ref
     return [] if t is None else [t]
 
 
@@ -120,7 +119,7 @@ def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
             inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, parameter=param))
     pending: dict[int, list[Any]] = {}
     rebuilt, storages = 0, {}
-    for s in rebuilt_saves(frame):
+    for s in frame.rebuilds.live_saves():
         if s.pending is not None:
             pending.setdefault(id(s.region), []).append(s)
         else:

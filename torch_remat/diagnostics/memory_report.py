@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .._tensors import TensorMeta
-from ..engine.state import FORWARD, current_scope
+from ..engine.context import FORWARD, current_pass
 from .alloc_sites import cuda_site_lookup
 from .format import align_rows, format_bytes, format_dtype, format_shape
 from .holdings import HeldGroup, Holdings, frame_holdings
@@ -45,6 +45,8 @@ class TensorRow:
     storages: list[StorageInfo] = field(default_factory=list)
     site: str | None = None
     counted_in: str | None = None
+    # a tensor on this row, for an ``annotate=`` labeller (never printed)
+    tensor: Any = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -233,6 +235,7 @@ def _region_block(checkpoint: str, group: HeldGroup, ledger: Ledger) -> RegionBl
             for i in infos:
                 here.setdefault(i.key, row)
         row.site = item.site
+        row.tensor = item.tensors[0] if item.tensors else None
         block.rows.append(row)
     return block
 
@@ -252,8 +255,24 @@ def _used_bytes(meta: TensorMeta) -> int:
     return span * meta.dtype.itemsize
 
 
-def add_allocation_sites(rows: list[TensorRow]) -> None:
-    """Label rows without a site from the CUDA allocator's history, if it is on."""
+def check_annotate(annotate: Any) -> None:
+    if annotate is not None and not callable(annotate):
+        raise TypeError(
+            "torch_remat: annotate must be None or a callable taking a tensor and "
+            f"returning a label (str) or None, got {type(annotate).__name__}; for "
+            "allocation sites pass remat.memory_snapshot_annotate(snapshot)."
+        )
+
+
+def add_allocation_sites(rows: list[TensorRow], annotate: Any = None) -> None:
+    """Label rows: with ``annotate(tensor)`` where it gives a label, else from the
+    CUDA allocator's history if it is on (rows without a site)."""
+    if annotate is not None:
+        for row in rows:
+            if row.tensor is not None:
+                label = annotate(row.tensor)
+                if label is not None:
+                    row.site = str(label)
     lookup: Callable[[StorageInfo], str | None] | None = cuda_site_lookup(
         [s for row in rows for s in row.storages]
     )
@@ -268,17 +287,17 @@ def add_allocation_sites(rows: list[TensorRow]) -> None:
                     break
 
 
-def current_memory_block() -> CheckpointBlock | None:
+def current_memory_block(annotate: Any = None) -> CheckpointBlock | None:
     """The block of the checkpoint whose forward is running in this thread."""
-    scope = current_scope()
-    if scope is None or scope.phase != FORWARD:
+    active = current_pass()
+    if active is None or active.phase != FORWARD:
         return None
-    block = checkpoint_block(frame_holdings(scope), Ledger())
-    add_allocation_sites(block.rows())
+    block = checkpoint_block(frame_holdings(active), Ledger())
+    add_allocation_sites(block.rows(), annotate)
     return block
 
 
-def format_current_memory_report() -> str:
+def format_current_memory_report(annotate: Any = None) -> str:
     """What the checkpoint whose forward is running holds so far, as text.
 
     Call it from code running inside a ``remat.checkpoint`` forward. The first line
@@ -288,16 +307,21 @@ def format_current_memory_report() -> str:
     site is known). Names come from :func:`save_for_backward` where it was used,
     else ``saved.<i>``; kept region outputs read ``(output at idx i)`` and kept
     checkpoint inputs ``(input i)``.
+
+    ``annotate``: a callable ``tensor -> str | None`` (such as
+    :func:`memory_snapshot_annotate`'s labeller) whose label is printed after a
+    row as ``@ label``, in place of the allocation site.
     """
-    scope = current_scope()
-    if scope is None:
+    check_annotate(annotate)
+    active = current_pass()
+    if active is None:
         return (
             "torch_remat: no checkpoint forward is running in this thread; "
             "print_current_memory_report() describes the checkpoint whose forward calls it."
         )
-    block = current_memory_block()
+    block = current_memory_block(annotate)
     if block is None:
-        name = scope.frame.name
+        name = active.frame.name
         return (
             f"torch_remat: checkpoint '{name}' is being recomputed; the memory report "
             "describes the original forward only. Guard the call with "
@@ -306,10 +330,11 @@ def format_current_memory_report() -> str:
     return block.format()
 
 
-def print_current_memory_report(file: IO[str] | None = None) -> None:
+def print_current_memory_report(file: IO[str] | None = None, annotate: Any = None) -> None:
     """Print :func:`format_current_memory_report` (to stdout by default)::
 
     if not remat.is_recomputing():
         remat.print_current_memory_report()
     """
-    print(format_current_memory_report(), file=file if file is not None else sys.stdout)
+    text = format_current_memory_report(annotate)
+    print(text, file=file if file is not None else sys.stdout)

@@ -13,12 +13,13 @@ done once when a SAVE region returns, while its outputs are still alive.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..engine.context import current_pass
 from ..engine.observers import CheckpointObserver
-from ..engine.state import current_scope
 from .storage import tensors_in
 
 
@@ -73,17 +74,27 @@ def save_for_backward(
         lse, probs = ctx.saved_tensors  # in backward: positional first, then named
 
     Positional tensors are saved first (and keep their default names), then the
-    named ones in keyword order. Inside a SAVE region of a checkpoint the names
+    named ones in keyword order. Upstream torch-remat's form, one mapping of names
+    to tensors (``remat.save_for_backward(ctx, {"lse": lse, "probs": probs})``), is
+    the same as the keywords. Inside a SAVE region of a checkpoint the names
     appear in ``print_current_memory_report`` and ``print_saved_tensors_report``;
     anywhere else this is exactly ``ctx.save_for_backward(*tensors, *named.values())``.
     """
+    if len(tensors) == 1 and isinstance(tensors[0], Mapping):
+        if named:
+            raise TypeError(
+                "remat.save_for_backward: pass names either as one mapping "
+                "(save_for_backward(ctx, {'lse': lse})) or as keywords, not both."
+            )
+        named = dict(tensors[0])
+        tensors = ()
     ctx.save_for_backward(*tensors, *named.values())
-    scope = current_scope()
-    if scope is None or not scope.in_save_region:
+    active = current_pass()
+    if active is None or not active.in_save_region:
         return
     live = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
     if live:
-        _namer_of(scope.frame).add_names(live)
+        _namer_of(active.frame).add_names(live)
 
 
 def link_saved_outputs(record: Any) -> None:

@@ -19,13 +19,15 @@ from typing import IO, Any
 import torch
 
 from .. import _compat
-from ..engine.active import active_checkpoint
+from ..engine.context import active_checkpoint
 from .format import format_bytes
 
 _FAILED = "torch_remat: OOM observer failed while building its report"
 
 
-def format_oom_saved_tensors_report(exception: BaseException | None = None) -> str:
+def format_oom_saved_tensors_report(
+    exception: BaseException | None = None, annotate: Any = None
+) -> str:
     """What the OOM observer prints after the allocator's request: the checkpoint
     (and region) running, then the saved-tensors report of everything alive.
 
@@ -36,12 +38,19 @@ def format_oom_saved_tensors_report(exception: BaseException | None = None) -> s
 
     With ``exception``, the checkpoint is the one the exception was raised in (read
     from its traceback, see :func:`active_checkpoint`); without, the one running
-    now. The ``while running ...`` line is left out when there is none."""
+    now. The ``while running ...`` line is left out when there is none.
+    ``annotate`` labels rows (see :func:`saved_tensors_report`); a callable given
+    in place of ``exception`` is taken as ``annotate``, as upstream torch-remat's
+    ``format_oom_saved_tensors_report(annotate)`` is called."""
     from .saved_report import saved_tensors_report
+
+    if annotate is None and callable(exception) and not isinstance(exception, BaseException):
+        exception, annotate = None, exception
 
     active = active_checkpoint(exception)
     lines = [] if active is None else [f"while running {active.format()}"]
-    lines.append(saved_tensors_report(None).format())
+    report = saved_tensors_report(None) if annotate is None else saved_tensors_report(None, annotate)
+    lines.append(report.format())
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ from .memory_report import (
     Ledger,
     TensorRow,
     add_allocation_sites,
+    check_annotate,
     checkpoint_block,
 )
 from .registry import live_entries
@@ -196,7 +197,7 @@ class SavedTensorsReport:
         }
 
 
-def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
+def saved_tensors_report(roots: Any = None, annotate: Any = None) -> SavedTensorsReport:
     """Build the report for the autograd graphs reachable from ``roots`` (a loss
     tensor, tensors, or autograd nodes): the checkpoint calls whose saves they hold,
     and the saves outside checkpoints.
@@ -204,8 +205,13 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
     With ``roots=None`` it covers everything alive: every checkpoint call still
     holding memory (from a weak registry of calls, so none is missed) and the graphs
     of every live tensor, found without a loss handle (slower: it scans the garbage
-    collector's objects). This is what the OOM observer prints."""
+    collector's objects). This is what the OOM observer prints.
+
+    ``annotate``: a callable ``tensor -> str | None`` (such as
+    :func:`memory_snapshot_annotate`'s labeller) whose label is printed after a
+    row as ``@ label``, in place of the allocation site."""
     _check_roots(roots)
+    check_annotate(annotate)
     nodes = root_nodes(roots) if roots is not None else live_graph_roots()
     graph = walk_graph_saves(nodes)
     ledger = Ledger(graph.parameter_storages)
@@ -223,6 +229,7 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
         if block.regions:
             blocks.append(block)
     groups: dict[str, OutsideGroup] = {}
+    tensor_of: dict[int, torch.Tensor] = {}  # storage key -> a tensor on it (annotate)
     for saves in graph.outside:
         new = []
         for t in saves.tensors:
@@ -230,13 +237,15 @@ def saved_tensors_report(roots: Any = None) -> SavedTensorsReport:
                 if info.key not in ledger.excluded and info.key not in ledger.owner:
                     ledger.owner[info.key] = OUTSIDE
                     new.append(info)
+                    if annotate is not None:
+                        tensor_of[info.key] = t
         if new:
             group = groups.setdefault(saves.node_type, OutsideGroup(saves.node_type))
             group.nodes += 1
             group.nbytes += sum(i.nbytes for i in new)
             group.storages.extend(new)
     outside = sorted(groups.values(), key=lambda g: (-g.nbytes, g.node_type))
-    _add_sites(blocks, outside)
+    _add_sites(blocks, outside, annotate, tensor_of)
     return SavedTensorsReport(blocks, outside)
 
 
@@ -251,25 +260,32 @@ def _check_roots(roots: Any) -> None:
             )
 
 
-def _add_sites(blocks: list[CheckpointBlock], outside: list[OutsideGroup]) -> None:
+def _add_sites(
+    blocks: list[CheckpointBlock],
+    outside: list[OutsideGroup],
+    annotate: Any = None,
+    tensor_of: dict[int, torch.Tensor] | None = None,
+) -> None:
     # An outside group shows the site of its largest storage.
-    largest = [
-        TensorRow(
-            "storage", [g.node_type], None, None, 0, 0, [max(g.storages, key=lambda s: s.nbytes)]
-        )
-        for g in outside
-    ]
-    add_allocation_sites([row for b in blocks for row in b.rows()] + largest)
+    largest = []
+    for g in outside:
+        info = max(g.storages, key=lambda s: s.nbytes)
+        row = TensorRow("storage", [g.node_type], None, None, 0, 0, [info])
+        row.tensor = (tensor_of or {}).get(info.key)
+        largest.append(row)
+    add_allocation_sites([row for b in blocks for row in b.rows()] + largest, annotate)
     for g, row in zip(outside, largest):
         g.site = row.site
 
 
-def format_saved_tensors_report(roots: Any = None) -> str:
+def format_saved_tensors_report(roots: Any = None, annotate: Any = None) -> str:
     """The saved-tensors report as text (see :func:`saved_tensors_report`)."""
-    return saved_tensors_report(roots).format()
+    return saved_tensors_report(roots, annotate).format()
 
 
-def print_saved_tensors_report(loss: Any = None, file: IO[str] | None = None) -> None:
+def print_saved_tensors_report(
+    loss: Any = None, file: IO[str] | None = None, annotate: Any = None, *, roots: Any = None
+) -> None:
     """Print what is held for backward, by checkpoint region and outside regions.
 
     ::
@@ -282,6 +298,16 @@ def print_saved_tensors_report(loss: Any = None, file: IO[str] | None = None) ->
     that graph. Without ``loss``, everything alive: every checkpoint call still
     holding memory and every live graph. The total equals the bytes those storages
     occupy; parameters are not counted. It never triggers a recompute. Prints to
-    stdout unless ``file`` is given.
+    stdout unless ``file`` is given; ``annotate`` labels rows (see
+    :func:`saved_tensors_report`). ``roots=`` (upstream torch-remat's name) is the
+    same as ``loss``.
     """
-    print(format_saved_tensors_report(loss), file=file if file is not None else sys.stdout)
+    if roots is not None:
+        if loss is not None:
+            raise TypeError(
+                "print_saved_tensors_report: pass the graph roots once, as loss or as "
+                "roots=, not both."
+            )
+        loss = roots
+    text = format_saved_tensors_report(loss, annotate)
+    print(text, file=file if file is not None else sys.stdout)

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..engine.context import is_recomputing
 from ..engine.observers import CheckpointObserver, observe
-from ..engine.state import is_recomputing
 
 
 class _TraceState(threading.local):

@@ -1,8 +1,12 @@
-"""``remat.checkpoint``: the decorator users put around a block."""
+"""The public calls of the engine: ``remat.checkpoint`` (the decorator users put
+around a block, built once and called many times), ``remat.region`` and
+``remat.recompute_needs_tensor`` (the annotations used inside a checkpointed
+function), with their option checks."""
 
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -11,9 +15,13 @@ import torch
 from .. import _compat
 from .._errors import RematError
 from . import compiled
+from .context import current_pass, current_prefixes, prefixed_name, without_prefixes
 from .frame import CheckpointFrame
+from .module_state import BufferMemo
+from .observers import thread_observers
+from .records import RegionRecord
+from .rng import unhooked_generators, validate_state_hooks
 from .saved_hooks import as_hook_pair
-from .state_hooks import validate_state_hooks
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,7 +51,7 @@ def checkpoint(
     saved_tensors_hooks: Any = None,
     input_saved_tensors_hooks: Any = None,
     rebuild: str = "free",
-) -> Callable[[F], F]:
+) -> CheckpointOptions:
     """Return a decorator that runs a function as a non-reentrant checkpoint.
 
     ``remat.checkpoint(region_name="layers.0")(block)(x)`` runs ``block(x)`` keeping
@@ -136,10 +144,48 @@ def checkpoint(
         as_hook_pair(saved_tensors_hooks, "remat.checkpoint: saved_tensors_hooks"),
         as_hook_pair(input_saved_tensors_hooks, "remat.checkpoint: input_saved_tensors_hooks"),
     )
-    check_metadata = determinism_check != "none"
-    bitwise = determinism_check == "bitwise"
+    return CheckpointOptions(region_name, hooks, early_stop, determinism_check, kept, rebuild)
 
-    def decorator(fn: F) -> F:
+
+class CheckpointOptions:
+    """What ``remat.checkpoint(...)`` returns: the validated options, and the
+    decorator that makes a :class:`CheckpointedFunction` of a function.
+
+    Build it once and decorate many functions, or decorate once and call many
+    times: the options are checked here, never on a call."""
+
+    __slots__ = (
+        "region_name",
+        "state_hooks",
+        "early_stop",
+        "check_metadata",
+        "bitwise_check",
+        "kept_hooks",
+        "rebuild",
+        "guarded_generators",
+    )
+
+    def __init__(
+        self,
+        region_name: str | None,
+        state_hooks: tuple[Any, ...],
+        early_stop: bool,
+        determinism_check: str,
+        kept_hooks: tuple[Any, Any],
+        rebuild: str,
+    ) -> None:
+        self.region_name = region_name
+        self.state_hooks = state_hooks
+        self.early_stop = early_stop
+        self.check_metadata = determinism_check != "none"
+        self.bitwise_check = determinism_check == "bitwise"
+        # (saved_tensors_hooks, input_saved_tensors_hooks) options (saved_hooks.py)
+        self.kept_hooks = kept_hooks
+        self.rebuild = rebuild  # "free", "always" or "never" (rebuild.py)
+        # the default generators no state hook restores: the RNG guard watches these
+        self.guarded_generators = unhooked_generators(state_hooks)
+
+    def __call__(self, fn: F) -> F:
         if not callable(fn):
             raise TypeError(
                 f"remat.checkpoint(...) must decorate a callable, got {type(fn).__name__}."
@@ -153,35 +199,52 @@ def checkpoint(
                 "and none of its body would run inside the checkpoint. Checkpoint a "
                 "function that computes and returns its tensors."
             )
-        name = region_name or _default_name(fn)
-        # (early stop, rebuild choice, this function's memo of rebuild_decide's FLOP walks)
-        replay = (early_stop, rebuild, {})
+        return CheckpointedFunction(fn, self.region_name or _default_name(fn), self)  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"remat.checkpoint(region_name={self.region_name!r})"
+
+
+class CheckpointedFunction:
+    """``remat.checkpoint(...)(fn)``: calls ``fn`` as a checkpoint.
+
+    Built once; each call only runs. It holds what the calls share: the options,
+    the memo of the rebuild decision's FLOP walks and which modules' buffers the
+    forward was seen not to write (those are not copied on later calls). Used as a
+    class attribute it binds like a function (a checkpointed method)."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, options: CheckpointOptions) -> None:
+        self.__wrapped__ = fn
+        self.__name__ = f"remat_checkpoint_{name}"
+        self.__qualname__ = self.__name__
+        if not torch.compiler.is_compiling():  # Dynamo cannot read a partial's __doc__
+            self.__doc__ = getattr(fn, "__doc__", None)
+        self.name = name
+        self.options = options
+        self.flop_memo: dict[tuple, int] = {}
+        self.unwritten_buffers: BufferMemo = {}
         # Built here, not while Dynamo traces (see compiled.option_refusal).
-        refusal = compiled.option_refusal(name, hooks, kept)
+        self.compile_refusal = compiled.option_refusal(name, options.state_hooks, options.kept_hooks)
 
-        def checkpointed(*a: Any, **kw: Any) -> Any:
-            if torch.compiler.is_compiling() and not compiled.eager_checkpoint_running():
-                return compiled.run_checkpoint(fn, name, refusal, a, kw)
-            if torch.compiler.is_compiling():
-                return _run_eagerly(fn, name, hooks, replay, check_metadata, bitwise, kept, a, kw)
-            return _run(fn, name, hooks, replay, check_metadata, bitwise, kept, a, kw)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            if not compiled.eager_checkpoint_running():
+                return compiled.run_checkpoint(self.__wrapped__, self.name, self.compile_refusal, args, kwargs)
+            return _run_eagerly(self, args, kwargs)
+        return _run(self, args, kwargs)
 
-        checkpointed.__wrapped__ = fn  # type: ignore[attr-defined]
-        checkpointed.__name__ = f"remat_checkpoint_{name}"
-        checkpointed.__qualname__ = checkpointed.__name__
-        checkpointed.__doc__ = getattr(fn, "__doc__", None)
-        return checkpointed  # type: ignore[return-value]
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
 
-    return decorator
+    def __repr__(self) -> str:
+        return f"<remat checkpoint {self.name!r} of {self.__wrapped__!r}>"
 
 
-def _run(fn, name, hooks, replay, check_metadata, bitwise, kept, args, kwargs) -> Any:
+def _run(checkpointed: CheckpointedFunction, args: tuple, kwargs: dict) -> Any:
+    fn = checkpointed.__wrapped__
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    early_stop, rebuild, flop_limits = replay
-    frame = CheckpointFrame(
-        fn, name, hooks, early_stop, check_metadata, bitwise, kept, rebuild, flop_limits
-    )
+    frame = CheckpointFrame(fn, checkpointed)
     try:
         return frame.run_forward(args, kwargs)
     except RuntimeError as e:
@@ -189,10 +252,10 @@ def _run(fn, name, hooks, replay, check_metadata, bitwise, kept, args, kwargs) -
             raise
         raise RematError(
             f"torch_remat: torch.func transforms (grad, vjp, jacrev, hessian) were called "
-            f"inside checkpoint '{name}', where remat's saved-tensor hooks are active, and "
-            "torch.func refuses to run under saved-tensor hooks. Call the transform "
-            "outside remat.checkpoint (checkpoint the function it differentiates only "
-            "with ordinary autograd), or run that part without remat.checkpoint."
+            f"inside checkpoint '{checkpointed.name}', where remat's saved-tensor hooks are "
+            "active, and torch.func refuses to run under saved-tensor hooks. Call the "
+            "transform outside remat.checkpoint (checkpoint the function it differentiates "
+            "only with ordinary autograd), or run that part without remat.checkpoint."
         ) from e
 
 
@@ -208,5 +271,126 @@ _run_eagerly = _compat.disable_dynamo(_run)
 
 
 def _default_name(fn: Any) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return name or type(fn).__name__
+    # A plain string in eager and traced code alike: while Dynamo traces, the
+    # __qualname__ of a bound method reads as the descriptor of the function type and
+    # that of a closure as None; the code object's co_qualname (Python 3.11+) is what
+    # __qualname__ says in eager code.
+    code = getattr(fn, "__code__", None)
+    for name in (
+        getattr(fn, "__qualname__", None),
+        getattr(code, "co_qualname", None),
+        getattr(fn, "__name__", None),
+    ):
+        if isinstance(name, str) and name:
+            return name
+    return type(fn).__name__
+
+
+# ------------------------------------------------------------------ regions
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def region(fn: F, name: str, *, recompute: bool) -> F:
+    """Mark one call inside a checkpoint as a named region.
+
+    ``remat.region(self.attention, "attention", recompute=False)(x)`` calls
+    ``self.attention(x)`` as a SAVE region: the tensors it saves for backward are
+    kept, and during the recompute its body is not run again; it hands back its
+    kept outputs (or placeholders for outputs that were not kept). With
+    ``recompute=True`` the call is an ordinary part of the replay, named so that
+    reports and traces can refer to it.
+
+    Outside a checkpoint (or under ``no_grad``) the wrapper is a plain call, so the
+    same model code runs with and without checkpointing.
+
+    Region names must be unique within one forward of a checkpoint; nested regions
+    are named ``outer.inner``, and inside ``remat.name_scope(prefix)`` a region is
+    named ``prefix/name``.
+    """
+    # Dynamo cannot trace callable() on an autograd Function's apply (a builtin):
+    # under compilation the check ran when the model was first called eagerly, or
+    # the call below reports it.
+    if not torch.compiler.is_compiling() and not callable(fn):
+        raise TypeError(
+            f"remat.region: the first argument must be the callable to run, got "
+            f"{type(fn).__name__}. Write remat.region(fn, 'name', recompute=False)(*args)."
+        )
+    if not isinstance(name, str):
+        raise TypeError(f"remat.region: name must be a string, got {type(name).__name__}.")
+    if not name:
+        raise ValueError(
+            "remat.region: name must be a non-empty string; it identifies the region "
+            "between the forward and the recompute and in reports."
+        )
+    if recompute is not True and recompute is not False:
+        raise TypeError(
+            f"remat.region '{name}': recompute must be True or False, got {recompute!r}. "
+            "Use recompute=False to keep the region's activations, recompute=True to "
+            "replay it in backward."
+        )
+
+    def call_region(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled.run_region(fn, name, recompute, args, kwargs)
+        full, body = name, fn
+        prefixes = current_prefixes()
+        if prefixes:  # inside remat.name_scope
+            full, body = prefixed_name(name, prefixes), without_prefixes(fn)
+        active = current_pass()
+        if active is not None:
+            return active.run_region(body, full, recompute, args, kwargs)
+        observers = thread_observers()
+        if not observers:
+            return fn(*args, **kwargs)
+        # Outside any checkpoint a region is a plain call; observers (a trace) still
+        # see it, with no checkpoint.
+        record = RegionRecord(None, full, full, recompute)
+        for observer in observers:
+            observer.region_entered(None, record)
+        try:
+            return body(*args, **kwargs)
+        finally:
+            for observer in observers:
+                observer.region_exited(None, record)
+
+    call_region.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call_region  # type: ignore[return-value]
+
+
+def recompute_needs_tensor(*tensors: torch.Tensor) -> Any:
+    """Declare that the recompute reads ``tensors``, outputs of SAVE regions.
+
+    SAVE regions are not replayed, so their outputs exist during the recompute only
+    if they were kept. Outputs consumed by a later ``remat.region`` or saved for
+    backward are kept automatically; call this for an output that bare code (not a
+    region) reads during the replay, e.g. ``h = h + attn``. It may also be called on
+    a checkpoint input, or inside a SAVE region on a tensor the region returns.
+    Outside a checkpoint, during the recompute, and for tensors that are recomputed
+    anyway (produced outside SAVE regions, e.g. by a region that is switched to
+    ``recompute=True``) it does nothing, so model code can keep the call whatever
+    policy is applied.
+
+    Returns the tensor when given one (``h = recompute_needs_tensor(h)``), otherwise
+    the tuple of the tensors given (``a, b = recompute_needs_tensor(a, b)``).
+    ``TypeError`` names the position of an argument that is not a tensor.
+
+    If you forget it, the recompute raises :class:`PlaceholderReadError` naming the
+    region and output.
+    """
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"remat.recompute_needs_tensor expects a tensor for each argument; argument {i + 1} of "
+                f"{len(tensors)} is a {type(t).__name__}. Pass tensors as separate "
+                "arguments (recompute_needs_tensor(*tensors) for a list)."
+            )
+    if torch.compiler.is_compiling():
+        # the compiled graph names every dependency (engine/compiled.py)
+        return tensors[0] if len(tensors) == 1 else tensors
+    active = current_pass()
+    if active is not None:
+        for t in tensors:
+            active.keep(t)
+    return tensors[0] if len(tensors) == 1 else tensors
+

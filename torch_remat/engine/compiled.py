@@ -37,24 +37,49 @@ What the eager engine does in Python has no run time of its own here: the
   graph saves its tensors itself, so they are refused with
   :class:`~torch_remat.RematCompileError` rather than ignored.
 * The reports name a compiled graph's saved tensors after their checkpoint and
-  region from what AOTAutograd's partition of the graph records (compiled_saves.py).
+  region from what AOTAutograd's partition of the graph records (below).
+
+Which checkpoint and region each tensor a compiled graph saves was traced in
+(:func:`compiled_saves_of`):
+
+A compiled forward hands its backward one autograd node
+(``CompiledFunctionBackward``) holding every saved tensor, in the order of the
+partitioned forward graph's outputs after the user outputs. The graph's nodes
+carry the ``remat.region``/``remat.checkpoint`` annotations
+(``node.meta["custom"]``, see compiled.py), but the graph is gone by run time.
+So when AOTAutograd partitions a graph, the checkpoint and region of each saved
+output are recorded here, keyed by the metadata object that the compiled
+function keeps; the reports look the record up from the autograd node.
+
+A saved tensor that carries no checkpoint of its own (a graph input, or the output
+of code before the checkpoint) is recorded as the input of a checkpoint when every
+node of the backward graph that reads it was traced in that checkpoint: then it is
+held for that checkpoint alone. Read by anything else, it stays unattributed.
+
+A record describes the graph, not one call: tensors are matched to it by
+position, and a mismatch in count, dtype or a static size makes the lookup say
+"not attributed" instead of guessing.
+
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .._compat import quiet_own_context_fn_warning
+from .. import _compat
 from .._errors import RematCompileError
+from .context import current_pass
+from .records import nested_name, refuse_recompute_inside_save
+from .rng import DeviceRNGStateHook
 from .saved_hooks import hooks_context_active
-from .state import current_scope
-from .state_hooks import DeviceRNGStateHook
 
 CHECKPOINT_KEY = "remat_checkpoint"
 """``node.meta["custom"]`` key: the name of the checkpoint a node was traced in."""
@@ -88,7 +113,7 @@ def region_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 _REGION_CONTEXT_FN = functools.partial(
     create_selective_checkpoint_contexts, region_policy, allow_cache_entry_mutation=True
 )
-quiet_own_context_fn_warning(_REGION_CONTEXT_FN)  # the user passed no context_fn
+_compat.quiet_own_context_fn_warning(_REGION_CONTEXT_FN)  # the user passed no context_fn
 
 
 @torch.compiler.assume_constant_result
@@ -101,7 +126,7 @@ def _enclosing_region() -> tuple[str, bool]:
 
 @torch.compiler.assume_constant_result
 def _eager_checkpoint_running() -> bool:
-    return current_scope() is not None
+    return current_pass() is not None
 
 
 def refuses_state_hook(hook: Any) -> bool:
@@ -208,8 +233,6 @@ def option_refusal(
 def _observe_partitions() -> bool:
     # Runs once per trace, outside the graph: from now on AOTAutograd's partitions
     # record which checkpoint and region each saved tensor comes from (reports).
-    from .compiled_saves import observe_compiled_partitions
-
     observe_compiled_partitions()
     return True
 
@@ -240,13 +263,9 @@ def run_region(fn: Callable[..., Any], name: str, recompute: bool, args, kwargs)
     """``remat.region(fn, name, recompute=...)(*args, **kwargs)`` while Dynamo traces.
     Outside a compiled checkpoint the annotation steers nothing."""
     outer, outer_saves = _enclosing_region()
-    qualname = f"{outer}.{name}" if outer else name
+    qualname = nested_name(outer, name)
     if outer_saves and recompute:
-        raise ValueError(
-            f"torch_remat: region '{qualname}' asks to be recomputed, but it is nested "
-            f"inside SAVE region '{outer}' whose activations are all kept. Make the "
-            "outer region recompute=True, or the inner one recompute=False."
-        )
+        raise refuse_recompute_inside_save(qualname, outer)
     with fx_traceback.annotate({REGION_KEY: qualname, SAVE_KEY: not recompute}):
         return fn(*args, **kwargs)
 
@@ -257,3 +276,125 @@ def eager_checkpoint_running() -> bool:
     calls: the compiled block is one autograd op to the eager checkpoint, saved
     and replayed whole."""
     return _eager_checkpoint_running()
+
+
+# ----------------------------------------------- where a compiled graph's saves come from
+
+
+@dataclass(frozen=True)
+class CompiledSave:
+    """One tensor output of a partitioned forward graph saved for backward."""
+
+    node: str  # the forward graph node's name (``tanh``, ``primals_1``)
+    checkpoint: str | None  # the remat checkpoint it was traced in, or is an input of
+    region: str | None  # the qualified name of its innermost region, if any
+    dtype: torch.dtype | None
+    shape: tuple[int | None, ...] | None  # None for a symbolic size
+    is_input: bool = False  # traced outside ``checkpoint``, read only by its backward
+
+    def matches(self, t: torch.Tensor) -> bool:
+        if self.dtype is not None and t.dtype != self.dtype:
+            return False
+        if self.shape is None:
+            return True
+        return len(self.shape) == t.dim() and all(
+            s is None or s == n for s, n in zip(self.shape, t.shape)
+        )
+
+
+@dataclass(frozen=True)
+class CompiledSaves:
+    """The saved tensors of one compiled graph, in the order its autograd node
+    holds them: ``save_for_backward``'s, then those kept without a version check."""
+
+    checked: tuple[CompiledSave, ...]
+    unchecked: tuple[CompiledSave, ...]
+
+
+# id(metadata) -> (a weak reference to it, its record)
+_records: dict[int, tuple[Any, CompiledSaves]] = {}
+
+
+def _static(size: Any) -> int | None:
+    return size if isinstance(size, int) else None
+
+
+def _checkpoint_of(node: Any) -> str | None:
+    return (getattr(node, "meta", {}).get("custom") or {}).get(CHECKPOINT_KEY)
+
+
+def _sole_reader(placeholder: Any) -> str | None:
+    """The checkpoint every backward node reading ``placeholder`` was traced in."""
+    if placeholder is None or not placeholder.users:
+        return None
+    readers = {_checkpoint_of(user) for user in placeholder.users}
+    return readers.pop() if len(readers) == 1 else None
+
+
+def _describe(node: Any, backward_inputs: dict[str, Any]) -> CompiledSave | None:
+    """None for what is not a tensor (a symbolic int, an opaque object)."""
+    val = getattr(node, "meta", {}).get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    checkpoint = _checkpoint_of(node)
+    is_input = False
+    if checkpoint is None:
+        # The backward graph's placeholder for a saved tensor has its forward name.
+        checkpoint = _sole_reader(backward_inputs.get(node.name))
+        is_input = checkpoint is not None
+    return CompiledSave(
+        node.name,
+        checkpoint,
+        None if is_input else (node.meta.get("custom") or {}).get(REGION_KEY),
+        val.dtype,
+        tuple(_static(s) for s in val.shape),
+        is_input,
+    )
+
+
+def _record(fw_module: Any, bw_module: Any, fw_metadata: Any, num_forward_outputs: int) -> None:
+    try:
+        (output,) = fw_module.graph.find_nodes(op="output")
+        backward_inputs = {p.name: p for p in bw_module.graph.find_nodes(op="placeholder")}
+        checked: list[CompiledSave] = []
+        unchecked: list[CompiledSave] = []
+        for node in output.args[0][num_forward_outputs:]:
+            save = _describe(node, backward_inputs)
+            if save is not None:
+                unchecked_save = node.meta.get("saved_tensor_with_no_vc_check", False)
+                (unchecked if unchecked_save else checked).append(save)
+        key = id(fw_metadata)
+        ref = weakref.ref(fw_metadata, lambda _ref, key=key: _records.pop(key, None))
+    except Exception:
+        # A graph this code does not understand (another torch release): its saves
+        # are reported as not attributed; compiling must not fail over a report.
+        return
+    _records[key] = (ref, CompiledSaves(tuple(checked), tuple(unchecked)))
+
+
+def observe_compiled_partitions() -> None:
+    """Record the saves of every graph AOTAutograd partitions from now on."""
+    _compat.observe_saved_tensor_partition(_record)
+
+
+def is_compiled_node(node: Any) -> bool:
+    """True for the autograd node of an AOTAutograd-compiled graph."""
+    return _compat.compiled_function_metadata(node) is not None
+
+
+def compiled_saves_of(node: Any) -> CompiledSaves | None:
+    """The record of a compiled graph's autograd node; None for other nodes and for
+    graphs partitioned before recording began (or loaded from a cache)."""
+    metadata = _compat.compiled_function_metadata(node)
+    if metadata is None:
+        return None
+    entry = _records.get(id(metadata))
+    if entry is None or entry[0]() is not metadata:
+        return None
+    return entry[1]
+
+
+def unchecked_saves(node: Any) -> list[Any]:
+    """The tensors a compiled node keeps without a version check."""
+    return _compat.unchecked_compiled_saves(node)
+

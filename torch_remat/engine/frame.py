@@ -1,77 +1,148 @@
-"""The per-call state of one ``remat.checkpoint``: its forward bookkeeping and the
-recompute that backward triggers.
+r"""One checkpoint call: :class:`CheckpointFrame`, from its forward until its graph dies.
 
-Mechanism (the same saved-tensor-hook scheme as non-reentrant
-``torch.utils.checkpoint``, plus SAVE regions):
+The same saved-tensor-hook scheme as non-reentrant ``torch.utils.checkpoint``, plus
+SAVE regions. The frame owns every piece of the call's bookkeeping; the other engine
+modules hold records it creates (``records.py``), the rebuilt saves it owns
+(``rebuild.py``) and the replay pass it starts (``replay.py``), and never assign
+its attributes.
 
-* During the forward a pack hook sees every tensor autograd saves. Inside a SAVE
-  region the tensor is kept (a :class:`RegionSaved`). Elsewhere only a
-  :class:`Holder` is packed and the tensor is dropped.
-* When backward unpacks a holder, the function is replayed under a second pack hook
-  that refills the holders in order. SAVE regions are not replayed: they return
-  their kept outputs, or placeholders, and restore the state snapshots taken when
-  they returned in forward. The replay stops as soon as every live holder is
-  refilled (early stop).
+Forward (:meth:`CheckpointFrame.run_forward`):
+
+* A pack hook (:meth:`~CheckpointFrame.pack`) sees every tensor autograd saves.
+  Inside a SAVE region the tensor is kept (a ``RegionSaved``), or rebuilt by the
+  replay when it is (a view of) an argument replayed code produces (a
+  ``RebuiltSave``). Elsewhere only a ``Holder`` is packed and the tensor is dropped.
+* Region calls (:meth:`~CheckpointFrame.run_region`) record what a SAVE region
+  reads and returns (producer responsibility: ``TensorSource``\ s), refuse writes
+  to its arguments, and copy the buffers it updates (the replay installs the
+  copies where it skips the region).
+* When the forward ends, checkpoint inputs only SAVE regions consumed are dropped
+  (an autograd-graph walk finds what replayed code reads), the rebuilds are
+  settled, and what is kept is stored (``TensorSource.store``).
+
+Backward: the first unpack of an empty holder replays the function
+(:meth:`~CheckpointFrame.recompute`) as a replay pass (``ReplayPass``) that refills
+the holders in order. SAVE regions are not replayed: they return their kept
+outputs, or placeholders, and restore the state snapshots taken when they returned
+in forward. The replay stops as soon as every live holder is refilled (early stop).
+Each refill belongs to the backward (graph task) that asked for it, and what that
+backward did not use is freed when it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import functools
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.autograd.graph import get_gradient_edge
 
 from .. import _compat
-from .._autograd_hooks import pop_hooks, push_hooks, top_hooks, unpack_packed
+from .._autograd_hooks import VersionedTensor, pop_hooks, push_hooks, top_hooks, unpack_packed
 from .._errors import (
+    CLONE_FIRST,
+    RecomputeMismatchError,
     RematError,
+    _StopRecompute,
+    modified_in_place,
 )
-from .._tensors import storage_root
-from . import rebuild as rb
-from .active import note_exception
+from .._tensors import CONSTANT_TYPES, describe_tensor, storage_root
+from .context import (
+    FORWARD,
+    _tls,
+    current_prefixes,
+    note_exception,
+    prefixes_set_to,
+    profiler_range,
+)
 from .module_state import ModuleState
-from .naming import current_prefixes
+from .module_state import restore as restore_module_state
 from .observers import observers_for_new_checkpoint
-from .profiling import profiler_range
-from .rebuild import RebuiltSave
-from .rebuild_decide import settle_rebuilds
-from .recompute import FrameBackward, autocast_state
-from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_traceback
-from .region_io import consume_region_args, record_region_outputs, region_leaves
-from .region_writes import SaveRegionWatch
-from .rng_guard import RNGUse, fingerprints
-from .saved_hooks import KeptTensorHooks, next_call_serial
-from .sources import INPUT, SourceIndex, TensorSource
-from .state import FORWARD, _tls
-from .state_hooks import same_state
-from .walk import mark_inputs_read_by_replayed_code
+from .rebuild import Rebuilds, RebuiltSave, describe_rebuilt
+from .records import (
+    INPUT,
+    OUTPUT,
+    Constant,
+    Holder,
+    RegionRecord,
+    RegionSaved,
+    SourceIndex,
+    TensorSource,
+    describe_region,
+    detached_copy,
+    qualified_name,
+    refuse_recompute_inside_save,
+    region_leaves,
+    release_traceback,
+)
+from .replay import ReplayPass, replay_unpack
+from .rng import RNGUse, fingerprints, same_state
+from .saved_hooks import KeptTensorHooks, next_call_serial, torch_hooks_around
+
+if TYPE_CHECKING:
+    from .api import CheckpointedFunction
+
+tree_flatten = _compat.tree_flatten
+tree_unflatten = _compat.tree_unflatten
+
+_graph_exec_group = _compat.get_graph_exec_group
+_graph_task_id = _compat.current_graph_task_id
 
 
-class CheckpointFrame(FrameBackward):
+def _forget(frame_ref: weakref.ref, key: Any) -> None:
+    frame = frame_ref()
+    if frame is not None:
+        frame.forget(key)
+
+
+_CUDA_AVAILABLE: list[bool] = []
+
+
+def _cuda_available() -> bool:
+    # Asked once per process (a Python call per checkpoint otherwise), at the first
+    # checkpoint rather than at import: CUDA_VISIBLE_DEVICES may be set in between.
+    if _CUDA_AVAILABLE:
+        return _CUDA_AVAILABLE[0]
+    available = torch.cuda.is_available()
+    if not torch.compiler.is_compiling():
+        _CUDA_AVAILABLE.append(available)
+    return available
+
+
+def _autocast_devices(leaves: Sequence[Any]) -> list[str]:
+    devices = ["cpu", "cuda"] if _cuda_available() else ["cpu"]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            dt = x.device.type
+            if dt not in devices and dt != "meta":
+                devices.append(dt)
+    return devices
+
+
+def autocast_state(leaves: Sequence[Any]) -> list[tuple[str, bool, torch.dtype]]:
+    """Autocast settings of every device the arguments live on (and CPU, CUDA)."""
+    return [
+        (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        for dev in _autocast_devices(leaves)
+    ]
+
+
+class CheckpointFrame:
     """State of one checkpointed call, from its forward until its graph dies."""
 
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        name: str,
-        state_hooks: tuple[Any, ...],
-        early_stop: bool,
-        check_metadata: bool,
-        bitwise_check: bool,
-        kept_options: tuple[Any, Any] = (None, None),
-        rebuild: str = "free",
-        flop_limits: dict | None = None,
-    ) -> None:
+    def __init__(self, fn: Callable[..., Any], checkpointed: CheckpointedFunction) -> None:
+        options = checkpointed.options
         self.fn = fn
-        self.name = name
-        self.state_hooks = state_hooks
-        self.early_stop = early_stop
-        self.rebuild_policy = rebuild  # "free", "always" or "never" (rebuild.py)
-        self.flop_limits = flop_limits  # rebuild_decide's memo, per checkpointed function
-        self.check_metadata = check_metadata
-        self.bitwise_check = bitwise_check
+        self.name = checkpointed.name
+        self.checkpointed = checkpointed  # options and memos shared by its calls
+        self.state_hooks = options.state_hooks
+        self.early_stop = options.early_stop
+        self.check_metadata = options.check_metadata
+        self.bitwise_check = options.bitwise_check
         self.holders: list[weakref.ref] = []
         self.holder_meta: list[tuple] = []
         self.holder_checksums: list[Any] = []
@@ -92,27 +163,25 @@ class CheckpointFrame(FrameBackward):
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
         self.outer_hooks = None
-        # saved-tensor hooks for what this call keeps: (saved_tensors_hooks,
-        # input_saved_tensors_hooks) options, resolved in run_forward (saved_hooks.py)
-        self.kept_options = kept_options
+        # saved-tensor hooks for what this call keeps, resolved in run_forward
         self.kept_hooks: KeptTensorHooks | None = None
         self.call = next_call_serial()
         self.name_prefixes = current_prefixes()  # remat.name_scope; the replay reuses them
         self.start_seq = 0
         self.forward_done = False
-        self.recomputed_keys: set[Any] = set()
+        self.replayed_keys: set[Any] = set()
         self.arg_aliases: list[tuple[int, int]] = []  # (i, j): argument i is argument j
         self.module_state: ModuleState | None = None
         # replay_regions index of a SAVE region -> copies of the buffers it updated
         self.region_buffers: dict[int, list[Any]] = {}
         self.rng_start: list[Any] | None = None  # generator fingerprints at entry
         self.rng_use: RNGUse | None = None
-        rb.reset(self)  # rebuild, rebuilds, last_needed_seq, output_edges
+        self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
-        for observer in self.observers.all:
+        for observer in self.observers.created:
             observer.checkpoint_created(self)
 
-    # ------------------------------------------------------ the active-scope protocol
+    # ------------------------------------------------------ the active-pass protocol
 
     phase = FORWARD
 
@@ -152,13 +221,15 @@ class CheckpointFrame(FrameBackward):
         self.entry_states = self.last_states = [h.snapshot() for h in self.state_hooks]
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.outer_hooks = top_hooks(False)
-        self.kept_hooks = KeptTensorHooks(self.name, self.call, *self.kept_options, self.outer_hooks)
+        self.outer_hooks = torch_hooks_around(top_hooks(False))
+        self.kept_hooks = KeptTensorHooks(
+            self.name, self.call, *self.checkpointed.options.kept_hooks, self.outer_hooks
+        )
         for src in self.inputs:
             src.hooks = self.kept_hooks.inputs
         self.start_seq = _compat.autograd_sequence_nr()
-        self.module_state = ModuleState.capture(self.fn)
-        self.rng_start = fingerprints()
+        self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers)
+        self.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
         try:
             push_hooks(self.pack, unpack_packed)
         except RuntimeError as e:
@@ -170,7 +241,7 @@ class CheckpointFrame(FrameBackward):
             ) from e
         tls = _tls
         tls.stack.append(self)
-        observers = self.observers.all
+        observers = self.observers.forward
         try:
             try:
                 for observer in observers:
@@ -199,12 +270,12 @@ class CheckpointFrame(FrameBackward):
         # reach this frame through the pack hook: a cycle through autograd nodes,
         # which the garbage collector cannot see.
         for source in self.inputs + self.output_sources:  # also listed by RegionRecords
-            source.ref = source.hold = None
+            source.ref = source.kept_tensor = None
         self.walk_roots = []
         self.inputs = []
         self.output_sources = []
         self.save_output_nodes = []
-        rb.abandon(self)
+        self.rebuilds.abandon()
         self.sources = SourceIndex()
         self.leaves = []
         self.module_state = self.rng_start = None
@@ -223,23 +294,22 @@ class CheckpointFrame(FrameBackward):
             # Kept tensors packed by hooks live where the hooks put them.
             if self.outer_hooks is None and not any(s.hooks for s in sources):
                 d = t.detach()
-                holder.static = d
-                holder.static_version = d._version
-        if holder.static is None:
-            self.last_needed_seq = _compat.autograd_sequence_nr()
+                holder.kept = VersionedTensor(d)
+        if holder.kept is None:
+            self.rebuilds.last_needed_seq = _compat.autograd_sequence_nr()
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(
             (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, t._version)
         )
         if self.bitwise_check:
-            from .determinism import checksum
+            from .replay import checksum  # looked up at the call: tests count its calls
 
             self.holder_checksums.append(checksum(t))
         return holder
 
     def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved | RebuiltSave:
-        rebuild = self.rebuild
+        rebuild = self.rebuilds.running
         if rebuild is not None:
             # (a view of) an argument the replay recomputes, not modified since the call
             root = storage_root(t)
@@ -256,12 +326,8 @@ class CheckpointFrame(FrameBackward):
             observer.tensor_kept(self, saved, t)
         return saved
 
-    def qualify(self, name: str) -> str:
-        stack = self.region_stack
-        return f"{stack[-1].qualname}.{name}" if stack else name
-
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
-        qualname = self.qualify(name)
+        qualname = qualified_name(self.region_stack, name)
         if qualname in self.region_names:
             raise ValueError(
                 f"torch_remat: region name '{qualname}' is used twice in one forward of "
@@ -271,12 +337,7 @@ class CheckpointFrame(FrameBackward):
             )
         in_save = self.save_depth > 0
         if in_save and recompute:
-            raise ValueError(
-                f"torch_remat: region '{qualname}' asks to be recomputed, but it is "
-                f"nested inside SAVE region '{self.region_stack[-1].qualname}' whose "
-                "body is never replayed. Make the outer region recompute=True, or the "
-                "inner one recompute=False."
-            )
+            raise refuse_recompute_inside_save(qualname, self.region_stack[-1].qualname)
         self.region_names.add(qualname)
         record = RegionRecord(self.name, name, qualname, recompute)
         self.regions.append(record)
@@ -284,13 +345,13 @@ class CheckpointFrame(FrameBackward):
             self.replay_regions.append(record)
         leaves = region_leaves(args, kwargs)
         if self.sources:
-            consume_region_args(self, leaves, recompute and not in_save, not in_save)
+            self._consume_region_args(leaves, recompute and not in_save, not in_save)
         for outer in _tls.stack[:-1]:
             # A checkpoint nested in the replayed code of an outer one is re-run whole
             # (SAVE bodies included) by the outer replay: for the outer frame, this
             # region reads its arguments in replayed code.
             if outer.phase == FORWARD and not outer.in_save_region and outer.sources:
-                consume_region_args(outer, leaves, True, False)
+                outer._consume_region_args(leaves, True, False)
         observers = self.observers.regions
         for observer in observers:
             observer.region_entered(self, record)
@@ -309,13 +370,15 @@ class CheckpointFrame(FrameBackward):
         if not recompute:
             self.save_depth += 1
             if not in_save:
-                rebuild = rb.open_rebuild(self, record.qualname, leaves)
+                rebuild = self.rebuilds.open(self, record.qualname, leaves)
         ok = False
         try:
             with profiler_range("remat.region:", self.name, "::", record.qualname):
                 out = fn(*args, **kwargs)
             if watch is not None:
-                watch.check(self, record.qualname)
+                updated = watch.check(self.name, record.qualname)
+                if updated:
+                    self.region_buffers[len(self.replay_regions) - 1] = updated
             ok = True
         except Exception as e:
             note_exception(e)
@@ -330,9 +393,9 @@ class CheckpointFrame(FrameBackward):
             if not recompute:
                 self.save_depth -= 1
             if rebuild is not None:
-                rb.close_rebuild(self, rebuild, ok)
+                self.rebuilds.close(self, rebuild, ok)
         if not recompute and not in_save:
-            record_region_outputs(self, record, out)
+            self._record_region_outputs(record, out)
             record.exit_states = self._snapshot_after_region()
         return out
 
@@ -364,7 +427,7 @@ class CheckpointFrame(FrameBackward):
             release_traceback(record.raised)
         self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
         if self.module_state is not None:
-            self.module_state.finish(self.name)
+            self.module_state.finish(self.name, self.checkpointed.unwritten_buffers)
         candidates = []
         for s in self.inputs:
             if not s.keep:
@@ -376,14 +439,352 @@ class CheckpointFrame(FrameBackward):
             mark_inputs_read_by_replayed_code(
                 out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
             )
-        settle_rebuilds(self, out)
+        self.rebuilds.settle(self, out)
+        if not self.rebuilds and all(r() is None or r().kept is not None for r in self.holders):
+            # Backward never replays this checkpoint: no input is read again (one
+            # modified in place stays, so that storing it reports the modification).
+            for s in self.inputs:
+                s.keep = s.ref._version != s.version
         for s in self.inputs:
             s.store(self.name)
         for s in self.output_sources:
             s.store(self.name)
         self.sources = SourceIndex()
         self.save_output_nodes = []
-        self.output_edges = {}
         self.walk_roots = []
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
+
+    # ----------------------------------------------------------------- backward
+
+
+    def unpack_holder(self, holder: Holder) -> torch.Tensor:
+        kept = holder.kept
+        if kept is not None:
+            t = kept.data
+            if t._version != kept.version:
+                raise self._modified_error(holder.index, kept.version, t._version)
+            return t
+        return self.take_refill(holder)
+
+    def take_refill(self, holder: Holder | RebuiltSave) -> torch.Tensor:
+        """The tensor the recompute refilled for this backward, recomputing first."""
+        # graph_task_key(), inlined: this runs for every tensor backward unpacks
+        group = _graph_exec_group()
+        if group is None:
+            key = _graph_task_id()
+            if key == -1:
+                key = object()
+        else:
+            # A torch.utils.checkpoint.GraphExecGroup: several backwards share one
+            # replay. Keyed by its id, not the group, so that the refills do not keep
+            # the group alive: they are freed when it dies (see recompute).
+            key = (id(group),)
+        rec = holder.refills
+        if rec is None or key not in rec:
+            if key in self.replayed_keys:
+                raise RematError(
+                    f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
+                    "unpacked twice in the same backward. If a custom autograd Function "
+                    "reads ctx.saved_tensors more than once, read it once and reuse it."
+                )
+            self.replay(key)
+            rec = holder.refills
+        t, version = rec.pop(key)
+        if type(key) is object:
+            self.forget(key)  # unpacked outside a backward: nothing else will use them
+        if t._version != version:
+            if isinstance(holder, Holder):
+                raise self._modified_error(holder.index, version, t._version)
+            raise modified_in_place(describe_rebuilt(holder), "after it was saved", CLONE_FIRST,
+                                    (version, t._version))
+        return t
+
+    def forget(self, key: Any) -> None:
+        """Drop the tensors refilled for ``key`` that nothing unpacked (a backward
+        that reached only part of the graph, e.g. ``autograd.grad(..., inputs=...)``
+        with ``retain_graph=True``)."""
+        for ref in self.holders:
+            h = ref()
+            if h is not None and h.refills:
+                h.refills.pop(key, None)
+        if self.rebuilds:
+            self.rebuilds.forget(key)
+        self.replayed_keys.discard(key)
+
+    def _modified_error(self, index: int, old: int, new: int) -> RematError:
+        return modified_in_place(
+            self.describe_holder(index), "after it was saved", CLONE_FIRST, (old, new)
+        )
+
+    def describe_holder(self, index: int) -> str:
+        """``tensor #3 saved for backward by region 'attn' of checkpoint 'layers.0'
+        (shape (2, 4), float32)``."""
+        shape, dtype, _, region, _ = self.holder_meta[index]
+        return (
+            f"tensor #{index} saved for backward by {describe_region(region)} of checkpoint "
+            f"'{self.name}' ({describe_tensor(shape, dtype)})"
+        )
+
+    def replay_args(self) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        for s in self.inputs:
+            leaves[s.index] = s.replay_value(self.name)
+        for i, j in self.arg_aliases:
+            leaves[i] = leaves[j]
+        if self.spec is None:
+            return tuple(leaves), {}
+        return tree_unflatten(leaves, self.spec)
+
+    def _autocast_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for dev, enabled, dtype in self.autocast:
+            if torch.is_autocast_enabled(dev) != enabled or (
+                enabled and torch.get_autocast_dtype(dev) != dtype
+            ):
+                stack.enter_context(
+                    torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
+                )
+        return stack
+
+    def replay(self, key: Any) -> None:
+        if not self.forward_done:
+            raise RematError(
+                f"torch_remat: backward reached tensors saved inside checkpoint "
+                f"'{self.name}' while its forward was still running (autograd.grad or "
+                "backward called inside the checkpointed function). This is not "
+                "supported; compute such gradients outside remat.checkpoint."
+            )
+        needed = 0
+        for ref in self.holders:
+            h = ref()
+            if h is not None and h.kept is None and (h.refills is None or key not in h.refills):
+                needed += 1
+        if self.rebuilds:
+            needed += self.rebuilds.count_to_refill(key)
+        replay = ReplayPass(self, key, needed)
+        args, kwargs = self.replay_args()
+        hooks = self.state_hooks
+        rng = self.rng_use
+        caller_rng = rng.caller_states() if rng is not None else []
+        caller_states = [h.snapshot() for h in hooks]
+        for h, s in zip(hooks, self.entry_states):
+            h.restore(s)
+        unrestored = rng.unrestored() if rng is not None else []
+        module_undo = []
+        if self.module_state is not None:
+            try:
+                module_undo = self.module_state.install(self.name)
+            except BaseException:
+                for h, s in zip(hooks, caller_states):
+                    h.restore(s)
+                raise
+        rng_error = None
+        tls = _tls
+        tls.stack.append(replay)
+        tls.recompute_depth += 1
+        observers = self.observers.replay
+        for observer in observers:
+            observer.replay_started(self)
+        try:
+            push_hooks(replay.pack, replay_unpack)
+            try:
+                with torch.enable_grad(), self._autocast_context(), profiler_range(
+                    "remat.recompute:", self.name
+                ), prefixes_set_to(self.name_prefixes):
+                    self.fn(*args, **kwargs)
+            except _StopRecompute:
+                pass
+            except Exception as e:
+                note_exception(e)
+                raise
+            finally:
+                pop_hooks()
+        finally:
+            tls.stack.pop()
+            tls.recompute_depth -= 1
+            restore_module_state(module_undo)
+            for record in self.replay_regions:
+                release_traceback(record.raised)
+            for h, s in zip(hooks, caller_states):
+                h.restore(s)
+            if rng is not None:
+                rng_error = rng.finish(self.name, unrestored, caller_rng)
+            for observer in observers:
+                observer.replay_ended(self)
+        if rng_error is not None:
+            raise rng_error
+        if replay.filled < needed:
+            raise RecomputeMismatchError(
+                f"torch_remat: the recompute of checkpoint '{self.name}' saved "
+                f"{replay.counter} tensors for backward, but its forward saved "
+                f"{len(self.holders)} outside SAVE regions, so {needed - replay.filled} "
+                "needed tensor(s) were never recreated. "
+                + replay.region_sequences()
+                + " The replay must take the same path as the forward."
+            )
+        if type(key) is not object:
+            self.replayed_keys.add(key)
+        if type(key) is int:
+            # At the end of this backward, free what it refilled but did not use.
+            _compat.queue_backward_callback(functools.partial(_forget, weakref.ref(self), key))
+        elif type(key) is tuple:
+            # The backwards of a GraphExecGroup may come one after the other: free
+            # what they refilled and did not use when the group object dies.
+            group = _graph_exec_group()
+            if group is not None:
+                weakref.finalize(group, _forget, weakref.ref(self), key)
+
+    # ------------------------------------------- a SAVE region's arguments and outputs
+
+    def _consume_region_args(self, leaves: Sequence[Any], by_replayed_code: bool, replay_level: bool) -> None:
+        """A region call's tensor arguments (``leaves``: :func:`region_leaves`), as
+        producer responsibility sees them: SAVE outputs it reads are kept; checkpoint
+        inputs are kept when replayed code reads them, else marked as consumed by a SAVE
+        region (the input walk decides)."""
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                sources = self.sources.lookup(x)
+                if sources is None:
+                    # Computed by replayed code and handed to a region: where the
+                    # input walk starts too, besides the checkpoint's outputs.
+                    if replay_level and x.grad_fn is not None:
+                        self.walk_roots.append(x.grad_fn)
+                    continue
+                for s in sources:
+                    if s.kind == OUTPUT or by_replayed_code:
+                        s.mark_kept(x)
+                    else:
+                        s.save_consumed = True
+
+
+    def _record_region_outputs(self, record: RegionRecord, out: Any) -> None:
+        """A top-level SAVE region returned: observe each output tensor as a source the
+        replay may need (kept later if producer responsibility says so)."""
+        leaves, record.output_spec = flatten_region_outputs(out, record.qualname, self.name)
+        pending = [r() for r in record.pending_keep]
+        hooks = self.kept_hooks.bind_outputs()
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                src = TensorSource(OUTPUT, i, leaf, record.qualname)
+                src.hooks = hooks
+                self.sources.add(leaf, src)
+                self.output_sources.append(src)
+                node = leaf.grad_fn
+                if node is not None:
+                    self.save_output_nodes.append(node)
+                    self.rebuilds.output_edges[(id(node), leaf.output_nr)] = src
+                if pending and any(p is storage_root(leaf) for p in pending):
+                    src.mark_kept(leaf)
+                record.outputs.append(src)
+            else:
+                record.outputs.append(leaf)
+        record.pending_keep = []
+
+
+class SaveRegionWatch:
+    """Set up before a (top-level) SAVE region's body runs, checked after it.
+    ``leaves``: the call's arguments, flattened (``region_io.region_leaves``)."""
+
+    __slots__ = ("module_state", "arguments", "buffers")
+
+    def __init__(self, module_state: Any, leaves: Sequence[Any]) -> None:
+        self.module_state = module_state
+        # (position, tensor, version) of every tensor argument
+        self.arguments = [(i, t, t._version) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self.buffers = (
+            module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
+        )
+
+    def check(self, checkpoint: str, region: str) -> list[Any]:
+        """Refuse writes to the arguments; copies of the buffers the body updated."""
+        refuse_argument_writes(self.arguments, region, checkpoint)
+        if self.buffers:
+            return self.module_state.updated_in_region(self.buffers)
+        return []
+
+
+def refuse_argument_writes(
+    watched: list[tuple[int, torch.Tensor, int]], region: str, checkpoint: str
+) -> None:
+    for i, t, version in watched:
+        if t._version != version:
+            raise modified_in_place(
+                f"argument {i} of SAVE region '{region}' of checkpoint '{checkpoint}'",
+                "by the region's body",
+                "The recompute skips SAVE regions, so replayed code after the region "
+                "would read the argument without that update. Return the result "
+                "instead of updating the argument (h = h + b rather than h.add_(b)), "
+                "or make the region recompute=True.",
+                (version, t._version),
+            )
+
+
+def mark_inputs_read_by_replayed_code(
+    out: Any,
+    candidates: Sequence[Any],
+    save_output_nodes: Sequence[Any],
+    start_seq: int,
+    extra_roots: Sequence[Any] = (),
+) -> None:
+    """Set ``keep`` on every candidate input source that replayed code consumes."""
+    targets: dict[tuple[int, int], list[Any]] = {}
+    alive: list[Any] = []  # keeps node wrappers alive so their ids stay unique
+    for s in candidates:
+        edge = get_gradient_edge(s.ref)
+        alive.append(edge.node)
+        targets.setdefault((id(edge.node), edge.output_nr), []).append(s)
+    stop = {id(n) for n in save_output_nodes}
+    seen: dict[int, Any] = {}
+    stack: list[Any] = []
+    roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    for node in [*roots, *extra_roots]:
+        if node is None:
+            continue
+        if id(node) not in seen and id(node) not in stop and node._sequence_nr() >= start_seq:
+            seen[id(node)] = node
+            stack.append(node)
+    unfound = len(targets)
+    while stack and unfound:
+        node = stack.pop()
+        for nxt, nr in node.next_functions:
+            if nxt is None:
+                continue
+            hit = targets.pop((id(nxt), nr), None)
+            if hit is not None:
+                unfound -= 1
+                for s in hit:
+                    s.keep = True
+            k = id(nxt)
+            if k in seen or k in stop:
+                continue
+            seen[k] = nxt
+            if nxt._sequence_nr() >= start_seq:
+                stack.append(nxt)
+
+
+def flatten_region_outputs(out: Any, region: str, checkpoint: str) -> tuple[list[Any], Any]:
+    """Return ``(leaves, spec)``; tensors stay tensors, other leaves become Constants.
+
+    ``spec`` is None when the region returned a single tensor.
+    """
+    if isinstance(out, torch.Tensor):
+        return [out], None
+    leaves, spec = tree_flatten(out)
+    result: list[Any] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            result.append(leaf)
+        elif isinstance(leaf, CONSTANT_TYPES) or isinstance(leaf, enum.Enum):
+            result.append(Constant(leaf))
+        else:
+            raise TypeError(
+                f"torch_remat: SAVE region '{region}' of checkpoint '{checkpoint}' returned "
+                f"an object of type {type(leaf).__qualname__} (output leaf {i}). The "
+                "region is skipped during recompute, so torch_remat must hand its "
+                "outputs back itself: return tensors, containers torch.utils._pytree "
+                "understands (tuple, list, dict, namedtuple), or plain constants. Register "
+                f"{type(leaf).__qualname__} with torch.utils._pytree.register_pytree_node, "
+                "or return its tensors."
+            )
+    return result, spec

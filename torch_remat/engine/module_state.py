@@ -16,7 +16,13 @@ tensor it holds and that tensor's version. Around the replay:
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
   and the module's buffer is updated once per step. Copies of buffers the forward
-  did not update are dropped when the forward ends.
+  did not update are dropped when the forward ends, and the checkpointed function
+  remembers the module (:data:`BufferMemo`): its later calls copy that module's
+  buffers no more. Should one of them write such a buffer after all, no copy of
+  its starting value exists and the forward raises
+  :class:`SavedTensorModifiedError` naming the buffer (the next call copies it
+  again). Training-mode batch norm, whose kernels update the running statistics
+  without a version bump, is always copied.
 
 The modules behind a function: the function itself if it is an ``nn.Module``, the
 object of a bound method, the callable and arguments of a ``functools.partial``,
@@ -28,6 +34,7 @@ forwards set it, so names are qualified in the whole model).
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -131,6 +138,7 @@ def _module_slots(
     slots: list[_Slot],
     buffer_groups: list[tuple[nn.Module, list[_Slot]]],
     seen: set[int],
+    unwritten: BufferMemo,
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -150,10 +158,14 @@ def _module_slots(
         buffers = m._buffers
         if buffers:
             group = []
+            known = unwritten.get(i)
+            copy_them = known is None or known() is not m or _updates_buffers_unseen(m)
             for k, t in buffers.items():
                 if t is not None:
                     # a copy, not a node of the graph (buffers rarely require grad)
-                    copy = t.detach().clone() if t.requires_grad else t.clone()
+                    copy = None
+                    if copy_them:
+                        copy = t.detach().clone() if t.requires_grad else t.clone()
                     group.append(_Slot(buffers, k, t, t._version, p, BUFFER, copy))
             slots.extend(group)
             buffer_groups.append((m, group))
@@ -168,10 +180,15 @@ def _updates_buffers_unseen(m: nn.Module) -> bool:
     # The batch-norm kernels update running_mean/var in place without bumping their
     # versions; only num_batches_tracked (updated in Python) shows the update.
     return (
-        isinstance(m, nn.modules.batchnorm._NormBase)
+        isinstance(m, _compat.BatchNormBase)
         and m.training
         and m.track_running_stats
     )
+
+
+BufferMemo = dict
+"""``id(module) -> weakref.ref(module)`` of the modules whose buffers earlier forwards
+of one checkpointed function did not write (``CheckpointedFunction`` holds it)."""
 
 
 class ModuleState:
@@ -193,8 +210,9 @@ class ModuleState:
         self.buffer_groups = buffer_groups
 
     @staticmethod
-    def capture(fn: Any) -> ModuleState | None:
-        """Record the slots when the checkpoint starts; None if there are none."""
+    def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
+        """Record the slots when the checkpoint starts; None if there are none.
+        Buffers of the modules in ``unwritten`` are not copied."""
         modules, cells = _roots(fn)
         if not modules and not cells:
             return None
@@ -203,22 +221,29 @@ class ModuleState:
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
         for prefix, module in modules:
-            _module_slots(prefix, module, params, slots, groups, seen)
+            _module_slots(prefix, module, params, slots, groups, seen, unwritten)
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, t._version, name, CLOSURE))
         return ModuleState(params, slots, groups) if params or slots else None
 
-    def finish(self, checkpoint: str) -> None:
-        """End of the forward: keep copies of the buffers it updated, drop the rest;
-        refuse parameters and closure tensors it updated in place."""
+    def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
+        """End of the forward: keep copies of the buffers it updated, drop the rest
+        (and remember their modules in ``unwritten``); refuse parameters and closure
+        tensors it updated in place, and buffers it updated without a copy."""
         for module, group in self.buffer_groups:
             if any(s.tensor._version != s.version for s in group) or _updates_buffers_unseen(module):
+                unwritten.pop(id(module), None)
+                if any(s.copy is None for s in group):
+                    changed = [s for s in group if s.tensor._version != s.version] or group
+                    s = changed[0]
+                    raise _written_without_copy(s.name, checkpoint, s.version, s.tensor)
                 for s in group:
                     _compat.set_version_counters((s.copy,), (s.version,))
             else:
                 for s in group:
                     s.copy = None
+                unwritten[id(module)] = weakref.ref(module)
         for _, key, t, version, prefix in self.params:
             if t._version != version:
                 raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
@@ -310,6 +335,18 @@ def _modified_in_forward(kind: str, name: str, checkpoint: str, version: int, t)
         "it outside the checkpoint, or register it as a buffer of the "
         "checkpointed module (buffers updated in forward are replayed "
         "from a copy).",
+        (version, t._version),
+    )
+
+
+def _written_without_copy(name: str, checkpoint: str, version: int, t) -> Exception:
+    return modified_in_place(
+        f"the buffer '{name}' read by checkpoint '{checkpoint}'",
+        "during the checkpoint's forward, which earlier forwards of this checkpoint "
+        "did not do (so its starting value was not copied for the recompute)",
+        "This step cannot be replayed exactly; the next call copies the buffer again. "
+        "If the forward updates it only on some steps, assign the new value instead "
+        "(self.buf = new, which needs no copy) or update it outside the checkpoint.",
         (version, t._version),
     )
 

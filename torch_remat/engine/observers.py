@@ -24,7 +24,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .frame import CheckpointFrame
 
 
 class CheckpointObserver:
@@ -35,28 +38,28 @@ class CheckpointObserver:
     :class:`~torch_remat.engine.records.RegionRecord`.
     """
 
-    def checkpoint_created(self, frame: Any) -> None:
+    def checkpoint_created(self, frame: CheckpointFrame | None) -> None:
         """A checkpoint call starts (before its forward runs)."""
 
-    def forward_entered(self, frame: Any) -> None:
+    def forward_entered(self, frame: CheckpointFrame | None) -> None:
         """The checkpointed function is about to run."""
 
-    def forward_exited(self, frame: Any) -> None:
+    def forward_exited(self, frame: CheckpointFrame | None) -> None:
         """The checkpointed function returned or raised."""
 
-    def region_entered(self, frame: Any, record: Any) -> None:
+    def region_entered(self, frame: CheckpointFrame | None, record: Any) -> None:
         """A ``remat.region`` body is about to run in a forward."""
 
-    def region_exited(self, frame: Any, record: Any) -> None:
+    def region_exited(self, frame: CheckpointFrame | None, record: Any) -> None:
         """A region body returned or raised; a SAVE region's outputs are recorded."""
 
-    def tensor_kept(self, frame: Any, saved: Any, tensor: Any) -> None:
+    def tensor_kept(self, frame: CheckpointFrame | None, saved: Any, tensor: Any) -> None:
         """A SAVE region kept ``tensor`` for backward as ``saved`` (a RegionSaved)."""
 
-    def replay_started(self, frame: Any) -> None:
+    def replay_started(self, frame: CheckpointFrame | None) -> None:
         """Backward starts recomputing the checkpoint."""
 
-    def replay_ended(self, frame: Any) -> None:
+    def replay_ended(self, frame: CheckpointFrame | None) -> None:
         """The recompute stopped (done, stopped early, or raised)."""
 
 
@@ -66,15 +69,22 @@ def _overrides(observer: Any, method: str) -> bool:
 
 
 class ObserverSet:
-    """The observers of one checkpoint, split by event so the engine's hot paths
-    (region calls, SAVE-region packs) loop only over those that care."""
+    """The observers of one checkpoint, split by event so the engine loops only over
+    those that implement it (an observer's no-op defaults are never called)."""
 
-    __slots__ = ("all", "regions", "kept")
+    __slots__ = ("all", "created", "forward", "regions", "kept", "replay")
 
     def __init__(self, observers: tuple[Any, ...] = ()) -> None:
         self.all = observers
+        self.created = tuple(o for o in observers if _overrides(o, "checkpoint_created"))
+        self.forward = tuple(
+            o for o in observers if _overrides(o, "forward_entered") or _overrides(o, "forward_exited")
+        )
         self.regions = tuple(o for o in observers if _overrides(o, "region_entered") or _overrides(o, "region_exited"))
         self.kept = tuple(o for o in observers if _overrides(o, "tensor_kept"))
+        self.replay = tuple(
+            o for o in observers if _overrides(o, "replay_started") or _overrides(o, "replay_ended")
+        )
 
     def with_(self, observer: Any) -> ObserverSet:
         return self if observer in self.all else ObserverSet((*self.all, observer))
@@ -118,7 +128,14 @@ def thread_observers() -> tuple[Any, ...]:
     return _thread.observers
 
 
+_sets: dict[tuple[Any, ...], ObserverSet] = {}
+
+
 def observers_for_new_checkpoint(recomputing: bool) -> ObserverSet:
-    if recomputing:
-        return ObserverSet(tuple(_process))
-    return ObserverSet((*_process, *_thread.observers))
+    key = tuple(_process) if recomputing else (*_process, *_thread.observers)
+    found = _sets.get(key)
+    if found is None:
+        if len(_sets) >= 64:  # ever new observer combinations: start over
+            _sets.clear()
+        found = _sets[key] = ObserverSet(key)
+    return found

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_map
 
 from .. import _compat
 from .._errors import PlaceholderReadError
+
+tree_map = _compat.tree_map
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Placeholder(torch.Tensor):
         requires_grad: bool,
         origin: PlaceholderOrigin,
     ) -> Placeholder:
-        out = torch.Tensor._make_wrapper_subclass(
+        out = _compat.make_wrapper_subclass(
             cls,
             shape,
             strides=stride,
@@ -193,3 +194,13 @@ def make_placeholder(meta, origin: PlaceholderOrigin) -> Placeholder:
         meta.requires_grad,
         origin,
     )
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is (a view of) a placeholder: during a replay, the stand-in
+    for a skipped SAVE region's output that was not kept. It has the output's shape,
+    strides, dtype and device, so metadata and view ops work on it, but any op that
+    reads its data raises :class:`~torch_remat.PlaceholderReadError`. Check it before
+    reading data in code that runs in the replay; outside a replay it is always
+    False."""
+    return isinstance(tensor, Placeholder)

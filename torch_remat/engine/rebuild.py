@@ -7,31 +7,52 @@ like the flattened input ``nn.Linear`` saves) is packed as a :class:`RebuiltSave
 refilled at the region call as the same view of the replay's value. What the body
 creates (its internal activations) is kept as before.
 
-The decision is final when the forward ends (:mod:`.rebuild_decide`); until then a
-candidate save holds its tensor. ``rebuild="never"`` keeps every save as a
-``RegionSaved``.
-
 Only top-level SAVE regions (called from replayed code) rebuild: a save anywhere in
 their extent, nested SAVE regions included, that shares storage with one of their
 arguments is refilled at that region call. Arguments that are checkpoint inputs or
 SAVE outputs are kept by the checkpoint already, so saves of them alias the kept
-tensor and cost nothing.
+tensor and cost nothing. ``rebuild="never"`` keeps every save as a ``RegionSaved``.
+
+Until the forward ends a candidate save holds its tensor. Then
+(:meth:`Rebuilds.settle`) each candidate is rebuilt, or kept after all when
+
+* the argument's storage was modified in place after the save (backward must see
+  that error, as without the checkpoint);
+* the replay could not recompute the argument: its autograd history reaches an
+  output of a SAVE region that is not kept (a placeholder in the replay);
+* rebuilding would make the replay run an op with FLOPs (a matmul, a convolution,
+  attention) that early stop skips (``rebuild="free"``, the default). Beyond the last
+  tensor the replay must recreate anyway, it may only run ops ``FlopCounterMode``
+  counts as free (elementwise ops, copies, views): the user made the region SAVE to
+  avoid recompute FLOPs, and a rebuild must not add them back. With
+  ``early_stop=False`` the replay runs every op anyway, so this rule never keeps a
+  save; ``rebuild="always"`` turns it off (more replayed FLOPs for fewer bytes).
+
+One :class:`Rebuilds` per checkpoint call, owned by its ``CheckpointFrame``, holds
+all of it; the frame is passed to its methods (never stored: the frame would then be
+part of a reference cycle, and its kept tensors freed only by the garbage collector).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import _compat
 from .._compat import autograd_sequence_nr
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
 from .._tensors import TensorMeta, describe_tensor
 from .placeholder import Placeholder
-from .records import RegionSaved
-from .region_io import region_leaves
+from .records import RegionRecord, RegionSaved, TensorSource, region_leaves
+
+tree_flatten = _compat.tree_flatten
+
+if TYPE_CHECKING:
+    from .frame import CheckpointFrame
+    from .replay import ReplayPass
 
 
 class RebuildArg:
@@ -79,14 +100,14 @@ class RebuiltSave:
     """Packed in place of a SAVE-region save that the replay refills.
 
     ``pending`` holds the tensor until the forward ends; then either the save is
-    rebuilt (``recomputed[gid]`` is refilled per backward, like a ``Holder``) or it
+    rebuilt (``refills[gid]`` is refilled per backward, like a ``Holder``) or it
     is kept after all as ``kept`` (a ``RegionSaved``).
     """
 
     __slots__ = ("frame", "arg", "region", "view", "requires_grad", "version", "pending",
-                 "kept", "hooks", "recomputed", "__weakref__")
+                 "kept", "hooks", "refills", "__weakref__")
 
-    def __init__(self, frame: Any, arg: RebuildArg, region: Any, t: torch.Tensor) -> None:
+    def __init__(self, frame: CheckpointFrame, arg: RebuildArg, region: RegionRecord, t: torch.Tensor) -> None:
         self.frame = frame
         self.arg = arg
         self.region = region
@@ -104,7 +125,7 @@ class RebuiltSave:
         self.kept: RegionSaved | None = None
         # the hooks a kept save would get, as of the save (if it is kept after all)
         self.hooks = frame.kept_hooks.region_save(region.qualname, t) or frame.outer_hooks
-        self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
+        self.refills: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     @property
     def meta(self) -> TensorMeta:
@@ -118,171 +139,267 @@ class RebuiltSave:
             return self.kept.unpack()
         if self.pending is not None:  # backward inside the forward: still held
             return self.pending.detach()
-        return self.frame.take_recomputed(self)
+        return self.frame.take_refill(self)
 
 
-def reset(frame: Any) -> None:
-    """A frame's rebuild state, empty: the SAVE region running now, the rebuilt
-    saves per replay position, where early stop would end without them, and the
-    SAVE outputs' autograd edges (for the walk)."""
-    frame.rebuild = None
-    frame.rebuilds = {}
-    frame.last_needed_seq = 0
-    frame.output_edges = {}
 
 
-def abandon(frame: Any) -> None:
-    """The forward raised: saves still pending let go of their tensors (a save that
-    is an output of the node holding it would form a cycle through autograd nodes,
-    which the garbage collector cannot see), then :func:`reset`."""
-    for s in rebuilt_saves(frame):
-        s.pending = None
-    reset(frame)
+class Rebuilds:
+    """The rebuilt saves of one checkpoint call, from the SAVE region calls of its
+    forward to the refills of each backward's replay."""
 
+    __slots__ = ("policy", "running", "by_pos", "last_needed_seq", "output_edges", "flop_memo")
 
-def open_rebuild(frame: Any, qualname: str, leaves: Sequence[Any]) -> RegionRebuild | None:
-    """Start the call of a top-level SAVE region (the last of ``frame.replay_regions``;
-    ``leaves``: its arguments, flattened by ``region_leaves``).
+    def __init__(self, policy: str, flop_memo: dict | None) -> None:
+        self.policy = policy  # "free", "always" or "never"
+        # the top-level SAVE region running now (its candidates are matched by pack)
+        self.running: RegionRebuild | None = None
+        # replay position of a SAVE region -> its rebuilt arguments
+        self.by_pos: dict[int, RegionRebuild] = {}
+        # where early stop would end the replay without rebuilds: the sequence number
+        # at the last save outside SAVE regions that the replay must recreate
+        self.last_needed_seq = 0
+        # (id(node), output_nr) of each SAVE output -> its source (for the settle walk)
+        self.output_edges: dict[tuple[int, int], TensorSource] = {}
+        # FLOP-walk results per forward shape, shared by the calls of one
+        # checkpointed function (see _flop_limit)
+        self.flop_memo = flop_memo
 
-    Its rebuildable arguments are those replayed code produced: created by a recorded
-    op of this checkpoint's forward, and neither a checkpoint input, a SAVE output
-    (those are kept anyway) nor a parameter."""
-    if frame.rebuild_policy == "never":
-        return None
-    found = None
-    by_root, start = frame.sources.by_root, frame.start_seq
-    i = -1
-    for x in leaves:
-        i += 1
-        if not isinstance(x, torch.Tensor):
-            continue
-        node = x.grad_fn  # None for parameters and other leaves
-        if node is None or node._sequence_nr() < start:
-            continue
-        base = x._base
-        root = x if base is None else base
-        if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):
-            continue  # (a view of) a parameter: is_parameter(x)
-        entry = by_root.get(id(root)) if by_root else None  # SourceIndex.lookup
-        if entry is not None and entry[0]() is root:
-            continue  # a checkpoint input or SAVE output (or a view of one)
+    def __bool__(self) -> bool:
+        return bool(self.by_pos)
+
+    # ------------------------------------------------------------------ forward
+
+    def open(self, frame: CheckpointFrame, qualname: str, leaves: Sequence[Any]) -> RegionRebuild | None:
+        """Start the call of a top-level SAVE region (the last of
+        ``frame.replay_regions``; ``leaves``: its arguments, flattened by
+        ``region_leaves``).
+
+        Its rebuildable arguments are those replayed code produced: created by a
+        recorded op of this checkpoint's forward, and neither a checkpoint input, a
+        SAVE output (those are kept anyway) nor a parameter."""
+        if self.policy == "never":
+            return None
+        found = None
+        by_root, start = frame.sources.by_root, frame.start_seq
+        i = -1
+        for x in leaves:
+            i += 1
+            if not isinstance(x, torch.Tensor):
+                continue
+            node = x.grad_fn  # None for parameters and other leaves
+            if node is None or node._sequence_nr() < start:
+                continue
+            base = x._base
+            root = x if base is None else base
+            if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):
+                continue  # (a view of) a parameter: is_parameter(x)
+            entry = by_root.get(id(root)) if by_root else None  # SourceIndex.lookup
+            if entry is not None and entry[0]() is root:
+                continue  # a checkpoint input or SAVE output (or a view of one)
+            if found is None:
+                found = []
+            found.append(RebuildArg(i, x, root, node))
         if found is None:
-            found = []
-        found.append(RebuildArg(i, x, root, node))
-    if found is None:
-        return None
-    frame.rebuild = RegionRebuild(len(frame.replay_regions) - 1, qualname, found)
-    return frame.rebuild
+            return None
+        self.running = RegionRebuild(len(frame.replay_regions) - 1, qualname, found)
+        return self.running
 
-
-def close_rebuild(frame: Any, rebuild: RegionRebuild, ok: bool) -> None:
-    """The region body returned (``ok``) or raised. Keep its candidates' records."""
-    frame.rebuild = None
-    if not ok:
-        # The replay re-raises the body's error at this call; nothing to refill.
+    def close(self, frame: CheckpointFrame, rebuild: RegionRebuild, ok: bool) -> None:
+        """The region body returned (``ok``) or raised. Keep its candidates' records."""
+        self.running = None
+        if not ok:
+            # The replay re-raises the body's error at this call; nothing to refill.
+            for arg in rebuild.args:
+                self.keep_all(frame, arg)
+        used = []
         for arg in rebuild.args:
-            keep_all(frame, arg)
-    used = []
-    for arg in rebuild.args:
-        if arg.saves and ok:
-            if frame.bitwise_check:
-                from .determinism import checksum
+            if arg.saves and ok:
+                if frame.bitwise_check:
+                    from .replay import checksum
 
-                arg.checksum = checksum(arg.tensor)
-            used.append(arg)
-        arg.tensor = arg.root = None
-    if used:
-        rebuild.args = used
-        frame.rebuilds[rebuild.pos] = rebuild
+                    arg.checksum = checksum(arg.tensor)
+                used.append(arg)
+            arg.tensor = arg.root = None
+        if used:
+            rebuild.args = used
+            self.by_pos[rebuild.pos] = rebuild
 
+    def keep_all(self, frame: CheckpointFrame, arg: RebuildArg) -> None:
+        """Keep ``arg``'s saves after all, as ``RegionSaved``\\ s."""
+        for saved in arg.live_saves():
+            # detached: the pending tensor may be an output of the node holding the save
+            t, saved.pending = saved.pending.detach(), None
+            region = saved.region
+            kept = RegionSaved(region, f"saved.{len(region.saved)}", t, saved.hooks)
+            if kept.tensor is not None:
+                kept.version = saved.version  # an in-place change since the save is an error
+            region.saved.append(weakref.ref(kept))
+            saved.kept = kept
+            for observer in frame.observers.kept:
+                observer.tensor_kept(frame, kept, t)
 
-def keep_all(frame: Any, arg: RebuildArg) -> None:
-    for saved in arg.live_saves():
-        # detached: the pending tensor may be an output of the node holding the save
-        t, saved.pending = saved.pending.detach(), None
-        region = saved.region
-        kept = RegionSaved(region, f"saved.{len(region.saved)}", t, saved.hooks)
-        if kept.tensor is not None:
-            kept.version = saved.version  # an in-place change since the save is an error
-        region.saved.append(weakref.ref(kept))
-        saved.kept = kept
-        for observer in frame.observers.kept:
-            observer.tensor_kept(frame, kept, t)
+    def abandon(self) -> None:
+        """The forward raised: saves still pending let go of their tensors (a save
+        that is an output of the node holding it would form a cycle through autograd
+        nodes, which the garbage collector cannot see); nothing is rebuilt."""
+        for s in self.live_saves():
+            s.pending = None
+        self.running = None
+        self.by_pos = {}
+        self.output_edges = {}
 
+    def settle(self, frame: CheckpointFrame, out: Any) -> None:
+        """End of forward (``out``: the checkpoint's output): rebuild each candidate
+        save, or keep it after all (see the module docstring)."""
+        output_edges, self.output_edges = self.output_edges, {}
+        if not self.by_pos:
+            return
+        clean: set[int] = set()
+        # Where early stop would end the replay without rebuilds (the node of the op
+        # that saved the last tensor to recreate), and the first op with FLOPs after it.
+        # (Nodes before the checkpoint's start are not replayed.)
+        lo = max(self.last_needed_seq - 1, frame.start_seq)
+        # Without early stop the replay runs every op anyway: any rebuild is free. So is
+        # one the replay reaches before the last tensor it recreates anyway.
+        limit = 2**63
+        if frame.early_stop and self.policy == "free":
+            for r in self.by_pos.values():
+                if r.seq > lo:
+                    limit = self._flop_limit(frame, out, lo)
+                    break
+        floor = None
+        if output_edges:
+            unkept = [k[0] for k, src in output_edges.items() if not src.keep]
+            if unkept:
+                nodes = {id(n): n for n in frame.save_output_nodes}
+                floor = max(min(nodes[k]._sequence_nr() for k in unkept), frame.start_seq)
+        for rebuild in list(self.by_pos.values()):
+            rebuilt = []
+            for arg in rebuild.args:
+                saves = arg.live_saves()
+                node, arg.node = arg.node, None
+                keep = rebuild.seq > limit or (
+                    floor is not None
+                    and node._sequence_nr() >= floor
+                    and _reaches_unkept_output(node, output_edges, floor, clean)
+                )
+                if not keep:
+                    for s in saves:
+                        if s.pending._version != s.version:
+                            keep = True
+                            break
+                if keep:
+                    self.keep_all(frame, arg)
+                    continue
+                for s in saves:
+                    s.pending = None
+                if saves:
+                    rebuilt.append(arg)
+            rebuild.args = rebuilt
+            if not rebuilt:
+                del self.by_pos[rebuild.pos]
 
-def rebuilt_saves(frame: Any) -> list[RebuiltSave]:
-    """The saves of ``frame`` the replay rebuilds, with those of the SAVE region
-    running now (still held until the forward ends)."""
-    rebuilds = list(frame.rebuilds.values())
-    if frame.rebuild is not None:
-        rebuilds.append(frame.rebuild)
-    out: list[RebuiltSave] = []
-    for r in rebuilds:
-        for a in r.args:
-            out.extend(a.live_saves())
-    return out
+    def _flop_limit(self, frame: CheckpointFrame, out: Any, lo: int) -> int:
+        """:func:`_first_flop_node` for this forward, memoized per checkpointed
+        function by the forward's shape: autograd nodes created, where its SAVE
+        regions rebuild and the kinds of node that made their arguments, where early
+        stop would end (sequence numbers relative to the checkpoint's start).
+        A forward of another graph with the same shape could reuse a wrong answer;
+        that only keeps a save or replays a matmul it need not (bytes or FLOPs, never
+        a gradient), so it is worth the walk per step it saves."""
+        s0 = frame.start_seq
+        parts: list[Any] = [lo - s0, autograd_sequence_nr() - s0, len(frame.holders)]
+        for r in self.by_pos.values():
+            parts.append(r.seq - s0)
+            parts.append(r.qualname)
+            for a in r.args:
+                parts.append(type(a.node))
+        key = tuple(parts)
+        memo = self.flop_memo
+        if memo is not None and key in memo:
+            return s0 + memo[key]
+        roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        arg_nodes = [a.node for r in self.by_pos.values() for a in r.args]
+        stop = {id(n) for n in frame.save_output_nodes}
+        limit = _first_flop_node([*roots, *frame.walk_roots, *arg_nodes], stop, lo)
+        if memo is not None:
+            if len(memo) >= 32:  # forwards of ever new shapes: start over
+                memo.clear()
+            memo[key] = limit - s0
+        return limit
 
+    # ----------------------------------------------------------------- backward
 
-def count_to_refill(frame: Any, key: Any) -> int:
-    """How many rebuilt saves of ``frame`` the replay for ``key`` must refill (the
-    count of :func:`rebuilt_saves` not refilled yet, without building the list)."""
-    n = 0
-    for r in frame.rebuilds.values():
-        for a in r.args:
-            for ref in a.saves:
+    def live_saves(self) -> list[RebuiltSave]:
+        """The saves the replay rebuilds, with those of the SAVE region running now
+        (still held until the forward ends)."""
+        rebuilds = list(self.by_pos.values())
+        if self.running is not None:
+            rebuilds.append(self.running)
+        out: list[RebuiltSave] = []
+        for r in rebuilds:
+            for a in r.args:
+                out.extend(a.live_saves())
+        return out
+
+    def count_to_refill(self, key: Any) -> int:
+        """How many rebuilt saves the replay for ``key`` must refill (the count of
+        :meth:`live_saves` not refilled yet, without building the list)."""
+        n = 0
+        for r in self.by_pos.values():
+            for a in r.args:
+                for ref in a.saves:
+                    s = ref()
+                    if s is not None and s.kept is None and (s.refills is None or key not in s.refills):
+                        n += 1
+        return n
+
+    def forget(self, key: Any) -> None:
+        """Drop what the replay for ``key`` refilled and nothing unpacked."""
+        for s in self.live_saves():
+            if s.refills:
+                s.refills.pop(key, None)
+
+    def refill(self, replay: ReplayPass, pos: int, args: tuple, kwargs: dict) -> int:
+        """The replay reached the SAVE region call at replay position ``pos``:
+        refill its saves from the replay's arguments, after checking they are laid
+        out as in the forward. Returns how many saves it refilled."""
+        rebuild = self.by_pos.get(pos)
+        if rebuild is None:
+            return 0
+        frame, key = replay.frame, replay.key
+        leaves = region_leaves(args, kwargs)
+        filled = 0
+        for arg in rebuild.args:
+            d = None
+            for ref in arg.saves:
                 s = ref()
-                if s is not None and s.kept is None and (s.recomputed is None or key not in s.recomputed):
-                    n += 1
-    return n
+                if s is None or s.kept is not None:
+                    continue
+                rec = s.refills
+                if rec is None:
+                    s.refills = rec = {}
+                elif key in rec:
+                    continue
+                if d is None:
+                    x = leaves[arg.index] if arg.index < len(leaves) else None
+                    if not (
+                        type(x) is torch.Tensor
+                        and x._version == arg.version
+                        and arg.checksum is None
+                        and _same_layout(x, arg.layout)
+                    ):
+                        _check_argument(frame, rebuild, arg, x)  # raises why, or passes the slow checks
+                    d = x.detach()
+                view = s.view
+                t = d if view is None else d.as_strided(*view)  # the argument, or a view of it
+                rec[key] = (t, t._version)
+                filled += 1
+        return filled
 
 
-def forget_rebuilt(frame: Any, key: Any) -> None:
-    for s in rebuilt_saves(frame):
-        if s.recomputed:
-            s.recomputed.pop(key, None)
-
-
-def refill(scope: Any, rebuild: RegionRebuild, args: tuple, kwargs: dict) -> None:
-    """The replay reached ``rebuild``'s region call: refill its saves from the
-    replay's arguments, after checking they are laid out as in the forward."""
-    frame, key = scope.frame, scope.key
-    leaves = region_leaves(args, kwargs)
-    filled = 0
-    for arg in rebuild.args:
-        d = None
-        for ref in arg.saves:
-            s = ref()
-            if s is None or s.kept is not None:
-                continue
-            rec = s.recomputed
-            if rec is None:
-                s.recomputed = rec = {}
-            elif key in rec:
-                continue
-            if d is None:
-                x = leaves[arg.index] if arg.index < len(leaves) else None
-                layout = arg.layout
-                if not (  # as in the forward (_same_layout, inlined) and not modified
-                    type(x) is torch.Tensor
-                    and x._version == arg.version
-                    and arg.checksum is None
-                    and x.shape == layout[0]
-                    and x.stride() == layout[1]
-                    and x.storage_offset() == layout[2]
-                    and x.dtype is layout[3]
-                    and x.device == layout[4]
-                    and x.untyped_storage().nbytes() == layout[5]
-                ):
-                    _check_argument(frame, rebuild, arg, x)  # raises why, or passes the slow checks
-                d = x.detach()
-            view = s.view
-            t = d if view is None else d.as_strided(*view)  # the argument, or a view of it
-            rec[key] = (t, t._version)
-            filled += 1
-    scope.filled += filled
-
-
-def _where(frame: Any, rebuild: RegionRebuild, arg: RebuildArg) -> str:
+def _where(frame: CheckpointFrame, rebuild: RegionRebuild, arg: RebuildArg) -> str:
     return f"argument {arg.index} of SAVE region '{rebuild.qualname}' in checkpoint '{frame.name}'"
 
 
@@ -298,7 +415,7 @@ def _same_layout(x: torch.Tensor, layout: tuple) -> bool:
     )
 
 
-def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any) -> None:
+def _check_argument(frame: CheckpointFrame, rebuild: RegionRebuild, arg: RebuildArg, x: Any) -> None:
     if not (
         isinstance(x, torch.Tensor) and not isinstance(x, Placeholder) and _same_layout(x, arg.layout)
     ):
@@ -324,7 +441,7 @@ def _check_argument(frame: Any, rebuild: RegionRebuild, arg: RebuildArg, x: Any)
             (arg.version, x._version),
         )
     if arg.checksum is not None:
-        from .determinism import checksum
+        from .replay import checksum
 
         if checksum(x) != arg.checksum:
             raise RecomputeMismatchError(
@@ -344,3 +461,65 @@ def describe_rebuilt(saved: RebuiltSave) -> str:
         f"'{region.qualname}' of checkpoint '{region.checkpoint}', rebuilt from argument "
         f"{saved.arg.index}"
     )
+
+
+def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> bool:
+    """Does the replay of ``node``'s history read a SAVE output that is not kept?
+    (``start``: no such output's node is older, so older nodes need no visit.)"""
+    seen = {id(node)}
+    stack, visited = [node], [node]
+    while stack:
+        n = stack.pop()
+        for nxt, nr in n.next_functions:
+            if nxt is None:
+                continue
+            src = outputs.get((id(nxt), nr))
+            if src is not None:
+                if not src.keep:
+                    return True
+                continue
+            k = id(nxt)
+            if k in seen or k in clean:
+                continue
+            seen.add(k)
+            if nxt._sequence_nr() >= start:
+                stack.append(nxt)
+                visited.append(nxt)
+    clean.update(id(v) for v in visited)
+    return False
+
+
+_FLOP_OPS: frozenset[str] | None = None
+
+
+def _has_flops(node: Any) -> bool:
+    """Is ``node`` the backward of an op ``FlopCounterMode`` counts (matmul-like)?"""
+    global _FLOP_OPS
+    if _FLOP_OPS is None:
+        from torch.utils.flop_counter import flop_registry
+
+        _FLOP_OPS = frozenset(str(op).split(".")[-1].replace("_", "").lower() for op in flop_registry)
+    name = type(node).__name__.rstrip("0123456789")
+    return name.endswith("Backward") and name[: -len("Backward")].lower() in _FLOP_OPS
+
+
+def _first_flop_node(roots: Iterable[Any], stop: set[int], lo: int) -> int:
+    """The lowest sequence number >= ``lo`` of a node with FLOPs that the replay runs
+    (reachable from ``roots`` without entering SAVE region outputs ``stop``)."""
+    first = 2**63
+    seen: set[int] = set()
+    stack = [n for n in roots if n is not None]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen or id(n) in stop:
+            continue
+        seen.add(id(n))
+        seq = n._sequence_nr()
+        if seq < lo:
+            continue
+        if seq < first and _has_flops(n):
+            first = seq
+        stack.extend(nxt for nxt, _ in n.next_functions if nxt is not None)
+    return first
+
+

@@ -1,41 +1,69 @@
-"""What a checkpoint's forward leaves behind for backward: holders for tensors the
-recompute refills, records of tensors saved inside SAVE regions, and one record
-per region call."""
+"""What a checkpoint's forward leaves behind for backward.
+
+* :class:`Holder`: packed in place of a tensor saved outside SAVE regions; the
+  replay refills it for the backward that needs it.
+* :class:`RegionSaved`: a tensor saved for backward inside a SAVE region, kept.
+* :class:`RegionRecord`: one region call (name, kind, outputs, state snapshots).
+* :class:`TensorSource`: a tensor the replay may read but cannot recreate, a
+  checkpoint input or a SAVE-region output. During the forward a source is only
+  *observed* (weakly); it is *kept* when the rules of producer responsibility say the
+  replay needs it: a later ``remat.region`` consumes it (or a view of it); code
+  outside SAVE regions saves it (or a view of it) for backward;
+  ``remat.recompute_needs_tensor`` is called on it; for checkpoint inputs only:
+  anything other than SAVE regions consumes it.
+
+When the forward finishes, kept sources are packed by the hooks bound to them
+(``saved_hooks.py``: a checkpoint option or ``remat.saved_tensors_hooks``), or else
+stored as autograd ``SavedTensor``\\ s while the user's own torch
+``saved_tensors_hooks`` (offloading) are active, so that those apply to them. With no
+hooks at all a kept tensor is held as it is (a ``VersionedTensor``, the same in-place
+check for a third of the cost).
+"""
 
 from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._errors import modified_in_place
-from .._tensors import TensorMeta, is_parameter
-from .active import forget_exception_site
+from .. import _compat
+from .._autograd_hooks import VersionedTensor
+from .._compat import make_saved_tensor, top_saved_tensors_hooks
+from .._errors import RematError, modified_in_place
+from .._tensors import TensorMeta, is_parameter, storage_root
+from .context import forget_exception_site
+from .placeholder import PlaceholderOrigin, make_placeholder
+from .saved_hooks import SavedTensorKind
 
 
 class Holder:
     """Packed in place of a tensor saved outside SAVE regions.
 
-    The tensor itself is not kept: the recompute refills ``recomputed[gid]`` for the
+    The tensor itself is not kept: the replay refills ``refills[gid]`` for the
     backward (graph task) ``gid`` that needs it, and unpacking removes it again so
-    recomputed tensors die as soon as backward has used them. A holder is *static*
+    recomputed tensors die as soon as backward has used them. A holder is *kept*
     when the saved tensor is one the checkpoint keeps anyway (an input or a kept
     SAVE output); then it holds that tensor and never triggers a recompute.
     """
 
-    __slots__ = ("frame", "index", "static", "static_version", "recomputed", "__weakref__")
+    __slots__ = ("frame", "index", "kept", "refills", "__weakref__")
 
-    def __init__(self, frame: Any, index: int) -> None:
+    def __init__(self, frame: CheckpointFrame, index: int) -> None:
         self.frame = frame
         self.index = index
-        self.static: torch.Tensor | None = None
-        self.static_version = 0
-        self.recomputed: dict[Any, tuple[torch.Tensor, int]] | None = None
+        self.kept: VersionedTensor | None = None
+        self.refills: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     def unpack(self) -> torch.Tensor:
         return self.frame.unpack_holder(self)
+
+tree_flatten = _compat.tree_flatten
+
+if TYPE_CHECKING:
+    from .frame import CheckpointFrame
 
 
 class RegionSaved:
@@ -91,6 +119,29 @@ class RegionSaved:
                 (self.version, t._version),
             )
         return t
+
+
+def qualified_name(region_stack: Sequence[RegionRecord], name: str) -> str:
+    """The name a region called ``name`` gets inside the regions of ``region_stack``
+    (``outer.inner``): the one rule the forward, the replay and a compiled trace
+    follow (the latter through :func:`nested_name`)."""
+    return f"{region_stack[-1].qualname}.{name}" if region_stack else name
+
+
+def nested_name(outer: str | None, name: str) -> str:
+    """:func:`qualified_name` given the enclosing region's qualified name."""
+    return f"{outer}.{name}" if outer else name
+
+
+def refuse_recompute_inside_save(qualname: str, outer: str) -> ValueError:
+    """The error for a RECOMPUTE region nested in a SAVE region (whose body is never
+    replayed, eagerly or in a compiled graph)."""
+    return ValueError(
+        f"torch_remat: region '{qualname}' asks to be recomputed, but it is nested "
+        f"inside SAVE region '{outer}' whose body is never replayed (its activations "
+        "are all kept). Make the outer region recompute=True, or the inner one "
+        "recompute=False."
+    )
 
 
 def describe_region(qualname: str | None) -> str:
@@ -175,3 +226,181 @@ class RegionRecord:
             if r is not None:
                 out.append(r)
         return out
+
+
+def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
+    """A region call's arguments as one flat list, the same in forward and replay."""
+    if not kwargs:
+        for a in args:
+            if isinstance(a, (list, tuple, dict)):
+                break
+        else:
+            return args
+    return tree_flatten((args, kwargs))[0]
+
+
+
+INPUT = "input"
+OUTPUT = "output"
+
+
+class TensorSource:
+    __slots__ = (
+        "kind",
+        "index",
+        "region",
+        "meta",
+        "ref",
+        "kept_tensor",
+        "kept_is_root",
+        "version",
+        "keep",
+        "save_consumed",
+        "saved",
+        "hooks",
+    )
+
+    def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
+        self.kind = kind
+        self.index = index
+        # The region's qualified name; not the RegionRecord, which refers back to its
+        # sources (a cycle would delay freeing kept tensors to the garbage collector).
+        self.region = region
+        self.meta = TensorMeta.of(t)
+        # Inputs are referenced strongly until the forward ends (the caller holds
+        # them anyway); outputs weakly, so observing them costs no memory.
+        self.ref = t if kind == INPUT else weakref.ref(t)
+        self.kept_tensor: torch.Tensor | None = None
+        self.kept_is_root = False
+        self.version = t._version
+        self.keep = False
+        self.save_consumed = False
+        self.saved = None
+        self.hooks = None  # a saved_hooks.DeferredPack bound to this source, or None
+
+    def describe(self, checkpoint: str) -> str:
+        return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
+
+    def mark_kept(self, alias: torch.Tensor) -> None:
+        """Keep this source; ``alias`` is any tensor sharing its storage."""
+        self.keep = True
+        if self.kind == OUTPUT and self.kept_tensor is None:
+            t = self.ref()
+            if t is not None:
+                self.kept_tensor = t
+            else:
+                self.kept_tensor = storage_root(alias)
+                self.kept_is_root = True
+
+    def store(self, checkpoint: str) -> None:
+        """End of forward: turn a kept source into a SavedTensor; forget the rest."""
+        if self.kind == INPUT:
+            t, self.ref = self.ref, None
+        else:
+            t, self.kept_tensor, self.ref = self.kept_tensor, None, None
+        if not self.keep:
+            return
+        if t._version != self.version:
+            raise self._modified_error(checkpoint)
+        if self.hooks is not None:
+            kind = SavedTensorKind.CHECKPOINT_INPUT if self.kind == INPUT else SavedTensorKind.SAVE_OUTPUT
+            self.saved = self.hooks.pack(t, kind, self.region, self.index)
+            self.hooks = None  # drop the captured context with the binding
+        elif top_saved_tensors_hooks(False) is None:
+            self.saved = VersionedTensor(t.detach())
+        else:
+            self.saved = make_saved_tensor(t.detach(), is_output=False)
+
+    def _modified_error(self, checkpoint: str) -> Exception:
+        what = f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'"
+        if self.kind == INPUT:
+            return modified_in_place(
+                what,
+                "by the checkpointed function",
+                "The recompute would replay that in-place op on the already modified "
+                "input. Clone the input before modifying it (x = x.clone()) or modify "
+                "it outside the checkpoint.",
+            )
+        return modified_in_place(
+            what,
+            "after the region returned",
+            "torch_remat keeps that output for the recompute, which would then see the "
+            "modified value. Clone it before modifying it, or do the in-place op "
+            "inside the region.",
+        )
+
+    def _modified_before_replay(self, checkpoint: str) -> Exception:
+        return modified_in_place(
+            f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'",
+            "after the forward, before backward recomputed the checkpoint",
+            "Don't modify tensors that backward still needs; clone them first.",
+        )
+
+    def replay_value(self, checkpoint: str) -> torch.Tensor:
+        """The value the recompute sees: the kept tensor, or a placeholder."""
+        meta = self.meta
+        if self.saved is None:
+            origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self.region)
+            return make_placeholder(meta, origin)
+        saved = self.saved
+        if type(saved) is VersionedTensor:
+            if not saved.intact():
+                raise self._modified_before_replay(checkpoint)
+            t = saved.data
+        else:
+            try:
+                t = saved.unpack()
+            except RuntimeError as e:
+                if "modified by an inplace operation" not in str(e):
+                    raise
+                raise self._modified_before_replay(checkpoint) from e
+        t = t.detach()
+        if self.kept_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
+            meta.shape,
+            meta.stride,
+            meta.storage_offset,
+        ):
+            if t.dtype != meta.dtype:
+                raise RematError(
+                    f"torch_remat: {self.describe(checkpoint)} of checkpoint "
+                    f"'{checkpoint}' is a dtype view whose tensor object no longer "
+                    "exists; return it from the region as its own tensor (e.g. "
+                    ".clone()) instead."
+                )
+            t = t.as_strided(meta.shape, meta.stride, meta.storage_offset)
+        # A copy made by the user's own hooks (offloading) starts at version 0; give
+        # it the version the forward saw, which the replay's in-place check expects.
+        for _ in range(self.version - t._version):
+            torch.autograd.graph.increment_version(t)
+        if meta.requires_grad:
+            t.requires_grad_()
+        return t
+
+
+class SourceIndex:
+    """Find the sources that share storage with a tensor (the tensor or a view)."""
+
+    __slots__ = ("by_root",)
+
+    def __init__(self) -> None:
+        self.by_root: dict[int, tuple[weakref.ref, list[TensorSource]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_root)
+
+    def add(self, t: torch.Tensor, source: TensorSource) -> None:
+        root = storage_root(t)
+        key = id(root)
+        entry = self.by_root.get(key)
+        if entry is not None and entry[0]() is root:
+            entry[1].append(source)
+        else:
+            self.by_root[key] = (weakref.ref(root), [source])
+
+    def lookup(self, t: torch.Tensor) -> list[TensorSource] | None:
+        root = storage_root(t)
+        entry = self.by_root.get(id(root))
+        if entry is None or entry[0]() is not root:
+            return None
+        return entry[1]
+

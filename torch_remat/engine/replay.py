@@ -1,13 +1,26 @@
-"""The scope active while backward recomputes a checkpoint."""
+"""The replay pass: what runs while backward recomputes a checkpoint.
+
+:class:`ReplayPass` is the active pass during one replay of a
+``CheckpointFrame``: its pack hook refills the frame's holders in order (checking
+each recreated tensor against what the forward saved), and its region calls hand
+back a skipped SAVE region's kept outputs (or placeholders), restore the state
+snapshots taken when the region returned, install its buffer updates and refill its
+rebuilt saves.
+
+Opt-in, ``determinism_check="bitwise"``: every tensor the forward drops gets a
+checksum of its bits, which the replay compares with the tensor it recreates. The
+default check compares only shape, dtype and device, which cannot see, for example,
+dropout replayed without its RNG state hook.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_unflatten
 
+from .. import _compat
 from .._errors import (
     CLONE_FIRST,
     PlaceholderReadError,
@@ -16,13 +29,17 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
-from .active import note_exception
+from .._tensors import format_dtype
+from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
-from .profiling import profiler_range
-from .rebuild import refill
-from .records import RegionRecord, describe_region, detached_copy
-from .sources import TensorSource
-from .state import RECOMPUTE
+from .records import RegionRecord, TensorSource, describe_region, detached_copy, qualified_name
+
+if TYPE_CHECKING:
+    from .frame import CheckpointFrame
+
+tree_unflatten = _compat.tree_unflatten
+
+
 
 # Packed for tensors saved during a replay; the replay's own graph is never run.
 _REPLAYED = object()
@@ -36,16 +53,16 @@ def replay_unpack(packed: Any) -> torch.Tensor:
     )
 
 
-class ReplayScope:
+class ReplayPass:
     """Refills a frame's holders for one backward (graph task) ``key``.
 
-    While it runs it is the active scope (see :class:`~torch_remat.engine.state.ActiveScope`).
+    While it runs it is the active pass (see :class:`~torch_remat.engine.context.ActivePass`).
     """
 
     phase = RECOMPUTE
     in_save_region = False
 
-    def __init__(self, frame: Any, key: Any, needed: int) -> None:
+    def __init__(self, frame: CheckpointFrame, key: Any, needed: int) -> None:
         self.frame = frame
         self.key = key
         self.needed = needed
@@ -67,9 +84,9 @@ class ReplayScope:
                 "path as the forward."
             )
         holder = frame.holders[i]()
-        if holder is None or holder.static is not None:
+        if holder is None or holder.kept is not None:
             return _REPLAYED
-        rec = holder.recomputed
+        rec = holder.refills
         if rec is not None and self.key in rec:
             return _REPLAYED
         if isinstance(t, Placeholder):
@@ -97,21 +114,15 @@ class ReplayScope:
                 "recompute_state_hooks."
             )
         if frame.bitwise_check:
-            from .determinism import check_bitwise
-
             check_bitwise(frame, i, t, region)
         d = t.detach()
         if rec is None:
-            holder.recomputed = rec = {}
+            holder.refills = rec = {}
         rec[self.key] = (d, d._version)
         self.filled += 1
         if self.filled == self.needed and frame.early_stop:
             raise _StopRecompute
         return _REPLAYED
-
-    def qualify(self, name: str) -> str:
-        stack = self.region_stack
-        return f"{stack[-1].qualname}.{name}" if stack else name
 
     def region_sequences(self) -> str:
         fwd = ", ".join(f"{r.qualname} ({r.kind})" for r in self.frame.replay_regions)
@@ -120,7 +131,7 @@ class ReplayScope:
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
         frame = self.frame
-        qualname = self.qualify(name)
+        qualname = qualified_name(self.region_stack, name)
         self.seen_regions.append((qualname, recompute))
         pos = self.region_pos
         expected = frame.replay_regions[pos] if pos < len(frame.replay_regions) else None
@@ -143,11 +154,12 @@ class ReplayScope:
                 # A fresh copy each time: the stored one would collect this
                 # replay's traceback, and with it the replay's tensors.
                 raise detached_copy(expected.raised)
-            rebuild = frame.rebuilds.get(pos)
-            if rebuild is not None:
-                refill(self, rebuild, args, kwargs)
-                if self.filled == self.needed and frame.early_stop:
-                    raise _StopRecompute
+            if frame.rebuilds:
+                filled = frame.rebuilds.refill(self, pos, args, kwargs)
+                if filled:
+                    self.filled += filled
+                    if self.filled == self.needed and frame.early_stop:
+                        raise _StopRecompute
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
                 for o in expected.outputs
@@ -167,4 +179,38 @@ class ReplayScope:
 
     def keep(self, t: torch.Tensor) -> bool:
         return True
+
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Order-sensitive checksum of a tensor's bits: (sum, position-weighted sum)."""
+    with torch.no_grad():
+        x = t.detach()
+        if hasattr(x, "to_local"):  # a DTensor: this rank's shard is what it replays
+            x = x.to_local()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        if x.dtype == torch.bool:
+            x = x.to(torch.uint8)
+        x = x.contiguous().reshape(-1)
+        bits = x.view(_INT_OF_SIZE[x.element_size()]).to(torch.int64)
+        pos = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+        return int(bits.sum()), int((bits * pos).sum())
+
+
+def check_bitwise(frame: CheckpointFrame, index: int, t: torch.Tensor, region: str | None) -> None:
+    if checksum(t) == frame.holder_checksums[index]:
+        return
+    where = f"region '{region}'" if region else "code outside regions"
+    raise RecomputeMismatchError(
+        f"torch_remat: determinism check failed for checkpoint '{frame.name}': tensor "
+        f"#{index} saved for backward by {where} ({tuple(t.shape)}, "
+        f"{format_dtype(t.dtype)}) has different bits in the recompute than "
+        "in the forward. Something the replay depends on changed: usually RNG state "
+        "(dropout) that needs a recompute_state_hooks entry, or a non-deterministic "
+        "kernel."
+    )
 

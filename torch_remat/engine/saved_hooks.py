@@ -12,9 +12,14 @@ Which pair packs a kept tensor, highest first:
 
 1. the checkpoint's own option (``input_saved_tensors_hooks`` for inputs, then
    ``saved_tensors_hooks``);
-2. the innermost :class:`saved_tensors_hooks` context active when the pair is bound;
-3. the user's torch hooks active around the checkpoint (``frame.outer_hooks``);
-4. none: the tensor stays resident.
+2. the innermost :class:`saved_tensors_hooks` context active when the pair is bound,
+   unless torch hooks entered inside it are active around the checkpoint
+   (``frame.outer_hooks``): then those, unless the context was entered inside the
+   checkpoint;
+3. none: the tensor stays resident.
+
+Outside checkpoints a :class:`saved_tensors_hooks` context is also on torch's hook
+stack (:class:`_NativePack`), so saves there reach the pair as torch's hooks would.
 
 The pair is bound when the tensor is saved (a SAVE region's saves), when the SAVE
 region returns (its kept outputs) or when the checkpoint starts (its inputs); the
@@ -26,7 +31,9 @@ replay), and nothing is packed during a replay.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import inspect
 import itertools
 import threading
 from collections.abc import Callable
@@ -35,8 +42,9 @@ from typing import Any
 
 import torch
 
+from .._autograd_hooks import PackedPayload, pop_hooks, push_hooks, top_hooks
 from .._tensors import is_parameter
-from .state import _tls as _engine_tls
+from .context import _tls as _engine_tls
 
 
 class SavedTensorKind(enum.Enum):
@@ -54,8 +62,8 @@ class SavedTensorKind(enum.Enum):
 class SavedTensorInfo:
     """What :func:`current_saved_tensor_info` says inside a pack hook."""
 
-    checkpoint: str
-    """The checkpoint's ``region_name``."""
+    checkpoint: str | None
+    """The checkpoint's ``region_name`` (None for a save outside checkpoints)."""
     region: str | None
     """Qualified name of the SAVE region (None for a checkpoint input)."""
     kind: SavedTensorKind
@@ -63,22 +71,43 @@ class SavedTensorInfo:
     """For ``SAVE_OUTPUT``: which leaf of the region's output (pytree order)."""
     input_index: int | None = None
     """For ``CHECKPOINT_INPUT``: which leaf of the checkpoint's arguments."""
-    call: int = 0
+    call: int | None = 0
     """Serial of the checkpoint call in this process, increasing in forward order
-    (two calls of one checkpoint have different serials)."""
+    (two calls of one checkpoint have different serials); None outside checkpoints."""
     is_parameter: bool = False
     """The tensor is (a view of) an ``nn.Parameter`` (it stays in memory anyway)."""
+    context: Any = None
+    """What ``capture_context()`` returned when the pair was bound to the tensor
+    (None without ``capture_context``, and for saves outside checkpoints)."""
+
+
+def _takes_context(pack: Callable) -> bool:
+    """Whether ``pack`` can be called as ``pack(tensor, context)``; a pack hook of
+    one argument (torch's and upstream torch-remat's shape) reads the context from
+    :func:`current_saved_tensor_info` instead."""
+    try:
+        params = inspect.signature(pack).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = 0
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            return True
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+    return positional >= 2
 
 
 class HookPair:
     """A validated ``(pack, unpack, capture_context)``."""
 
-    __slots__ = ("pack", "unpack", "capture_context")
+    __slots__ = ("pack", "unpack", "capture_context", "pass_context")
 
     def __init__(self, pack: Callable, unpack: Callable, capture_context: Callable | None) -> None:
         self.pack = pack
         self.unpack = unpack
         self.capture_context = capture_context
+        self.pass_context = capture_context is not None and _takes_context(pack)
 
 
 def as_hook_pair(value: Any, what: str) -> HookPair | None:
@@ -126,23 +155,70 @@ def next_call_serial() -> int:
     return next(_calls)
 
 
+class _NativePack:
+    """The pack hook a :class:`saved_tensors_hooks` block entered outside
+    checkpoints adds to torch's hook stack: for the saves torch_remat does not
+    mediate, as ``torch.autograd.graph.saved_tensors_hooks`` would (the tensor as
+    autograd gives it, kind ``BACKWARD``, no context, ``capture_context`` not
+    called). Inside a checkpoint the checkpoint's own hooks are on top of it."""
+
+    __slots__ = ("pair",)
+
+    def __init__(self, pair: HookPair) -> None:
+        self.pair = pair
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        info = SavedTensorInfo(
+            None, None, SavedTensorKind.BACKWARD, call=None, is_parameter=is_parameter(t)
+        )
+        previous = _state.info
+        _state.info = info
+        try:
+            return self.pair.pack(t, None) if self.pair.pass_context else self.pair.pack(t)
+        finally:
+            _state.info = previous
+
+
+def _remat_machinery(hooks: Any) -> bool:
+    # The hooks of a checkpoint forward, a replay or a gradient_checkpoint_scope.
+    if hooks is None or isinstance(hooks[0], _NativePack):
+        return False
+    module = getattr(hooks[0], "__module__", None) or ""
+    return module.startswith(("torch_remat.engine.", "torch_remat.scope."))
+
+
+def torch_hooks_around(hooks: Any) -> Any:
+    """torch's hooks active where a checkpoint starts, as the checkpoint sees them:
+    None when they are those of a :class:`saved_tensors_hooks` block (then the
+    block's pair packs what the checkpoint keeps)."""
+    return None if hooks is not None and isinstance(hooks[0], _NativePack) else hooks
+
+
 class saved_tensors_hooks:
     """Run ``pack_hook``/``unpack_hook`` on the tensors checkpoints keep resident.
 
-    The shape of ``torch.autograd.graph.saved_tensors_hooks``, but the hooks see
-    only what remat keeps for backward: saves inside SAVE regions, kept SAVE-region
-    outputs and kept checkpoint inputs, never a tensor that will be recomputed, and
-    never during a replay. ``pack_hook(tensor)`` receives a detached tensor (an
-    identity hook creates no reference cycle) and returns any object;
-    ``unpack_hook(packed)`` returns the tensor. With ``capture_context``,
-    ``pack_hook(tensor, context)`` is called instead, where ``context`` is what
-    ``capture_context()`` returned when the pair was bound to the tensor: at the
-    save for SAVE-region saves, when the region returned for its kept outputs, when
-    the checkpoint started for its inputs (those two are packed when the forward
-    ends). Inside ``pack_hook``, :func:`current_saved_tensor_info` describes the
-    tensor. The pair is bound when the tensor is saved: leaving the block before
-    backward does not change which ``unpack_hook`` runs. Per thread; nested blocks:
-    the innermost wins.
+    The shape of ``torch.autograd.graph.saved_tensors_hooks``, but inside
+    checkpoints the hooks see only what remat keeps for backward: saves inside SAVE
+    regions, kept SAVE-region outputs and kept checkpoint inputs, never a tensor
+    that will be recomputed, and never during a replay. ``pack_hook(tensor)``
+    receives a detached tensor there (an identity hook creates no reference cycle)
+    and returns any object; ``unpack_hook(packed)`` returns the tensor. With
+    ``capture_context``, ``capture_context()`` is called when the pair is bound to
+    the tensor: at the save for SAVE-region saves, when the region returned for its
+    kept outputs, when the checkpoint started for its inputs (those two are packed
+    when the forward ends); its result is ``current_saved_tensor_info().context``
+    and, for a ``pack_hook`` of two arguments, the second argument. Inside
+    ``pack_hook``, :func:`current_saved_tensor_info` describes the tensor. The pair is bound when the tensor is saved: leaving the block before
+    backward does not change which ``unpack_hook`` runs.
+
+    Outside checkpoints the pair applies as torch's own hooks do (it is added to
+    torch's hook stack): every save there reaches ``pack_hook`` as autograd gives
+    it, with kind ``BACKWARD`` and no context (``capture_context`` is not called),
+    so one pair covers a whole model. ``nn.Parameter`` objects saved for backward
+    reach ``pack_hook`` as themselves, inside checkpoints too. ``pack_hook`` may
+    take one argument and read the context as ``current_saved_tensor_info().context``.
+    Per thread; nested blocks, and torch's ``saved_tensors_hooks`` entered inside
+    this block: the innermost wins.
     """
 
     def __init__(
@@ -159,11 +235,21 @@ class saved_tensors_hooks:
         self.capture_context = capture_context
 
     def __enter__(self) -> saved_tensors_hooks:
+        # Inside a checkpoint forward (or a scope) its own hooks see every save and
+        # hand the kept ones to the pair; elsewhere the pair is torch's hook too.
+        # (Not while Dynamo traces: a compiled graph calls no hook, and a compiled
+        # checkpoint inside the block refuses it by name, compiled.py.)
+        native = not torch.compiler.is_compiling() and not _remat_machinery(top_hooks(False))
+        if native:
+            push_hooks(_NativePack(self._pair), self._pair.unpack)
+        self._native = native
         _state.stack.append(self._pair)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _state.stack.remove(self._pair)
+        if self._native:
+            pop_hooks()
 
 
 def current_saved_tensor_info() -> SavedTensorInfo | None:
@@ -171,44 +257,30 @@ def current_saved_tensor_info() -> SavedTensorInfo | None:
     return _state.info
 
 
-def _context_hooks() -> HookPair | None:
+def _context_hooks(min_depth: int = 0) -> HookPair | None:
+    """The innermost block's pair, if it is one of the blocks past ``min_depth``."""
     if _engine_tls.recompute_depth:
         return None
     stack = _state.stack
-    return stack[-1] if stack else None
+    return stack[-1] if len(stack) > min_depth else None
 
 
 def pack_with(
     pair: HookPair, t: torch.Tensor, info: SavedTensorInfo, context: Any = None, deferred: bool = False
 ) -> Any:
-    """Call ``pair``'s pack hook on ``t`` detached, with ``info`` current."""
+    """Call ``pair``'s pack hook on ``t`` detached (an ``nn.Parameter`` as is), with
+    ``info`` current."""
+    if pair.capture_context is not None:
+        if not deferred:
+            context = pair.capture_context()
+        info = dataclasses.replace(info, context=context)
     previous = _state.info
     _state.info = info
     try:
-        d = t.detach()
-        if pair.capture_context is None:
-            return pair.pack(d)
-        return pair.pack(d, context if deferred else pair.capture_context())
+        d = t if isinstance(t, torch.nn.Parameter) else t.detach()
+        return pair.pack(d, context) if pair.pass_context else pair.pack(d)
     finally:
         _state.info = previous
-
-
-class HookPacked:
-    """A kept input or output packed by a pair (in place of an autograd SavedTensor)."""
-
-    __slots__ = ("packed", "unpack_fn")
-
-    def __init__(self, packed: Any, unpack_fn: Callable[[Any], torch.Tensor]) -> None:
-        self.packed = packed
-        self.unpack_fn = unpack_fn
-
-    @property
-    def data(self) -> Any:
-        """What is held (the reports look for tensors in it), as ``SavedTensor.data``."""
-        return self.packed
-
-    def unpack(self) -> torch.Tensor:
-        return self.unpack_fn(self.packed)
 
 
 class DeferredPack:
@@ -222,7 +294,7 @@ class DeferredPack:
         self.checkpoint = checkpoint
         self.call = call
 
-    def pack(self, t: torch.Tensor, kind: SavedTensorKind, region: str | None, index: int) -> HookPacked:
+    def pack(self, t: torch.Tensor, kind: SavedTensorKind, region: str | None, index: int) -> PackedPayload:
         is_output = kind is SavedTensorKind.SAVE_OUTPUT
         info = SavedTensorInfo(
             self.checkpoint,
@@ -233,11 +305,11 @@ class DeferredPack:
             call=self.call,
             is_parameter=is_parameter(t),
         )
-        return HookPacked(pack_with(self.pair, t, info, self.context, True), self.pair.unpack)
+        return PackedPayload(pack_with(self.pair, t, info, self.context, True), self.pair.unpack)
 
 
 def _is_engine_hook(hooks: Any) -> bool:
-    # Bound methods of a CheckpointFrame or a ReplayScope (the active-scope protocol).
+    # Bound methods of a CheckpointFrame or a ReplayPass (the active-pass protocol).
     owner = getattr(hooks[0], "__self__", None)
     return owner is not None and hasattr(owner, "run_region") and hasattr(owner, "phase")
 
@@ -245,7 +317,7 @@ def _is_engine_hook(hooks: Any) -> bool:
 class KeptTensorHooks:
     """Which pair packs each tensor one checkpoint call keeps (see the module doc)."""
 
-    __slots__ = ("checkpoint", "call", "option", "nested", "inputs")
+    __slots__ = ("checkpoint", "call", "option", "nested", "min_depth", "inputs")
 
     def __init__(
         self,
@@ -259,12 +331,16 @@ class KeptTensorHooks:
         self.call = call
         self.option = option
         self.nested = outer_hooks is not None and _is_engine_hook(outer_hooks)
+        # torch's hooks entered inside the blocks open at the start win over them
+        # (innermost wins); blocks entered inside the checkpoint win over those.
+        foreign = outer_hooks is not None and not self.nested
+        self.min_depth = len(_state.stack) if foreign else 0
         self.inputs = self._bind(input_option or option)
 
     def _bind(self, option: HookPair | None) -> DeferredPack | None:
         if self.nested:
             return None
-        pair = option or _context_hooks()
+        pair = option or _context_hooks(self.min_depth)
         return None if pair is None else DeferredPack(pair, self.checkpoint, self.call)
 
     def bind_outputs(self) -> DeferredPack | None:
@@ -276,7 +352,7 @@ class KeptTensorHooks:
         (then the user's torch hooks around the checkpoint, if any, apply)."""
         if self.nested:
             return None
-        pair = self.option or _context_hooks()
+        pair = self.option or _context_hooks(self.min_depth)
         if pair is None:
             return None
         info = SavedTensorInfo(

@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._autograd_hooks import disabled_message as _disabled_message
 from .._autograd_hooks import push_hooks as _push_hooks
 from .._autograd_hooks import top_hooks as _top_hooks
 from .._autograd_hooks import unpack_packed
+from .._compat import TorchDispatchMode
 from .._errors import RematError
-from ..engine.state import current_scope
+from ..engine.context import current_pass
 from .hooks import ScopeHook, registry, remove_hook
 from .ops import scope_tls
 from .record import ScopeRecord
@@ -87,7 +87,7 @@ class gradient_checkpoint_scope:
             return self
         scopes = registry()
         scopes.process_pending()
-        marker = current_scope()
+        marker = current_pass()
         if scopes.active and scopes.active[-1].marker is marker:
             self._open.append(_JOINED)  # directly nested: the outer scope records it all
             return self

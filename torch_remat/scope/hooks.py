@@ -28,53 +28,21 @@ from typing import Any
 import torch
 
 from .. import _compat
+from .._autograd_hooks import PackedPayload, VersionedTensor, in_backward, unpack_packed
 from .._autograd_hooks import disabled_message as _disabled_message
-from .._autograd_hooks import in_backward, unpack_packed
 from .._autograd_hooks import pop_hooks as _pop
 from .._autograd_hooks import push_hooks as _push
 from .._autograd_hooks import top_hooks as _top
-from .._errors import CLONE_FIRST, modified_in_place
-from .._tensors import describe_tensor
 from .ops import paused_recording, storage_key
 from .record import ScopeRecord
 
 _ANY = object()
 
 
-class _Kept:
-    """A tensor stored as it is (not a scope tensor), with autograd's own check that
-    it was not modified in place before backward reads it."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        d = t.detach()  # never the tensor itself: an output would form a cycle
-        self.tensor = d
-        self.version = d._version
-
-    def unpack(self) -> torch.Tensor:
-        t = self.tensor
-        if t._version != self.version:
-            raise modified_in_place(
-                f"a tensor saved for backward ({describe_tensor(t.shape, t.dtype)})",
-                "after it was saved",
-                CLONE_FIRST,
-                (self.version, t._version),
-            )
-        return t
-
-
-class _Delegated:
-    """What the hooks below a scope's hook packed for a tensor the scope does not own."""
-
-    __slots__ = ("unpack_fn", "packed")
-
-    def __init__(self, unpack_fn: Any, packed: Any) -> None:
-        self.unpack_fn = unpack_fn
-        self.packed = packed
-
-    def unpack(self) -> torch.Tensor:
-        return self.unpack_fn(self.packed)
+def _kept(t: torch.Tensor) -> VersionedTensor:
+    """A tensor stored as it is (not a scope tensor), refused if modified in place
+    before backward reads it. Never the tensor itself: an output would form a cycle."""
+    return VersionedTensor(t.detach())
 
 
 class ScopeRegistry:
@@ -194,7 +162,7 @@ def _pack_after_scope(t: torch.Tensor) -> Any:
     scopes = registry()
     with paused_recording():
         hit = scopes.find(t, _ANY)
-        packed = hit[0].make_recipe(hit[1], t) if hit is not None else _Kept(t)
+        packed = hit[0].make_recipe(hit[1], t) if hit is not None else _kept(t)
     scopes.process_pending()
     return packed
 
@@ -215,8 +183,8 @@ class ScopeHook:
                 return hit[0].make_recipe(hit[1], t)
             if self.outer is not None:
                 pack, unpack = self.outer
-                return _Delegated(unpack, pack(t))
-            return _Kept(t)
+                return PackedPayload(pack(t), unpack)
+            return _kept(t)
 
 
 # ---------------------------------------------------------------- stack surgery

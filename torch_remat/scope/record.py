@@ -15,8 +15,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
+from .._compat import tree_flatten
 from .._errors import RematError
 from .ops import (
     Ext,

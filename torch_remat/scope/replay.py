@@ -15,13 +15,13 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _compat
 from .._autograd_hooks import graph_task_key as _graph_task_key
+from .._compat import tree_flatten, tree_unflatten
 from .._errors import RecomputeMismatchError, modified_in_place
 from .._tensors import describe_tensor
-from ..engine.profiling import profiler_range
+from ..engine.context import profiler_range
 from .ops import Ext, Op, View, paused_recording
 
 

@@ -1,0 +1,108 @@
+"""launch/ as an operator uses it: checkpoints that survive a crash, a bad disk and a
+re-run, usage errors without tracebacks, one process for --parallel none, and a
+setup that runs only when needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def train(*args, expect=0, timeout=240):
+    """``python launch/train.py SMALL ARGS`` in one process."""
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *SMALL, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def run_sh(*args, expect=0, timeout=300):
+    cmd = ["bash", str(ROOT / "launch" / "run.sh"), *SMALL, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(TORCH_REMAT_NO_SETUP="1", NPROC="2"),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def losses(log: pathlib.Path) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads(log.read_text())["losses"].items()}
+
+
+def test_checkpoints_keep_k_refuse_a_rerun_and_skip_corrupt_ones(tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    uninterrupted = tmp_path / "uninterrupted.json"
+    train("--steps", "8", "--log-json", str(uninterrupted))
+
+    common = ["--save-every", "2", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    train("--steps", "6", "--keep-checkpoints", "2", *common)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step6"]
+
+    again = train("--steps", "6", *common)
+    assert "holds step 6 and --steps is 6: this run is finished" in again.stdout
+    assert "step    1/6" not in again.stdout
+
+    # A corrupt latest.json and newest checkpoint, and an unfinished save: the run
+    # says so and resumes from step 4, exactly where the uninterrupted run was.
+    (ckpt / "latest.json").write_text("{")
+    (next((ckpt / "step6").glob("*.distcp"))).write_bytes(b"\0" * 64)
+    (ckpt / "step7.tmp").mkdir()
+    (ckpt / "step7.tmp" / "__0_0.distcp").write_bytes(b"half")
+    resumed = train("--steps", "8", *common)
+    assert f"{ckpt / 'latest.json'} is unreadable" in resumed.stdout
+    assert f"checkpoint {ckpt / 'step6'} is unreadable" in resumed.stdout
+    assert "(resumed at step 4)" in resumed.stdout
+    assert losses(log) == losses(uninterrupted)  # bitwise: the same floats
+    assert json.loads(log.read_text())["resumed_at"] == [4]
+    assert "Warning" not in resumed.stderr, resumed.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step6", "step8"]
+
+
+def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
+    ckpt = tmp_path / "read-only"
+    ckpt.mkdir()
+    ckpt.chmod(0o555)
+    if os.access(ckpt, os.W_OK):  # root writes anywhere, but not in /sys
+        ckpt = pathlib.Path("/sys")
+    proc = train("--steps", "4", "--checkpoint-dir", str(ckpt), expect=2)
+    assert f"--checkpoint-dir {ckpt}: cannot write there" in proc.stderr
+    assert "torch_remat train:" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_run_sh_parallel_none_trains_in_one_process(tmp_path):
+    proc = run_sh("--parallel", "none", "--steps", "2")
+    assert proc.stdout.count("torch_remat train:") == 1
+    assert "parallel=none remat=selective ranks=1" in proc.stdout
+    assert proc.stdout.count("step    2/2") == 1
+
+
+@pytest.mark.parametrize("budget", ["budget=auto", "budget=0.01", "budget=-1"])
+def test_run_sh_bad_budget_is_a_usage_error(budget):
+    proc = run_sh("--remat", budget, "--steps", "1", expect=2)
+    assert proc.stderr.count(f"train.py: error: --remat {budget}") == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_setup_env_runs_pip_only_when_needed():
+    setup = ["bash", str(ROOT / "scripts" / "setup_env.sh")]
+    subprocess.run(setup, cwd=ROOT, check=True, capture_output=True, timeout=600)
+    installed = sorted(ROOT.glob(".venv/lib/python*/site-packages/torch_remat-*.dist-info"))
+    assert installed
+    before = installed[0].stat().st_mtime_ns
+    again = subprocess.run(setup, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout == again.stderr == ""
+    assert installed[0].stat().st_mtime_ns == before  # pip did not reinstall

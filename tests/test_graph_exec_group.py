@@ -1,0 +1,49 @@
+"""Refills made for the backwards of a torch.utils.checkpoint.GraphExecGroup are
+shared by them and freed when the group object dies."""
+
+import gc
+
+import torch
+from torch.utils.checkpoint import GraphExecGroup
+
+import torch_remat as remat
+from torch_remat.engine.records import Holder
+
+
+def block(x):
+    return (x.sin().exp() * 2).cos()
+
+
+def refilled_holders() -> list[Holder]:
+    return [o for o in gc.get_objects() if isinstance(o, Holder) and o.refills]
+
+
+def test_refills_a_group_did_not_use_are_freed_when_the_group_dies():
+    x = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    loss = remat.checkpoint(region_name="b")(lambda a, b: block(a) + block(b))(x, y).sum()
+    with GraphExecGroup():
+        (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    # block(y)'s refills were made by the one replay but never unpacked
+    assert refilled_holders() == []
+    (ref,) = torch.autograd.grad((block(x) + block(y)).sum(), [x])
+    assert torch.equal(gx, ref)
+
+
+def test_the_backwards_of_one_group_share_one_replay():
+    x = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    runs = []
+
+    def fn(a, b):
+        if remat.is_recomputing():
+            runs.append(1)
+        return block(a) + block(b)
+
+    loss = remat.checkpoint(region_name="b", early_stop=False)(fn)(x, y).sum()
+    with GraphExecGroup():
+        (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+        (gy,) = torch.autograd.grad(loss, [y], retain_graph=True)
+    assert len(runs) == 1
+    rx, ry = torch.autograd.grad((block(x) + block(y)).sum(), [x, y])
+    assert torch.equal(gx, rx) and torch.equal(gy, ry)

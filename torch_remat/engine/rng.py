@@ -1,0 +1,292 @@
+"""Random-number state and the replay.
+
+``RecomputeStateHook`` is the protocol for state a replay must see as the forward
+did (RNG, counters); :class:`DeviceRNGStateHook` is the stock hook for one device's
+default generator (``DeviceRNGStateHook("cpu")``, ``CPURNGStateHook()``, is the CPU
+one).
+
+The RNG guard covers random numbers drawn inside a checkpoint without a state hook
+for their generator. The replay draws from the generator again. Unless a
+``recompute_state_hooks`` entry put the generator back where the forward started,
+it draws other numbers (another dropout mask) and the gradients would be wrong; and
+without a hook nothing would put the caller's generator back after the replay.
+
+Copying every generator's state around every checkpoint (``preserve_rng_state``)
+is refused on purpose (see ``remat.checkpoint``). Instead, the default generators
+that no state hook of the checkpoint covers are fingerprinted when the checkpoint
+starts and when its forward ends: a CUDA generator by its seed and Philox offset,
+the CPU generator by its state (a 5056-byte read and compare; nothing is kept
+unless it changed). Only a forward that drew from a generator keeps a hash of its
+starting state. Its replay then:
+
+* saves the caller's state of that generator, and restores it after the replay
+  (whatever the hooks do, the caller's next random number is the one it would
+  have drawn without remat);
+* after the hooks restored their entry snapshots, compares the generator with the
+  forward's starting state. If they differ and the replay draws from it, the
+  replay cannot be exact: :class:`RecomputeMismatchError` names the checkpoint and
+  the generator and says which hook to pass. A forward that drew only inside SAVE
+  regions (whose bodies the replay skips) is not refused.
+
+Generators passed explicitly (``torch.rand(..., generator=g)``) are not seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .. import _compat
+from .._errors import RecomputeMismatchError
+
+
+class DefaultGenerator:
+    """One device's default generator: what the stock state hook snapshots and the
+    RNG guard fingerprints. ``cpu`` is ``torch.default_generator``; ``cuda:N`` the
+    default generator of CUDA device N."""
+
+    __slots__ = ("device", "name", "fix")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cpu":
+            self.name = "the CPU generator (torch.default_generator)"
+            self.fix = "remat.CPURNGStateHook()"
+        else:
+            self.name = f"the CUDA generator of {device}"
+            self.fix = f"remat.DeviceRNGStateHook('{device}')"
+
+    def fingerprint(self) -> Any:
+        """A cheap value that changes whenever a random number is drawn."""
+        if self.device.type == "cuda":
+            g = torch.cuda.default_generators[self.device.index]
+            return g.initial_seed(), g.get_offset()
+        # The state's bytes, read without numpy (an optional dependency of torch) and
+        # without an aten op, so that no dispatch mode (gradient_checkpoint_scope's
+        # recording mode) sees the state tensor: get_state() dispatches nothing.
+        state = torch.default_generator.get_state()  # a fresh contiguous uint8 tensor
+        return ctypes.string_at(state.data_ptr(), state.nbytes)
+
+    def get_state(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.default_generator.get_state()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.default_generator.set_state(state)
+
+
+_CPU = DefaultGenerator(torch.device("cpu"))
+_cuda_generators: list[DefaultGenerator] = []
+
+
+def _cuda_generator(index: int) -> DefaultGenerator:
+    while len(_cuda_generators) <= index:
+        _cuda_generators.append(DefaultGenerator(torch.device("cuda", len(_cuda_generators))))
+    return _cuda_generators[index]
+
+
+def _default_generators() -> list[DefaultGenerator]:
+    # CUDA generators exist only once CUDA is initialized; never initialize it here.
+    if torch.cuda.is_initialized() and torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return [_CPU, *(_cuda_generator(i) for i in range(n))]
+    return [_CPU]
+
+
+def unhooked_generators(state_hooks: tuple[Any, ...]) -> frozenset[str] | None:
+    """The devices whose default generator a checkpoint with ``state_hooks`` leaves
+    to the RNG guard: None for all of them, else a set naming those the stock hooks
+    restore (``"cpu"``, ``"cuda:1"``), which the guard skips."""
+    # Only the stock class: a subclass may snapshot something else.
+    covered = frozenset(str(h.device) for h in state_hooks if type(h) is DeviceRNGStateHook)
+    return covered or None
+
+
+def fingerprints(skip: frozenset[str] | None = None) -> list[tuple[DefaultGenerator, Any]]:
+    """``(generator, fingerprint)`` of every default generator not in ``skip``, now."""
+    if skip is None:
+        return [(g, g.fingerprint()) for g in _default_generators()]
+    return [(g, g.fingerprint()) for g in _default_generators() if str(g.device) not in skip]
+
+
+class RNGUse:
+    """The generators a checkpoint's forward drew from, with a hash of their
+    starting states."""
+
+    __slots__ = ("used",)
+
+    def __init__(self, used: list[tuple[Any, int]]) -> None:
+        self.used = used
+
+    @staticmethod
+    def of_forward(start: list[tuple[Any, Any]]) -> RNGUse | None:
+        """None if the forward drew from no default generator."""
+        used = [(g, hash(fp)) for g, fp in start if g.fingerprint() != fp]
+        return RNGUse(used) if used else None
+
+    def caller_states(self) -> list[Any]:
+        """Before the replay (and before the hooks restore anything)."""
+        return [g.get_state() for g, _ in self.used]
+
+    def unrestored(self) -> list[tuple[Any, Any]]:
+        """After the hooks restored their entry snapshots: the generators not back
+        at the forward's starting state, with their current fingerprint."""
+        out = []
+        for g, start in self.used:
+            fp = g.fingerprint()
+            if hash(fp) != start:
+                out.append((g, fp))
+        return out
+
+    def finish(
+        self, checkpoint: str, unrestored: list[tuple[Any, Any]], caller: list[Any]
+    ) -> RecomputeMismatchError | None:
+        """After the replay: give the caller its generator states back. Returns the
+        error for a replay that drew from a generator no hook restored."""
+        drawn = [g for g, fp in unrestored if g.fingerprint() != fp]
+        for (g, _), state in zip(self.used, caller):
+            g.set_state(state)
+        if not drawn:
+            return None
+        names = " and ".join(g.name for g in drawn)
+        fixes = ", ".join(g.fix for g in drawn)
+        return RecomputeMismatchError(
+            f"torch_remat: the recompute of checkpoint '{checkpoint}' draws random "
+            f"numbers from {names}, which the forward drew from too, but no "
+            "recompute_state_hooks entry restores that generator: the replay would "
+            "draw other numbers (another dropout mask) and the gradients would be "
+            f"wrong. Pass recompute_state_hooks=({fixes},) to remat.checkpoint "
+            "(apply_remat attaches the RNG hooks by default: rng_state_hooks=True). "
+            "The caller's generator state is unchanged."
+        )
+
+
+# ---------------------------------------------------------------- state hooks
+
+
+@runtime_checkable
+class RecomputeStateHook(Protocol):
+    """State that code inside a checkpoint reads and that the recompute must replay.
+
+    ``snapshot()`` returns an opaque value describing the current state;
+    ``restore(state)`` makes a state current again. Restores are absolute, so the
+    same snapshot may be restored any number of times (a second backward with
+    ``retain_graph=True`` replays identically).
+
+    torch_remat snapshots each hook when a checkpoint starts and after each SAVE
+    region returns. When backward recomputes the checkpoint it snapshots the
+    caller's state, restores the entry snapshot, restores each skipped SAVE
+    region's exit snapshot in turn, and finally restores the caller's state (fork
+    semantics: the recompute never moves the caller's RNG).
+
+    Example, for the CUDA generator of one device::
+
+        class CudaRNGStateHook:
+            def __init__(self, device):
+                self.device = device
+
+            def snapshot(self):
+                return torch.cuda.get_rng_state(self.device)
+
+            def restore(self, state):
+                torch.cuda.set_rng_state(state, self.device)
+    """
+
+    def snapshot(self) -> Any: ...
+
+    def restore(self, state: Any) -> None: ...
+
+
+class DeviceRNGStateHook:
+    """A :class:`RecomputeStateHook` for one device's default generator.
+
+    ``DeviceRNGStateHook("cpu")`` replays ``torch.default_generator`` (what dropout
+    on CPU tensors draws from; each snapshot is a 5056-byte copy of the Mersenne
+    Twister state, and snapshots that did not change since the previous one are
+    shared, not stored again); ``DeviceRNGStateHook("cuda:1")`` replays the generator
+    of CUDA device 1. Restores are absolute, so a snapshot can be restored any number
+    of times. A checkpoint's RNG guard does not watch the generators its stock hooks
+    restore.
+    """
+
+    def __init__(self, device: torch.device | str | int) -> None:
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"DeviceRNGStateHook({device}): CUDA is not available in this process."
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self.generator = _cuda_generator(device.index)
+        elif device.type == "cpu":
+            self.generator = _CPU
+        else:
+            raise ValueError(
+                f"DeviceRNGStateHook: device type '{device.type}' is not supported; "
+                "use 'cpu' or 'cuda[:N]', or write a RecomputeStateHook for it."
+            )
+        self.device = device
+
+    def snapshot(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def restore(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    def __repr__(self) -> str:
+        return f"DeviceRNGStateHook({str(self.device)!r})"
+
+
+def CPURNGStateHook() -> DeviceRNGStateHook:  # noqa: N802 (named as the hook it returns)
+    """``DeviceRNGStateHook("cpu")``, under the name earlier releases gave it: the
+    hook for torch's default CPU generator."""
+    return DeviceRNGStateHook("cpu")
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """True if two snapshots are certainly equal (CPU tensors, scalars, tuples of
+    them). Never synchronizes a device: device tensors compare unequal."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.device.type != "cpu" or b.device.type != "cpu":
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        # Below any dispatch mode: a recording mode (gradient_checkpoint_scope)
+        # would otherwise keep both snapshots alive as inputs it read.
+        with _compat.DisableTorchDispatch():
+            return bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
+    if isinstance(a, (int, float, str, bytes, type(None))) and type(a) is type(b):
+        return a == b
+    return False
+
+
+def validate_state_hooks(hooks: Iterable[Any]) -> tuple[Any, ...]:
+    if hooks is None:
+        return ()
+    if isinstance(hooks, (str, bytes)) or not hasattr(hooks, "__iter__"):
+        raise TypeError(
+            "remat.checkpoint: recompute_state_hooks must be a tuple of objects with "
+            f"snapshot() and restore(state), got {type(hooks).__name__}."
+        )
+    hooks = tuple(hooks)
+    for i, h in enumerate(hooks):
+        if not (callable(getattr(h, "snapshot", None)) and callable(getattr(h, "restore", None))):
+            raise TypeError(
+                f"remat.checkpoint: recompute_state_hooks[{i}] ({type(h).__name__}) "
+                "needs both snapshot() and restore(state) methods (see "
+                "remat.RecomputeStateHook)."
+            )
+    return hooks
+
