@@ -21,11 +21,13 @@ from .reports import (
     gather_memory_report,
 )
 from .rng import DeviceRNGStateHook, default_rng_state_hooks, local_device, prepare_dtensor_rng  # noqa: F401
+from .switch import torch_checkpointing_as_remat
 from .tensor_parallel import parallelize_with_remat
 from .transformers import disable_remat, enable_remat, remat_layer_names
 
 __all__: list[str] = [
     "apply_remat",
+    "torch_checkpointing_as_remat",
     "remove_remat",
     "remat_module_names",
     "save_region_names",

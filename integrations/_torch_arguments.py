@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy
 from torch.utils.checkpoint import checkpoint as torch_utils_checkpoint
 from torch.utils.checkpoint import noop_context_fn
 
@@ -104,11 +104,36 @@ def checkpoint_options(wrapper_kwargs: dict[str, Any], where: str) -> tuple[dict
     return options, preserve
 
 
+def policy_of(auto_wrap_policy: Any) -> Any:
+    """``auto_wrap_policy`` as torch reads it. A set, frozenset, list or tuple of module
+    classes (the form torchtune's and Lightning's checkpointing options take) is
+    torch's ``ModuleWrapPolicy`` over those classes; anything else is left as it is."""
+    if not isinstance(auto_wrap_policy, (set, frozenset, list, tuple)):
+        return auto_wrap_policy
+    classes = list(auto_wrap_policy)
+    wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+    if wrong:
+        raise TypeError(
+            "apply_remat: auto_wrap_policy as a collection must hold module classes "
+            f"(nn.Module subclasses), got {', '.join(repr(w) for w in wrong)}. Pass the "
+            "classes of the blocks to checkpoint, e.g. {TransformerBlock}, or a policy "
+            "(ModuleWrapPolicy, CustomPolicy, or a callable like torch's)."
+        )
+    if not classes:
+        raise ValueError(
+            "apply_remat: auto_wrap_policy is an empty collection, which selects nothing; "
+            "pass the classes of the blocks to checkpoint, or leave it None to select "
+            "with check_fn."
+        )
+    return ModuleWrapPolicy(set(classes))
+
+
 def select_like_torch(
     model: nn.Module, check_fn: Callable[[nn.Module], bool], auto_wrap_policy: Any
 ) -> list[tuple[nn.Module, dict[str, Any]]]:
     """The modules torch's apply_activation_checkpointing would wrap, with per-module
     wrapper kwargs, in the order torch wraps them (post-order, never the root)."""
+    auto_wrap_policy = policy_of(auto_wrap_policy)
     policy = (
         auto_wrap_policy
         if auto_wrap_policy is not None

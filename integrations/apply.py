@@ -117,7 +117,7 @@ def apply_remat(
     model: nn.Module,
     checkpoint_wrapper_fn: Callable[..., Any] | None = None,
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
-    auto_wrap_policy: Callable[..., bool] | FSDPPolicy | None = None,
+    auto_wrap_policy: Callable[..., bool] | FSDPPolicy | set[type] | list[type] | None = None,
     *,
     remat: RematConfig | None = None,
 ) -> list[str]:
@@ -136,6 +136,10 @@ def apply_remat(
     ``named_parameters()``, ``named_modules()`` and DCP keys do not change.
 
     Args:
+        auto_wrap_policy: torch's policy (``ModuleWrapPolicy``, ``CustomPolicy``, a
+            callable like ``size_based_auto_wrap_policy``), or a set or list of module
+            classes as torchtune and Lightning take it (read as
+            ``ModuleWrapPolicy(classes)``).
         checkpoint_wrapper_fn: None, torch's ``checkpoint_wrapper`` or
             ``offload_wrapper``, or ``functools.partial(checkpoint_wrapper, **options)``.
             Its options are translated: ``preserve_rng_state=False`` turns the stock

@@ -187,6 +187,15 @@ def torch_checkpointed_layer_names(model: nn.Module) -> list[str]:
 def _check_supported(model: Any) -> None:
     from transformers import PreTrainedModel
 
+    base = getattr(model, "get_base_model", None)
+    if not isinstance(model, PreTrainedModel) and callable(base):
+        if isinstance(base(), PreTrainedModel):
+            raise TypeError(
+                f"enable_remat: got a {type(model).__name__} (a PEFT-style wrapper), not the "
+                "transformers model it wraps. Pass that model: "
+                "enable_remat(model.get_base_model()); the adapters sit inside its layers, "
+                "so they are checkpointed with them."
+            )
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"enable_remat: expected a transformers.PreTrainedModel, got "

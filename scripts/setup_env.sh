@@ -30,5 +30,5 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
 fi
 # The extras (accelerate, transformers) require torch too: restate the pin so that
 # pip keeps 2.13.0 instead of resolving another version for them.
-python -m pip install --quiet -e ".[test,accelerate,transformers,plot]" "torch==2.13.0"
+python -m pip install --quiet -e ".[test,accelerate,transformers,plot,frameworks]" "torch==2.13.0"
 echo "$WANT" > "$STAMP"

@@ -45,13 +45,17 @@ tree_map``                                        outputs, and rebuild the conta
 ``distributed.algorithms._checkpoint.checkpoint_  recognise torch's checkpoint wrappers and read
 wrapper`` (``CheckpointImpl``, ``CheckpointWrap   their options (apply_remat takes the arguments
 per``, ``OffloadWrapper``, ``checkpoint_wrapper   of apply_activation_checkpointing); torch
-``, ``offload_wrapper``)                          exports them only from this module
+``, ``offload_wrapper``)                          exports them only from this module; the
+                                                  module itself, whose two functions the
+                                                  switch torch_checkpointing_as_remat replaces
 ``distributed.fsdp.wrap._Policy``,                tell an FSDP auto-wrap policy object from a
 ``_Policy._run_policy``                           callable one and ask it which modules it
                                                   wraps, as torch's own code does
 ``distributed.tensor._random`` (``_rng_tracker``  create DTensor's RNG tracker before the first
 , ``OffsetBasedRNGTracker``, ``is_rng_supported_  checkpoint, as its dispatcher would at the
 mesh``)                                           first random op (no public constructor)
+``_higher_order_ops.wrap`` logger and its         drop torch's context_fn warning for the
+``tag_activation_checkpoint_impl`` frame          region policy torch_remat passes itself
 ===============================================  =============================================
 
 The torch.distributed names are looked up on first use, so that ``import torch_remat``
@@ -59,6 +63,10 @@ works on builds of torch without torch.distributed.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
@@ -121,6 +129,15 @@ def __getattr__(name: str):
 
         return _Policy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def checkpoint_wrapper_module():
+    """torch's ``distributed.algorithms._checkpoint.checkpoint_wrapper`` module itself:
+    ``torch_checkpointing_as_remat`` replaces its ``apply_activation_checkpointing``
+    and ``checkpoint_wrapper`` while it is open."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper
+
+    return checkpoint_wrapper
 
 
 def run_fsdp_policy(policy, model) -> dict:
@@ -230,3 +247,43 @@ def unchecked_compiled_saves(node) -> list:
     """Tensors a compiled node keeps without a version-counter check (stashed on
     ``ctx`` rather than saved with ``save_for_backward``), after its saved tensors."""
     return list(getattr(node, "_tensors_no_vc_check", None) or ())
+
+
+class _OwnContextFnFilter(logging.Filter):
+    """Drops torch's "Detected that context_fn is passed to torch.utils.checkpoint
+    under torch.compile" record when the ``context_fn`` is ``own``: torch_remat's
+    compiled checkpoint passes its region policy that way (a partial, compared by
+    function and arguments, since Dynamo rebuilds it), and the warning (about
+    in-place ops in a user's selective-checkpoint policy) would name an argument
+    the user never gave. The record of any other ``context_fn`` passes.
+    (torch logs it once per process: once dropped for ours, a later one of the
+    user's is not logged in that process.)"""
+
+    def __init__(self, own: object) -> None:
+        super().__init__()
+        self.own = own
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "context_fn is passed to torch.utils.checkpoint" not in str(record.msg):
+            return True
+        frame = sys._getframe()
+        while frame is not None:
+            if frame.f_code.co_name == "tag_activation_checkpoint_impl":
+                return not _same_partial(frame.f_locals.get("context_fn"), self.own)
+            frame = frame.f_back
+        return True
+
+
+def _same_partial(a: object, b: object) -> bool:
+    # Dynamo hands the traced op a rebuilt copy of the partial, not the object.
+    return a is b or (
+        isinstance(a, functools.partial) and isinstance(b, functools.partial)
+        and a.func is b.func and a.args == b.args and a.keywords == b.keywords
+    )
+
+
+def quiet_own_context_fn_warning(own: object) -> None:
+    """Install :class:`_OwnContextFnFilter` for ``own`` on torch's logger (once)."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _OwnContextFnFilter) and f.own is own for f in logger.filters):
+        logger.addFilter(_OwnContextFnFilter(own))

@@ -8,6 +8,7 @@ from typing import Any
 from . import _compat
 from ._compat import (
     TorchDispatchMode,
+    checkpoint_wrapper_module,
     create_dtensor_rng_tracker,
     dtensor_rng_supported_mesh,
     dtensor_rng_tracker,
@@ -24,6 +25,7 @@ __all__ = [
     "TorchDispatchMode",
     "tree_flatten",
     "run_fsdp_policy",
+    "checkpoint_wrapper_module",
     "dtensor_rng_tracker",
     "dtensor_rng_supported_mesh",
     "create_dtensor_rng_tracker",

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.utils.flop_counter import flop_registry
 
 import torch_remat as remat
@@ -52,6 +53,9 @@ class Config:
     its SAVE-region submodules; blocks not in it run without a checkpoint."""
 
     checkpointed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    rng_free: frozenset[str] = frozenset()
+    """Blocks checkpointed without the RNG state hooks: they drew no random numbers
+    (see :func:`blocks_drawing_no_random_numbers`), so there is no state to replay."""
 
 
 @dataclass
@@ -112,11 +116,63 @@ def install(model: nn.Module, config: Config) -> None:
         for name, paths in config.checkpointed.items()
         for path in paths
     }
+    no_rng = {model.get_submodule(n) for n in config.checkpointed if n in config.rng_free}
+
+    def select(m: nn.Module) -> bool | dict[str, Any]:
+        # Per-module options of a policy: no RNG snapshot for these blocks.
+        if m in no_rng:
+            return {"preserve_rng_state": False}
+        return m in blocks
+
     apply_remat(
         model,
-        check_fn=lambda m: m in blocks,
+        auto_wrap_policy=CustomPolicy(select),
         remat=RematConfig(save_modules=(lambda m: m in saves) if saves else None),
     )
+
+
+def blocks_drawing_no_random_numbers(
+    model: nn.Module, args: Sequence[Any], block_names: Sequence[str]
+) -> list[str]:
+    """The blocks, in training mode, whose forward on ``args`` left the CPU generator
+    (and the current CUDA generator, if CUDA is initialized) where it found it: they
+    draw no random numbers, so a checkpoint of theirs needs no RNG snapshot (5,056 B
+    on CPU, more than a small block holds). A block in eval mode is never listed:
+    training would switch its dropout on."""
+
+    def state() -> list[torch.Tensor]:
+        out = [torch.get_rng_state()]
+        if torch.cuda.is_initialized():
+            out.append(torch.cuda.get_rng_state())
+        return out
+
+    before: dict[str, list[torch.Tensor]] = {}
+    drew: dict[str, bool] = {}
+    handles = []
+    for name in block_names:
+        block = model.get_submodule(name)
+
+        def pre(_m: nn.Module, _a: Any, _name: str = name) -> None:
+            before[_name] = state()
+
+        def post(_m: nn.Module, _a: Any, _o: Any, _name: str = name) -> None:
+            now = state()
+            changed = any(not torch.equal(a, b) for a, b in zip(before.pop(_name), now))
+            drew[_name] = drew.get(_name, False) or changed
+
+        handles.append(block.register_forward_pre_hook(pre))
+        handles.append(block.register_forward_hook(post))
+    try:
+        with preserved_state(model, args), torch.no_grad():
+            model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return [
+        n for n in block_names
+        if n in drew and not drew[n]
+        and all(m.training for m in model.get_submodule(n).modules())
+    ]
 
 
 # ------------------------------------------------------------------ bytes

@@ -68,7 +68,7 @@ def format_plan(plan: RematPlan) -> str:
     for name, m in zip(plan.blocks, plan.chosen):
         rows.append([name, _regions(m.option, _candidates_of(plan, name)), f"{m.bytes:,}",
                      f"{m.flops:,}", f"{m.ops:,}"])
-    rows.append(["(outside blocks)", "", f"{plan.base_bytes:,}", "0", "0"])
+    rows.append(["(outside blocks)", "", f"{plan.base_for(plan.choices):,}", "0", "0"])
     rows.append(["total", "", f"{plan.predicted_bytes:,}", f"{plan.recompute_flops:,}",
                  f"{plan.recompute_ops:,}"])
     lines += ["  " + r for r in _rows(rows, {2, 3, 4})]
@@ -150,7 +150,7 @@ def hand_policies(plan: RematPlan) -> dict[str, tuple[int, int, int]]:
                 names.remove(name)
                 results.pop(name, None)
                 continue
-            b, f, o = results.get(name, (plan.base_bytes, 0, 0))
+            b, f, o = results.get(name, (plan.base_for([1]), 0, 0))
             results[name] = (b + found[0].bytes, f + found[0].flops, o + found[0].ops)
     return {n: results[n] for n in names or []}
 

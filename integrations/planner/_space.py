@@ -2,9 +2,20 @@
 candidate SAVE submodules of a block and the options they give.
 
 Per block the options are: no checkpoint, or a checkpoint in which a subset of the
-candidate submodules runs as SAVE regions (the empty subset is a full checkpoint).
-Subsets holding a candidate and one of its descendants are left out: the outermost
-SAVE region wins, so they equal the subset without the descendant.
+candidate units runs as SAVE regions (the empty subset is a full checkpoint). A unit
+is one candidate submodule, or sibling projections that read the same input
+(``q_proj``/``k_proj``/``v_proj``, ``gate_proj``/``up_proj``), which are kept or
+recomputed together. Subsets holding a unit and one of its descendants are left
+out: the outermost SAVE region wins, so they equal the subset without the
+descendant.
+
+Blocks whose subsets number at most ``MAX_EXHAUSTIVE_OPTIONS`` have every subset
+measured. Beyond that the planner measures the full checkpoint and each unit alone,
+and then at most ``MAX_PREDICTED`` combinations: those that the sums of the
+single-unit measurements place on the block's Pareto frontier (bytes against
+recompute cost). The solver then picks among measured options only, so a plan's
+bytes are still bytes that were seen; what the bound gives up is combinations the
+additive prediction ranks as dominated.
 """
 
 from __future__ import annotations
@@ -13,7 +24,9 @@ import fnmatch
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 Candidates = Sequence[type | str] | Callable[[str, nn.Module], bool] | None
@@ -22,10 +35,16 @@ Candidates = Sequence[type | str] | Callable[[str, nn.Module], bool] | None
 
 BlockSelector = type | tuple | list | Callable[[nn.Module], bool] | None
 
-MAX_CANDIDATES = 8
-"""At most 2**8 + 1 measured options per distinct block."""
+MAX_EXHAUSTIVE_OPTIONS = 128
+"""Blocks with at most this many checkpoint options have every one measured."""
 
-_CONTAINER_WORDS = ("attention", "attn", "mlp", "feedforward", "ffn")
+MAX_PREDICTED = 16
+"""Beyond that: the full checkpoint, each unit alone, and at most this many
+combinations of units, so at most ``2 + units + MAX_PREDICTED`` options per
+distinct block (no checkpoint included)."""
+
+_CONTAINER_WORDS = ("attention", "attn", "mlp", "feedforward", "feed_forward", "ffn", "moe", "expert")
+_BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 @dataclass(frozen=True)
@@ -62,14 +81,100 @@ class Group:
     """Paths inside a block, in ``named_modules`` order."""
     kinds: tuple[str, ...] = ()
     """Per candidate its class name (``"Linear"`` for every ``nn.Linear``)."""
+    units: tuple[tuple[str, ...], ...] = ()
+    """The candidates as the planner chooses them: each unit is saved or recomputed
+    whole (empty: one unit per candidate)."""
+
+    def __post_init__(self) -> None:
+        if not self.units:
+            object.__setattr__(self, "units", tuple((c,) for c in self.candidates))
+
+    def option(self, units: Sequence[int]) -> Option:
+        """A checkpoint saving ``units`` (indices into :attr:`units`)."""
+        chosen = {p for u in units for p in self.units[u]}
+        return Option(True, tuple(c for c in self.candidates if c in chosen))
+
+    def parents(self) -> list[int]:
+        """Per unit, the index of the innermost unit holding it (-1: none)."""
+        out = []
+        for paths in self.units:
+            holders = [
+                j for j, outer in enumerate(self.units)
+                if len(outer) == 1 and paths[0].startswith(outer[0] + ".")
+            ]
+            out.append(max(holders, key=lambda j: len(self.units[j][0])) if holders else -1)
+        return out
+
+    def count_options(self) -> int:
+        """How many options :meth:`options` lists (no checkpoint included)."""
+        parents = self.parents()
+
+        def subsets(parent: int) -> int:
+            n = 1
+            for u, p in enumerate(parents):
+                if p == parent:
+                    n *= 1 + subsets(u)
+            return n
+
+        return 1 + subsets(-1)
+
+    @property
+    def exhaustive(self) -> bool:
+        return self.count_options() <= MAX_EXHAUSTIVE_OPTIONS
 
     def options(self) -> list[Option]:
+        """Every option: no checkpoint, then each subset of non-nested units."""
         subsets = [OFF]
-        for r in range(len(self.candidates) + 1):
-            for subset in itertools.combinations(self.candidates, r):
-                if not _nested(subset):
-                    subsets.append(Option(True, subset))
+        for r in range(len(self.units) + 1):
+            for subset in itertools.combinations(range(len(self.units)), r):
+                if not _nested([self.units[u][0] for u in subset]):
+                    subsets.append(self.option(subset))
         return subsets
+
+    def first_options(self) -> list[Option]:
+        """What a pruned block measures first: the full checkpoint, each unit alone."""
+        return [self.option(())] + [self.option((u,)) for u in range(len(self.units))]
+
+    def predicted_options(self, single: Sequence[tuple[int, tuple[int, int]]],
+                          full: tuple[int, tuple[int, int]]) -> list[Option]:
+        """At most ``MAX_PREDICTED`` combinations of two or more units on the Pareto
+        frontier of the additive prediction: ``single[u]`` is (bytes, cost) measured
+        with unit ``u`` alone saved, ``full`` with none."""
+        parents = self.parents()
+        delta = [
+            (b - full[0], (c[0] - full[1][0], c[1] - full[1][1])) for b, c in single
+        ]
+
+        def frontier_of(parent: int) -> list[tuple]:
+            # Entries (bytes, cost, units): the best subsets of the units under
+            # `parent` (none of them nested in another).
+            current: list[tuple] = [(0, (0, 0), ())]
+            for u, p in enumerate(parents):
+                if p != parent:
+                    continue
+                inner = frontier_of(u)
+                mine = _pareto(inner + [(delta[u][0], delta[u][1], (u,))])
+                current = _pareto([
+                    (a[0] + b[0], (a[1][0] + b[1][0], a[1][1] + b[1][1]), a[2] + b[2])
+                    for a in current for b in mine
+                ])
+            return current
+
+        combos = [e[2] for e in frontier_of(-1) if len(e[2]) > 1]
+        if len(combos) > MAX_PREDICTED:
+            step = (len(combos) - 1) / (MAX_PREDICTED - 1)
+            combos = [combos[round(i * step)] for i in range(MAX_PREDICTED)]
+        return [self.option(sorted(c)) for c in combos]
+
+
+def _pareto(entries: list[tuple]) -> list[tuple]:
+    """Entries ``(bytes, cost, ...)`` no other beats, by bytes ascending."""
+    entries.sort(key=lambda e: (e[0], e[1]))
+    kept: list[tuple] = []
+    for e in entries:
+        if not kept or e[1] < kept[-1][1]:
+            kept.append(e)
+    return kept
 
 
 def _nested(paths: Sequence[str]) -> bool:
@@ -78,17 +183,9 @@ def _nested(paths: Sequence[str]) -> bool:
 
 def select_blocks(model: nn.Module, blocks: BlockSelector) -> list[str]:
     """Qualified names of the blocks: matches of ``blocks``, outermost only; by
-    default the children of the largest ``nn.ModuleList`` (the layers)."""
+    default :func:`default_blocks`."""
     if blocks is None:
-        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        lists = [(n, m) for n, m in lists if len(m) > 0]
-        if not lists:
-            raise ValueError(
-                "plan_remat: the model has no nn.ModuleList of layers to find its blocks "
-                "in; pass blocks= (a module class, a tuple of classes or a predicate)."
-            )
-        name, layers = max(lists, key=lambda nm: len(nm[1]))
-        return [f"{name}.{i}" if name else str(i) for i in range(len(layers))]
+        return default_blocks(model)
     if isinstance(blocks, type) or isinstance(blocks, (tuple, list)):
         classes = blocks if isinstance(blocks, type) else tuple(blocks)
 
@@ -111,6 +208,46 @@ def select_blocks(model: nn.Module, blocks: BlockSelector) -> list[str]:
     return names
 
 
+def _is_block(module: nn.Module) -> bool:
+    """A module that can be a block: it has submodules and parameters."""
+    return any(True for _ in module.children()) and any(True for _ in module.parameters())
+
+
+def default_blocks(model: nn.Module) -> list[str]:
+    """The blocks of a model by its layout: the children that have submodules and
+    parameters of an ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` (the
+    model itself included). The outermost such container with at least two wins
+    (the layers, not the experts inside a layer), then the one with most; a
+    container with one is taken only when none has two."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, _BLOCK_CONTAINERS):
+            kids = [f"{name}.{k}" if name else k for k, c in module.named_children() if _is_block(c)]
+            if kids:
+                depth = name.count(".") + 1 if name else 0
+                found.append((len(kids) < 2, depth, -len(kids), len(found), kids))
+    if found:
+        return min(found)[-1]
+    listed = _block_classes(model)
+    raise ValueError(
+        "plan_remat: found no blocks: no nn.ModuleList, nn.ModuleDict or nn.Sequential "
+        "of the model holds a module with submodules and parameters. Pass blocks= (a "
+        "module class, a tuple of classes or a predicate); the model's modules that "
+        "could be blocks are: " + (listed or "none (it has no module with submodules)") + "."
+    )
+
+
+def _block_classes(model: nn.Module, shown: int = 4) -> str:
+    by_class: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if name and _is_block(module):
+            by_class.setdefault(type(module).__name__, []).append(name)
+    return "; ".join(
+        f"{cls}: {', '.join(names[:shown])}" + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
+        for cls, names in by_class.items()
+    )
+
+
 def _signature(block: nn.Module) -> tuple:
     return tuple(
         (
@@ -124,11 +261,13 @@ def _signature(block: nn.Module) -> tuple:
 
 
 def _default_candidate(path: str, module: nn.Module) -> bool:
-    if not path:
+    """Leaves with parameters, and attention/MLP/MoE containers with parameters
+    (a parameter-free attention backend computes from tensors a SAVE region of its
+    caller would keep anyway)."""
+    if not path or not any(True for _ in module.parameters()):
         return False
-    leaf_with_params = not list(module.children()) and any(True for _ in module.parameters())
     lowered = type(module).__name__.lower()
-    return leaf_with_params or any(word in lowered for word in _CONTAINER_WORDS)
+    return not list(module.children()) or any(word in lowered for word in _CONTAINER_WORDS)
 
 
 def _candidate_matcher(candidates: Candidates) -> Callable[[str, nn.Module, str], bool]:
@@ -155,9 +294,15 @@ def _candidate_matcher(candidates: Candidates) -> Callable[[str, nn.Module, str]
 
 
 def group_blocks(
-    model: nn.Module, block_names: Sequence[str], candidates: Candidates
+    model: nn.Module,
+    block_names: Sequence[str],
+    candidates: Candidates,
+    example_args: Sequence[Any] | None = None,
 ) -> list[Group]:
-    """Groups of identical blocks, in the order of their first block."""
+    """Groups of identical blocks, in the order of their first block. With the
+    default candidates and ``example_args``, one forward (no gradients) finds the
+    sibling projections: leaves of one class under one parent called with the same
+    input tensor become one unit."""
     match = _candidate_matcher(candidates)
     by_signature: dict[tuple, list[str]] = {}
     paths_of: dict[tuple, tuple[str, ...]] = {}
@@ -174,18 +319,64 @@ def group_blocks(
                 and match(path, m, f"{name}.{path}")
             )
             kinds_of[sig] = tuple(_kind(block.get_submodule(p)) for p in paths_of[sig])
+    inputs: dict[str, int] = {}
+    if candidates is None and example_args is not None:
+        leaves = {
+            f"{names[0]}.{p}": model.get_submodule(f"{names[0]}.{p}")
+            for sig, names in by_signature.items()
+            for p in paths_of[sig]
+        }
+        inputs = _first_inputs(model, example_args, {
+            n: m for n, m in leaves.items() if not any(True for _ in m.children())
+        })
     groups = []
     for sig, names in by_signature.items():
         paths = paths_of[sig]
-        if len(paths) > MAX_CANDIDATES:
-            raise ValueError(
-                f"plan_remat: block '{names[0]}' has {len(paths)} candidate submodules "
-                f"({', '.join(paths)}); the planner measures every subset and takes at most "
-                f"{MAX_CANDIDATES}. Pass candidates= (module classes or glob patterns such "
-                "as 'attn', '*.fc1') to name fewer."
-            )
-        groups.append(Group(tuple(names), paths, kinds_of[sig]))
+        units = _sibling_units(model, names[0], paths, inputs)
+        groups.append(Group(tuple(names), paths, kinds_of[sig], units))
     return groups
+
+
+def _first_inputs(model: nn.Module, args: Sequence[Any], leaves: dict[str, nn.Module]) -> dict[str, int]:
+    """Per leaf, an id of the tensor its first call took first (leaves called more
+    than once, or with no tensor, are left out)."""
+    from ._measure import preserved_state
+
+    seen: dict[str, list[Any]] = {}
+    handles = []
+    for name, leaf in leaves.items():
+        def pre(_m: nn.Module, a: tuple, _name: str = name) -> None:
+            seen.setdefault(_name, []).append(a[0] if a and isinstance(a[0], torch.Tensor) else None)
+
+        handles.append(leaf.register_forward_pre_hook(pre))
+    try:
+        with preserved_state(model, args), torch.no_grad():
+            model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    # The tensors are alive in `seen` until here, so their ids are distinct.
+    return {n: id(t[0]) for n, t in seen.items() if len(t) == 1 and t[0] is not None}
+
+
+def _sibling_units(
+    model: nn.Module, block: str, paths: Sequence[str], inputs: dict[str, int]
+) -> tuple[tuple[str, ...], ...]:
+    units: list[list[str]] = []
+    key_of: dict[tuple, int] = {}
+    for path in paths:
+        source = inputs.get(f"{block}.{path}")
+        if source is None:
+            units.append([path])
+            continue
+        parent = path.rpartition(".")[0]
+        key = (parent, type(model.get_submodule(f"{block}.{path}")), source)
+        if key in key_of:
+            units[key_of[key]].append(path)
+        else:
+            key_of[key] = len(units)
+            units.append([path])
+    return tuple(tuple(u) for u in units)
 
 
 def _inside_other_block(fqn: str, block: str, block_names: Sequence[str]) -> bool:

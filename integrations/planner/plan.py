@@ -23,7 +23,16 @@ import torch_remat as remat
 from torch_remat._integration import format_bytes
 
 from . import _distributed, _report
-from ._measure import BASE, Config, LossFn, activation_bytes, install, measure, refuse_applied_remat
+from ._measure import (
+    BASE,
+    Config,
+    LossFn,
+    activation_bytes,
+    blocks_drawing_no_random_numbers,
+    install,
+    measure,
+    refuse_applied_remat,
+)
 from ._solve import Point, cheapest_within, frontier
 from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
 
@@ -81,6 +90,14 @@ class RematPlan:
     """Bytes measured with the plan installed (None: not verified)."""
     _model: Any = field(default=None, repr=False, compare=False)
     _frontier: list[Point] | None = field(default=None, repr=False, compare=False)
+    rng_free: list[str] = field(default_factory=list)
+    """Blocks that drew no random numbers while planning: checkpointed without an
+    RNG snapshot."""
+    checkpoint_base_bytes: int | None = None
+    """Bytes held outside every block when some block is checkpointed (None: as
+    ``base_bytes``): a checkpoint keeps its block's inputs, and an input made outside
+    the blocks that the block itself does not save (transformers' ``position_ids``)
+    is then held too. Shared by all blocks, so it is counted once."""
 
     # ---------------------------------------------------------------- numbers
 
@@ -88,10 +105,16 @@ class RematPlan:
     def chosen(self) -> list[Measured]:
         return [options[i] for options, i in zip(self.table, self.choices)]
 
+    def base_for(self, choices: Sequence[int]) -> int:
+        """Bytes outside the blocks for a plan choosing ``choices`` (index 0: off)."""
+        if any(choices) and self.checkpoint_base_bytes is not None:
+            return self.checkpoint_base_bytes
+        return self.base_bytes
+
     @property
     def predicted_bytes(self) -> int:
         """Activation bytes held after the forward with the plan applied."""
-        return self.base_bytes + sum(m.bytes for m in self.chosen)
+        return self.base_for(self.choices) + sum(m.bytes for m in self.chosen)
 
     @property
     def recompute_flops(self) -> int:
@@ -119,7 +142,14 @@ class RematPlan:
         if self._frontier is None:
             points = frontier([[(m.bytes, (m.flops, m.ops)) for m in opts] for opts in self.table])
             # Shared by the plans for_budget derives: they have the same table.
-            self._frontier = [Point(p.bytes + self.base_bytes, p.cost, p.choices) for p in points]
+            based = sorted(
+                (Point(p.bytes + self.base_for(p.choices), p.cost, p.choices) for p in points),
+                key=lambda p: (p.bytes, p.cost),
+            )
+            self._frontier = []
+            for p in based:  # the base differs for the plan without checkpoints
+                if not self._frontier or p.cost < self._frontier[-1].cost:
+                    self._frontier.append(p)
         return list(self._frontier)
 
     @property
@@ -137,7 +167,8 @@ class RematPlan:
             raise InfeasibleBudgetError(_infeasible(budget, budget_bytes, self))
         return RematPlan(
             self.blocks, self.table, list(point.choices), self.base_bytes, budget_bytes,
-            self.candidates, None, self._model, self.frontier(),
+            self.candidates, None, self._model, self.frontier(), list(self.rng_free),
+            self.checkpoint_base_bytes,
         )
 
     def pareto(self, budgets: Sequence[float] | None = None) -> _report.ParetoTable:
@@ -153,7 +184,8 @@ class RematPlan:
 
     def config(self) -> Config:
         return Config(
-            {n: o.save for n, o in self.options.items() if o.checkpoint}
+            {n: o.save for n, o in self.options.items() if o.checkpoint},
+            frozenset(self.rng_free),
         )
 
     def apply(self, model: nn.Module | None = None) -> list[str]:
@@ -196,6 +228,8 @@ class RematPlan:
             "budget_bytes": self.budget_bytes,
             "candidates": self.candidates,
             "measured_bytes": self.measured_bytes,
+            "rng_free": self.rng_free,
+            "checkpoint_base_bytes": self.checkpoint_base_bytes,
         }
 
     def save(self, path: str | Path) -> None:
@@ -217,6 +251,8 @@ class RematPlan:
             data["budget_bytes"],
             {k: dict(v) for k, v in data["candidates"].items()},
             data["measured_bytes"],
+            rng_free=list(data.get("rng_free", [])),
+            checkpoint_base_bytes=data.get("checkpoint_base_bytes"),
         )
 
     @staticmethod
@@ -281,24 +317,48 @@ def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
 
 
 def measure_table(
-    model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group]
-) -> tuple[int, list[list[Measured]]]:
-    """Run every option of every group once; ``(base bytes, per-block options)``."""
+    model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group],
+    rng_free: frozenset[str] = frozenset(),
+) -> tuple[int, int, list[list[Measured]]]:
+    """Run every option of every group once; ``(base bytes without checkpoints, base
+    bytes with some, per-block options)``."""
     measure(model, args, loss_fn, Config(), blocks)  # warm-up: lazy state, first-call caches
     off = measure(model, args, loss_fn, Config(), blocks)
     table: dict[str, list[Measured]] = {
         b: [Measured(OFF, off.bytes_by_block[b], 0, 0)] for b in blocks
     }
-    for group in groups:
-        for option in group.options()[1:]:
-            run = measure(
-                model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save)), blocks
+    bases: list[int] = []
+
+    def run(group: Group, option: Option) -> None:
+        got = measure(
+            model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save), rng_free),
+            blocks,
+        )
+        bases.append(got.bytes_by_block[BASE])
+        for b in group.blocks:
+            table[b].append(
+                Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b])
             )
-            for b in group.blocks:
-                table[b].append(
-                    Measured(option, run.bytes_by_block[b], run.flops_by_block[b], run.ops_by_block[b])
-                )
-    return off.bytes_by_block[BASE], [table[b] for b in blocks]
+
+    for group in groups:
+        if group.exhaustive:
+            for option in group.options()[1:]:
+                run(group, option)
+            continue
+        # Too many subsets to measure: the full checkpoint and each unit alone, then
+        # the combinations their sums predict to be on the frontier (see _space).
+        for option in group.first_options():
+            run(group, option)
+
+        def summed(i: int, group: Group = group) -> tuple[int, tuple[int, int]]:
+            ms = [table[b][i] for b in group.blocks]
+            return sum(m.bytes for m in ms), (sum(m.flops for m in ms), sum(m.ops for m in ms))
+
+        single = [summed(2 + u) for u in range(len(group.units))]
+        for option in group.predicted_options(single, summed(1)):
+            run(group, option)
+    base = off.bytes_by_block[BASE]
+    return base, max(bases, default=base), [table[b] for b in blocks]
 
 
 def plan_remat(
@@ -323,10 +383,17 @@ def plan_remat(
         budget: a fraction (float) of the activation bytes without remat, bytes
             (int), or ``"auto"`` (free CUDA memory less a margin; an error on CPU).
         blocks: the modules to checkpoint (class, classes or predicate); default
-            the children of the model's largest ``nn.ModuleList``.
+            the children with submodules and parameters of the outermost
+            ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` holding two or
+            more of them (the model itself included).
         candidates: submodules that may become SAVE regions: module classes and
             glob patterns of qualified names, or a predicate ``(path, module)``;
-            default the leaf modules with parameters and attention/MLP containers.
+            default the leaf modules with parameters and the attention/MLP/MoE
+            containers with parameters, sibling projections that read the same
+            input (q/k/v, gate/up) taken together. A block with more than
+            ``MAX_EXHAUSTIVE_OPTIONS`` (128) options is measured for the full
+            checkpoint, each candidate alone and at most ``MAX_PREDICTED`` (16)
+            combinations predicted to be on its frontier, not for every subset.
         per_rank: under an initialized process group, each rank plans for its own
             measurements and budget; otherwise rank 0's choice is broadcast, so
             every rank applies the same policy. Every rank runs the measurements
@@ -340,11 +407,15 @@ def plan_remat(
     refuse_applied_remat(model)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     names = select_blocks(model, blocks)
-    groups = group_blocks(model, names, candidates)
-    base, table = measure_table(model, args, loss_fn, names, groups)
+    groups = group_blocks(model, names, candidates, args)
+    rng_free = blocks_drawing_no_random_numbers(model, args, names)
+    base, checkpoint_base, table = measure_table(
+        model, args, loss_fn, names, groups, frozenset(rng_free)
+    )
     measured = RematPlan(
         names, table, [0] * len(names), base, 0,
         {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None, weakref.ref(model),
+        rng_free=rng_free, checkpoint_base_bytes=checkpoint_base,
     )
     plan, error = _solve_or_error(measured, budget)
     if not per_rank:

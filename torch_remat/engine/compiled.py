@@ -113,6 +113,7 @@ def region_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 _REGION_CONTEXT_FN = functools.partial(
     create_selective_checkpoint_contexts, region_policy, allow_cache_entry_mutation=True
 )
+_compat.quiet_own_context_fn_warning(_REGION_CONTEXT_FN)  # the user passed no context_fn
 
 
 @torch.compiler.assume_constant_result

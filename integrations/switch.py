@@ -1,0 +1,107 @@
+"""``torch_checkpointing_as_remat``: one switch for code that calls torch's activation
+checkpointing itself.
+
+torchtune's ``training.set_activation_checkpointing`` and its ``checkpoint_wrapper``,
+and Lightning's FSDP strategy (``activation_checkpointing_policy=``), call torch's
+``apply_activation_checkpointing`` or ``checkpoint_wrapper``, some through names
+they imported when they were imported. Inside the switch those calls apply remat:
+torch's module attributes, and every name any imported module bound to those two
+functions, are replaced, and put back on exit.
+
+* ``apply_activation_checkpointing(model, checkpoint_wrapper_fn, check_fn,
+  auto_wrap_policy)`` is :func:`~torch_remat.integrations.apply_remat` with the same
+  arguments: the same modules are selected, and no wrapper enters the module tree.
+* ``checkpoint_wrapper(module, **options)`` installs remat on ``module`` and returns
+  ``module`` itself (not a wrapper), so the caller registers the module it already
+  had. Its checkpoint is named after the module's class (the function is not told
+  the module's qualified name).
+
+Options torch's wrapper takes are translated as ``apply_remat`` translates them
+(``preserve_rng_state=False`` turns the RNG hooks off, as torch's would not replay
+dropout either); a custom ``checkpoint_fn`` other than torch's
+``torch.utils.checkpoint.checkpoint``, ``context_fn`` (selective checkpointing
+policies) and reentrant checkpointing are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from torch_remat._integration import checkpoint_wrapper_module
+
+from .apply import RematConfig, apply_remat
+
+_NAMES = ("apply_activation_checkpointing", "checkpoint_wrapper")
+
+
+@contextlib.contextmanager
+def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[None]:
+    """Within the block, torch's ``apply_activation_checkpointing`` and
+    ``checkpoint_wrapper`` apply remat (``remat``: the options, as for
+    :func:`~torch_remat.integrations.apply_remat`). Not thread-safe: it replaces
+    module attributes for the whole process while it is open."""
+    _torch = checkpoint_wrapper_module()
+    originals = {name: getattr(_torch, name) for name in _NAMES}
+    if any(getattr(f, "torch_remat_switch", False) for f in originals.values()):
+        raise RuntimeError(
+            "torch_checkpointing_as_remat: the switch is already on (nested use); "
+            "open it once around the code that checkpoints."
+        )
+    original_wrapper = originals["checkpoint_wrapper"]
+
+    def unswitched(fn: Any) -> Any:
+        # The framework may hand our replacement (or a partial of it) back to us.
+        if fn is replacements["checkpoint_wrapper"]:
+            return original_wrapper
+        if isinstance(fn, functools.partial) and fn.func is replacements["checkpoint_wrapper"]:
+            return functools.partial(original_wrapper, *fn.args, **fn.keywords)
+        return fn
+
+    def apply_activation_checkpointing(
+        model: nn.Module, checkpoint_wrapper_fn: Any = None,
+        check_fn: Any = lambda _: True, auto_wrap_policy: Any = None,
+    ) -> None:
+        apply_remat(
+            model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy, remat=remat
+        )
+
+    def checkpoint_wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        holder = nn.Module()
+        holder.add_module(type(module).__name__, module)
+        apply_remat(
+            holder, functools.partial(original_wrapper, *args, **kwargs),
+            check_fn=lambda m: m is module, remat=remat,
+        )
+        return module
+
+    replacements = {
+        "apply_activation_checkpointing": apply_activation_checkpointing,
+        "checkpoint_wrapper": checkpoint_wrapper,
+    }
+    for fn in replacements.values():
+        fn.torch_remat_switch = True  # type: ignore[attr-defined]
+    by_original = {id(originals[n]): replacements[n] for n in _NAMES}
+    replaced: list[tuple[Any, str, Any]] = []
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "torch_remat":
+            continue  # its own references are how apply_remat recognises torch's wrapper
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            new = by_original.get(id(value))
+            if new is not None and any(value is originals[n] for n in _NAMES):
+                replaced.append((module, attr, value))
+                setattr(module, attr, new)
+    try:
+        yield
+    finally:
+        for module, attr, value in replaced:
+            if getattr(module, attr, None) is by_original[id(value)]:
+                setattr(module, attr, value)

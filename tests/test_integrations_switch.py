@@ -1,0 +1,104 @@
+"""torch_checkpointing_as_remat: code that calls torch's apply_activation_checkpointing
+or checkpoint_wrapper itself (torchtune, Lightning) applies remat instead, also
+through names it imported before the switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_cw
+
+from tests.helpers import assert_bitwise_equal, grads
+from torch_remat.integrations import remat_module_names, remove_remat, torch_checkpointing_as_remat
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d, dtype=torch.float64)
+        self.fc2 = nn.Linear(2 * d, d, dtype=torch.float64)
+
+    def forward(self, x):
+        return x + self.fc2(F.dropout(torch.tanh(self.fc1(x)), 0.2, self.training))
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(3)))
+
+
+def _grads(model, x):
+    return grads(list(model.parameters()), [], lambda: model(x).pow(2).sum(), seed=3)
+
+
+def test_torch_apply_activation_checkpointing_applies_remat_inside_the_switch_only():
+    model = _net()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    ref = _grads(model, x)
+    names = [n for n, _ in model.named_parameters()]
+    with torch_checkpointing_as_remat():
+        torch_cw.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    assert remat_module_names(model) == ["0", "1", "2"]
+    assert [n for n, _ in model.named_parameters()] == names
+    assert_bitwise_equal(ref, _grads(model, x))
+    remove_remat(model)
+    torch_cw.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    assert remat_module_names(model) == []  # torch's own again, outside the switch
+    assert any(isinstance(m, torch_cw.CheckpointWrapper) for m in model.modules())
+
+
+def test_checkpoint_wrapper_returns_the_module_itself_with_remat():
+    block = Block()
+    with torch_checkpointing_as_remat():
+        wrapped = torch_cw.checkpoint_wrapper(block)
+    assert wrapped is block and remat_module_names(nn.Sequential(block)) == ["0"]
+
+
+def test_torchtune_set_activation_checkpointing_applies_remat():
+    pytest.importorskip("torchtune")
+    from torchtune import modules, training
+    from torchtune.models.llama3 import llama3
+
+    torch.manual_seed(0)
+    model = llama3(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, embed_dim=16,
+                   max_seq_len=32, intermediate_dim=32)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref = grads(list(model.parameters()), [], lambda: model(tokens).sum())
+    with torch_checkpointing_as_remat():
+        training.set_activation_checkpointing(
+            model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+        )
+    assert remat_module_names(model) == ["layers.0", "layers.1"]
+    assert_bitwise_equal(ref, grads(list(model.parameters()), [], lambda: model(tokens).sum()))
+    from torchtune.training import memory
+
+    assert memory.apply_activation_checkpointing is torch_cw.apply_activation_checkpointing
+
+
+def test_torchtune_checkpoint_wrapper_imported_under_another_name_applies_remat():
+    pytest.importorskip("torchtune")
+    from torchtune.training import activations
+
+    block = Block()
+    with torch_checkpointing_as_remat():
+        wrapped = activations.checkpoint_wrapper(block, "full", None)
+    assert wrapped is block and remat_module_names(nn.Sequential(block)) == ["0"]
+    assert activations.ptd_checkpoint_wrapper is torch_cw.checkpoint_wrapper
+
+
+def test_lightning_fsdp_activation_checkpointing_applies_remat():
+    pytest.importorskip("lightning")
+    from lightning.fabric.strategies.fsdp import (
+        _activation_checkpointing_kwargs,
+        _setup_activation_checkpointing,
+    )
+
+    model = _net()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    ref = _grads(model, x)
+    with torch_checkpointing_as_remat():
+        _setup_activation_checkpointing(model, _activation_checkpointing_kwargs(None, {Block}))
+    assert remat_module_names(model) == ["0", "1", "2"]
+    assert_bitwise_equal(ref, _grads(model, x))
