@@ -281,9 +281,16 @@ def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
 
 
 def measure_table(
-    model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group]
+    model: nn.Module,
+    args: Sequence[Any],
+    loss_fn: LossFn,
+    blocks: list[str],
+    groups: list[Group],
+    measure: Any = measure,
 ) -> tuple[int, list[list[Measured]]]:
-    """Run every option of every group once; ``(base bytes, per-block options)``."""
+    """Run every option of every group once; ``(base bytes, per-block options)``.
+    ``measure``: how one configuration is run (``_measure.measure`` on real tensors,
+    ``_fake.measure_fake`` for a forecast)."""
     measure(model, args, loss_fn, Config(), blocks)  # warm-up: lazy state, first-call caches
     off = measure(model, args, loss_fn, Config(), blocks)
     table: dict[str, list[Measured]] = {
