@@ -7,12 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from benchmarks.gpt import GPTConfig, GPTStack
+from benchmarks.measure import step_bytes
 from torch_remat.integrations import plan_remat, remove_remat
 from torch_remat.integrations.planner import activation_bytes, forecast_remat
 from torch_remat.integrations.planner._fake import faked, measure_fake, resized
-from torch_remat.integrations.planner.forecast import parse_bytes
+from torch_remat.integrations.planner._measure import Config, install
+from torch_remat.integrations.planner.forecast import _largest, parse_bytes
 
 TINY = GPTConfig(d_model=32, n_heads=4, seq_len=32, batch=2, n_layers=2, attention_dropout=0.1)
 """W1's GPT stack, small: matmul attention with its s x s scores and dropout."""
@@ -45,7 +48,7 @@ def gpt(one_thread):
     x = stack.example_input()
     kwargs = dict(budget=0.3, candidates=["qkv", "fc1", "fc2"])
     plan = plan_remat(stack, x, **kwargs)
-    forecast = forecast_remat(stack, x, **kwargs)
+    forecast = forecast_remat(stack, x, **kwargs, device_memory="2MiB")
     return stack, x, plan, forecast
 
 
@@ -147,6 +150,34 @@ def test_a_model_built_on_the_meta_device_forecasts_as_the_real_one(gpt):
     assert all(p.device.type == "meta" for p in meta.parameters())
 
 
+def test_a_meta_model_moved_to_fake_cpu_with_to_empty_forecasts_as_the_real_one(gpt):
+    _, _, plan, forecast = gpt
+    with torch.device("meta"):
+        model = GPTStack(TINY)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # to_empty reads meta tensors
+        model.to_empty(device="cpu")
+        x = torch.empty(TINY.batch, TINY.seq_len, TINY.d_model, requires_grad=True)
+    mode.allow_non_fake_inputs = False  # the forecast allows them while it runs, then not
+    fake_forecast = forecast_remat(model, x, budget=0.3, candidates=["qkv", "fc1", "fc2"])
+    _same_table(plan, fake_forecast)
+    assert not mode.allow_non_fake_inputs
+
+
+def test_kept_bytes_equal_w1s_allocator_ledger_for_each_policy(gpt):
+    """W1's ledger (benchmarks/measure.py: allocator events of a real step) is a
+    different code path from the planner's."""
+    stack, x, _, forecast = gpt
+    for name, policy in forecast.policies.items():
+        install(stack, policy.config)
+        try:
+            real = step_bytes(lambda: stack(x).sum())
+        finally:
+            install(stack, Config())
+            for p in stack.parameters():
+                p.grad = None
+        assert policy.kept_bytes == real.live_after_forward, name
+
+
 def test_forecasting_leaves_the_model_real_and_unchanged(gpt):
     stack, x, _, _ = gpt
     before = {n: p for n, p in stack.named_parameters()}
@@ -164,24 +195,32 @@ def test_forecasting_leaves_the_model_real_and_unchanged(gpt):
 
 def test_largest_micro_batch_fits_and_one_more_does_not(gpt):
     stack, x, _, forecast = gpt
-    memory = forecast.fixed_bytes + 3 * forecast.policies["no remat"].peak_bytes
-    sized = forecast_remat(stack, x, budget=0.3, candidates=["qkv", "fc1", "fc2"],
-                           device_memory=memory)
-    policies = sized.policies
-    # three times the example's peak fits more than its batch of 2 without remat,
-    # and a full checkpoint fits more than that
+    memory = 2 * 2**20
+    assert forecast.device_memory == memory
+    params = sum(p.numel() * p.element_size() for p in stack.parameters())
+    assert forecast.fixed_bytes == 3 * params  # parameters and Adam's two states
+    policies = forecast.policies
+    # 2 MiB holds more than the example's batch of 2 without remat, and more with
+    # a full checkpoint
     assert policies["no remat"].max_batch >= 2
     assert policies["full checkpoint"].max_batch > policies["no remat"].max_batch
-    names = [b for b in sized.plan.blocks]
+    names = list(forecast.plan.blocks)
     for name in ("no remat", "full checkpoint"):
         b = policies[name].max_batch
         for batch, fits in ((b, True), (b + 1, False)):
             with faked(stack, (x,)) as (mode, args):
                 m = measure_fake(stack, resized(args, mode, batch), lambda o: o.sum(),
                                  policies[name].config, names, mode)
-            assert (sized.fixed_bytes + m.peak_bytes <= memory) is fits, (name, batch)
-    text = str(sized)
+            assert (forecast.fixed_bytes + m.peak_bytes <= memory) is fits, (name, batch)
+    text = str(forecast)
     assert "largest micro-batch" in text and "kept bytes by block" in text
+
+
+def test_the_largest_batch_search_finds_the_boundary_from_any_guess():
+    for limit in (1, 7, 40):
+        for largest in range(limit + 1):
+            for guess in range(1, limit + 3):
+                assert _largest(lambda b, n=largest: b <= n, guess, limit) == largest
 
 
 def test_device_memory_sizes_parse_and_bad_ones_are_refused():

@@ -188,6 +188,8 @@ def faked(
     (default CPU); real ones keep theirs."""
     dev = torch.device(device) if device is not None else None
     mode = fake_mode_of(model, args) or FakeTensorMode(allow_non_fake_inputs=True)
+    # The engine's real tensors (a checkpoint's copy of the RNG state) meet fakes.
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
     swapped: list[tuple[nn.Module, str, str, torch.Tensor]] = []
     try:
         for module in model.modules():
@@ -210,6 +212,7 @@ def faked(
 
         yield mode, tuple(tree_map(arg, list(args)))
     finally:
+        mode.allow_non_fake_inputs = allowed
         for module, kind, name, t in reversed(swapped):
             getattr(module, kind)[name] = t
 

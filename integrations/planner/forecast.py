@@ -229,31 +229,53 @@ def forecast_remat(
         if memory is not None:
             fixed = parameter_bytes + optimizer_bytes
             for p in policies.values():
+                peaks = {batch: p.peak_bytes}
 
-                def fits(b: int, _p: PolicyForecast = p) -> bool:
-                    if b == batch:
-                        return fixed + _p.peak_bytes <= memory
-                    sized = resized(fargs, mode, b, batch_dim)
-                    return fixed + run(model, sized, loss_fn, _p.config, names).peak_bytes <= memory
+                def peak(b: int, _p: PolicyForecast = p, _peaks: dict = peaks) -> int:
+                    if b not in _peaks:
+                        sized = resized(fargs, mode, b, batch_dim)
+                        _peaks[b] = run(model, sized, loss_fn, _p.config, names).peak_bytes
+                    return _peaks[b]
 
-                p.max_batch = _largest(fits, batch, max_batch)
+                p.max_batch = _largest(lambda b, _peak=peak: fixed + _peak(b) <= memory,
+                                       _affine_guess(peak, batch, memory - fixed), max_batch)
     return Forecast(plan, policies, parameter_bytes, optimizer_bytes, batch, memory)
 
 
-def _largest(fits: Any, start: int, limit: int) -> int:
+def _affine_guess(peak: Any, batch: int, room: int) -> int:
+    """The batch at which the step peak, taken as affine in the batch (through the
+    peaks at ``batch`` and ``2 * batch``), reaches ``room``."""
+    low, high = peak(batch), peak(2 * batch)
+    per_sample = (high - low) / batch
+    if per_sample <= 0:
+        return batch
+    return max(1, batch + int((room - low) // per_sample))
+
+
+def _largest(fits: Any, guess: int, limit: int) -> int:
     """The largest ``b`` in ``[1, limit]`` with ``fits(b)`` (``fits`` is monotone:
-    a larger batch never needs less), 0 if none: doubling, then bisection."""
-    lo, hi = 0, None  # fits(lo) (or lo == 0), not fits(hi)
-    b = max(1, start)
-    while hi is None:
-        if fits(b):
-            lo = b
-            if b >= limit:
-                return limit
-            b = min(2 * b, limit)
-        else:
-            hi = b
-    if lo == 0:
+    a larger batch never needs less), 0 if none. Tries ``guess`` and its neighbour
+    first (the peak is close to affine in the batch), then doubles or halves to a
+    bracket and bisects it."""
+    guess = min(max(1, guess), limit)
+    if fits(guess):
+        if guess == limit or not fits(guess + 1):
+            return guess
+        lo, hi = guess + 1, None
+        while hi is None:
+            b = min(2 * lo, limit)
+            if fits(b):
+                if b == limit:
+                    return limit
+                lo = b
+            else:
+                hi = b
+    else:
+        if guess == 1:
+            return 0
+        if fits(guess - 1):
+            return guess - 1
+        hi, lo = guess - 1, 0
         b = hi // 2
         while b >= 1 and not fits(b):
             hi, b = b, b // 2
