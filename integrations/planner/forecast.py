@@ -131,7 +131,7 @@ class Forecast:
             )
         lines += ["  " + r for r in _report._rows(rows, set(range(1, len(names) + 1)))]
         lines += ["", *("  " + line for line in self.plan.format().splitlines())]
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
         return self.format()
