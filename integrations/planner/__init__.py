@@ -5,10 +5,14 @@ docs/planning.md)."""
 from ._measure import activation_bytes
 from ._report import ParetoRow, ParetoTable
 from ._space import Option
+from .forecast import Forecast, PolicyForecast, forecast_remat
 from .plan import InfeasibleBudgetError, Measured, PlanMismatchError, RematPlan, plan_remat
 
 __all__ = [
     "plan_remat",
+    "forecast_remat",
+    "Forecast",
+    "PolicyForecast",
     "RematPlan",
     "Option",
     "Measured",

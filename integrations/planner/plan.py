@@ -317,11 +317,17 @@ def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
 
 
 def measure_table(
-    model: nn.Module, args: Sequence[Any], loss_fn: LossFn, blocks: list[str], groups: list[Group],
+    model: nn.Module,
+    args: Sequence[Any],
+    loss_fn: LossFn,
+    blocks: list[str],
+    groups: list[Group],
     rng_free: frozenset[str] = frozenset(),
+    measure: Any = measure,
 ) -> tuple[int, int, list[list[Measured]]]:
     """Run every option of every group once; ``(base bytes without checkpoints, base
-    bytes with some, per-block options)``."""
+    bytes with some, per-block options)``. ``measure``: how one configuration is run
+    (``_measure.measure`` on real tensors, ``_fake.measure_fake`` for a forecast)."""
     measure(model, args, loss_fn, Config(), blocks)  # warm-up: lazy state, first-call caches
     off = measure(model, args, loss_fn, Config(), blocks)
     table: dict[str, list[Measured]] = {

@@ -1,0 +1,294 @@
+"""Measure a remat configuration without allocating its memory: the same run as
+``_measure.measure``, under ``FakeTensorMode``.
+
+Fake tensors have storages with sizes but no data, so the forward and backward run
+(shapes, dtypes, views, autograd, the engine's packing, rebuilding and replay) and
+nothing proportional to the model is allocated. Bytes are counted the way the
+planner counts them on real memory: every storage allocated in the forward and
+still alive after ``loss_fn(model(*args))`` returns, once however many views and
+saves share it, charged to the innermost block running when it was allocated.
+
+* Fake storages: :class:`StorageLedger`, a dispatch mode over the fake mode, sees
+  every op's outputs; a storage first seen as an output was allocated by that op
+  (storages first seen as inputs existed before: parameters, buffers, the
+  arguments). Python keeps one object per storage for as long as the storage lives,
+  so a finalizer on it marks the exact moment it is freed; the ledger also keeps
+  the running peak.
+* Real storages: what the engine allocates outside the dispatcher (a checkpoint's
+  copy of the CPU RNG state, a ``torch.ByteTensor`` of 5,056 B) is real even under
+  fake mode and is counted from the profiler's allocator events, as ``measure``
+  does.
+
+FLOPs and aten ops of the recompute come from the same counter as ``measure``
+(``FlopCounterMode``'s formulas work on shapes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..apply import remove_remat
+from ._measure import (
+    BASE,
+    RANGE_PREFIX,
+    Config,
+    LossFn,
+    Measurement,
+    RecomputeCounter,
+    _profiled,
+    held_bytes_by_block,
+    install,
+)
+
+
+class StorageLedger(TorchDispatchMode):
+    """Fake storages allocated by ops while active: which are alive, the block each
+    was allocated in, and the peak of their total."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list[str] = []
+        """The stack of blocks whose forward is running (innermost last)."""
+        self.live: dict[int, tuple[int, str]] = {}
+        self.known: set[int] = set()
+        self.current = 0
+        self.peak = 0
+
+    def _forget(self, key: int) -> None:
+        self.known.discard(key)
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+
+    def _see(self, t: torch.Tensor, allocated: bool) -> None:
+        if not isinstance(t, FakeTensor):
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.known:
+            return
+        self.known.add(key)
+        weakref.finalize(st, self._forget, key)
+        if allocated:
+            n = st.nbytes()
+            self.live[key] = (n, self.blocks[-1] if self.blocks else BASE)
+            self.current += n
+            self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor):
+                self._see(a, allocated=False)
+        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            _draw_like(out)
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor):
+                self._see(o, allocated=True)
+        return out
+
+    def see_existing(self, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            self._see(t, allocated=False)
+
+    def held_by_block(self) -> dict[str, int]:
+        held: dict[str, int] = defaultdict(int)
+        for n, block in self.live.values():
+            held[block] += n
+        return dict(held)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+def _draw_like(out: Any) -> None:
+    """A fake random op draws nothing from its device's generator; the engine
+    tells from the generator's state whether a checkpoint's forward drew random
+    numbers (and then keeps the state to replay them). Draw one number from the CPU
+    generator for a random op on CPU tensors, so the engine sees what it sees on
+    real tensors."""
+    devices = {o.device.type for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)}
+    if "cpu" in devices:
+        with _disable_current_modes():
+            torch.rand(1)
+
+
+@contextlib.contextmanager
+def _block_ranges(ledger: StorageLedger, model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    handles = []
+    ranges: list[Any] = []
+    for name in names:
+        block = model.get_submodule(name)
+
+        def enter(_m: nn.Module, _a: Any, _name: str = name) -> None:
+            ledger.blocks.append(_name)
+            # The range is opened by an op, which the fake mode would swallow.
+            with _disable_current_modes():
+                r = torch.profiler.record_function(RANGE_PREFIX + _name)
+                r.__enter__()
+            ranges.append(r)
+
+        def leave(_m: nn.Module, _a: Any, _o: Any) -> None:
+            ledger.blocks.pop()
+            with _disable_current_modes():
+                ranges.pop().__exit__(None, None, None)
+
+        handles.append(block.register_forward_pre_hook(enter))
+        handles.append(block.register_forward_hook(leave, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------ fake model
+
+
+def fake_mode_of(model: nn.Module, args: Sequence[Any]) -> FakeTensorMode | None:
+    """The fake mode the model's parameters or the arguments already belong to."""
+    for t in [*model.parameters(), *model.buffers(), *args]:
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
+
+
+def _to_fake(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    if isinstance(t, FakeTensor):
+        return t
+    if t.device.type == "meta":
+        with mode:
+            out = torch.empty_strided(
+                t.shape, t.stride(), dtype=t.dtype, device=device or torch.device("cpu")
+            )
+    else:
+        out = mode.from_tensor(t.detach())
+    return out
+
+
+@contextlib.contextmanager
+def faked(
+    model: nn.Module, args: Sequence[Any], device: torch.device | str | None = None
+) -> Iterator[tuple[FakeTensorMode, tuple[Any, ...]]]:
+    """The model with every parameter and buffer a fake tensor (real and meta ones
+    are swapped for fakes of the same shape, dtype and strides, and swapped back on
+    exit), and the arguments as fakes. Meta tensors become fakes on ``device``
+    (default CPU); real ones keep theirs."""
+    dev = torch.device(device) if device is not None else None
+    mode = fake_mode_of(model, args) or FakeTensorMode(allow_non_fake_inputs=True)
+    # The engine's real tensors (a checkpoint's copy of the RNG state) meet fakes.
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    swapped: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(module, kind)
+                for name, t in list(table.items()):
+                    if t is None or isinstance(t, FakeTensor):
+                        continue
+                    fake = _to_fake(mode, t, dev)
+                    if kind == "_parameters":
+                        fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                    swapped.append((module, kind, name, t))
+                    table[name] = fake
+
+        def arg(a: Any) -> Any:
+            if not isinstance(a, torch.Tensor) or isinstance(a, FakeTensor):
+                return a
+            f = _to_fake(mode, a, dev)
+            return f.requires_grad_(a.requires_grad) if a.is_leaf else f
+
+        yield mode, tuple(tree_map(arg, list(args)))
+    finally:
+        mode.allow_non_fake_inputs = allowed
+        for module, kind, name, t in reversed(swapped):
+            getattr(module, kind)[name] = t
+
+
+def resized(args: Sequence[Any], mode: FakeTensorMode, batch: int, batch_dim: int = 0) -> tuple:
+    """The (fake) arguments with dimension ``batch_dim`` of every tensor argument
+    set to ``batch`` (a micro-batch of another size, allocating nothing)."""
+
+    def one(a: Any) -> Any:
+        if not isinstance(a, torch.Tensor) or a.dim() <= batch_dim:
+            return a
+        shape = list(a.shape)
+        shape[batch_dim] = batch
+        with mode:
+            out = torch.empty(shape, dtype=a.dtype, device=a.device)
+        return out.requires_grad_(a.requires_grad)
+
+    return tuple(one(a) for a in args)
+
+
+# ------------------------------------------------------------------ one run
+
+
+class FakeMeasurement(Measurement):
+    """A :class:`Measurement` from a fake run, with the step's peak."""
+
+    peak_bytes: int = 0
+    """Most bytes the step's own storages (activations, gradients, temporaries)
+    held at once, forward and backward."""
+
+
+def measure_fake(
+    model: nn.Module,
+    args: Sequence[Any],
+    loss_fn: LossFn,
+    config: Config,
+    block_names: Sequence[str],
+    mode: FakeTensorMode,
+) -> FakeMeasurement:
+    """``_measure.measure`` for a model and arguments that are fake already."""
+    install(model, config)
+    leaves = [p for p in model.parameters()] + [
+        a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
+    ]
+    grads = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    cpu_rng = torch.get_rng_state()
+    ledger = StorageLedger()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with mode, ledger:
+            ledger.see_existing([*model.parameters(), *model.buffers(), *leaves])
+            with _profiled() as prof, _block_ranges(ledger, model, block_names):
+                loss = loss_fn(model(*args))
+            real = held_bytes_by_block(prof)
+            fake = ledger.held_by_block()
+            counter = RecomputeCounter()
+            with counter:
+                loss.backward()
+            del loss
+        peak = ledger.peak + sum(real.values())
+    finally:
+        if was_enabled:
+            gc.enable()
+        for t, g in zip(leaves, grads):
+            t.grad = g
+        torch.set_rng_state(cpu_rng)
+        remove_remat(model)
+    result = FakeMeasurement(
+        bytes_by_block={
+            n: real.get(n, 0) + fake.get(n, 0) for n in [BASE, *block_names]
+        },
+        flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
+        ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
+    )
+    result.peak_bytes = peak
+    return result

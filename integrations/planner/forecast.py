@@ -1,0 +1,291 @@
+"""``forecast_remat``: the planner's measurements, run on fake tensors, so a model
+too large for the planning machine can be planned on it.
+
+Everything ``plan_remat`` runs, ``forecast_remat`` runs under ``FakeTensorMode``
+(see ``_fake``): the same configurations through the same engine, counting the
+same storages, so on a model that fits both give the same bytes and FLOPs. On top
+it runs each hand policy and the plan once more for the step's peak and, given a
+device memory, finds the largest micro-batch each one fits.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_remat._integration import format_bytes
+
+from . import _report
+from ._fake import FakeMeasurement, faked, measure_fake, resized
+from ._measure import Config, LossFn, refuse_applied_remat
+from ._space import BlockSelector, Candidates, group_blocks, select_blocks
+from .plan import (
+    Budget,
+    InfeasibleBudgetError,
+    PlanMismatchError,
+    RematPlan,
+    _solve_or_error,
+    measure_table,
+)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``80 * 2**30``, ``"80GiB"``, ``"80 GB"`` (powers of 10), ``"512MiB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise TypeError(f"forecast_remat: device_memory must be bytes or a size, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"forecast_remat: device_memory must be > 0 bytes, got {value}.")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"forecast_remat: device_memory {value!r} is not a size; pass bytes (int) or a "
+            "string such as '80GiB', '40GB' or '512MiB'."
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class PolicyForecast:
+    """One policy on every block, run on fake tensors at the example's batch."""
+
+    name: str
+    config: Config
+    bytes_by_block: dict[str, int]
+    """Bytes kept after the forward, by block (``""``: outside every block)."""
+    peak_bytes: int
+    """Most bytes the step's own storages held at once (activations, temporaries and
+    the parameters' gradients), forward and backward."""
+    flops: int
+    """Recompute FLOPs per step."""
+    max_batch: int | None = None
+    """The largest micro-batch whose step fits the device memory (None: not asked;
+    0: not even a micro-batch of 1)."""
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(self.bytes_by_block.values())
+
+
+@dataclass
+class Forecast:
+    """What ``forecast_remat`` found: the plan, and each policy's bytes, peak and
+    recompute FLOPs."""
+
+    plan: RematPlan
+    policies: dict[str, PolicyForecast]
+    """``"no remat"``, the hand policies the candidates allow, and ``"plan"``."""
+    parameter_bytes: int
+    optimizer_bytes: int
+    batch: int
+    """The example's micro-batch (size of dimension ``batch_dim``)."""
+    device_memory: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Parameters and optimizer state: held whatever the batch."""
+        return self.parameter_bytes + self.optimizer_bytes
+
+    def format(self) -> str:
+        fb = format_bytes
+        lines = [
+            f"remat forecast for {len(self.plan.blocks)} blocks at micro-batch {self.batch} "
+            "(fake tensors: nothing allocated)",
+            f"  parameters {fb(self.parameter_bytes)}, optimizer state "
+            f"{fb(self.optimizer_bytes)}"
+            + ("" if self.device_memory is None else f", device memory {fb(self.device_memory)}"),
+            "",
+        ]
+        head = ["policy", "kept after forward", "step peak", "recompute FLOPs"]
+        if self.device_memory is not None:
+            head.append("largest micro-batch")
+        rows = [head]
+        for p in self.policies.values():
+            row = [p.name, f"{p.kept_bytes:,}", f"{p.peak_bytes:,}", f"{p.flops:,}"]
+            if self.device_memory is not None:
+                row.append(f"{p.max_batch:,}")
+            rows.append(row)
+        lines += ["  " + r for r in _report._rows(rows, set(range(1, len(head))))]
+        lines += ["", "  kept bytes by block:"]
+        names = list(self.policies)
+        rows = [["block", *names]]
+        for block in [*self.plan.blocks, ""]:
+            rows.append(
+                [block or "(outside blocks)"]
+                + [f"{self.policies[n].bytes_by_block.get(block, 0):,}" for n in names]
+            )
+        lines += ["  " + r for r in _report._rows(rows, set(range(1, len(names) + 1)))]
+        lines += ["", *("  " + line for line in self.plan.format().splitlines())]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _hand_configs(plan: RematPlan, groups: Sequence[Any]) -> dict[str, Config]:
+    """The hand policies on every block (save sets over each group's candidates);
+    a policy whose save set is empty where it should name modules is left out."""
+    configs: dict[str, Config] = {}
+    per_group = [_report.hand_save_sets(dict(zip(g.candidates, g.kinds))) for g in groups]
+    for name in ("full checkpoint", "save linears", "Megatron-style"):
+        sets = {b: s[name] for g, s in zip(groups, per_group) for b in g.blocks}
+        if name != "full checkpoint" and not any(sets.values()):
+            continue
+        if any(c.checkpointed == sets for c in configs.values()):
+            continue  # the same save sets as a policy already listed
+        configs[name] = Config({b: sets[b] for b in plan.blocks})
+    return configs
+
+
+def forecast_remat(
+    model: nn.Module,
+    example_args: Any,
+    loss_fn: LossFn = lambda out: out.sum(),
+    budget: Budget = 0.5,
+    *,
+    blocks: BlockSelector = None,
+    candidates: Candidates = None,
+    device: torch.device | str | None = None,
+    device_memory: int | str | None = None,
+    optimizer_states: int = 2,
+    batch_dim: int = 0,
+    max_batch: int = 1 << 16,
+) -> Forecast:
+    """Plan as :func:`plan_remat` does, with every run on fake tensors: no parameter
+    or activation memory is allocated, so the model may be larger than this
+    machine's memory. The model may hold real, meta or fake parameters (meta ones
+    are forecast on ``device``, default CPU); it is left as it was.
+
+    Args:
+        budget: as for ``plan_remat`` (a fraction, bytes; ``"auto"`` is refused,
+            there is no device to ask).
+        device_memory: bytes or a size (``"80GiB"``): find, per policy, the largest
+            micro-batch whose parameters, optimizer state and step peak fit.
+        optimizer_states: optimizer tensors per parameter, each of its size (Adam: 2).
+        batch_dim: the dimension of the tensor arguments that is the micro-batch.
+    """
+    if budget == "auto":
+        raise ValueError(
+            "forecast_remat: budget='auto' reads the free memory of a device this "
+            "forecast does not run on; pass a fraction or bytes (device_memory= finds "
+            "the largest micro-batch that fits a device)."
+        )
+    refuse_applied_remat(model)
+    args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    memory = None if device_memory is None else parse_bytes(device_memory)
+    names = select_blocks(model, blocks)
+    groups = group_blocks(model, names, candidates)
+    batches = {
+        a.shape[batch_dim] for a in args if isinstance(a, torch.Tensor) and a.dim() > batch_dim
+    }
+    if len(batches) != 1:
+        raise ValueError(
+            f"forecast_remat: the tensor arguments must share one micro-batch size along "
+            f"batch_dim={batch_dim}; got sizes {sorted(batches)}. Pass batch_dim= or "
+            "arguments of one batch."
+        )
+    batch = batches.pop()
+    params = list(model.parameters())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    optimizer_bytes = optimizer_states * sum(
+        p.numel() * p.element_size() for p in params if p.requires_grad
+    )
+    with faked(model, args, device) as (mode, fargs):
+        run = functools.partial(measure_fake, mode=mode)
+        base, _, table = measure_table(model, fargs, loss_fn, names, groups, measure=run)
+        measured = RematPlan(
+            names, table, [0] * len(names), base, 0,
+            {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None,
+            weakref.ref(model),
+        )
+        plan, error = _solve_or_error(measured, budget)
+        if error is not None:
+            raise InfeasibleBudgetError(error)
+        configs = {"no remat": Config(), **_hand_configs(plan, groups), "plan": plan.config()}
+        policies: dict[str, PolicyForecast] = {}
+        for name, config in configs.items():
+            m: FakeMeasurement = run(model, fargs, loss_fn, config, names)
+            policies[name] = PolicyForecast(
+                name, config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values())
+            )
+        plan.measured_bytes = policies["plan"].kept_bytes
+        if plan.measured_bytes != plan.predicted_bytes:
+            raise PlanMismatchError(_report.mismatch_message(plan))
+        if memory is not None:
+            fixed = parameter_bytes + optimizer_bytes
+            for p in policies.values():
+                peaks = {batch: p.peak_bytes}
+
+                def peak(b: int, _p: PolicyForecast = p, _peaks: dict = peaks) -> int:
+                    if b not in _peaks:
+                        sized = resized(fargs, mode, b, batch_dim)
+                        _peaks[b] = run(model, sized, loss_fn, _p.config, names).peak_bytes
+                    return _peaks[b]
+
+                p.max_batch = _largest(lambda b, _peak=peak: fixed + _peak(b) <= memory,
+                                       _affine_guess(peak, batch, memory - fixed), max_batch)
+    return Forecast(plan, policies, parameter_bytes, optimizer_bytes, batch, memory)
+
+
+def _affine_guess(peak: Any, batch: int, room: int) -> int:
+    """The batch at which the step peak, taken as affine in the batch (through the
+    peaks at ``batch`` and ``2 * batch``), reaches ``room``."""
+    low, high = peak(batch), peak(2 * batch)
+    per_sample = (high - low) / batch
+    if per_sample <= 0:
+        return batch
+    return max(1, batch + int((room - low) // per_sample))
+
+
+def _largest(fits: Any, guess: int, limit: int) -> int:
+    """The largest ``b`` in ``[1, limit]`` with ``fits(b)`` (``fits`` is monotone:
+    a larger batch never needs less), 0 if none. Tries ``guess`` and its neighbour
+    first (the peak is close to affine in the batch), then doubles or halves to a
+    bracket and bisects it."""
+    guess = min(max(1, guess), limit)
+    if fits(guess):
+        if guess == limit or not fits(guess + 1):
+            return guess
+        lo, hi = guess + 1, None
+        while hi is None:
+            b = min(2 * lo, limit)
+            if fits(b):
+                if b == limit:
+                    return limit
+                lo = b
+            else:
+                hi = b
+    else:
+        if guess == 1:
+            return 0
+        if fits(guess - 1):
+            return guess - 1
+        hi, lo = guess - 1, 0
+        b = hi // 2
+        while b >= 1 and not fits(b):
+            hi, b = b, b // 2
+        if b < 1:
+            return 0
+        lo = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
