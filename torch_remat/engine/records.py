@@ -13,6 +13,7 @@ import torch
 from .._errors import modified_in_place
 from .._tensors import TensorMeta, is_parameter
 from .active import forget_exception_site
+from .saved_hooks import PackedVersion
 
 
 class Holder:
@@ -52,6 +53,7 @@ class RegionSaved:
         "site",
         "output_index",
         "parameter",
+        "witness",
         "__weakref__",
     )
 
@@ -64,6 +66,7 @@ class RegionSaved:
         # returns), and whether this is (a view of) a parameter, which reports skip.
         self.output_index: int | None = None
         self.parameter = is_parameter(t)
+        self.witness = None
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d
@@ -71,26 +74,35 @@ class RegionSaved:
             self.packed = None
             self.unpack_fn = None
         else:
-            # The user's own hooks (e.g. save_on_cpu) were active around the
-            # checkpoint: they decide where a SAVE region's tensors live.
-            pack_fn, self.unpack_fn = outer_hooks
-            self.packed = pack_fn(t)
+            # Hooks decide where a SAVE region's tensors live: remat's (a pair that
+            # takes the tensor detached, third item True) or the user's torch hooks
+            # (e.g. save_on_cpu) around the checkpoint.
+            pack_fn, self.unpack_fn = outer_hooks[0], outer_hooks[1]
+            d = t.detach() if len(outer_hooks) > 2 else t
             self.tensor = None
-            self.version = 0
+            self.version = t._version
+            self.packed = pack_fn(d)
+            self.witness = PackedVersion(self.version, t) if d is t else PackedVersion(self.version, t, d)
 
     def unpack(self) -> torch.Tensor:
         if self.unpack_fn is not None:
+            moved = self.witness.moved()
+            if moved is not None:
+                raise self._modified(moved)
             return self.unpack_fn(self.packed)
         t = self.tensor
         if t._version != self.version:
-            raise modified_in_place(
-                f"the tensor '{self.name}' ({self.meta.describe()}) saved for backward by "
-                f"SAVE region '{self.region.qualname}' of checkpoint '{self.region.checkpoint}'",
-                "after it was saved",
-                "Clone the tensor before modifying it, or modify a copy.",
-                (self.version, t._version),
-            )
+            raise self._modified(t._version)
         return t
+
+    def _modified(self, version: int) -> Exception:
+        return modified_in_place(
+            f"the tensor '{self.name}' ({self.meta.describe()}) saved for backward by "
+            f"SAVE region '{self.region.qualname}' of checkpoint '{self.region.checkpoint}'",
+            "after it was saved",
+            "Clone the tensor before modifying it, or modify a copy.",
+            (self.version, version),
+        )
 
 
 def describe_region(qualname: str | None) -> str:

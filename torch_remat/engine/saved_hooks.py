@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -179,18 +180,49 @@ def _context_hooks() -> HookPair | None:
 
 
 def pack_with(
-    pair: HookPair, t: torch.Tensor, info: SavedTensorInfo, context: Any = None, deferred: bool = False
+    pair: HookPair,
+    t: torch.Tensor,
+    info: SavedTensorInfo,
+    context: Any = None,
+    deferred: bool = False,
+    detached: bool = False,
 ) -> Any:
-    """Call ``pair``'s pack hook on ``t`` detached, with ``info`` current."""
+    """Call ``pair``'s pack hook on ``t`` detached (``t`` itself if ``detached``),
+    with ``info`` current."""
     previous = _state.info
     _state.info = info
     try:
-        d = t.detach()
+        d = t if detached else t.detach()
         if pair.capture_context is None:
             return pair.pack(d)
         return pair.pack(d, context if deferred else pair.capture_context())
     finally:
         _state.info = previous
+
+
+class PackedVersion:
+    """The version of a tensor handed to pack hooks, checkable at unpack.
+
+    Hooks may hand the tensor back as it is (an identity hook, an offloader that has
+    not moved it yet, ``save_on_cpu`` on CPU), so an in-place update after the pack
+    would reach backward unnoticed. The tensor objects given here (the saved tensor
+    and the detached alias the hook received) share one version counter; while any
+    of them is alive, a moved version means the value was updated in place. Only
+    weak references: a hook that moved the tensor away frees it."""
+
+    __slots__ = ("version", "refs")
+
+    def __init__(self, version: int, *tensors: torch.Tensor) -> None:
+        self.version = version
+        self.refs = [weakref.ref(t) for t in tensors]
+
+    def moved(self) -> int | None:
+        """The new version if one of the tensors still alive was updated, else None."""
+        for ref in self.refs:
+            t = ref()
+            if t is not None and t._version != self.version:
+                return t._version
+        return None
 
 
 class HookPacked:
@@ -233,7 +265,7 @@ class DeferredPack:
             call=self.call,
             is_parameter=is_parameter(t),
         )
-        return HookPacked(pack_with(self.pair, t, info, self.context, True), self.pair.unpack)
+        return HookPacked(pack_with(self.pair, t, info, self.context, True, True), self.pair.unpack)
 
 
 def _is_engine_hook(hooks: Any) -> bool:
@@ -271,9 +303,10 @@ class KeptTensorHooks:
         """The pair for a SAVE region's outputs, bound as the region returns."""
         return self._bind(self.option)
 
-    def region_save(self, region: str, t: torch.Tensor) -> tuple[Callable, Callable] | None:
-        """``(pack_fn, unpack_fn)`` for a tensor a SAVE region saves now, or None
-        (then the user's torch hooks around the checkpoint, if any, apply)."""
+    def region_save(self, region: str, t: torch.Tensor) -> tuple[Callable, Callable, bool] | None:
+        """``(pack_fn, unpack_fn, True)`` for a tensor a SAVE region saves now, or
+        None (then the user's torch hooks around the checkpoint, if any, apply);
+        ``pack_fn`` takes the tensor detached."""
         if self.nested:
             return None
         pair = self.option or _context_hooks()
@@ -283,4 +316,4 @@ class KeptTensorHooks:
             self.checkpoint, region, SavedTensorKind.BACKWARD, call=self.call,
             is_parameter=is_parameter(t),
         )
-        return (lambda tensor: pack_with(pair, tensor, info)), pair.unpack
+        return (lambda d: pack_with(pair, d, info, detached=True)), pair.unpack, True

@@ -28,7 +28,7 @@ from .._compat import make_saved_tensor, top_saved_tensors_hooks
 from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, storage_root
 from .placeholder import PlaceholderOrigin, make_placeholder
-from .saved_hooks import SavedTensorKind
+from .saved_hooks import PackedVersion, SavedTensorKind
 
 INPUT = "input"
 OUTPUT = "output"
@@ -64,6 +64,7 @@ class TensorSource:
         "save_consumed",
         "saved",
         "hooks",
+        "witness",
     )
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
@@ -83,6 +84,7 @@ class TensorSource:
         self.save_consumed = False
         self.saved = None
         self.hooks = None  # a saved_hooks.DeferredPack bound to this source, or None
+        self.witness: PackedVersion | None = None  # set when hooks pack it
 
     def describe(self, checkpoint: str) -> str:
         return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
@@ -110,12 +112,16 @@ class TensorSource:
             raise self._modified_error(checkpoint)
         if self.hooks is not None:
             kind = SavedTensorKind.CHECKPOINT_INPUT if self.kind == INPUT else SavedTensorKind.SAVE_OUTPUT
-            self.saved = self.hooks.pack(t, kind, self.region, self.index)
+            d = t.detach()
+            self.saved = self.hooks.pack(d, kind, self.region, self.index)
             self.hooks = None  # drop the captured context with the binding
+            self.witness = PackedVersion(self.version, t, d)
         elif top_saved_tensors_hooks(False) is None:
             self.saved = KeptTensor(t.detach())
         else:
-            self.saved = make_saved_tensor(t.detach(), is_output=False)
+            d = t.detach()
+            self.saved = make_saved_tensor(d, is_output=False)
+            self.witness = PackedVersion(self.version, t, d)
 
     def _modified_error(self, checkpoint: str) -> Exception:
         what = f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'"
@@ -148,6 +154,9 @@ class TensorSource:
         if self.saved is None:
             origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self.region)
             return make_placeholder(meta, origin)
+        # Hooks may hand back the tensor itself: its version says if it was updated.
+        if self.witness is not None and self.witness.moved() is not None:
+            raise self._modified_before_replay(checkpoint)
         try:
             t = self.saved.unpack()
         except RuntimeError as e:
