@@ -86,10 +86,11 @@ class RegionSaved:
 
     def unpack(self) -> torch.Tensor:
         if self.unpack_fn is not None:
-            moved = self.witness.moved()
+            t = self.unpack_fn(self.packed)
+            moved = self.witness.moved(t)
             if moved is not None:
                 raise self._modified(moved)
-            return self.unpack_fn(self.packed)
+            return t
         t = self.tensor
         if t._version != self.version:
             raise self._modified(t._version)

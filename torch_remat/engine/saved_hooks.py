@@ -201,14 +201,17 @@ def pack_with(
 
 
 class PackedVersion:
-    """The version of a tensor handed to pack hooks, checkable at unpack.
+    """The version of a tensor handed to pack hooks, checked against what the unpack
+    hook hands back.
 
     Hooks may hand the tensor back as it is (an identity hook, an offloader that has
     not moved it yet, ``save_on_cpu`` on CPU), so an in-place update after the pack
     would reach backward unnoticed. The tensor objects given here (the saved tensor
-    and the detached alias the hook received) share one version counter; while any
-    of them is alive, a moved version means the value was updated in place. Only
-    weak references: a hook that moved the tensor away frees it."""
+    and the detached alias the hook received) share one version counter; while one
+    of them is alive, has a moved version and shares its storage with the unpacked
+    tensor, backward would read the updated value. A copy the hook made keeps the
+    value it copied. Only weak references: a hook that moved the tensor away frees
+    it."""
 
     __slots__ = ("version", "refs")
 
@@ -216,13 +219,23 @@ class PackedVersion:
         self.version = version
         self.refs = [weakref.ref(t) for t in tensors]
 
-    def moved(self) -> int | None:
-        """The new version if one of the tensors still alive was updated, else None."""
+    def moved(self, unpacked: torch.Tensor) -> int | None:
+        """The new version if ``unpacked`` is (a view of) a tensor updated in place
+        since the pack, else None."""
         for ref in self.refs:
             t = ref()
             if t is not None and t._version != self.version:
-                return t._version
+                if unpacked is t or _same_storage(unpacked, t):
+                    return t._version
         return None
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        p = a.untyped_storage().data_ptr()
+        return p != 0 and p == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (meta, sparse, subclasses)
+        return False
 
 
 class HookPacked:

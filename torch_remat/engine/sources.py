@@ -154,9 +154,6 @@ class TensorSource:
         if self.saved is None:
             origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self.region)
             return make_placeholder(meta, origin)
-        # Hooks may hand back the tensor itself: its version says if it was updated.
-        if self.witness is not None and self.witness.moved() is not None:
-            raise self._modified_before_replay(checkpoint)
         try:
             t = self.saved.unpack()
         except RuntimeError as e:
@@ -164,6 +161,9 @@ class TensorSource:
                 raise
             raise self._modified_before_replay(checkpoint) from e
         if t is None:  # a KeptTensor modified in place
+            raise self._modified_before_replay(checkpoint)
+        # Hooks may hand back the tensor itself: its version says if it was updated.
+        if self.witness is not None and self.witness.moved(t) is not None:
             raise self._modified_before_replay(checkpoint)
         t = t.detach()
         if self.hold_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (

@@ -87,7 +87,10 @@ class _Group:
 class _Handle:
     """What the pack hook returns for a tensor it moves."""
 
-    __slots__ = ("owner", "group", "region", "device", "nbytes", "tensor", "host", "buffer", "ready", "__weakref__")
+    __slots__ = (
+        "owner", "group", "region", "device", "nbytes", "version", "tensor", "host", "buffer", "ready",
+        "__weakref__",
+    )
 
     def __init__(self, owner: ActivationOffloader, group: _Group, region: str | None, t: torch.Tensor) -> None:
         self.owner = owner
@@ -95,6 +98,7 @@ class _Handle:
         self.region = region
         self.device = t.device
         self.nbytes = t.numel() * t.element_size()
+        self.version = t._version
         self.tensor: torch.Tensor | None = t  # on the device: before offload, or prefetched
         self.host: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
@@ -242,6 +246,10 @@ class ActivationOffloader:
 
     def _offload(self, handle: _Handle) -> None:
         t = handle.tensor
+        if t._version != handle.version:
+            # Updated in place since it was saved: a copy would hide that from
+            # backward, which must refuse it; it stays on the device as it is.
+            return
         buffer = self.pool.acquire(handle.nbytes)
         if buffer is None:
             self.stats.resident_pool_full += 1
