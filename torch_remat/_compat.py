@@ -24,6 +24,8 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
                                                   forward saw (saved-tensor checks compare it)
 ``_C._disabled_torch_function_impl``              placeholder subclass without torch_function
+``_neg_view``                                     give a kept output held through its storage
+                                                  root back its negative bit
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
@@ -59,6 +61,7 @@ DisableTorchDispatch = torch._C._DisableTorchDispatch
 set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
+neg_view = torch._neg_view
 
 
 def cuda_memory_history_may_be_enabled() -> bool:
