@@ -189,3 +189,92 @@ def test_a_kept_save_output_held_through_its_storage_root_keeps_its_negative_bit
     body(a).sum().backward()
     remat.checkpoint(region_name="blk")(body)(b).sum().backward()
     assert torch.equal(a.grad, b.grad)
+
+
+# ---------------------------------------------------------------- item 5: module state besides params and buffers
+
+
+class Masked(torch.nn.Module):
+    """Reads a plain tensor attribute (a per-micro-batch mask), a submodule and
+    ``self.training``."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.inner = torch.nn.Linear(6, 6, dtype=D)
+        with torch.no_grad():
+            self.inner.weight.copy_(torch.randn(6, 6, dtype=D, generator=g))
+        self.mask = torch.ones(6, dtype=D)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.inner(x) * self.mask
+        h = h * 2 if self.training else h * 3
+        return self.drop(h).sin()
+
+
+def _mb(i):
+    return torch.randn(3, 6, dtype=D, generator=torch.Generator().manual_seed(10 + i)).requires_grad_()
+
+
+def _mask(i):
+    return (torch.arange(6) % (i + 2) != 0).to(D)
+
+
+def _run_micro_batches(ckpt, between):
+    """Two micro-batches, each with its own mask, forward both, then ``between``,
+    then backward both; returns the gradients (inner weight, inputs)."""
+    torch.manual_seed(0)
+    m = Masked()
+    fn = remat.checkpoint(region_name="blk", recompute_state_hooks=(remat.CPURNGStateHook(),))(m) if ckpt else m
+    outs, xs = [], []
+    for i in range(2):
+        m.mask = _mask(i)
+        xs.append(_mb(i))
+        outs.append(fn(xs[-1]))
+    weight = m.inner.weight
+    between(m)
+    for out in reversed(outs):
+        out.sum().backward()
+    return m, [weight.grad] + [x.grad for x in xs]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"gradient {i} differs"
+
+
+def test_a_tensor_attribute_rebound_between_forward_and_backward_is_replayed_as_the_forward_saw_it():
+    _, expected = _run_micro_batches(False, lambda m: None)
+    m, got = _run_micro_batches(True, lambda m: None)  # the mask of micro-batch 1 is set during backward 0
+    _same(expected, got)
+    assert torch.equal(m.mask, _mask(1))  # the caller's attribute is back after the replay
+
+
+def test_a_submodule_replaced_between_forward_and_backward_is_replayed_as_the_forward_saw_it():
+    new = torch.nn.Linear(6, 6, dtype=D)
+
+    def replace(m):
+        m.inner = new
+
+    _, expected = _run_micro_batches(False, replace)
+    m, got = _run_micro_batches(True, replace)
+    _same(expected, got)
+    assert m.inner is new and new.weight.grad is None
+
+
+def test_eval_between_forward_and_backward_replays_in_training_mode():
+    _, expected = _run_micro_batches(False, lambda m: m.eval())
+    m, got = _run_micro_batches(True, lambda m: m.eval())
+    _same(expected, got)
+    assert not m.training and not m.drop.training and not m.inner.training
+
+
+def test_a_tensor_attribute_updated_in_place_before_backward_raises_naming_it():
+    m = Masked()
+    y = remat.checkpoint(region_name="blk")(m)(_mb(0))
+    with torch.no_grad():
+        m.mask.mul_(0)
+    with pytest.raises(remat.SavedTensorModifiedError, match="'mask' read by checkpoint 'blk'"):
+        y.sum().backward()
