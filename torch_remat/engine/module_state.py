@@ -12,6 +12,11 @@ tensor it holds and that tensor's version. Around the replay:
 * a tensor whose version moved since the forward (updated in place under
   ``no_grad``, an optimizer step) cannot be replayed: that raises
   :class:`SavedTensorModifiedError` naming it by its qualified name;
+* a plain tensor attribute of a module (``self.mask = ...``, not a buffer), a
+  submodule and the ``training`` flag of every module are recorded too: one rebound,
+  replaced or flipped (``model.eval()``) after the forward is set back to the
+  forward's for the replay, and to the caller's afterwards; one the forward itself
+  rebinds is left to the replay, which rebinds it again;
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -39,8 +44,10 @@ from .._errors import modified_in_place
 PARAMETER = "parameter"
 BUFFER = "buffer"
 CLOSURE = "closure variable"
+ATTRIBUTE = "tensor attribute"
 
 _MAX_DEPTH = 4
+_MISSING = object()
 
 
 class _CellSlot:
@@ -131,6 +138,7 @@ def _module_slots(
     slots: list[_Slot],
     buffer_groups: list[tuple[nn.Module, list[_Slot]]],
     seen: set[int],
+    others: list[tuple],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -142,6 +150,11 @@ def _module_slots(
         if i in seen:
             continue
         seen.add(i)
+        d = m.__dict__
+        others.append((d, "training", d.get("training")))
+        for k, t in d.items():
+            if isinstance(t, torch.Tensor):  # a plain tensor attribute
+                slots.append(_Slot(d, k, t, t._version, p, ATTRIBUTE))
         ps = m._parameters
         if ps:
             for k, t in ps.items():
@@ -161,6 +174,7 @@ def _module_slots(
         if children:
             for k, c in reversed(children.items()):  # named_modules order
                 if c is not None:
+                    others.append((children, k, c))
                     push((p + k + ".", c))
 
 
@@ -177,13 +191,14 @@ def _updates_buffers_unseen(m: nn.Module) -> bool:
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups")
+    __slots__ = ("params", "slots", "buffer_groups", "others")
 
     def __init__(
         self,
         params: list[tuple],
         slots: list[_Slot],
         buffer_groups: list[tuple[nn.Module, list[_Slot]]],
+        others: list[tuple] | None = None,
     ) -> None:
         # parameters: (module._parameters, key, tensor, version, name prefix)
         self.params = params
@@ -191,6 +206,9 @@ class ModuleState:
         # (module, its buffer slots): a module that updated one buffer in forward
         # may have updated the others in place unseen, so all are replayed from copies
         self.buffer_groups = buffer_groups
+        # (owner dict, key, value): each module's training flag (in its __dict__)
+        # and each submodule (in its parent's _modules)
+        self.others = others or []
 
     @staticmethod
     def capture(fn: Any) -> ModuleState | None:
@@ -202,12 +220,13 @@ class ModuleState:
         slots: list[_Slot] = []
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
+        others: list[tuple] = []
         for prefix, module in modules:
-            _module_slots(prefix, module, params, slots, groups, seen)
+            _module_slots(prefix, module, params, slots, groups, seen, others)
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, t._version, name, CLOSURE))
-        return ModuleState(params, slots, groups) if params or slots else None
+        return ModuleState(params, slots, groups, others) if params or slots or others else None
 
     def finish(self, checkpoint: str) -> None:
         """End of the forward: keep copies of the buffers it updated, drop the rest;
@@ -222,10 +241,18 @@ class ModuleState:
         for _, key, t, version, prefix in self.params:
             if t._version != version:
                 raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
+        rebound = False
         for s in self.slots:
             t = s.tensor
+            if s.kind is ATTRIBUTE and s.owner.get(s.key) is not t:
+                rebound = True  # the forward rebinds it: so does the replay
+                continue
             if t._version != s.version and s.kind != BUFFER:
                 raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
+        if rebound:
+            self.slots = [s for s in self.slots if s.kind is not ATTRIBUTE or s.owner.get(s.key) is s.tensor]
+        # a flag or submodule the forward itself changed is the replay's to change
+        self.others = [o for o in self.others if o[0].get(o[1], _MISSING) is o[2]]
 
     def buffers_now(self) -> list[tuple[Any, int]]:
         """Before a SAVE region: the tensor in every buffer slot and its version."""
@@ -274,6 +301,11 @@ class ModuleState:
         :meth:`restore` puts back."""
         undo: list[tuple[Any, Any, Any]] = []
         try:
+            for owner, key, value in self.others:
+                current = owner.get(key, _MISSING)
+                if current is not value:  # model.eval(), a replaced submodule
+                    undo.append((owner, key, current))
+                    owner[key] = value
             for owner, key, t, version, prefix in self.params:
                 if t._version != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
@@ -330,4 +362,7 @@ def restore(undo: list[tuple[Any, Any, Any]]) -> None:
     """After the replay: give every slot :meth:`ModuleState.install` changed its
     caller's tensor back."""
     for owner, key, value in reversed(undo):
-        owner[key] = value
+        if value is _MISSING:
+            del owner[key]
+        else:
+            owner[key] = value
