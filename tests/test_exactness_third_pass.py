@@ -278,3 +278,77 @@ def test_a_tensor_attribute_updated_in_place_before_backward_raises_naming_it():
         m.mask.mul_(0)
     with pytest.raises(remat.SavedTensorModifiedError, match="'mask' read by checkpoint 'blk'"):
         y.sum().backward()
+
+
+# ---------------------------------------------------------------- item 6: threads and the CPU generator
+
+import threading  # noqa: E402
+
+RNG = (remat.CPURNGStateHook(),)
+
+
+def _dropout_block(between=None, save_region=False):
+    """sum(dropout(x) * 3): with x all ones, x.grad is 3 * the forward's mask * 2,
+    which the forward's output shows."""
+
+    def body(x):
+        if between is not None and not remat.is_recomputing():
+            between()  # another thread draws from the CPU generator, in forward only
+        if save_region:
+            x = remat.recompute_needs_tensor(remat.region(lambda t: t * 1, "pre", recompute=False)(x))
+        return torch.nn.functional.dropout(x, 0.5) * 3
+
+    return body
+
+
+def _exact_or_refused(body):
+    x = torch.ones(64, dtype=D, requires_grad=True)
+    y = remat.checkpoint(region_name="blk", recompute_state_hooks=RNG)(body)(x)
+    try:
+        y.sum().backward()
+    except remat.RecomputeMismatchError as e:
+        return str(e)
+    assert torch.equal(x.grad, y.detach()), "the replay drew another dropout mask"
+    return None
+
+
+@pytest.mark.parametrize("save_region", [False, True])
+def test_draws_of_another_thread_inside_a_checkpoint_forward_are_refused_not_replayed_wrong(save_region):
+    message = _exact_or_refused(_dropout_block(lambda: torch.rand(3), save_region))
+    assert message is not None
+    assert "checkpoint 'blk'" in message and "CPU generator" in message and "thread" in message
+
+
+def test_a_checkpoint_without_interleaved_draws_is_exact():
+    assert _exact_or_refused(_dropout_block()) is None
+    assert _exact_or_refused(_dropout_block(save_region=True)) is None
+
+
+def test_two_threads_training_with_dropout_get_exact_gradients_or_an_error():
+    # thread B draws while thread A is between its checkpoint's entry and its dropout
+    a_entered, b_drew = threading.Event(), threading.Event()
+    results = {}
+
+    def wait_for_b():
+        a_entered.set()
+        assert b_drew.wait(10)
+
+    def thread_a():
+        try:
+            results["a"] = _exact_or_refused(_dropout_block(wait_for_b))
+        except AssertionError as e:
+            results["wrong"] = str(e)
+
+    def thread_b():
+        assert a_entered.wait(10)
+        torch.rand(5)
+        b_drew.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "wrong" not in results
+    assert "a" in results  # thread A finished: exact, or refused with a message
+    assert results["a"] is None or "CPU generator" in results["a"]
