@@ -41,11 +41,11 @@ from .recompute import FrameBackward, autocast_state
 from .records import Holder, RegionRecord, RegionSaved, detached_copy, release_traceback
 from .region_io import consume_region_args, record_region_outputs, region_leaves
 from .region_writes import SaveRegionWatch
-from .rng_guard import RNGUse, fingerprints
+from .rng_guard import RNGUse, fingerprints, position
 from .saved_hooks import KeptTensorHooks, next_call_serial
 from .sources import INPUT, SourceIndex, TensorSource
 from .state import FORWARD, _tls
-from .state_hooks import same_state
+from .state_hooks import DeviceRNGStateHook, same_state
 from .walk import mark_inputs_read_by_replayed_code
 
 
@@ -107,6 +107,12 @@ class CheckpointFrame(FrameBackward):
         self.region_buffers: dict[int, list[Any]] = {}
         self.rng_start: list[Any] | None = None  # generator fingerprints at entry
         self.rng_use: RNGUse | None = None
+        # indices of the hooks that replay a default generator: their position is
+        # checked in the replay (rng_guard.check_position), and where the forward ended
+        self.rng_checks = (
+            [i for i, h in enumerate(state_hooks) if isinstance(h, DeviceRNGStateHook)] if state_hooks else None
+        )
+        self.rng_end: list[Any] | None = None
         rb.reset(self)  # rebuild, rebuilds, last_needed_seq, output_edges
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
         for observer in self.observers.all:
@@ -312,6 +318,8 @@ class CheckpointFrame(FrameBackward):
         if not recompute:
             self.save_depth += 1
             if not in_save:
+                if self.rng_checks:
+                    record.rng_entry = position(self.state_hooks, self.rng_checks)
                 rebuild = rb.open_rebuild(self, record.qualname, leaves)
         ok = False
         try:
@@ -366,6 +374,12 @@ class CheckpointFrame(FrameBackward):
         for record in self.replay_regions:
             release_traceback(record.raised)
         self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
+        if self.rng_checks:
+            if self.rng_use is None:
+                self.rng_checks = None  # nothing drew: nothing to check
+            else:
+                self.rng_end = position(self.state_hooks, self.rng_checks)
+                self.early_stop = False  # the replay checks where the generators end
         if self.module_state is not None:
             self.module_state.finish(self.name)
         candidates = []

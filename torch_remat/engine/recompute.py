@@ -34,6 +34,7 @@ from .profiling import profiler_range
 from .rebuild import RebuiltSave, count_to_refill, describe_rebuilt, forget_rebuilt
 from .records import Holder, describe_region, release_traceback
 from .replay import ReplayScope, replay_unpack
+from .rng_guard import check_position
 from .state import _tls
 
 _graph_exec_group = _compat.get_graph_exec_group
@@ -211,6 +212,8 @@ class FrameBackward:
                     "remat.recompute:", self.name
                 ), prefixes_set_to(self.name_prefixes):
                     self.fn(*args, **kwargs)
+                if self.rng_checks:
+                    check_position(self.name, hooks, self.rng_checks, self.rng_end, "the end of its function")
             except _StopRecompute:
                 pass
             except Exception as e:

@@ -159,6 +159,7 @@ class RegionRecord:
         "outputs",
         "output_spec",
         "exit_states",
+        "rng_entry",
         "pending_keep",
         "raised",
     )
@@ -172,6 +173,7 @@ class RegionRecord:
         self.outputs: list[Any] = []
         self.output_spec = None
         self.exit_states: list[Any] = []
+        self.rng_entry: list[Any] | None = None  # generator fingerprints at the call (rng_guard)
         # roots passed to recompute_needs_tensor inside this SAVE region's body
         self.pending_keep: list[weakref.ref] = []
         # the exception a SAVE region's body raised in forward (re-raised in replay)

@@ -21,6 +21,7 @@ from .placeholder import Placeholder, read_error_message
 from .profiling import profiler_range
 from .rebuild import refill
 from .records import RegionRecord, describe_region, detached_copy
+from .rng_guard import check_position
 from .sources import TensorSource
 from .state import RECOMPUTE
 
@@ -134,6 +135,9 @@ class ReplayScope:
             )
         self.region_pos = pos + 1
         if not recompute:
+            if frame.rng_checks and expected.rng_entry is not None:
+                check_position(frame.name, frame.state_hooks, frame.rng_checks, expected.rng_entry,
+                               f"SAVE region '{qualname}'")
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
             updated = frame.region_buffers.get(pos)
