@@ -352,3 +352,29 @@ def test_two_threads_training_with_dropout_get_exact_gradients_or_an_error():
     assert "wrong" not in results
     assert "a" in results  # thread A finished: exact, or refused with a message
     assert results["a"] is None or "CPU generator" in results["a"]
+
+
+# ---------------------------------------------------------------- item 4: tensors rebuilding cannot handle
+
+
+def _sparse_body(x):
+    s = (x * 2).to_sparse()  # a sparse COO argument with a grad_fn, produced by replayed code
+    return remat.region(lambda a: torch.sparse.mm(a, torch.ones(4, 3, dtype=D)), "r", recompute=False)(s).sum(0)
+
+
+def _jagged_body(x):
+    a = x * 2
+    nt = torch.nested.as_nested_tensor([a[:2], a[2:]], layout=torch.jagged)
+    return remat.region(lambda n: n.sin().values(), "r", recompute=False)(nt)
+
+
+@pytest.mark.parametrize("body,shape", [(_sparse_body, (4, 4)), (_jagged_body, (5, 3))], ids=["sparse-coo", "jagged"])
+@pytest.mark.parametrize("rebuild", ["free", "always"])
+def test_arguments_rebuilding_cannot_handle_are_kept(body, shape, rebuild):
+    def run(ckpt):
+        x = torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        fn = remat.checkpoint(region_name="blk", rebuild=rebuild)(body) if ckpt else body
+        fn(x).sum().backward()
+        return x.grad
+
+    assert torch.equal(run(True), run(False))
