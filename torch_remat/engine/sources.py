@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from .._compat import make_saved_tensor, top_saved_tensors_hooks
+from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks
 from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, storage_root
 from .placeholder import PlaceholderOrigin, make_placeholder
@@ -65,6 +65,7 @@ class TensorSource:
         "saved",
         "hooks",
         "witness",
+        "bits",
     )
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
@@ -85,6 +86,10 @@ class TensorSource:
         self.saved = None
         self.hooks = None  # a saved_hooks.DeferredPack bound to this source, or None
         self.witness: PackedVersion | None = None  # set when hooks pack it
+        # complex outputs: (is_conj, is_neg), which a storage root held in their place
+        # lacks (public ops give a real tensor a negative bit only as the .imag of a
+        # conjugate: a dtype view of a complex root, refused in replay_value)
+        self.bits = (t.is_conj(), t.is_neg()) if kind != INPUT and t.dtype.is_complex else None
 
     def describe(self, checkpoint: str) -> str:
         return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
@@ -179,6 +184,12 @@ class TensorSource:
                     ".clone()) instead."
                 )
             t = t.as_strided(meta.shape, meta.stride, meta.storage_offset)
+        if self.hold_is_root and self.bits is not None:
+            conj, neg = self.bits
+            if t.is_conj() is not conj:
+                t = t.conj()
+            if t.is_neg() is not neg:
+                t = neg_view(t)
         # A copy made by the user's own hooks (offloading) starts at version 0; give
         # it the version the forward saw, which the replay's in-place check expects.
         for _ in range(self.version - t._version):
