@@ -252,7 +252,7 @@ class CheckpointFrame(FrameBackward):
             for arg in rebuild.args:
                 if arg.root is root and t.dtype is arg.layout[3] and t._version == arg.version:
                     a = arg.tensor
-                    if t.is_conj() is not a.is_conj() or t.is_neg() is not a.is_neg():
+                    if t.dtype.is_complex and (t.is_conj() is not a.is_conj() or t.is_neg() is not a.is_neg()):
                         break  # a conjugate/negative view: refilled as a view it would lose the bit
                     saved = RebuiltSave(self, arg, self.region_stack[-1], t)
                     arg.saves.append(weakref.ref(saved))

@@ -15,8 +15,9 @@ tensor it holds and that tensor's version. Around the replay:
 * a plain tensor attribute of a module (``self.mask = ...``, not a buffer), a
   submodule and the ``training`` flag of every module are recorded too: one rebound,
   replaced or flipped (``model.eval()``) after the forward is set back to the
-  forward's for the replay, and to the caller's afterwards; one the forward itself
-  rebinds is left to the replay, which rebinds it again;
+  forward's (as the forward started) for the replay, and to the caller's
+  afterwards; a tensor attribute the forward itself rebinds is left to the replay,
+  which rebinds it again;
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -32,6 +33,7 @@ forwards set it, so names are qualified in the whole model).
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any
 
@@ -48,6 +50,7 @@ ATTRIBUTE = "tensor attribute"
 
 _MAX_DEPTH = 4
 _MISSING = object()
+_NOT_TENSORS = frozenset({dict, collections.OrderedDict, set, bool, int, float, str, type(None), tuple, list})
 
 
 class _CellSlot:
@@ -151,9 +154,12 @@ def _module_slots(
             continue
         seen.add(i)
         d = m.__dict__
-        others.append((d, "training", d.get("training")))
+        if "training" in d:
+            others.append((d, "training", d["training"]))
         for k, t in d.items():
-            if isinstance(t, torch.Tensor):  # a plain tensor attribute
+            # a plain tensor attribute; type() first: most entries are the module's
+            # dicts of hooks and its int/bool/str settings
+            if type(t) not in _NOT_TENSORS and isinstance(t, torch.Tensor):
                 slots.append(_Slot(d, k, t, t._version, p, ATTRIBUTE))
         ps = m._parameters
         if ps:
@@ -251,8 +257,6 @@ class ModuleState:
                 raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
         if rebound:
             self.slots = [s for s in self.slots if s.kind is not ATTRIBUTE or s.owner.get(s.key) is s.tensor]
-        # a flag or submodule the forward itself changed is the replay's to change
-        self.others = [o for o in self.others if o[0].get(o[1], _MISSING) is o[2]]
 
     def buffers_now(self) -> list[tuple[Any, int]]:
         """Before a SAVE region: the tensor in every buffer slot and its version."""
@@ -302,7 +306,7 @@ class ModuleState:
         undo: list[tuple[Any, Any, Any]] = []
         try:
             for owner, key, value in self.others:
-                current = owner.get(key, _MISSING)
+                current = owner[key] if key in owner else _MISSING
                 if current is not value:  # model.eval(), a replaced submodule
                     undo.append((owner, key, current))
                     owner[key] = value
