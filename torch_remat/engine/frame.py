@@ -108,11 +108,13 @@ class CheckpointFrame(FrameBackward):
         self.rng_start: list[Any] | None = None  # generator fingerprints at entry
         self.rng_use: RNGUse | None = None
         # indices of the hooks that replay a default generator: their position is
-        # checked in the replay (rng_guard.check_position), and where the forward ended
+        # checked in the replay (rng_guard.check_position) at each top-level SAVE
+        # region call, where the replay stops early, and where the forward ended
         self.rng_checks = (
             [i for i, h in enumerate(state_hooks) if isinstance(h, DeviceRNGStateHook)] if state_hooks else None
         )
         self.rng_end: list[Any] | None = None
+        self.rng_last_holder: tuple[int, list[Any]] | None = None
         rb.reset(self)  # rebuild, rebuilds, last_needed_seq, output_edges
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
         for observer in self.observers.all:
@@ -233,6 +235,10 @@ class CheckpointFrame(FrameBackward):
                 holder.static_version = d._version
         if holder.static is None:
             self.last_needed_seq = _compat.autograd_sequence_nr()
+            if self.rng_checks:
+                # where the generators stood at the last tensor a replay refills
+                # (where it stops early), for rng_guard.check_position
+                self.rng_last_holder = (holder.index, position(self.state_hooks, self.rng_checks))
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(
@@ -379,7 +385,6 @@ class CheckpointFrame(FrameBackward):
                 self.rng_checks = None  # nothing drew: nothing to check
             else:
                 self.rng_end = position(self.state_hooks, self.rng_checks)
-                self.early_stop = False  # the replay checks where the generators end
         if self.module_state is not None:
             self.module_state.finish(self.name)
         candidates = []

@@ -107,6 +107,10 @@ class ReplayScope:
         rec[self.key] = (d, d._version)
         self.filled += 1
         if self.filled == self.needed and frame.early_stop:
+            last = frame.rng_last_holder
+            if frame.rng_checks and last is not None and last[0] == i:
+                check_position(frame.name, frame.state_hooks, frame.rng_checks, last[1],
+                               f"the tensor #{i} it stops at")
             raise _StopRecompute
         return _REPLAYED
 

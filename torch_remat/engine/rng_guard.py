@@ -28,10 +28,10 @@ With a state hook for a default generator (``CPURNGStateHook``,
 is exact only if nothing else drew from the generator while the forward ran.
 Another thread drawing from the shared generator in between would make the replay
 draw another mask. So the generator is also fingerprinted at each top-level SAVE
-region call and at the end of a forward that drew: the replay, which then runs to
-the end (no early stop), compares at the same points and raises
-:class:`RecomputeMismatchError` where the generator is elsewhere
-(:func:`check_position`).
+region call, at the last tensor saved outside SAVE regions (where the replay stops
+early) and at the end of the forward: the replay of a forward that drew compares
+at the same points and raises :class:`RecomputeMismatchError` where the generator
+is elsewhere (:func:`check_position`).
 """
 
 from __future__ import annotations
