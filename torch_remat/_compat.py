@@ -24,6 +24,8 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
                                                   forward saw (saved-tensor checks compare it)
 ``_C._disabled_torch_function_impl``              placeholder subclass without torch_function
+``torch.utils.checkpoint``'s hook functions       refuse a checkpoint started inside torch's
+(by their module)                                 checkpoint (a block checkpointed twice)
 ``_neg_view``                                     give a kept output held through its storage
                                                   root back its negative bit
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
@@ -62,6 +64,12 @@ set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
 neg_view = torch._neg_view
+
+
+def is_torch_checkpoint_hooks(hooks) -> bool:
+    """Are ``(pack, unpack)`` the saved-tensor hooks of ``torch.utils.checkpoint``
+    (non-reentrant, in its forward or its recompute)?"""
+    return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def cuda_memory_history_may_be_enabled() -> bool:

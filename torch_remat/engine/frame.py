@@ -161,6 +161,15 @@ class CheckpointFrame(FrameBackward):
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.outer_hooks = top_hooks(False)
+        if self.outer_hooks is not None and _compat.is_torch_checkpoint_hooks(self.outer_hooks):
+            raise RematError(
+                f"torch_remat: remat.checkpoint '{self.name}' runs inside torch.utils.checkpoint, "
+                "so the same code is checkpointed twice (run three times per step). This "
+                "happens when torch's apply_activation_checkpointing (or a framework calling "
+                "it, e.g. torchtune's set_activation_checkpointing or a trainer's own "
+                "activation checkpointing) is applied after apply_remat. Apply only one: "
+                "turn the framework's activation checkpointing off, or do not apply remat."
+            )
         self.kept_hooks = KeptTensorHooks(self.name, self.call, *self.kept_options, self.outer_hooks)
         for src in self.inputs:
             src.hooks = self.kept_hooks.inputs
