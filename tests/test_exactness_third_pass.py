@@ -376,3 +376,31 @@ def test_arguments_rebuilding_cannot_handle_are_kept(body, shape, rebuild):
         return x.grad
 
     assert torch.equal(run(True), run(False))
+
+
+# ---------------------------------------------------------------- item 8: smaller defects
+
+
+def test_recompute_needs_tensor_in_a_nested_save_region_keeps_the_output():
+    def body(t):
+        def outer(u):
+            def inner(v):
+                w = v.exp()
+                remat.recompute_needs_tensor(w)  # the call the error message asks for
+                return w
+
+            return remat.region(inner, "inner", recompute=False)(u)
+
+        o = remat.region(outer, "outer", recompute=False)(t)
+        return (o + 1).exp()  # bare code that reads o and saves only its own result
+
+    x = _x().requires_grad_()
+    remat.checkpoint(region_name="blk")(body)(x).sum().backward()
+    e = (x.detach().exp() + 1).exp()
+    assert torch.equal(x.grad, e * x.detach().exp())
+
+
+def test_checkpointing_a_function_that_returns_a_generator_is_refused():
+    x = _x().requires_grad_()
+    with pytest.raises(TypeError, match="checkpoint 'gen'.*generator"):
+        remat.checkpoint(region_name="gen")(lambda t: (u.exp() for u in [t]))(x)
