@@ -16,6 +16,7 @@ Mechanism (the same saved-tensor-hook scheme as non-reentrant
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -194,6 +195,13 @@ class CheckpointFrame(FrameBackward):
                     observer.forward_entered(self)
                 with profiler_range("remat.forward:", self.name):
                     out = self.fn(*args, **kwargs)
+                if type(out) is types.GeneratorType:
+                    raise TypeError(
+                        f"torch_remat: the function of checkpoint '{self.name}' returned a "
+                        "generator: its code runs only when the generator is consumed, after "
+                        "the checkpoint returned, so nothing would be checkpointed. Return "
+                        "the values (e.g. a tuple or list) instead."
+                    )
             except Exception as e:
                 note_exception(e)
                 raise
@@ -378,7 +386,12 @@ class CheckpointFrame(FrameBackward):
         sources = self.sources.lookup(t) if self.sources else None
         if sources is None:
             if self.save_depth:
-                self.region_stack[-1].pending_keep.append(weakref.ref(storage_root(t)))
+                # recorded on the outermost SAVE region of the stack: the one whose
+                # outputs the replay reads (a nested one's never reach it)
+                for record in self.region_stack:
+                    if not record.recompute:
+                        record.pending_keep.append(weakref.ref(storage_root(t)))
+                        break
                 return True
             return False
         for s in sources:
