@@ -26,6 +26,6 @@ def test_the_report_says_what_torch_checkpoints_hold_that_it_cannot_count():
     for _ in range(3):
         h = checkpoint(lambda t: (t @ w).tanh(), h, use_reentrant=False)
     report = saved_tensors_report(h.sum())
-    assert report.torch_checkpoint_saves == 3 * 2  # per call: mm saves its input, tanh its result
-    assert "not counted: 6 tensors saved inside torch.utils.checkpoint calls" in report.format()
-    assert report.to_dict()["torch_checkpoint_saves"] == 6
+    assert report.torch_checkpoint_saves == 3 * 3  # per call: mm saves both operands, tanh its result
+    assert "not counted: 9 tensors saved inside torch.utils.checkpoint calls" in report.format()
+    assert report.to_dict()["torch_checkpoint_saves"] == 9

@@ -26,6 +26,8 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._disabled_torch_function_impl``              placeholder subclass without torch_function
 ``torch.utils.checkpoint``'s hook functions       refuse a checkpoint started inside torch's
 (by their module)                                 checkpoint (a block checkpointed twice)
+``utils.checkpoint._Holder``                       what torch's checkpoint packs: the reports
+                                                  say how many such saves they cannot count
 ``_neg_view``                                     give a kept output held through its storage
                                                   root back its negative bit
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
@@ -41,6 +43,7 @@ _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a com
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 TESTED_TORCH = "2.13.0"
 
@@ -64,6 +67,7 @@ set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
 neg_view = torch._neg_view
+torch_checkpoint_holder_type = getattr(torch.utils.checkpoint, "_Holder", None)
 
 
 def is_torch_checkpoint_hooks(hooks) -> bool:
