@@ -404,3 +404,25 @@ def test_checkpointing_a_function_that_returns_a_generator_is_refused():
     x = _x().requires_grad_()
     with pytest.raises(TypeError, match="checkpoint 'gen'.*generator"):
         remat.checkpoint(region_name="gen")(lambda t: (u.exp() for u in [t]))(x)
+
+
+def test_a_rebuild_candidate_kept_after_all_is_packed_with_the_context_of_its_save():
+    step = {"n": 0}
+    seen = []
+
+    def pack(t, context):
+        info = remat.current_saved_tensor_info()
+        seen.append((info.kind, info.region, context))
+        return t
+
+    def body(x, y):
+        a = x @ y  # replayed code; rebuilding a would replay the matmul: kept after all
+        out = remat.region(lambda t: t.sin(), "r", recompute=False)(a)  # sin saves a
+        step["n"] = 1  # after the save, before the forward ends
+        return out
+
+    x, y = _x().reshape(2, 3).requires_grad_(), _x(seed=1).reshape(3, 2)
+    with remat.saved_tensors_hooks(pack, lambda t: t, capture_context=lambda: step["n"]):
+        remat.checkpoint(region_name="blk")(body)(x, y).sum().backward()
+    assert (KIND.BACKWARD, "r", 0) in seen
+    assert not any(kind is KIND.BACKWARD and context == 1 for kind, _, context in seen)
