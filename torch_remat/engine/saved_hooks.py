@@ -329,4 +329,7 @@ class KeptTensorHooks:
             self.checkpoint, region, SavedTensorKind.BACKWARD, call=self.call,
             is_parameter=is_parameter(t),
         )
-        return (lambda d: pack_with(pair, d, info, detached=True)), pair.unpack, True
+        # the context as of the save, also for a rebuild candidate packed only when
+        # the forward ends (kept after all)
+        context = pair.capture_context() if pair.capture_context is not None else None
+        return (lambda d: pack_with(pair, d, info, context, True, True)), pair.unpack, True
