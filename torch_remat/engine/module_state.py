@@ -154,8 +154,6 @@ def _module_slots(
             continue
         seen.add(i)
         d = m.__dict__
-        if "training" in d:
-            others.append((d, "training", d["training"]))
         for k, t in d.items():
             # a plain tensor attribute; type() first: most entries are the module's
             # dicts of hooks and its int/bool/str settings
@@ -177,10 +175,12 @@ def _module_slots(
             slots.extend(group)
             buffer_groups.append((m, group))
         children = m._modules
-        if children:
-            for k, c in reversed(children.items()):  # named_modules order
+        kids = tuple(children.items()) if children else None
+        # the module's training flag and submodules, as the forward starts
+        others.append((d, d["training"] if "training" in d else _MISSING, children, kids))
+        if kids:
+            for k, c in reversed(kids):  # named_modules order
                 if c is not None:
-                    others.append((children, k, c))
                     push((p + k + ".", c))
 
 
@@ -212,8 +212,7 @@ class ModuleState:
         # (module, its buffer slots): a module that updated one buffer in forward
         # may have updated the others in place unseen, so all are replayed from copies
         self.buffer_groups = buffer_groups
-        # (owner dict, key, value): each module's training flag (in its __dict__)
-        # and each submodule (in its parent's _modules)
+        # per module: (its __dict__, its training flag, its _modules, their items)
         self.others = others or []
 
     @staticmethod
@@ -305,11 +304,17 @@ class ModuleState:
         :meth:`restore` puts back."""
         undo: list[tuple[Any, Any, Any]] = []
         try:
-            for owner, key, value in self.others:
-                current = owner[key] if key in owner else _MISSING
-                if current is not value:  # model.eval(), a replaced submodule
-                    undo.append((owner, key, current))
-                    owner[key] = value
+            for d, training, children, kids in self.others:
+                current = d["training"] if "training" in d else _MISSING
+                if current is not training and training is not _MISSING:  # model.eval()
+                    undo.append((d, "training", current))
+                    d["training"] = training
+                if kids:
+                    for key, child in kids:
+                        current = children[key] if key in children else _MISSING
+                        if current is not child:  # a replaced submodule
+                            undo.append((children, key, current))
+                            children[key] = child
             for owner, key, t, version, prefix in self.params:
                 if t._version != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
