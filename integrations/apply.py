@@ -263,12 +263,29 @@ def remove_remat(model: nn.Module) -> list[str]:
 
 
 def remat_module_names(model: nn.Module) -> list[str]:
-    """Qualified names of the modules of ``model`` that :func:`apply_remat` checkpoints."""
-    return [
+    """Qualified names of the modules of ``model`` that :func:`apply_remat` checkpoints.
+
+    Raises ``ValueError`` for a checkpointed module inside torch's
+    ``CheckpointWrapper`` (``apply_activation_checkpointing`` applied after
+    :func:`apply_remat`): it would be checkpointed twice."""
+    names = [
         name
         for name, module in model.named_modules()
         if isinstance(installed_forward(module), RematForward)
     ]
+    wrapped = [n for n in names if "_checkpoint_wrapped_module" in n.split(".")]
+    if wrapped:
+        name = wrapped[0]
+        parts = name.split(".")
+        wrapper = ".".join(parts[: parts.index("_checkpoint_wrapped_module")]) or "<root>"
+        raise ValueError(
+            f"remat_module_names: the remat block '{name}' is inside torch's "
+            f"CheckpointWrapper '{wrapper}' (apply_activation_checkpointing or "
+            "checkpoint_wrapper applied after apply_remat), so it is checkpointed twice "
+            f"({len(wrapped)} such blocks). Apply only one of them: turn the framework's "
+            "activation checkpointing off, or do not apply remat."
+        )
+    return names
 
 
 def save_region_names(model: nn.Module) -> list[str]:

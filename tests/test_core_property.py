@@ -3,6 +3,7 @@ regions, any SAVE/RECOMPUTE assignment), remat.checkpoint gives the gradients of
 the plain program bit for bit — or, when a SAVE output that the replay reads was
 not marked, a PlaceholderReadError. Never a wrong gradient."""
 
+import contextlib
 import os
 
 import torch
@@ -55,12 +56,15 @@ class Program:
         self.mark_all = mark_all
         self.params = params
 
+    def unary(self, op, t, w):
+        return apply_unary(op, t, w)
+
     def run_steps(self, plan, values):
         for index, step in enumerate(plan):
             if step[0] == "op":
                 _, op, pick = step
                 w = self.params[pick % len(self.params)]
-                values.append(apply_unary(op, values[pick % len(values)], w))
+                values.append(self.unary(op, values[pick % len(values)], w))
             elif step[0] == "add":
                 _, a, b = step
                 values.append(values[a % len(values)] + values[b % len(values)])
@@ -239,4 +243,109 @@ def test_stateful_programs_give_bitwise_gradients_and_buffers_or_raise(plan, rep
         # Only an in-place write that a SAVE region made to its argument is refused.
         assert _has(plan, "inplace") and "SAVE region" in str(e), str(e)
         return
+    assert _same(actual, expected)
+
+
+# --------------------------------------------------------------------------------
+# Complex programs: conjugate views of region arguments and of parameters (what
+# rebuilt saves must not lose), run under saved-tensor hooks that pack and unpack
+# (identity, copies, the offloader), with module state rebound between the forward
+# and backward (a tensor attribute, a submodule, the training flag). Exact gradients.
+
+from torch_remat.offload import ActivationOffloader  # noqa: E402
+
+C128 = torch.complex128
+COMPLEX_UNARY = ("sin", "conj_mul", "matmul_mH_param", "einsum_conj", "mul_mask", "proj", "train_branch",
+                 "view_then_sin")
+HOOKS = ("none", "identity", "clone", "offload", "offload-all-prefetch0")
+REBIND = ("none", "mask", "proj", "eval")
+
+
+@st.composite
+def complex_steps(draw, depth=0, inside_save=False, max_steps=5):
+    out = []
+    for _ in range(draw(st.integers(1, max_steps if depth == 0 else 2))):
+        kind = draw(st.sampled_from(["op", "op", "add", "region"] if depth < 2 else ["op", "add"]))
+        if kind == "op":
+            out.append(("op", draw(st.sampled_from(COMPLEX_UNARY)), draw(st.integers(0, 10**6))))
+        elif kind == "add":
+            out.append(("add", draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6))))
+        else:
+            save = True if inside_save else draw(st.booleans())
+            out.append(("region", save, True, draw(complex_steps(depth=depth + 1, inside_save=save))))
+    return out
+
+
+class ComplexProgram(torch.nn.Module, Program):
+    def __init__(self, plan):
+        torch.nn.Module.__init__(self)
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.nn.ParameterList([torch.randn(4, 4, dtype=C128, generator=g) for _ in range(2)])
+        self.proj = torch.nn.Linear(4, 4, bias=False, dtype=C128)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.randn(4, 4, dtype=C128, generator=g))
+        self.mask = torch.randn(4, dtype=C128, generator=g)  # a plain tensor attribute
+        Program.__init__(self, plan, True, list(self.w))
+
+    def unary(self, op, t, w):
+        if op == "conj_mul":
+            return t.conj() * t
+        if op == "matmul_mH_param":
+            return t @ w.mH
+        if op == "einsum_conj":
+            return torch.einsum("ij,jk->ik", t.conj(), w)
+        if op == "mul_mask":
+            return t * self.mask
+        if op == "proj":
+            return self.proj(t)
+        if op == "train_branch":
+            return t * 2 if self.training else t * 3
+        return apply_unary(op, t, w)
+
+    def forward(self, x, y):
+        self.params = list(self.w)
+        values = self.run_steps(self.plan, [x, y])
+        total = (x * y).real.sum()
+        for v in values[2:]:
+            total = total + (v * v).real.sum() + (v.conj() * 0.5j).real.sum()
+        return total
+
+
+def _complex_hooks(kind):
+    if kind == "identity":
+        return remat.saved_tensors_hooks(lambda t: t, lambda t: t)
+    if kind == "clone":
+        return remat.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+    if kind.startswith("offload"):
+        prefetch, kinds = (0, list(remat.SavedTensorKind)) if kind.endswith("prefetch0") else (1, None)
+        off = ActivationOffloader(1 << 20, min_bytes=0, prefetch=prefetch,
+                                  **({"kinds": kinds} if kinds else {}))
+        return remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook)
+    return contextlib.nullcontext()
+
+
+def _complex_run(plan, checkpointed, hooks, rebind):
+    model = ComplexProgram(plan)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 4, dtype=C128, generator=g).requires_grad_()
+    y = torch.randn(3, 4, dtype=C128, generator=g)
+    fn = remat.checkpoint(region_name="prog")(model) if checkpointed else model
+    with _complex_hooks(hooks if checkpointed else "none"):
+        loss = fn(x, y)
+    params = [*model.w, model.proj.weight]
+    if rebind == "mask":
+        model.mask = torch.ones(4, dtype=C128)
+    elif rebind == "proj":
+        model.proj = torch.nn.Linear(4, 4, bias=False, dtype=C128)
+    elif rebind == "eval":
+        model.eval()
+    loss.backward()
+    return [p.grad for p in params] + [x.grad]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=complex_steps(), hooks=st.sampled_from(HOOKS), rebind=st.sampled_from(REBIND))
+def test_complex_programs_under_hooks_and_rebound_state_give_bitwise_gradients(plan, hooks, rebind):
+    expected = _complex_run(plan, False, "none", rebind)
+    actual = _complex_run(plan, True, hooks, rebind)
     assert _same(actual, expected)

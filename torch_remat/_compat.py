@@ -24,6 +24,12 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
                                                   forward saw (saved-tensor checks compare it)
 ``_C._disabled_torch_function_impl``              placeholder subclass without torch_function
+``torch.utils.checkpoint``'s hook functions       refuse a checkpoint started inside torch's
+(by their module)                                 checkpoint (a block checkpointed twice)
+``utils.checkpoint._Holder``                       what torch's checkpoint packs: the reports
+                                                  say how many such saves they cannot count
+``_neg_view``                                     give a kept output held through its storage
+                                                  root back its negative bit
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
@@ -69,6 +75,7 @@ import logging
 import sys
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_map as tree_map
@@ -167,6 +174,14 @@ def create_dtensor_rng_tracker(mesh) -> None:
     from torch.distributed.tensor import _random
 
     _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=True)
+neg_view = torch._neg_view
+torch_checkpoint_holder_type = getattr(torch.utils.checkpoint, "_Holder", None)
+
+
+def is_torch_checkpoint_hooks(hooks) -> bool:
+    """Are ``(pack, unpack)`` the saved-tensor hooks of ``torch.utils.checkpoint``
+    (non-reentrant, in its forward or its recompute)?"""
+    return getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def cuda_memory_history_may_be_enabled() -> bool:

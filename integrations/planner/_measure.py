@@ -79,9 +79,11 @@ class Measurement:
 @contextlib.contextmanager
 def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
     """Run with no gradients on the model and the leaf arguments; give back their
-    gradients, the buffers and the RNG states on exit, so that measuring steps
-    leaves no trace (a later training step sees what it would
-    have seen without them)."""
+    gradients, the parameters and buffers (the tensor objects each module held,
+    with their values) and the RNG states on exit, so that measuring steps leaves
+    no trace (a later training step sees what it would have seen without them):
+    a forward that rebinds a buffer (``self.avg = ...``) or an optimizer step fused
+    into backward (``register_post_accumulate_grad_hook``) included."""
     leaves = [p for p in model.parameters()] + [
         a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
     ]
@@ -89,17 +91,27 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
     # Detached, not zeroed: backward would accumulate into the caller's tensors.
     for t in leaves:
         t.grad = None
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # (slot dict, name, tensor, its value): every module's parameters and buffers;
+    # the values in host memory, so that planning a large model on a device does
+    # not hold a second copy of its parameters there
+    slots = []
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    slots.append((table, name, t, t.detach().to("cpu", copy=True)))
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
+        with torch.no_grad():
+            for table, name, t, value in slots:
+                table[name] = t
+                if not torch.equal(t.detach().cpu(), value):
+                    t.copy_(value)
         for t, g in zip(leaves, grads):
             t.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

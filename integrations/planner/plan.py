@@ -195,8 +195,26 @@ class RematPlan:
         checkpointed block names."""
         model = self._resolve_model(model)
         refuse_applied_remat(model)
+        self._check_blocks(model)
         install(model, self.config())
         return [n for n, o in self.options.items() if o.checkpoint]
+
+    def _check_blocks(self, model: nn.Module) -> None:
+        """Refuse a model that lacks some of the plan's blocks or SAVE-region
+        submodules (a plan loaded for another model), naming them."""
+        names = dict(model.named_modules())
+        missing = [b for b in self.blocks if b not in names]
+        for block, paths in self.config().checkpointed.items():
+            missing += [f"{block}.{p}" for p in paths if block in names and f"{block}.{p}" not in names]
+        if missing:
+            shown = ", ".join(f"'{m}'" for m in missing[:8]) + (", ..." if len(missing) > 8 else "")
+            raise ValueError(
+                f"RematPlan.apply: the model ({type(model).__name__}) has no module {shown}: "
+                f"{len(missing)} of the modules this plan was made for "
+                f"({len(self.blocks)} blocks) are missing. Apply the plan to the model it "
+                "was planned on (same architecture and module names), or plan this model "
+                "with plan_remat."
+            )
 
     def _resolve_model(self, model: nn.Module | None) -> nn.Module:
         if model is not None:

@@ -66,6 +66,9 @@ class GraphSaves:
     # what torch_remat packed in these graphs, to tell which checkpoints they reach
     frames: dict[int, Any] = field(default_factory=dict)
     region_records: dict[int, Any] = field(default_factory=dict)
+    # saves packed by torch.utils.checkpoint: what holds them (its inputs) is not
+    # reachable from the graph, so the report says how many it did not count
+    torch_checkpoint_saves: int = 0
 
     def reaches(self, entry: Any) -> bool:
         """Whether the walked graphs hold something the checkpoint call packed."""
@@ -203,6 +206,9 @@ def _compiled_saves(node: Any, result: GraphSaves) -> None:
         result.outside.append(NodeSaves(node_type, outside))
 
 
+_TORCH_CHECKPOINT_HOLDER = _compat.torch_checkpoint_holder_type
+
+
 def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
     """Every node reachable from ``roots``, once; see the module docstring."""
     if not hasattr(_compat.SavedTensor, "data"):
@@ -241,6 +247,9 @@ def walk_graph_saves(roots: Iterable[Any]) -> GraphSaves:
                 continue
             if isinstance(data, RebuiltSave):  # refilled by the replay, or kept
                 result.frames[id(data.frame)] = data.frame
+                continue
+            if type(data) is _TORCH_CHECKPOINT_HOLDER:
+                result.torch_checkpoint_saves += 1
                 continue
             tensors.extend(_non_parameters(data, result))
         if tensors:

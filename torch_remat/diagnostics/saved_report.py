@@ -116,6 +116,9 @@ class SavedTensorsReport:
 
     checkpoints: list[CheckpointBlock]
     outside: list[OutsideGroup]
+    torch_checkpoint_saves: int = 0
+    """Tensors saved inside ``torch.utils.checkpoint`` calls: torch keeps those
+    checkpoints' inputs where the report cannot see them, so they are not counted."""
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -147,6 +150,12 @@ class SavedTensorsReport:
             f"outside regions {format_bytes(self.outside_bytes)}",
             "",
         ]
+        if self.torch_checkpoint_saves:
+            lines[1:1] = [
+                f"not counted: {plural(self.torch_checkpoint_saves, 'tensor')} saved inside "
+                "torch.utils.checkpoint calls (torch keeps those checkpoints' inputs where "
+                "this report cannot see them)"
+            ]
         groups = self.groups()
         if groups:
             lines.append("regions:")
@@ -194,6 +203,7 @@ class SavedTensorsReport:
             "outside_bytes": self.outside_bytes,
             "checkpoints": [b.to_dict() for b in self.checkpoints],
             "outside": [g.to_dict() for g in self.outside],
+            "torch_checkpoint_saves": self.torch_checkpoint_saves,
         }
 
 
@@ -246,7 +256,7 @@ def saved_tensors_report(roots: Any = None, annotate: Any = None) -> SavedTensor
             group.storages.extend(new)
     outside = sorted(groups.values(), key=lambda g: (-g.nbytes, g.node_type))
     _add_sites(blocks, outside, annotate, tensor_of)
-    return SavedTensorsReport(blocks, outside)
+    return SavedTensorsReport(blocks, outside, graph.torch_checkpoint_saves)
 
 
 def _check_roots(roots: Any) -> None:

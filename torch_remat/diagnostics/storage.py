@@ -26,7 +26,8 @@ class StorageInfo(NamedTuple):
 
 def storages_of(t: torch.Tensor) -> list[StorageInfo]:
     """The storages a tensor occupies; a wrapper subclass (e.g. DTensor) yields its
-    inner tensors' storages, a storage-less tensor (meta, placeholder) none."""
+    inner tensors' storages, a storage-less tensor (meta, a FakeTensor, a
+    placeholder) none."""
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
         out: list[StorageInfo] = []
         try:
@@ -42,6 +43,8 @@ def storages_of(t: torch.Tensor) -> list[StorageInfo]:
         return []
     try:
         st = t.untyped_storage()
+        if st.device.type == "meta":  # a FakeTensor (tracing): holds no memory
+            return []
         return [StorageInfo(st._cdata, st.nbytes(), st.data_ptr(), t.device)]
     except (RuntimeError, NotImplementedError, TypeError):
         return []

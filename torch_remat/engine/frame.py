@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,7 @@ from .records import (
     release_traceback,
 )
 from .replay import ReplayPass, replay_unpack
-from .rng import RNGUse, fingerprints, same_state
+from .rng import DeviceRNGStateHook, RNGUse, check_position, fingerprints, position, same_state
 from .saved_hooks import KeptTensorHooks, next_call_serial, torch_hooks_around
 
 if TYPE_CHECKING:
@@ -152,6 +153,16 @@ class CheckpointFrame:
         self.region_stack: list[RegionRecord] = []
         self.save_depth = 0
         self.sources = SourceIndex()
+        # indices of the hooks that replay a default generator: their position is
+        # checked in the replay (rng.check_position) at each top-level SAVE region
+        # call, where the replay stops early, and where the forward ended
+        self.rng_checks = (
+            [i for i, h in enumerate(self.state_hooks) if isinstance(h, DeviceRNGStateHook)]
+            if self.state_hooks else None
+        )
+        self.rng_end: list[Any] | None = None
+        self.rng_entry: list[Any] | None = None
+        self.rng_last_holder: tuple[int, list[Any]] | None = None
         self.inputs: list[TensorSource] = []
         self.output_sources: list[TensorSource] = []
         self.save_output_nodes: list[Any] = []
@@ -219,9 +230,22 @@ class CheckpointFrame:
                 self.inputs.append(src)
                 self.sources.add(x, src)
         self.entry_states = self.last_states = [h.snapshot() for h in self.state_hooks]
+        # where the generators the stock hooks restore stand at entry (the RNG guard
+        # does not watch them): the replay's positions are checked only if they moved
+        self.rng_entry = position(self.state_hooks, self.rng_checks) if self.rng_checks else None
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.outer_hooks = torch_hooks_around(top_hooks(False))
+        around = top_hooks(False)
+        if around is not None and _compat.is_torch_checkpoint_hooks(around):
+            raise RematError(
+                f"torch_remat: remat.checkpoint '{self.name}' runs inside torch.utils.checkpoint, "
+                "so the same code is checkpointed twice (run three times per step). This "
+                "happens when torch's apply_activation_checkpointing (or a framework calling "
+                "it, e.g. torchtune's set_activation_checkpointing or a trainer's own "
+                "activation checkpointing) is applied after apply_remat. Apply only one: "
+                "turn the framework's activation checkpointing off, or do not apply remat."
+            )
+        self.outer_hooks = torch_hooks_around(around)
         self.kept_hooks = KeptTensorHooks(
             self.name, self.call, *self.checkpointed.options.kept_hooks, self.outer_hooks
         )
@@ -248,6 +272,13 @@ class CheckpointFrame:
                     observer.forward_entered(self)
                 with profiler_range("remat.forward:", self.name):
                     out = self.fn(*args, **kwargs)
+                if type(out) is types.GeneratorType:
+                    raise TypeError(
+                        f"torch_remat: the function of checkpoint '{self.name}' returned a "
+                        "generator: its code runs only when the generator is consumed, after "
+                        "the checkpoint returned, so nothing would be checkpointed. Return "
+                        "the values (e.g. a tuple or list) instead."
+                    )
             except Exception as e:
                 note_exception(e)
                 raise
@@ -297,6 +328,10 @@ class CheckpointFrame:
                 holder.kept = VersionedTensor(d)
         if holder.kept is None:
             self.rebuilds.last_needed_seq = _compat.autograd_sequence_nr()
+            if self.rng_checks:
+                # where the generators stood at the last tensor a replay refills
+                # (where it stops early), for rng.check_position
+                self.rng_last_holder = (holder.index, position(self.state_hooks, self.rng_checks))
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(
@@ -315,6 +350,9 @@ class CheckpointFrame:
             root = storage_root(t)
             for arg in rebuild.args:
                 if arg.root is root and t.dtype is arg.layout[3] and t._version == arg.version:
+                    a = arg.tensor
+                    if t.dtype.is_complex and (t.is_conj() is not a.is_conj() or t.is_neg() is not a.is_neg()):
+                        break  # a conjugate/negative view: refilled as a view it would lose the bit
                     saved = RebuiltSave(self, arg, self.region_stack[-1], t)
                     arg.saves.append(weakref.ref(saved))
                     return saved
@@ -370,6 +408,8 @@ class CheckpointFrame:
         if not recompute:
             self.save_depth += 1
             if not in_save:
+                if self.rng_checks:
+                    record.rng_entry = position(self.state_hooks, self.rng_checks)
                 rebuild = self.rebuilds.open(self, record.qualname, leaves)
         ok = False
         try:
@@ -415,7 +455,12 @@ class CheckpointFrame:
         sources = self.sources.lookup(t) if self.sources else None
         if sources is None:
             if self.save_depth:
-                self.region_stack[-1].pending_keep.append(weakref.ref(storage_root(t)))
+                # recorded on the outermost SAVE region of the stack: the one whose
+                # outputs the replay reads (a nested one's never reach it)
+                for record in self.region_stack:
+                    if not record.recompute:
+                        record.pending_keep.append(weakref.ref(storage_root(t)))
+                        break
                 return True
             return False
         for s in sources:
@@ -426,6 +471,12 @@ class CheckpointFrame:
         for record in self.replay_regions:
             release_traceback(record.raised)
         self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
+        if self.rng_checks:
+            end = position(self.state_hooks, self.rng_checks)
+            if end == self.rng_entry:
+                self.rng_checks = None  # nothing drew from the hooked generators: nothing to check
+            else:
+                self.rng_end = end
         if self.module_state is not None:
             self.module_state.finish(self.name, self.checkpointed.unwritten_buffers)
         candidates = []
@@ -593,6 +644,8 @@ class CheckpointFrame:
                     "remat.recompute:", self.name
                 ), prefixes_set_to(self.name_prefixes):
                     self.fn(*args, **kwargs)
+                if self.rng_checks:
+                    check_position(self.name, hooks, self.rng_checks, self.rng_end, "the end of its function")
             except _StopRecompute:
                 pass
             except Exception as e:

@@ -12,6 +12,12 @@ tensor it holds and that tensor's version. Around the replay:
 * a tensor whose version moved since the forward (updated in place under
   ``no_grad``, an optimizer step) cannot be replayed: that raises
   :class:`SavedTensorModifiedError` naming it by its qualified name;
+* a plain tensor attribute of a module (``self.mask = ...``, not a buffer), a
+  submodule and the ``training`` flag of every module are recorded too: one rebound,
+  replaced or flipped (``model.eval()``) after the forward is set back to the
+  forward's (as the forward started) for the replay, and to the caller's
+  afterwards; a tensor attribute the forward itself rebinds is left to the replay,
+  which rebinds it again;
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -33,6 +39,7 @@ forwards set it, so names are qualified in the whole model).
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from typing import Any
@@ -46,8 +53,11 @@ from .._errors import modified_in_place
 PARAMETER = "parameter"
 BUFFER = "buffer"
 CLOSURE = "closure variable"
+ATTRIBUTE = "tensor attribute"
 
 _MAX_DEPTH = 4
+_MISSING = object()
+_NOT_TENSORS = frozenset({dict, collections.OrderedDict, set, bool, int, float, str, type(None), tuple, list})
 
 
 class _CellSlot:
@@ -138,6 +148,7 @@ def _module_slots(
     slots: list[_Slot],
     buffer_groups: list[tuple[nn.Module, list[_Slot]]],
     seen: set[int],
+    others: list[tuple],
     unwritten: BufferMemo,
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
@@ -150,6 +161,12 @@ def _module_slots(
         if i in seen:
             continue
         seen.add(i)
+        d = m.__dict__
+        for k, t in d.items():
+            # a plain tensor attribute; type() first: most entries are the module's
+            # dicts of hooks and its int/bool/str settings
+            if type(t) not in _NOT_TENSORS and isinstance(t, torch.Tensor):
+                slots.append(_Slot(d, k, t, t._version, p, ATTRIBUTE))
         ps = m._parameters
         if ps:
             for k, t in ps.items():
@@ -170,8 +187,11 @@ def _module_slots(
             slots.extend(group)
             buffer_groups.append((m, group))
         children = m._modules
-        if children:
-            for k, c in reversed(children.items()):  # named_modules order
+        kids = tuple(children.items()) if children else None
+        # the module's training flag and submodules, as the forward starts
+        others.append((d, d["training"] if "training" in d else _MISSING, children, kids))
+        if kids:
+            for k, c in reversed(kids):  # named_modules order
                 if c is not None:
                     push((p + k + ".", c))
 
@@ -194,13 +214,14 @@ of one checkpointed function did not write (``CheckpointedFunction`` holds it)."
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups")
+    __slots__ = ("params", "slots", "buffer_groups", "others")
 
     def __init__(
         self,
         params: list[tuple],
         slots: list[_Slot],
         buffer_groups: list[tuple[nn.Module, list[_Slot]]],
+        others: list[tuple] | None = None,
     ) -> None:
         # parameters: (module._parameters, key, tensor, version, name prefix)
         self.params = params
@@ -208,6 +229,8 @@ class ModuleState:
         # (module, its buffer slots): a module that updated one buffer in forward
         # may have updated the others in place unseen, so all are replayed from copies
         self.buffer_groups = buffer_groups
+        # per module: (its __dict__, its training flag, its _modules, their items)
+        self.others = others or []
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
@@ -220,12 +243,13 @@ class ModuleState:
         slots: list[_Slot] = []
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
+        others: list[tuple] = []
         for prefix, module in modules:
-            _module_slots(prefix, module, params, slots, groups, seen, unwritten)
+            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten)
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, t._version, name, CLOSURE))
-        return ModuleState(params, slots, groups) if params or slots else None
+        return ModuleState(params, slots, groups, others) if params or slots or others else None
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
         """End of the forward: keep copies of the buffers it updated, drop the rest
@@ -247,10 +271,16 @@ class ModuleState:
         for _, key, t, version, prefix in self.params:
             if t._version != version:
                 raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
+        rebound = False
         for s in self.slots:
             t = s.tensor
+            if s.kind is ATTRIBUTE and s.owner.get(s.key) is not t:
+                rebound = True  # the forward rebinds it: so does the replay
+                continue
             if t._version != s.version and s.kind != BUFFER:
                 raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
+        if rebound:
+            self.slots = [s for s in self.slots if s.kind is not ATTRIBUTE or s.owner.get(s.key) is s.tensor]
 
     def buffers_now(self) -> list[tuple[Any, int]]:
         """Before a SAVE region: the tensor in every buffer slot and its version."""
@@ -299,6 +329,17 @@ class ModuleState:
         :meth:`restore` puts back."""
         undo: list[tuple[Any, Any, Any]] = []
         try:
+            for d, training, children, kids in self.others:
+                current = d["training"] if "training" in d else _MISSING
+                if current is not training and training is not _MISSING:  # model.eval()
+                    undo.append((d, "training", current))
+                    d["training"] = training
+                if kids:
+                    for key, child in kids:
+                        current = children[key] if key in children else _MISSING
+                        if current is not child:  # a replaced submodule
+                            undo.append((children, key, current))
+                            children[key] = child
             for owner, key, t, version, prefix in self.params:
                 if t._version != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
@@ -367,4 +408,7 @@ def restore(undo: list[tuple[Any, Any, Any]]) -> None:
     """After the replay: give every slot :meth:`ModuleState.install` changed its
     caller's tensor back."""
     for owner, key, value in reversed(undo):
-        owner[key] = value
+        if value is _MISSING:
+            del owner[key]
+        else:
+            owner[key] = value

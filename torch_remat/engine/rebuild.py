@@ -176,8 +176,9 @@ class Rebuilds:
         ``region_leaves``).
 
         Its rebuildable arguments are those replayed code produced: created by a
-        recorded op of this checkpoint's forward, and neither a checkpoint input, a
-        SAVE output (those are kept anyway) nor a parameter."""
+        recorded op of this checkpoint's forward, strided (a sparse or jagged nested
+        tensor has no storage view to refill; its saves are kept), and neither a
+        checkpoint input, a SAVE output (those are kept anyway) nor a parameter."""
         if self.policy == "never":
             return None
         found = None
@@ -190,6 +191,8 @@ class Rebuilds:
             node = x.grad_fn  # None for parameters and other leaves
             if node is None or node._sequence_nr() < start:
                 continue
+            if x.layout is not torch.strided:
+                continue  # sparse, jagged nested: no storage view to rebuild from; kept
             base = x._base
             root = x if base is None else base
             if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):

@@ -31,12 +31,12 @@ import torch
 
 from .. import _compat
 from .._autograd_hooks import VersionedTensor
-from .._compat import make_saved_tensor, top_saved_tensors_hooks
+from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks
 from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, is_parameter, storage_root
 from .context import forget_exception_site
 from .placeholder import PlaceholderOrigin, make_placeholder
-from .saved_hooks import SavedTensorKind
+from .saved_hooks import PackedVersion, SavedTensorKind
 
 
 class Holder:
@@ -80,6 +80,7 @@ class RegionSaved:
         "site",
         "output_index",
         "parameter",
+        "witness",
         "__weakref__",
     )
 
@@ -92,6 +93,7 @@ class RegionSaved:
         # returns), and whether this is (a view of) a parameter, which reports skip.
         self.output_index: int | None = None
         self.parameter = is_parameter(t)
+        self.witness = None
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d
@@ -99,26 +101,36 @@ class RegionSaved:
             self.packed = None
             self.unpack_fn = None
         else:
-            # The user's own hooks (e.g. save_on_cpu) were active around the
-            # checkpoint: they decide where a SAVE region's tensors live.
-            pack_fn, self.unpack_fn = outer_hooks
-            self.packed = pack_fn(t)
+            # Hooks decide where a SAVE region's tensors live: remat's (a pair that
+            # takes the tensor detached, third item True) or the user's torch hooks
+            # (e.g. save_on_cpu) around the checkpoint.
+            pack_fn, self.unpack_fn = outer_hooks[0], outer_hooks[1]
+            d = t.detach() if len(outer_hooks) > 2 else t
             self.tensor = None
-            self.version = 0
+            self.version = t._version
+            self.packed = pack_fn(d)
+            self.witness = PackedVersion(self.version, t) if d is t else PackedVersion(self.version, t, d)
 
     def unpack(self) -> torch.Tensor:
         if self.unpack_fn is not None:
-            return self.unpack_fn(self.packed)
+            t = self.unpack_fn(self.packed)
+            moved = self.witness.moved(t)
+            if moved is not None:
+                raise self._modified(moved)
+            return t
         t = self.tensor
         if t._version != self.version:
-            raise modified_in_place(
-                f"the tensor '{self.name}' ({self.meta.describe()}) saved for backward by "
-                f"SAVE region '{self.region.qualname}' of checkpoint '{self.region.checkpoint}'",
-                "after it was saved",
-                "Clone the tensor before modifying it, or modify a copy.",
-                (self.version, t._version),
-            )
+            raise self._modified(t._version)
         return t
+
+    def _modified(self, version: int) -> Exception:
+        return modified_in_place(
+            f"the tensor '{self.name}' ({self.meta.describe()}) saved for backward by "
+            f"SAVE region '{self.region.qualname}' of checkpoint '{self.region.checkpoint}'",
+            "after it was saved",
+            "Clone the tensor before modifying it, or modify a copy.",
+            (self.version, version),
+        )
 
 
 def qualified_name(region_stack: Sequence[RegionRecord], name: str) -> str:
@@ -197,6 +209,7 @@ class RegionRecord:
         "outputs",
         "output_spec",
         "exit_states",
+        "rng_entry",
         "pending_keep",
         "raised",
     )
@@ -210,6 +223,7 @@ class RegionRecord:
         self.outputs: list[Any] = []
         self.output_spec = None
         self.exit_states: list[Any] = []
+        self.rng_entry: list[Any] | None = None  # generator fingerprints at the call (rng_guard)
         # roots passed to recompute_needs_tensor inside this SAVE region's body
         self.pending_keep: list[weakref.ref] = []
         # the exception a SAVE region's body raised in forward (re-raised in replay)
@@ -258,6 +272,8 @@ class TensorSource:
         "save_consumed",
         "saved",
         "hooks",
+        "witness",
+        "bits",
     )
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
@@ -277,6 +293,11 @@ class TensorSource:
         self.save_consumed = False
         self.saved = None
         self.hooks = None  # a saved_hooks.DeferredPack bound to this source, or None
+        self.witness: PackedVersion | None = None  # set when hooks pack it
+        # complex outputs: (is_conj, is_neg), which a storage root held in their place
+        # lacks (public ops give a real tensor a negative bit only as the .imag of a
+        # conjugate: a dtype view of a complex root, refused in replay_value)
+        self.bits = (t.is_conj(), t.is_neg()) if kind != INPUT and t.dtype.is_complex else None
 
     def describe(self, checkpoint: str) -> str:
         return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
@@ -304,12 +325,16 @@ class TensorSource:
             raise self._modified_error(checkpoint)
         if self.hooks is not None:
             kind = SavedTensorKind.CHECKPOINT_INPUT if self.kind == INPUT else SavedTensorKind.SAVE_OUTPUT
-            self.saved = self.hooks.pack(t, kind, self.region, self.index)
+            d = t.detach()
+            self.saved = self.hooks.pack(d, kind, self.region, self.index)
             self.hooks = None  # drop the captured context with the binding
+            self.witness = PackedVersion(self.version, t, d)
         elif top_saved_tensors_hooks(False) is None:
             self.saved = VersionedTensor(t.detach())
         else:
-            self.saved = make_saved_tensor(t.detach(), is_output=False)
+            d = t.detach()
+            self.saved = make_saved_tensor(d, is_output=False)
+            self.witness = PackedVersion(self.version, t, d)
 
     def _modified_error(self, checkpoint: str) -> Exception:
         what = f"{self.describe(checkpoint)} of checkpoint '{checkpoint}'"
@@ -354,6 +379,9 @@ class TensorSource:
                 if "modified by an inplace operation" not in str(e):
                     raise
                 raise self._modified_before_replay(checkpoint) from e
+        # Hooks may hand back the tensor itself: its version says if it was updated.
+        if self.witness is not None and self.witness.moved(t) is not None:
+            raise self._modified_before_replay(checkpoint)
         t = t.detach()
         if self.kept_is_root and (tuple(t.shape), t.stride(), t.storage_offset()) != (
             meta.shape,
@@ -368,6 +396,12 @@ class TensorSource:
                     ".clone()) instead."
                 )
             t = t.as_strided(meta.shape, meta.stride, meta.storage_offset)
+        if self.kept_is_root and self.bits is not None:
+            conj, neg = self.bits
+            if t.is_conj() is not conj:
+                t = t.conj()
+            if t.is_neg() is not neg:
+                t = neg_view(t)
         # A copy made by the user's own hooks (offloading) starts at version 0; give
         # it the version the forward saw, which the replay's in-place check expects.
         for _ in range(self.version - t._version):

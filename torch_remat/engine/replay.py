@@ -33,6 +33,7 @@ from .._tensors import format_dtype
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
 from .records import RegionRecord, TensorSource, describe_region, detached_copy, qualified_name
+from .rng import check_position
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
@@ -121,6 +122,10 @@ class ReplayPass:
         rec[self.key] = (d, d._version)
         self.filled += 1
         if self.filled == self.needed and frame.early_stop:
+            last = frame.rng_last_holder
+            if frame.rng_checks and last is not None and last[0] == i:
+                check_position(frame.name, frame.state_hooks, frame.rng_checks, last[1],
+                               f"the tensor #{i} it stops at")
             raise _StopRecompute
         return _REPLAYED
 
@@ -145,6 +150,9 @@ class ReplayPass:
             )
         self.region_pos = pos + 1
         if not recompute:
+            if frame.rng_checks and expected.rng_entry is not None:
+                check_position(frame.name, frame.state_hooks, frame.rng_checks, expected.rng_entry,
+                               f"SAVE region '{qualname}'")
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
             updated = frame.region_buffers.get(pos)

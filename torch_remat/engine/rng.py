@@ -29,6 +29,16 @@ starting state. Its replay then:
   regions (whose bodies the replay skips) is not refused.
 
 Generators passed explicitly (``torch.rand(..., generator=g)``) are not seen.
+
+With a state hook for a default generator (``CPURNGStateHook``,
+``DeviceRNGStateHook``), the replay draws from the forward's starting state; that
+is exact only if nothing else drew from the generator while the forward ran.
+Another thread drawing from the shared generator in between would make the replay
+draw another mask. So the generator is also fingerprinted at each top-level SAVE
+region call, at the last tensor saved outside SAVE regions (where the replay stops
+early) and at the end of the forward: the replay of a forward that drew compares
+at the same points and raises :class:`RecomputeMismatchError` where the generator
+is elsewhere (:func:`check_position`).
 """
 
 from __future__ import annotations
@@ -166,6 +176,35 @@ class RNGUse:
             "(apply_remat attaches the RNG hooks by default: rng_state_hooks=True). "
             "The caller's generator state is unchanged."
         )
+
+
+def hook_fingerprint(hook: Any) -> Any:
+    """Where the generator a ``DeviceRNGStateHook`` replays stands now."""
+    fp = hook.generator.fingerprint()
+    return hash(fp) if hook.device.type == "cpu" else fp
+
+
+def position(hooks: tuple[Any, ...], indices: list[int]) -> list[Any]:
+    """The fingerprints of the generators of ``hooks[i]`` for ``i`` in ``indices``."""
+    return [hook_fingerprint(hooks[i]) for i in indices]
+
+
+def check_position(checkpoint: str, hooks: tuple[Any, ...], indices: list[int], forward: list[Any],
+                   where: str) -> None:
+    """In the replay, at ``where``: raise if a generator is not where the forward's was."""
+    for i, fp in zip(indices, forward):
+        if hook_fingerprint(hooks[i]) != fp:
+            name = hooks[i].generator.name
+            raise RecomputeMismatchError(
+                f"torch_remat: the recompute of checkpoint '{checkpoint}' reached {where} "
+                f"with {name} in another state than the forward had there: while the "
+                "forward ran, random numbers were drawn from it by code the replay does "
+                "not run, usually another thread drawing from the shared generator (or "
+                "code that draws only when not remat.is_recomputing()). The replay would "
+                "draw other random numbers (another dropout mask) and the gradients would "
+                "be wrong. Run the forwards of threads that draw random numbers one at a "
+                "time (a lock around each forward), or train them in separate processes."
+            )
 
 
 # ---------------------------------------------------------------- state hooks

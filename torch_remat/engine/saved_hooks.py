@@ -36,6 +36,7 @@ import enum
 import inspect
 import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -266,10 +267,15 @@ def _context_hooks(min_depth: int = 0) -> HookPair | None:
 
 
 def pack_with(
-    pair: HookPair, t: torch.Tensor, info: SavedTensorInfo, context: Any = None, deferred: bool = False
+    pair: HookPair,
+    t: torch.Tensor,
+    info: SavedTensorInfo,
+    context: Any = None,
+    deferred: bool = False,
+    detached: bool = False,
 ) -> Any:
-    """Call ``pair``'s pack hook on ``t`` detached (an ``nn.Parameter`` as is), with
-    ``info`` current."""
+    """Call ``pair``'s pack hook on ``t`` detached (an ``nn.Parameter`` as is; ``t``
+    itself if ``detached``), with ``info`` current."""
     if pair.capture_context is not None:
         if not deferred:
             context = pair.capture_context()
@@ -277,10 +283,48 @@ def pack_with(
     previous = _state.info
     _state.info = info
     try:
-        d = t if isinstance(t, torch.nn.Parameter) else t.detach()
+        d = t if detached or isinstance(t, torch.nn.Parameter) else t.detach()
         return pair.pack(d, context) if pair.pass_context else pair.pack(d)
     finally:
         _state.info = previous
+
+
+class PackedVersion:
+    """The version of a tensor handed to pack hooks, checked against what the unpack
+    hook hands back.
+
+    Hooks may hand the tensor back as it is (an identity hook, an offloader that has
+    not moved it yet, ``save_on_cpu`` on CPU), so an in-place update after the pack
+    would reach backward unnoticed. The tensor objects given here (the saved tensor
+    and the detached alias the hook received) share one version counter; while one
+    of them is alive, has a moved version and shares its storage with the unpacked
+    tensor, backward would read the updated value. A copy the hook made keeps the
+    value it copied. Only weak references: a hook that moved the tensor away frees
+    it."""
+
+    __slots__ = ("version", "refs")
+
+    def __init__(self, version: int, *tensors: torch.Tensor) -> None:
+        self.version = version
+        self.refs = [weakref.ref(t) for t in tensors]
+
+    def moved(self, unpacked: torch.Tensor) -> int | None:
+        """The new version if ``unpacked`` is (a view of) a tensor updated in place
+        since the pack, else None."""
+        for ref in self.refs:
+            t = ref()
+            if t is not None and t._version != self.version:
+                if unpacked is t or _same_storage(unpacked, t):
+                    return t._version
+        return None
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        p = a.untyped_storage().data_ptr()
+        return p != 0 and p == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (meta, sparse, subclasses)
+        return False
 
 
 class DeferredPack:
@@ -305,7 +349,7 @@ class DeferredPack:
             call=self.call,
             is_parameter=is_parameter(t),
         )
-        return PackedPayload(pack_with(self.pair, t, info, self.context, True), self.pair.unpack)
+        return PackedPayload(pack_with(self.pair, t, info, self.context, True, True), self.pair.unpack)
 
 
 def _is_engine_hook(hooks: Any) -> bool:
@@ -347,9 +391,10 @@ class KeptTensorHooks:
         """The pair for a SAVE region's outputs, bound as the region returns."""
         return self._bind(self.option)
 
-    def region_save(self, region: str, t: torch.Tensor) -> tuple[Callable, Callable] | None:
-        """``(pack_fn, unpack_fn)`` for a tensor a SAVE region saves now, or None
-        (then the user's torch hooks around the checkpoint, if any, apply)."""
+    def region_save(self, region: str, t: torch.Tensor) -> tuple[Callable, Callable, bool] | None:
+        """``(pack_fn, unpack_fn, True)`` for a tensor a SAVE region saves now, or
+        None (then the user's torch hooks around the checkpoint, if any, apply);
+        ``pack_fn`` takes the tensor detached."""
         if self.nested:
             return None
         pair = self.option or _context_hooks(self.min_depth)
@@ -359,4 +404,7 @@ class KeptTensorHooks:
             self.checkpoint, region, SavedTensorKind.BACKWARD, call=self.call,
             is_parameter=is_parameter(t),
         )
-        return (lambda tensor: pack_with(pair, tensor, info)), pair.unpack
+        # the context as of the save, also for a rebuild candidate packed only when
+        # the forward ends (kept after all)
+        context = pair.capture_context() if pair.capture_context is not None else None
+        return (lambda d: pack_with(pair, d, info, context, True, True)), pair.unpack, True

@@ -8,39 +8,74 @@ from typing import Any
 import torch
 
 
-def host_view(buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """A tensor in ``buffer`` shaped like ``t``: with ``t``'s strides when ``t`` is
-    dense (a permuted view keeps its layout, so backward kernels see the same
-    strides), contiguous otherwise."""
-    flat = buffer[: t.numel() * t.element_size()].view(t.dtype)
-    if is_dense(t):
-        return flat.as_strided(t.shape, t.stride())
-    return flat.view(t.shape)
+class Layout:
+    """What moves of a tensor ``t`` and how it comes back.
+
+    A tensor whose elements fill its storage span without gaps (dense, a permuted
+    view, or a broadcast view with stride 0) moves that span, and comes back with
+    its own strides: a mask expanded to (B, H, S, S) moves its (S, S) storage. A
+    tensor with gaps (a strided slice) moves its elements, and comes back
+    contiguous."""
+
+    __slots__ = ("count", "shape", "stride", "span")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        span = storage_span(t)
+        self.shape = t.shape
+        if span <= t.numel():
+            self.count, self.stride, self.span = span, t.stride(), True
+        else:
+            self.count, self.stride, self.span = t.numel(), _contiguous_strides(t.shape), False
+
+    def nbytes(self, t: torch.Tensor) -> int:
+        return self.count * t.element_size()
+
+    def host_view(self, buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The ``count`` elements of ``buffer`` (bytes) that hold ``t``."""
+        return buffer[: self.nbytes(t)].view(t.dtype)
+
+    def source(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(what to copy from, shape of the host view)``: the span of ``t``'s
+        storage, or ``t`` itself copied into a contiguous view."""
+        if self.span:
+            return t.as_strided((self.count,), (1,), t.storage_offset()), None
+        return t, self.shape
+
+    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided(self.shape, self.stride)
 
 
-def is_dense(t: torch.Tensor) -> bool:
-    """No gaps and no overlap: the elements fill exactly ``numel`` slots."""
+def storage_span(t: torch.Tensor) -> int:
+    """How many storage elements ``t`` spans, from its first to its last."""
     span = 1
     for size, stride in zip(t.shape, t.stride()):
         if size == 0:
-            return True
-        if size > 1 and stride == 0:
-            return False
+            return 0
         span += (size - 1) * abs(stride)
-    return span == t.numel()
+    return span
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class SyncCopier:
-    """Copies that are done when the call returns (CPU, or any non-CUDA device)."""
+    """Copies that are done when the call returns (CPU, or any non-CUDA device).
 
-    def to_host(self, t: torch.Tensor, host: torch.Tensor) -> Any:
-        host.copy_(t)
+    A copy back is a new tensor made by ``to(copy=True)``, at version 0 like the
+    tensor that was saved (``copy_`` into an empty one would leave it at 1)."""
+
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: Layout) -> Any:
+        src, shape = layout.source(t)
+        (host if shape is None else host.view(shape)).copy_(src)
         return None
 
-    def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
-        out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-        out.copy_(host)
-        return out, None
+    def to_device(self, host: torch.Tensor, device: torch.device, layout: Layout) -> tuple[torch.Tensor, Any]:
+        return layout.rebuild(host.to(device, copy=True)), None
 
     def wait(self, ready: Any, t: torch.Tensor) -> None:
         pass
@@ -54,20 +89,20 @@ class CudaCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def to_host(self, t: torch.Tensor, host: torch.Tensor) -> Any:
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: Layout) -> Any:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            host.copy_(t, non_blocking=True)
+            src, shape = layout.source(t)
+            (host if shape is None else host.view(shape)).copy_(src, non_blocking=True)
             # The allocator must not reuse t's memory before the copy has read it.
             t.record_stream(self.stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
 
-    def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+    def to_device(self, host: torch.Tensor, device: torch.device, layout: Layout) -> tuple[torch.Tensor, Any]:
         with torch.cuda.stream(self.stream):
-            out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-            out.copy_(host, non_blocking=True)
+            out = layout.rebuild(host.to(device, copy=True, non_blocking=True))
             done = torch.cuda.Event()
             done.record(self.stream)
         return out, done

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import SavedTensorKind, current_saved_tensor_info
-from .copies import CudaCopier, SyncCopier, host_view
+from .copies import CudaCopier, Layout, SyncCopier
 from .pool import HostPool
 
 
@@ -87,14 +87,21 @@ class _Group:
 class _Handle:
     """What the pack hook returns for a tensor it moves."""
 
-    __slots__ = ("owner", "group", "region", "device", "nbytes", "tensor", "host", "buffer", "ready", "__weakref__")
+    __slots__ = (
+        "owner", "group", "region", "device", "layout", "nbytes", "version", "tensor", "host", "buffer", "ready",
+        "__weakref__",
+    )
 
-    def __init__(self, owner: ActivationOffloader, group: _Group, region: str | None, t: torch.Tensor) -> None:
+    def __init__(
+        self, owner: ActivationOffloader, group: _Group, region: str | None, t: torch.Tensor, layout: Layout
+    ) -> None:
         self.owner = owner
         self.group = group
         self.region = region
         self.device = t.device
-        self.nbytes = t.numel() * t.element_size()
+        self.layout = layout
+        self.nbytes = layout.nbytes(t)  # what moves: the storage a broadcast view spans
+        self.version = t._version
         self.tensor: torch.Tensor | None = t  # on the device: before offload, or prefetched
         self.host: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
@@ -185,12 +192,13 @@ class ActivationOffloader:
             return t
         if not any(fnmatch.fnmatchcase(region or "", p) for p in self.regions):
             return t
-        if t.numel() * t.element_size() < self.min_bytes:
+        layout = Layout(t)
+        if layout.nbytes(t) < self.min_bytes:
             self.stats.resident_small += 1
             return t
         with self._lock:
             group = self._group_for(None if info is None else info.call)
-            handle = _Handle(self, group, region, t)
+            handle = _Handle(self, group, region, t, layout)
             group.handles.append(weakref.ref(handle))
             self._offload_due(handle)
         return handle
@@ -242,12 +250,16 @@ class ActivationOffloader:
 
     def _offload(self, handle: _Handle) -> None:
         t = handle.tensor
+        if t._version != handle.version:
+            # Updated in place since it was saved: a copy would hide that from
+            # backward, which must refuse it; it stays on the device as it is.
+            return
         buffer = self.pool.acquire(handle.nbytes)
         if buffer is None:
             self.stats.resident_pool_full += 1
             return  # stays on the device
-        host = host_view(buffer, t)
-        handle.ready = self._copier(handle.device).to_host(t, host)
+        host = handle.layout.host_view(buffer, t)
+        handle.ready = self._copier(handle.device).to_host(t, host, handle.layout)
         handle.buffer, handle.host, handle.tensor = buffer, host, None
         region = handle.region or ""
         self.stats.offloaded_bytes[region] = self.stats.offloaded_bytes.get(region, 0) + handle.nbytes
@@ -270,7 +282,7 @@ class ActivationOffloader:
                     self._log("prefetch", target, ordinal, handle.region, handle.nbytes)
 
     def _fetch(self, handle: _Handle) -> torch.Tensor:
-        t, handle.ready = self._copier(handle.device).to_device(handle.host, handle.device)
+        t, handle.ready = self._copier(handle.device).to_device(handle.host, handle.device, handle.layout)
         region = handle.region or ""
         self.stats.fetched_bytes[region] = self.stats.fetched_bytes.get(region, 0) + handle.nbytes
         return t

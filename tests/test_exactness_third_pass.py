@@ -1,0 +1,428 @@
+"""Exactness of the newer features (saved-tensor hooks, rebuilt saves, module state
+the replay reads, threads, the planner): bitwise gradients equal to the run without
+remat, or a RematError naming what went wrong."""
+
+import pytest
+import torch
+
+import torch_remat as remat
+from torch_remat.offload import ActivationOffloader
+
+D = torch.float64
+KIND = remat.SavedTensorKind
+
+
+def _x(n=6, seed=0):
+    return torch.randn(n, dtype=D, generator=torch.Generator().manual_seed(seed))
+
+
+def identity_hooks():
+    return remat.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def clone_hooks():
+    return remat.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+
+
+def offloader_hooks(**kw):
+    kw.setdefault("min_bytes", 0)
+    off = ActivationOffloader(1 << 20, **kw)
+    return remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook)
+
+
+# Hooks that hand back the tensor they were given (backward would read an in-place
+# update: it must raise), and hooks that copy it when it is packed (backward reads
+# the copy: exact).
+HOOKS = {
+    "identity": identity_hooks,
+    "clone": clone_hooks,
+    "offload-inputs": lambda: offloader_hooks(kinds=[KIND.CHECKPOINT_INPUT]),
+    "offload-all": lambda: offloader_hooks(kinds=list(KIND)),
+    "offload-all-prefetch0": lambda: offloader_hooks(kinds=list(KIND), prefetch=0),
+    "torch-save_on_cpu": torch.autograd.graph.save_on_cpu,
+}
+
+
+# ---------------------------------------------------------------- item 1: version checks under hooks
+
+
+COPYING = {"clone", "offload-all-prefetch0"}
+
+
+@pytest.mark.parametrize("hooks", sorted(HOOKS))
+def test_a_checkpoint_input_modified_before_backward_raises_or_is_exact_under_any_hooks(hooks):
+    # (x * 2) saves nothing of x: only the replay reads it, so only the kept input's
+    # version check can notice the in-place update.
+    leaf = _x().requires_grad_()
+    x = leaf * 1
+    with HOOKS[hooks]():
+        y = remat.checkpoint(region_name="blk")(lambda t: (t * 2).exp())(x)
+    with torch.no_grad():
+        x.add_(1)
+    if hooks in COPYING:
+        y.sum().backward()
+        assert torch.equal(leaf.grad, (_x() * 2).exp() * 2)
+        return
+    with pytest.raises(remat.SavedTensorModifiedError, match="checkpoint input 0 of checkpoint 'blk'"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("hooks", sorted(HOOKS))
+def test_a_save_region_save_modified_after_the_region_raises_or_is_exact_under_any_hooks(hooks):
+    x = _x().requires_grad_()
+
+    def body(t):
+        return remat.region(lambda u: u.exp(), "attn", recompute=False)(t)  # saves its output
+
+    with HOOKS[hooks]():
+        y = remat.checkpoint(region_name="blk")(body)(x)
+    with torch.no_grad():
+        y.mul_(2)
+    if hooks in COPYING:
+        y.sum().backward()
+        assert torch.equal(x.grad, _x().exp())
+        return
+    with pytest.raises(remat.SavedTensorModifiedError, match="region 'attn' of checkpoint 'blk'"):
+        y.sum().backward()
+
+
+def test_the_offloader_does_not_offload_a_save_modified_before_its_group_moves():
+    # prefetch=1: checkpoint 0's saves stay on the device until checkpoint 1 hands
+    # over its own; the in-place update happens before that copy.
+    off = ActivationOffloader(1 << 20, min_bytes=0)
+    x = _x().requires_grad_()
+
+    def body(t):
+        return remat.region(lambda u: u.exp(), "attn", recompute=False)(t)
+
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        a = remat.checkpoint(region_name="c0")(body)(x)
+        with torch.no_grad():
+            a.mul_(2)
+        b = remat.checkpoint(region_name="c1")(body)(a.detach().requires_grad_())
+    assert off.stats.offloaded_bytes == {}  # the updated save stayed on the device
+    with pytest.raises(remat.SavedTensorModifiedError, match="region 'attn' of checkpoint 'c0'"):
+        (a.sum() + b.sum()).backward()
+
+
+@pytest.mark.parametrize("hooks", sorted(HOOKS))
+def test_hooks_without_modification_give_the_gradients_without_remat(hooks):
+    def body(t):
+        a = remat.region(lambda u: u.exp(), "attn", recompute=False)(t)
+        return (a * t * 2).sin()
+
+    def run(ckpt):
+        x = _x().requires_grad_()
+        fn = remat.checkpoint(region_name="blk")(body) if ckpt else body
+        with HOOKS[hooks]():
+            y = fn(x)
+            y = fn(y)
+        y.sum().backward()
+        return x.grad
+
+    assert torch.equal(run(True), run(False))
+
+
+# ---------------------------------------------------------------- item 3: conjugate and negative views
+
+C = torch.complex128
+
+
+def _c(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=C, generator=g)
+
+
+def _complex_grads(body, ckpt, *shapes, **options):
+    xs = [_c(*s, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+    fn = remat.checkpoint(region_name="blk", **options)(body) if ckpt else body
+    out = fn(*xs)
+    out = out if out.is_complex() else out.to(C)
+    (out.real.sum() + out.imag.square().sum()).backward()
+    return [x.grad for x in xs]
+
+
+SAVES_OF_CONJUGATES = {
+    # each SAVE region saves a conjugate (or negative) view of an argument the replay recomputes
+    "conj-mul": lambda a, b: a.conj() * b,
+    "mH-matmul": lambda a, b: a.mH @ b,
+    "einsum-conj": lambda a, b: torch.einsum("ij,jk->ik", a.conj(), b),
+    "neg-imag": lambda a, b: a.conj().imag * b.real,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAVES_OF_CONJUGATES))
+@pytest.mark.parametrize("rebuild", ["free", "always"])
+def test_a_save_region_save_that_is_a_conjugate_view_of_a_replayed_argument(name, rebuild):
+    op = SAVES_OF_CONJUGATES[name]
+
+    def body(x, y):
+        a, b = x * 2, y.sin()  # replayed: the region's saves of them are rebuild candidates
+        return remat.region(op, "r", recompute=False)(a, b).sin()
+
+    expected = _complex_grads(body, False, (4, 4), (4, 4))
+    got = _complex_grads(body, True, (4, 4), (4, 4), rebuild=rebuild)
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+
+
+def test_a_kept_save_output_held_through_its_storage_root_keeps_its_conjugate_bit():
+    def body(x):
+        # the region's output is a conjugate view; the object dies at once, and bare
+        # code saves a slice of it, so the checkpoint holds the storage root; the
+        # replay recomputes (v * 2) from it
+        v = remat.region(lambda u: (u * 2).conj(), "r", recompute=False)(x)[1:]
+        return (v * 2).sin() * v
+
+    expected = _complex_grads(body, False, (5,))
+    got = _complex_grads(body, True, (5,))
+    assert torch.equal(expected[0], got[0])
+
+
+def test_a_kept_save_output_held_through_its_storage_root_keeps_its_negative_bit():
+    def body(x):
+        v = remat.region(lambda u: torch._neg_view(u * 2), "r", recompute=False)(x)[1:]
+        return (v * 2).sin() * v
+
+    expected = _complex_grads(body, False, (5,))
+    got = _complex_grads(body, True, (5,))
+    assert torch.equal(expected[0], got[0])
+
+
+# ---------------------------------------------------------------- item 5: module state besides params and buffers
+
+
+class Masked(torch.nn.Module):
+    """Reads a plain tensor attribute (a per-micro-batch mask), a submodule and
+    ``self.training``."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.inner = torch.nn.Linear(6, 6, dtype=D)
+        with torch.no_grad():
+            self.inner.weight.copy_(torch.randn(6, 6, dtype=D, generator=g))
+        self.mask = torch.ones(6, dtype=D)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.inner(x) * self.mask
+        h = h * 2 if self.training else h * 3
+        return self.drop(h).sin()
+
+
+def _mb(i):
+    return torch.randn(3, 6, dtype=D, generator=torch.Generator().manual_seed(10 + i)).requires_grad_()
+
+
+def _mask(i):
+    return (torch.arange(6) % (i + 2) != 0).to(D)
+
+
+def _run_micro_batches(ckpt, between):
+    """Two micro-batches, each with its own mask, forward both, then ``between``,
+    then backward both; returns the gradients (inner weight, inputs)."""
+    torch.manual_seed(0)
+    m = Masked()
+    fn = remat.checkpoint(region_name="blk", recompute_state_hooks=(remat.CPURNGStateHook(),))(m) if ckpt else m
+    outs, xs = [], []
+    for i in range(2):
+        m.mask = _mask(i)
+        xs.append(_mb(i))
+        outs.append(fn(xs[-1]))
+    weight = m.inner.weight
+    between(m)
+    for out in reversed(outs):
+        out.sum().backward()
+    return m, [weight.grad] + [x.grad for x in xs]
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"gradient {i} differs"
+
+
+def test_a_tensor_attribute_rebound_between_forward_and_backward_is_replayed_as_the_forward_saw_it():
+    _, expected = _run_micro_batches(False, lambda m: None)
+    m, got = _run_micro_batches(True, lambda m: None)  # the mask of micro-batch 1 is set during backward 0
+    _same(expected, got)
+    assert torch.equal(m.mask, _mask(1))  # the caller's attribute is back after the replay
+
+
+def test_a_submodule_replaced_between_forward_and_backward_is_replayed_as_the_forward_saw_it():
+    new = torch.nn.Linear(6, 6, dtype=D)
+
+    def replace(m):
+        m.inner = new
+
+    _, expected = _run_micro_batches(False, replace)
+    m, got = _run_micro_batches(True, replace)
+    _same(expected, got)
+    assert m.inner is new and new.weight.grad is None
+
+
+def test_eval_between_forward_and_backward_replays_in_training_mode():
+    _, expected = _run_micro_batches(False, lambda m: m.eval())
+    m, got = _run_micro_batches(True, lambda m: m.eval())
+    _same(expected, got)
+    assert not m.training and not m.drop.training and not m.inner.training
+
+
+def test_a_tensor_attribute_updated_in_place_before_backward_raises_naming_it():
+    m = Masked()
+    y = remat.checkpoint(region_name="blk")(m)(_mb(0))
+    with torch.no_grad():
+        m.mask.mul_(0)
+    with pytest.raises(remat.SavedTensorModifiedError, match="'mask' read by checkpoint 'blk'"):
+        y.sum().backward()
+
+
+# ---------------------------------------------------------------- item 6: threads and the CPU generator
+
+import threading  # noqa: E402
+
+RNG = (remat.CPURNGStateHook(),)
+
+
+def _dropout_block(between=None, save_region=False):
+    """sum(dropout(x) * 3): with x all ones, x.grad is 3 * the forward's mask * 2,
+    which the forward's output shows."""
+
+    def body(x):
+        if between is not None and not remat.is_recomputing():
+            between()  # another thread draws from the CPU generator, in forward only
+        if save_region:
+            x = remat.recompute_needs_tensor(remat.region(lambda t: t * 1, "pre", recompute=False)(x))
+        return torch.nn.functional.dropout(x, 0.5) * 3
+
+    return body
+
+
+def _exact_or_refused(body):
+    x = torch.ones(64, dtype=D, requires_grad=True)
+    y = remat.checkpoint(region_name="blk", recompute_state_hooks=RNG)(body)(x)
+    try:
+        y.sum().backward()
+    except remat.RecomputeMismatchError as e:
+        return str(e)
+    assert torch.equal(x.grad, y.detach()), "the replay drew another dropout mask"
+    return None
+
+
+@pytest.mark.parametrize("save_region", [False, True])
+def test_draws_of_another_thread_inside_a_checkpoint_forward_are_refused_not_replayed_wrong(save_region):
+    message = _exact_or_refused(_dropout_block(lambda: torch.rand(3), save_region))
+    assert message is not None
+    assert "checkpoint 'blk'" in message and "CPU generator" in message and "thread" in message
+
+
+def test_a_checkpoint_without_interleaved_draws_is_exact():
+    assert _exact_or_refused(_dropout_block()) is None
+    assert _exact_or_refused(_dropout_block(save_region=True)) is None
+
+
+def test_two_threads_training_with_dropout_get_exact_gradients_or_an_error():
+    # thread B draws while thread A is between its checkpoint's entry and its dropout
+    a_entered, b_drew = threading.Event(), threading.Event()
+    results = {}
+
+    def wait_for_b():
+        a_entered.set()
+        assert b_drew.wait(10)
+
+    def thread_a():
+        try:
+            results["a"] = _exact_or_refused(_dropout_block(wait_for_b))
+        except AssertionError as e:
+            results["wrong"] = str(e)
+
+    def thread_b():
+        assert a_entered.wait(10)
+        torch.rand(5)
+        b_drew.set()
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "wrong" not in results
+    assert "a" in results  # thread A finished: exact, or refused with a message
+    assert results["a"] is None or "CPU generator" in results["a"]
+
+
+# ---------------------------------------------------------------- item 4: tensors rebuilding cannot handle
+
+
+def _sparse_body(x):
+    s = (x * 2).to_sparse()  # a sparse COO argument with a grad_fn, produced by replayed code
+    return remat.region(lambda a: torch.sparse.mm(a, torch.ones(4, 3, dtype=D)), "r", recompute=False)(s).sum(0)
+
+
+def _jagged_body(x):
+    a = x * 2
+    nt = torch.nested.as_nested_tensor([a[:2], a[2:]], layout=torch.jagged)
+    return remat.region(lambda n: n.sin().values(), "r", recompute=False)(nt)
+
+
+@pytest.mark.parametrize("body,shape", [(_sparse_body, (4, 4)), (_jagged_body, (5, 3))], ids=["sparse-coo", "jagged"])
+@pytest.mark.parametrize("rebuild", ["free", "always"])
+def test_arguments_rebuilding_cannot_handle_are_kept(body, shape, rebuild):
+    def run(ckpt):
+        x = torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        fn = remat.checkpoint(region_name="blk", rebuild=rebuild)(body) if ckpt else body
+        fn(x).sum().backward()
+        return x.grad
+
+    assert torch.equal(run(True), run(False))
+
+
+# ---------------------------------------------------------------- item 8: smaller defects
+
+
+def test_recompute_needs_tensor_in_a_nested_save_region_keeps_the_output():
+    def body(t):
+        def outer(u):
+            def inner(v):
+                w = v.exp()
+                remat.recompute_needs_tensor(w)  # the call the error message asks for
+                return w
+
+            return remat.region(inner, "inner", recompute=False)(u)
+
+        o = remat.region(outer, "outer", recompute=False)(t)
+        return (o + 1).exp()  # bare code that reads o and saves only its own result
+
+    x = _x().requires_grad_()
+    remat.checkpoint(region_name="blk")(body)(x).sum().backward()
+    e = (x.detach().exp() + 1).exp()
+    assert torch.equal(x.grad, e * x.detach().exp())
+
+
+def test_checkpointing_a_function_that_returns_a_generator_is_refused():
+    x = _x().requires_grad_()
+    with pytest.raises(TypeError, match="checkpoint 'gen'.*generator"):
+        remat.checkpoint(region_name="gen")(lambda t: (u.exp() for u in [t]))(x)
+
+
+def test_a_rebuild_candidate_kept_after_all_is_packed_with_the_context_of_its_save():
+    step = {"n": 0}
+    seen = []
+
+    def pack(t, context):
+        info = remat.current_saved_tensor_info()
+        seen.append((info.kind, info.region, context))
+        return t
+
+    def body(x, y):
+        a = x @ y  # replayed code; rebuilding a would replay the matmul: kept after all
+        out = remat.region(lambda t: t.sin(), "r", recompute=False)(a)  # sin saves a
+        step["n"] = 1  # after the save, before the forward ends
+        return out
+
+    x, y = _x().reshape(2, 3).requires_grad_(), _x(seed=1).reshape(3, 2)
+    with remat.saved_tensors_hooks(pack, lambda t: t, capture_context=lambda: step["n"]):
+        remat.checkpoint(region_name="blk")(body)(x, y).sum().backward()
+    assert (KIND.BACKWARD, "r", 0) in seen
+    assert not any(kind is KIND.BACKWARD and context == 1 for kind, _, context in seen)

@@ -1,0 +1,88 @@
+"""The offloader's own copies: what comes back is the tensor that went, at the
+version it had, and a broadcast view moves its storage, not its expanded size."""
+
+import torch
+
+import torch_remat as remat
+from torch_remat.offload import ActivationOffloader
+
+B, H, S = 2, 16, 32
+KIND = remat.SavedTensorKind
+
+
+def _scores():
+    return torch.randn(B, H, S, S, generator=torch.Generator().manual_seed(0)).requires_grad_()
+
+
+def _mask():
+    return torch.randn(1, 1, S, S, generator=torch.Generator().manual_seed(1))  # 4 KiB
+
+
+def attention(s, m):
+    # mul saves the mask broadcast to (B, H, S, S): a stride-0 view of 4 KiB
+    return remat.region(lambda a, b: a * b.expand(B, H, S, S), "attn", recompute=False)(s, m).sum(-1)
+
+
+def test_a_broadcast_view_moves_its_storage_and_comes_back_with_its_strides():
+    off = ActivationOffloader(1 << 20, min_bytes=0, prefetch=0)
+    seen = []
+
+    def unpack(packed):
+        t = off.unpack_hook(packed)
+        seen.append((t.shape, t.stride()))
+        return t
+
+    s = _scores()
+    with remat.saved_tensors_hooks(off.pack_hook, unpack):
+        y = remat.checkpoint(region_name="c")(attention)(s, _mask())
+    y.sum().backward()
+    assert off.stats.offloaded_bytes == {"attn": S * S * 4}
+    assert off.stats.fetched_bytes == {"attn": S * S * 4}
+    assert off.pool.high_water_bytes == S * S * 4
+    assert seen == [(torch.Size([B, H, S, S]), (0, 0, S, 1))]
+    plain = _scores()
+    attention(plain, _mask()).sum().backward()
+    assert torch.equal(s.grad, plain.grad)
+
+
+def test_a_tensor_brought_back_is_at_the_version_the_forward_saw():
+    # kinds=[SAVE_OUTPUT]: the kept output comes back from the pool into replayed
+    # code that saves it; a copy at version 1 looked modified in place.
+    off = ActivationOffloader(1 << 20, min_bytes=0, prefetch=0, kinds=[KIND.SAVE_OUTPUT])
+    x = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+
+    def body(t):
+        a = remat.region(lambda u: u * 3, "proj", recompute=False)(t)
+        return a.sin()  # replayed, saves a
+
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        y = remat.checkpoint(region_name="c")(body)(x)
+    y.sum().backward()
+    assert off.stats.fetched_bytes == {"proj": 64 * 8}
+    assert torch.equal(x.grad, (x.detach() * 3).cos() * 3)
+
+
+def test_a_permuted_view_still_comes_back_with_its_strides():
+    off = ActivationOffloader(1 << 20, min_bytes=0, prefetch=0)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.stride())
+        return off.pack_hook(t)
+
+    def unpack(p):
+        t = off.unpack_hook(p)
+        unpacked.append(t.stride())
+        return t
+
+    x = torch.randn(4, 8, dtype=torch.float64).requires_grad_()
+
+    def body(t):
+        return remat.region(lambda u: u.t().exp(), "r", recompute=False)(t)  # saves a (8, 4) of strides (1, 8)
+
+    with remat.saved_tensors_hooks(pack, unpack):
+        y = remat.checkpoint(region_name="c")(body)(x)
+    y.sum().backward()
+    assert packed == unpacked == [(1, 8)]
+    assert off.stats.offloaded_bytes == {"r": 32 * 8}
+    assert torch.equal(x.grad, x.detach().exp())
