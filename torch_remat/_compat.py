@@ -45,7 +45,9 @@ tree_map``                                        outputs, and rebuild the conta
 ``Tensor._make_wrapper_subclass``                 a placeholder tensor without storage
 ``nn.modules.batchnorm._NormBase``                tell batch norms apart: their kernels update
                                                   running stats without bumping versions
-``_subclasses.fake_tensor.FakeTensor``            leave fake tensors' graphs out of the reports
+``_subclasses.fake_tensor.FakeTensor``            leave fake tensors' graphs out of the reports;
+(``FakeTensorMode``), ``utils._python_dispatch    the planner's forecast runs its measurements
+._disable_current_modes``                         on fake tensors (and steps out of the mode)
 ``cuda.memory._snapshot``                         the allocator's blocks with their stacks
                                                   (allocation sites, snapshot annotation)
 ``distributed.algorithms._checkpoint.checkpoint_  recognise torch's checkpoint wrappers and read
@@ -76,7 +78,10 @@ import sys
 
 import torch
 import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import FakeTensor as FakeTensor
+from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_map as tree_map
 from torch.utils._pytree import tree_unflatten as tree_unflatten

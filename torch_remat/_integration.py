@@ -7,13 +7,17 @@ from typing import Any
 
 from . import _compat
 from ._compat import (
+    FakeTensor,
+    FakeTensorMode,
     TorchDispatchMode,
     checkpoint_wrapper_module,
     create_dtensor_rng_tracker,
+    disable_current_modes,
     dtensor_rng_supported_mesh,
     dtensor_rng_tracker,
     run_fsdp_policy,
     tree_flatten,
+    tree_map,
 )
 from .diagnostics.format import format_bytes
 
@@ -23,6 +27,10 @@ _LAZY = ("CheckpointImpl", "CheckpointWrapper", "OffloadWrapper", "checkpoint_wr
 __all__ = [
     "format_bytes",
     "TorchDispatchMode",
+    "FakeTensor",
+    "FakeTensorMode",
+    "disable_current_modes",
+    "tree_map",
     "tree_flatten",
     "run_fsdp_policy",
     "checkpoint_wrapper_module",

@@ -34,9 +34,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map
+
+from torch_remat._integration import (
+    FakeTensor,
+    FakeTensorMode,
+    TorchDispatchMode,
+    tree_flatten,
+    tree_map,
+)
+from torch_remat._integration import disable_current_modes as _disable_current_modes
 
 from ..apply import remove_remat
 from ._measure import (

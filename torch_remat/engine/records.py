@@ -105,7 +105,8 @@ class RegionSaved:
             # takes the tensor detached, third item True) or the user's torch hooks
             # (e.g. save_on_cpu) around the checkpoint.
             pack_fn, self.unpack_fn = outer_hooks[0], outer_hooks[1]
-            d = t.detach() if len(outer_hooks) > 2 else t
+            # (an nn.Parameter reaches remat's hooks as itself, as autograd saves it)
+            d = t.detach() if len(outer_hooks) > 2 and not isinstance(t, torch.nn.Parameter) else t
             self.tensor = None
             self.version = t._version
             self.packed = pack_fn(d)
