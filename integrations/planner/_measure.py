@@ -95,10 +95,14 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
     # the values in host memory, so that planning a large model on a device does
     # not hold a second copy of its parameters there
     slots = []
+    # A sharded model (FSDP2, tensor parallel: DTensor parameters) is left to its
+    # owner, which swaps parameter objects in and out around each forward and frees
+    # the unsharded storage: only its buffers' values are put back.
+    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
     for m in model.modules():
-        for table in (m._parameters, m._buffers):
+        for table in ((m._buffers,) if sharded else (m._parameters, m._buffers)):
             for name, t in table.items():
-                if t is not None:
+                if t is not None and not hasattr(t, "device_mesh"):
                     slots.append((table, name, t, t.detach().to("cpu", copy=True)))
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
