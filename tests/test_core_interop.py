@@ -61,10 +61,11 @@ def test_user_hooks_around_a_checkpoint_see_kept_tensors_only():
 
     actual = grads([w], [x], run)
     assert_bitwise_equal(actual, expected)
-    # The SAVE region's three saves and the kept output h go through the user's
-    # hooks; the dropped tanh result does not (it is recomputed instead).
-    assert sorted(hooks.packed) == sorted([(3, 6), (6, 6), (3, 6), (3, 6)])
-    assert hooks.unpacked == 4
+    # The checkpoint's input x (packed at its start), the SAVE region's three saves
+    # and the kept output h go through the user's hooks, each unpacked once; the
+    # dropped tanh result does not (it is recomputed instead).
+    assert sorted(hooks.packed) == sorted([(3, 6), (3, 6), (6, 6), (3, 6), (3, 6)])
+    assert hooks.unpacked == 5
 
 
 def test_user_hooks_inside_the_function_keep_their_tensors():

@@ -411,4 +411,5 @@ def test_pack_hooks_of_a_save_kept_after_all_see_a_detached_tensor():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         remat.checkpoint(region_name="c")(fn)(base_input())
-    assert seen == [(False, None)]  # sin's input, packed by the user's hook
+    # the checkpoint's input (packed at its start) and sin's input, both detached
+    assert seen == [(False, None), (False, None)]

@@ -50,10 +50,11 @@ def test_save_on_cpu_around_a_checkpoint_offloads_what_the_checkpoint_keeps():
 
     actual = grads([w], [x], run)
     assert_bitwise_equal(actual, expected)
-    # Offloaded: the SAVE region's saves (x, w, p) and p once more as the tensor the
-    # checkpoint keeps for its replay. Not offloaded: tanh's result, which is not
-    # stored at all but recomputed in backward.
-    assert sorted(offload.offloaded) == sorted([(3, 6), (6, 6), (3, 6), (3, 6)])
+    # Offloaded: the checkpoint's input x (packed at its start, as torch's checkpoint
+    # saves its inputs), the SAVE region's saves (x, w, p) and p once more as the
+    # tensor the checkpoint keeps for its replay. Not offloaded: tanh's result, which
+    # is not stored at all but recomputed in backward.
+    assert sorted(offload.offloaded) == sorted([(3, 6), (3, 6), (6, 6), (3, 6), (3, 6)])
 
 
 def test_save_on_cpu_inside_a_checkpoint_offloads_in_forward_and_in_the_replay():

@@ -39,7 +39,11 @@ def test_a_broadcast_view_moves_its_storage_and_comes_back_with_its_strides():
     assert off.stats.offloaded_bytes == {"attn": S * S * 4}
     assert off.stats.fetched_bytes == {"attn": S * S * 4}
     assert off.pool.high_water_bytes == S * S * 4
-    assert seen == [(torch.Size([B, H, S, S]), (0, 0, S, 1))]
+    # the SAVE region's save, and the checkpoint's two inputs (packed at its start,
+    # left resident by the offloader's default kinds)
+    assert sorted(seen, key=str) == sorted(
+        [(torch.Size([B, H, S, S]), (0, 0, S, 1)), (torch.Size([B, H, S, S]), (H * S * S, S * S, S, 1)),
+         (torch.Size([1, 1, S, S]), (S * S, S * S, S, 1))], key=str)
     plain = _scores()
     attention(plain, _mask()).sum().backward()
     assert torch.equal(s.grad, plain.grad)
@@ -83,6 +87,7 @@ def test_a_permuted_view_still_comes_back_with_its_strides():
     with remat.saved_tensors_hooks(pack, unpack):
         y = remat.checkpoint(region_name="c")(body)(x)
     y.sum().backward()
-    assert packed == unpacked == [(1, 8)]
+    assert packed == [(8, 1), (1, 8)]  # the checkpoint's input, then the region's save
+    assert sorted(unpacked) == sorted(packed)
     assert off.stats.offloaded_bytes == {"r": 32 * 8}
     assert torch.equal(x.grad, x.detach().exp())

@@ -145,8 +145,8 @@ def test_torch_hooks_entered_inside_the_block_take_precedence():
             z = x.exp()
     (y.sum() + z.sum()).backward()
     assert outer.packed == []
-    # the SAVE region's save and exp's result (the replay reads no input: none is kept)
-    assert len(inner.packed) == 2
+    # the checkpoint's input (packed at its start), the SAVE region's save, exp's result
+    assert len(inner.packed) == 3
     assert torch.equal(x.grad, 2 * x.detach() + x.detach().exp())
 
 
@@ -160,7 +160,8 @@ def test_a_block_entered_inside_torch_hooks_takes_precedence():
             z = x.exp()
     (y.sum() + z.sum()).backward()
     assert outer == []
-    assert len(inner.packed) == 2  # the SAVE region's save and exp's result (kind BACKWARD)
+    # the checkpoint's input, the SAVE region's save, exp's result (kind BACKWARD)
+    assert len(inner.packed) == 3
 
 
 def test_nested_blocks_outside_checkpoints_innermost_wins():
@@ -224,3 +225,87 @@ def test_a_block_entered_inside_compiled_code_still_refuses_a_compiled_checkpoin
             torch.compile(f, backend="aot_eager", fullgraph=True)(x)
     finally:
         torch._dynamo.reset()
+
+
+# ------------------------------------------- checkpoint inputs packed at the start
+
+
+def _two_input_body(x, mask):
+    # x reaches only the SAVE region (the replay does not read it), mask only the
+    # replayed code
+    h = square_region(x)
+    return h.sin() * mask
+
+
+def test_under_hooks_every_input_is_packed_first_in_argument_order_and_unpacked_once():
+    log = Log()
+    infos = []
+
+    def pack(t):
+        infos.append(remat.current_saved_tensor_info())
+        return log.pack(t)
+
+    x = torch.tensor([2.0, 3.0], dtype=D, requires_grad=True)
+    mask = torch.tensor([1.0, 0.5], dtype=D)
+    with remat.saved_tensors_hooks(pack, log.unpack):
+        y = remat.checkpoint(region_name="c")(_two_input_body)(x, mask)
+    assert [(i.kind, i.input_index, i.region) for i in infos[:2]] == [
+        (SavedTensorKind.CHECKPOINT_INPUT, 0, None),
+        (SavedTensorKind.CHECKPOINT_INPUT, 1, None),
+    ]
+    assert [i.kind for i in infos[2:]] == [SavedTensorKind.BACKWARD, SavedTensorKind.SAVE_OUTPUT]
+    y.sum().backward()
+    # x, which the replay does not read, is unpacked too: one unpack per pack
+    assert log.unpacked == len(log.packed) == 4
+    xe = x.detach().clone().requires_grad_()
+    (square_region(xe).sin() * mask).sum().backward()
+    assert torch.equal(x.grad, xe.grad)
+
+
+def test_torch_hooks_around_a_checkpoint_pack_its_inputs_first():
+    packed = []
+    x = torch.tensor([2.0, 3.0], dtype=D, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = remat.checkpoint(region_name="c")(square_region)(x)
+    assert len(packed) == 2 and torch.equal(packed[0], x) and torch.equal(packed[1], 2 * x)
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_an_input_the_replay_does_not_read_may_change_after_the_forward():
+    # torch's hooks check versions on unpack; the unread input's unpack must not
+    # turn an update nothing reads again into an error
+    x = torch.tensor([2.0, 3.0], dtype=D, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        a = x * 1.0
+        y = remat.checkpoint(region_name="c")(square_region)(a)
+    with torch.no_grad():
+        a.add_(1.0)
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_an_input_the_replay_reads_and_that_changed_after_the_forward_still_raises():
+    import pytest
+
+    x = torch.tensor([2.0, 3.0], dtype=D, requires_grad=True)
+    with remat.saved_tensors_hooks(lambda t: t, lambda t: t):
+        a = x * 1.0
+        y = remat.checkpoint(region_name="c")(lambda t: t.sin().exp())(a)
+    with torch.no_grad():
+        a.add_(1.0)
+    with pytest.raises(remat.SavedTensorModifiedError, match="checkpoint 'c'"):
+        y.sum().backward()
+
+
+def test_without_hooks_an_input_the_replay_does_not_read_is_not_held():
+    import weakref
+
+    x = torch.tensor([2.0, 3.0], dtype=D, requires_grad=True)
+    a = x * 1.0
+    ref = weakref.ref(a)
+    y = remat.checkpoint(region_name="c")(square_region)(a)
+    del a
+    assert ref() is None
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach())

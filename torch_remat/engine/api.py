@@ -83,7 +83,7 @@ def checkpoint(
             SAVE outputs, kept inputs), with the semantics of
             :class:`remat.saved_tensors_hooks`, ahead of any such context. None (the
             default): no hooks of its own.
-        input_saved_tensors_hooks: the same, for the kept checkpoint inputs only
+        input_saved_tensors_hooks: the same, for the checkpoint inputs only
             (ahead of ``saved_tensors_hooks``). The checkpoint then keeps only what
             the pack hook returns, not the input tensor: an input the caller drops
             after the forward is freed (an offloading hook moves it off the device).

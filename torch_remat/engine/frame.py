@@ -79,10 +79,11 @@ from .records import (
     refuse_recompute_inside_save,
     region_leaves,
     release_traceback,
+    unpack_unread,
 )
 from .replay import ReplayPass, replay_unpack
 from .rng import DeviceRNGStateHook, RNGUse, check_position, fingerprints, position, same_state
-from .saved_hooks import KeptTensorHooks, next_call_serial, torch_hooks_around
+from .saved_hooks import KeptTensorHooks, next_call_serial, remat_machinery, torch_hooks_around
 
 if TYPE_CHECKING:
     from .api import CheckpointedFunction
@@ -174,6 +175,9 @@ class CheckpointFrame:
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
         self.outer_hooks = None
+        # payloads of inputs packed at entry that the replay does not read; None
+        # when nothing was packed at entry
+        self.unread_inputs: list | None = None
         # saved-tensor hooks for what this call keeps, resolved in run_forward
         self.kept_hooks: KeptTensorHooks | None = None
         self.call = next_call_serial()
@@ -249,8 +253,14 @@ class CheckpointFrame:
         self.kept_hooks = KeptTensorHooks(
             self.name, self.call, *self.checkpointed.options.kept_hooks, self.outer_hooks
         )
-        for src in self.inputs:
-            src.hooks = self.kept_hooks.inputs
+        kept_hooks = self.kept_hooks
+        if kept_hooks.inputs is not None or (
+            self.outer_hooks is not None and not kept_hooks.nested and not remat_machinery(self.outer_hooks)
+        ):
+            # under saved-tensor hooks every input is packed now (records.pack_at_entry)
+            for src in self.inputs:
+                src.pack_at_entry(kept_hooks.inputs)
+            self.unread_inputs = []
         self.start_seq = _compat.autograd_sequence_nr()
         self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers)
         self.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
@@ -323,7 +333,7 @@ class CheckpointFrame:
             for s in sources:
                 s.mark_kept(t)
             # Kept tensors packed by hooks live where the hooks put them.
-            if self.outer_hooks is None and not any(s.hooks for s in sources):
+            if self.outer_hooks is None and not any(s.hooks or s.saved is not None for s in sources):
                 d = t.detach()
                 holder.kept = VersionedTensor(d)
         if holder.kept is None:
@@ -358,7 +368,7 @@ class CheckpointFrame:
                     return saved
         region = self.region_stack[-1]
         hooks = self.kept_hooks.region_save(region.qualname, t) or self.outer_hooks
-        saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks)
+        saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks, self.unread_inputs)
         region.saved.append(weakref.ref(saved))
         for observer in self.observers.kept:
             observer.tensor_kept(self, saved, t)
@@ -496,7 +506,11 @@ class CheckpointFrame:
             # modified in place stays, so that storing it reports the modification).
             for s in self.inputs:
                 s.keep = s.ref._version != s.version
+        unread = self.unread_inputs
         for s in self.inputs:
+            if unread is not None and not s.keep:
+                unread.append(s.saved)
+                s.saved = s.witness = None
             s.store(self.name)
         for s in self.output_sources:
             s.store(self.name)
@@ -510,6 +524,8 @@ class CheckpointFrame:
 
 
     def unpack_holder(self, holder: Holder) -> torch.Tensor:
+        if self.unread_inputs:
+            unpack_unread(self.unread_inputs)
         kept = holder.kept
         if kept is not None:
             t = kept.data

@@ -36,7 +36,7 @@ from .._errors import RematError, modified_in_place
 from .._tensors import TensorMeta, is_parameter, storage_root
 from .context import forget_exception_site
 from .placeholder import PlaceholderOrigin, make_placeholder
-from .saved_hooks import PackedVersion, SavedTensorKind
+from .saved_hooks import DeferredPack, PackedVersion, SavedTensorKind
 
 
 class Holder:
@@ -81,10 +81,13 @@ class RegionSaved:
         "output_index",
         "parameter",
         "witness",
+        "unread",
         "__weakref__",
     )
 
-    def __init__(self, region: RegionRecord, name: str, t: torch.Tensor, outer_hooks) -> None:
+    def __init__(
+        self, region: RegionRecord, name: str, t: torch.Tensor, outer_hooks, unread: list | None = None
+    ) -> None:
         self.region = region
         self.name = name
         self.meta = TensorMeta.of(t)
@@ -94,6 +97,9 @@ class RegionSaved:
         self.output_index: int | None = None
         self.parameter = is_parameter(t)
         self.witness = None
+        # the checkpoint's inputs packed at its start that its replay does not read
+        # (CheckpointFrame.unread_inputs): unpacked once, with the first save unpacked
+        self.unread = unread
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d
@@ -114,6 +120,8 @@ class RegionSaved:
 
     def unpack(self) -> torch.Tensor:
         if self.unpack_fn is not None:
+            if self.unread:
+                unpack_unread(self.unread)
             t = self.unpack_fn(self.packed)
             moved = self.witness.moved(t)
             if moved is not None:
@@ -132,6 +140,20 @@ class RegionSaved:
             "Clone the tensor before modifying it, or modify a copy.",
             (self.version, version),
         )
+
+
+def unpack_unread(payloads: list) -> None:
+    """Unpack (and drop) the payloads of checkpoint inputs that hooks packed and the
+    replay does not read: the hooks see an unpack for every pack, as with torch's
+    checkpoint, when backward first reaches the checkpoint."""
+    while payloads:
+        try:
+            payloads.pop().unpack()
+        except RuntimeError as e:
+            # torch's own hooks check the version: an input modified after the forward
+            # that nothing reads again is not an error
+            if "modified by an inplace operation" not in str(e):
+                raise
 
 
 def qualified_name(region_stack: Sequence[RegionRecord], name: str) -> str:
@@ -314,6 +336,20 @@ class TensorSource:
                 self.kept_tensor = storage_root(alias)
                 self.kept_is_root = True
 
+    def pack_at_entry(self, hooks: DeferredPack | None) -> None:
+        """Under saved-tensor hooks a checkpoint input is packed when the checkpoint
+        starts, by ``hooks`` or else by torch's hooks active there, as torch's own
+        checkpoint saves its inputs: the hooks see every input, in argument order,
+        before anything the function saves. (Without hooks an input is held only if
+        the replay reads it, see :meth:`store`.)"""
+        t = self.ref
+        d = t if isinstance(t, torch.nn.Parameter) else t.detach()
+        if hooks is not None:
+            self.saved = hooks.pack(d, SavedTensorKind.CHECKPOINT_INPUT, None, self.index)
+        else:
+            self.saved = make_saved_tensor(d, is_output=False)
+        self.witness = PackedVersion(self.version, t) if d is t else PackedVersion(self.version, t, d)
+
     def store(self, checkpoint: str) -> None:
         """End of forward: turn a kept source into a SavedTensor; forget the rest."""
         if self.kind == INPUT:
@@ -324,6 +360,8 @@ class TensorSource:
             return
         if t._version != self.version:
             raise self._modified_error(checkpoint)
+        if self.saved is not None:
+            return  # an input packed when the checkpoint started
         if self.hooks is not None:
             kind = SavedTensorKind.CHECKPOINT_INPUT if self.kind == INPUT else SavedTensorKind.SAVE_OUTPUT
             d = t.detach()

@@ -1,9 +1,8 @@
 """Saved-tensor hooks for the tensors a checkpoint keeps resident.
 
 A checkpoint keeps three kinds of tensors for backward (:class:`SavedTensorKind`):
-what its SAVE regions save (``BACKWARD``), the checkpoint inputs the replay reads
-(``CHECKPOINT_INPUT``) and the SAVE-region outputs the replay reads
-(``SAVE_OUTPUT``). Everything else is dropped and recomputed, so hooks that move
+what its SAVE regions save (``BACKWARD``), its inputs (``CHECKPOINT_INPUT``) and
+the SAVE-region outputs the replay reads (``SAVE_OUTPUT``). Everything else is dropped and recomputed, so hooks that move
 tensors elsewhere (offloading) are worth running only on these. torch's own
 ``saved_tensors_hooks`` cannot be used for that: inside a checkpoint they would see
 every save, including the ones that are about to be dropped.
@@ -22,9 +21,12 @@ Outside checkpoints a :class:`saved_tensors_hooks` context is also on torch's ho
 stack (:class:`_NativePack`), so saves there reach the pair as torch's hooks would.
 
 The pair is bound when the tensor is saved (a SAVE region's saves), when the SAVE
-region returns (its kept outputs) or when the checkpoint starts (its inputs); the
-last two are packed when the forward ends, with the context ``capture_context()``
-returned when they were bound. A checkpoint nested inside another hands its kept
+region returns (its kept outputs, packed when the forward ends with the context
+``capture_context()`` returned then) or when the checkpoint starts: under hooks
+every tensor input is packed there, in argument order, as torch's checkpoint saves
+its inputs, and one the replay does not read is unpacked with the checkpoint's
+first unpack in backward (without hooks an input is held only if the replay reads
+it). A checkpoint nested inside another hands its kept
 tensors to the outer one (their count must match between the outer forward and its
 replay), and nothing is packed during a replay.
 """
@@ -54,7 +56,7 @@ class SavedTensorKind(enum.Enum):
     BACKWARD = "backward"
     """Saved for backward inside a SAVE region (packed when it is saved)."""
     CHECKPOINT_INPUT = "checkpoint_input"
-    """A checkpoint input the replay reads (packed when the forward ends)."""
+    """A tensor argument of the checkpoint (packed when the checkpoint starts)."""
     SAVE_OUTPUT = "save_output"
     """A SAVE-region output the replay reads (packed when the forward ends)."""
 
@@ -180,7 +182,7 @@ class _NativePack:
             _state.info = previous
 
 
-def _remat_machinery(hooks: Any) -> bool:
+def remat_machinery(hooks: Any) -> bool:
     # The hooks of a checkpoint forward, a replay or a gradient_checkpoint_scope.
     if hooks is None or isinstance(hooks[0], _NativePack):
         return False
@@ -200,14 +202,14 @@ class saved_tensors_hooks:
 
     The shape of ``torch.autograd.graph.saved_tensors_hooks``, but inside
     checkpoints the hooks see only what remat keeps for backward: saves inside SAVE
-    regions, kept SAVE-region outputs and kept checkpoint inputs, never a tensor
+    regions, kept SAVE-region outputs and the checkpoint's inputs, never a tensor
     that will be recomputed, and never during a replay. ``pack_hook(tensor)``
     receives a detached tensor there (an identity hook creates no reference cycle)
     and returns any object; ``unpack_hook(packed)`` returns the tensor. With
     ``capture_context``, ``capture_context()`` is called when the pair is bound to
     the tensor: at the save for SAVE-region saves, when the region returned for its
-    kept outputs, when the checkpoint started for its inputs (those two are packed
-    when the forward ends); its result is ``current_saved_tensor_info().context``
+    kept outputs (packed when the forward ends), when the checkpoint started for its
+    inputs (packed then); its result is ``current_saved_tensor_info().context``
     and, for a ``pack_hook`` of two arguments, the second argument. Inside
     ``pack_hook``, :func:`current_saved_tensor_info` describes the tensor. The pair is bound when the tensor is saved: leaving the block before
     backward does not change which ``unpack_hook`` runs.
@@ -240,7 +242,7 @@ class saved_tensors_hooks:
         # hand the kept ones to the pair; elsewhere the pair is torch's hook too.
         # (Not while Dynamo traces: a compiled graph calls no hook, and a compiled
         # checkpoint inside the block refuses it by name, compiled.py.)
-        native = not torch.compiler.is_compiling() and not _remat_machinery(top_hooks(False))
+        native = not torch.compiler.is_compiling() and not remat_machinery(top_hooks(False))
         if native:
             push_hooks(_NativePack(self._pair), self._pair.unpack)
         self._native = native
@@ -382,7 +384,7 @@ class KeptTensorHooks:
         self.inputs = self._bind(input_option or option)
 
     def _bind(self, option: HookPair | None) -> DeferredPack | None:
-        if self.nested:
+        if self.nested or (option is None and not _state.stack):
             return None
         pair = option or _context_hooks(self.min_depth)
         return None if pair is None else DeferredPack(pair, self.checkpoint, self.call)
@@ -397,9 +399,13 @@ class KeptTensorHooks:
         ``pack_fn`` takes the tensor detached."""
         if self.nested:
             return None
-        pair = self.option or _context_hooks(self.min_depth)
+        pair = self.option
         if pair is None:
-            return None
+            if not _state.stack:  # no block open: the common case, decided without a call
+                return None
+            pair = _context_hooks(self.min_depth)
+            if pair is None:
+                return None
         info = SavedTensorInfo(
             self.checkpoint, region, SavedTensorKind.BACKWARD, call=self.call,
             is_parameter=is_parameter(t),
