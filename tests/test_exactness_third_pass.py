@@ -352,6 +352,38 @@ def test_two_threads_training_with_dropout_get_exact_gradients_or_an_error():
     assert results["a"] is None or "CPU generator" in results["a"]
 
 
+def test_a_forward_that_draws_after_its_last_save_replays_to_the_end_exactly():
+    # rand draws after dropout's mask, the last tensor backward refills: the replay
+    # does not stop there (the generator is not where the forward ended) but runs
+    # to the end, whose position matches
+    def body(x):
+        y = torch.nn.functional.dropout(x, 0.5) * 3
+        return y + torch.rand(64, dtype=D)
+
+    x = torch.ones(64, dtype=D, requires_grad=True)
+    y = remat.checkpoint(region_name="blk", recompute_state_hooks=RNG)(body)(x)
+    noise_free = y.detach() - y.detach().frac()  # 0 or 6 per element: dropped or kept
+    y.sum().backward()
+    assert torch.equal(x.grad, noise_free)  # d(mask * 2 * 3)/dx
+
+
+def test_the_forward_reads_no_generator_per_save(monkeypatch):
+    from torch_remat.engine import rng
+
+    reads = []
+    real = rng.hook_fingerprint
+    monkeypatch.setattr(rng, "hook_fingerprint", lambda h: reads.append(1) or real(h))
+
+    def body(x):
+        for _ in range(20):
+            x = x.sin()  # 20 saves
+        return torch.nn.functional.dropout(x, 0.5)
+
+    x = torch.ones(64, dtype=D, requires_grad=True)
+    remat.checkpoint(region_name="blk", recompute_state_hooks=RNG)(body)(x)
+    assert len(reads) == 2  # at the checkpoint's entry and at its end
+
+
 # ---------------------------------------------------------------- item 4: tensors rebuilding cannot handle
 
 

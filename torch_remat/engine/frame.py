@@ -163,7 +163,6 @@ class CheckpointFrame:
         )
         self.rng_end: list[Any] | None = None
         self.rng_entry: list[Any] | None = None
-        self.rng_last_holder: tuple[int, list[Any]] | None = None
         self.inputs: list[TensorSource] = []
         self.output_sources: list[TensorSource] = []
         self.save_output_nodes: list[Any] = []
@@ -338,10 +337,6 @@ class CheckpointFrame:
                 holder.kept = VersionedTensor(d)
         if holder.kept is None:
             self.rebuilds.last_needed_seq = _compat.autograd_sequence_nr()
-            if self.rng_checks:
-                # where the generators stood at the last tensor a replay refills
-                # (where it stops early), for rng.check_position
-                self.rng_last_holder = (holder.index, position(self.state_hooks, self.rng_checks))
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(

@@ -33,7 +33,7 @@ from .._tensors import format_dtype
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
 from .records import RegionRecord, TensorSource, describe_region, detached_copy, qualified_name
-from .rng import check_position
+from .rng import check_position, position
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
@@ -69,6 +69,7 @@ class ReplayPass:
         self.needed = needed
         self.counter = 0
         self.filled = 0
+        self.run_to_end = False  # set by stop()
         self.region_pos = 0
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
@@ -121,13 +122,22 @@ class ReplayPass:
             holder.refills = rec = {}
         rec[self.key] = (d, d._version)
         self.filled += 1
-        if self.filled == self.needed and frame.early_stop:
-            last = frame.rng_last_holder
-            if frame.rng_checks and last is not None and last[0] == i:
-                check_position(frame.name, frame.state_hooks, frame.rng_checks, last[1],
-                               f"the tensor #{i} it stops at")
-            raise _StopRecompute
+        if self.filled == self.needed and frame.early_stop and not self.run_to_end:
+            self.stop()
         return _REPLAYED
+
+    def stop(self) -> None:
+        """Every tensor this backward needs is back: stop the replay, unless a
+        generator the forward drew from stands elsewhere than where the forward
+        ended. Then the replay runs to the end, where its position is checked
+        (frame.replay): the forward drew after this point, or another thread drew
+        from the generator while the forward ran (which the check refuses). No
+        generator is read at each save of the forward for this."""
+        frame = self.frame
+        if frame.rng_checks and position(frame.state_hooks, frame.rng_checks) != frame.rng_end:
+            self.run_to_end = True
+            return
+        raise _StopRecompute
 
     def region_sequences(self) -> str:
         fwd = ", ".join(f"{r.qualname} ({r.kind})" for r in self.frame.replay_regions)
@@ -166,8 +176,8 @@ class ReplayPass:
                 filled = frame.rebuilds.refill(self, pos, args, kwargs)
                 if filled:
                     self.filled += filled
-                    if self.filled == self.needed and frame.early_stop:
-                        raise _StopRecompute
+                    if self.filled == self.needed and frame.early_stop and not self.run_to_end:
+                        self.stop()
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
                 for o in expected.outputs
