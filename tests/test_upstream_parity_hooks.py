@@ -309,3 +309,14 @@ def test_without_hooks_an_input_the_replay_does_not_read_is_not_held():
     assert ref() is None
     y.sum().backward()
     assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_the_report_counts_an_input_hooks_hold_for_backward():
+    x = torch.randn(256, requires_grad=True)
+    a = x * 1.0
+    with remat.saved_tensors_hooks(lambda t: t, lambda t: t):  # holds what it packs
+        y = remat.checkpoint(region_name="c")(lambda t: remat.region(torch.exp, "exp", recompute=False)(t))(a)
+    del a
+    report = str(remat.saved_tensors_report())
+    assert "c::(inputs): 1.00 KiB" in report and "(input 0)  (256,)" in report
+    y.sum().backward()

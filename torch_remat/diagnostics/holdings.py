@@ -117,6 +117,11 @@ def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
         if tensors:
             param = not done and is_parameter(tensors[0])
             inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, parameter=param))
+    for index, meta, payload in frame.unread_inputs or ():
+        # packed by hooks when the checkpoint started; held until backward unpacks it
+        tensors = tensors_in(payload.data)
+        if tensors:
+            inputs.items.append(HeldItem(f"(input {index})", meta, tensors, parameter=is_parameter(tensors[0])))
     pending: dict[int, list[Any]] = {}
     rebuilt, storages = 0, {}
     for s in frame.rebuilds.live_saves():

@@ -174,8 +174,8 @@ class CheckpointFrame:
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
         self.outer_hooks = None
-        # payloads of inputs packed at entry that the replay does not read; None
-        # when nothing was packed at entry
+        # (index, meta, payload) of the inputs packed at entry that the replay does
+        # not read (records.unpack_unread); None when nothing was packed at entry
         self.unread_inputs: list | None = None
         # saved-tensor hooks for what this call keeps, resolved in run_forward
         self.kept_hooks: KeptTensorHooks | None = None
@@ -504,7 +504,7 @@ class CheckpointFrame:
         unread = self.unread_inputs
         for s in self.inputs:
             if unread is not None and not s.keep:
-                unread.append(s.saved)
+                unread.append((s.index, s.meta, s.saved))
                 s.saved = s.witness = None
             s.store(self.name)
         for s in self.output_sources:

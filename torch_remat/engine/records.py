@@ -142,13 +142,14 @@ class RegionSaved:
         )
 
 
-def unpack_unread(payloads: list) -> None:
+def unpack_unread(unread: list) -> None:
     """Unpack (and drop) the payloads of checkpoint inputs that hooks packed and the
-    replay does not read: the hooks see an unpack for every pack, as with torch's
-    checkpoint, when backward first reaches the checkpoint."""
-    while payloads:
+    replay does not read, ``(index, meta, payload)`` each: the hooks see an unpack
+    for every pack, as with torch's checkpoint, when backward first reaches the
+    checkpoint."""
+    while unread:
         try:
-            payloads.pop().unpack()
+            unread.pop()[2].unpack()
         except RuntimeError as e:
             # torch's own hooks check the version: an input modified after the forward
             # that nothing reads again is not an error
