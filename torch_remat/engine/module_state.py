@@ -57,7 +57,9 @@ ATTRIBUTE = "tensor attribute"
 
 _MAX_DEPTH = 4
 _MISSING = object()
-_NOT_TENSORS = frozenset({dict, collections.OrderedDict, set, bool, int, float, str, type(None), tuple, list})
+_NOT_TENSORS = frozenset({dict, collections.OrderedDict, set, frozenset, bool, int, float, str, type(None), tuple, list})
+# the value types seen in module __dict__s that are not tensors (grows as seen)
+_non_tensor_types: set[type] = set(_NOT_TENSORS)
 
 
 class _CellSlot:
@@ -162,11 +164,14 @@ def _module_slots(
             continue
         seen.add(i)
         d = m.__dict__
-        for k, t in d.items():
-            # a plain tensor attribute; type() first: most entries are the module's
-            # dicts of hooks and its int/bool/str settings
-            if type(t) not in _NOT_TENSORS and isinstance(t, torch.Tensor):
-                slots.append(_Slot(d, k, t, t._version, p, ATTRIBUTE))
+        # plain tensor attributes; the value types are tested in one C call first
+        # (most modules hold none: hook dicts and int/bool/str settings)
+        if not _non_tensor_types.issuperset(map(type, d.values())):
+            for k, t in d.items():
+                if isinstance(t, torch.Tensor):
+                    slots.append(_Slot(d, k, t, t._version, p, ATTRIBUTE))
+                else:
+                    _non_tensor_types.add(type(t))  # (Tensor's metaclass has no __instancecheck__)
         ps = m._parameters
         if ps:
             for k, t in ps.items():
