@@ -149,7 +149,10 @@ def test_reports_count_the_host_buffer_of_an_offloaded_save_not_the_offloader():
     with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
         loss = remat.checkpoint(region_name="c")(fn)(make_input())
     report = remat.saved_tensors_report(loss)
-    assert report.checkpoint_bytes == ACT  # the 4096 B pool buffer holding exp's result
+    # the 4096 B pool buffer holding exp's result, and the checkpoint's input, which
+    # the offloader (kinds: BACKWARD only) hands back as is when it is packed at the
+    # checkpoint's start: held until backward unpacks it
+    assert report.checkpoint_bytes == ACT + make_input().nbytes
     loss.backward()
 
 
@@ -159,3 +162,14 @@ def test_the_worked_example_of_the_hooks_page_prints_what_it_quotes(docs_check, 
     torch.manual_seed(0)
     exec(compile(example, "ex_hooks.py", "exec"), {"__name__": "ex_hooks"})
     docs_check.check("hooks-worked-example", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("regions, moved", [(("*",), True), (("*attn*",), False)])
+def test_as_a_block_the_offloader_sees_saves_outside_checkpoints_as_region_none(regions, moved):
+    off = ActivationOffloader(1 << 20, min_bytes=0, prefetch=0, regions=regions)
+    x = torch.randn(B, DIM, dtype=D, requires_grad=True)
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        y = x.exp()  # no checkpoint: exp saves its result (kind BACKWARD, region None)
+    assert off.stats.offloaded_bytes == ({"": ACT} if moved else {})  # stats key it as ""
+    y.sum().backward()
+    assert torch.equal(x.grad, x.detach().exp())
