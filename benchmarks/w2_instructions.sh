@@ -13,7 +13,7 @@ fi
 out=$(mktemp -d)
 for mode in "${modes[@]}"; do
   total() {
-    valgrind --tool=callgrind --callgrind-out-file="$out/cg" python benchmarks/w2_instructions.py "$mode" "$1" \
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file="$out/cg" python benchmarks/w2_instructions.py "$mode" "$1" \
       2>&1 | sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
   }
   a=$(total "$SHORT")

@@ -151,3 +151,34 @@ def test_a_compiled_graph_without_checkpoints_keeps_its_saves_outside_regions():
         assert [(g.node_type, g.nbytes) for g in report.outside] == [(COMPILED, x.nbytes)]
     finally:
         torch._dynamo.reset()
+
+
+def _scoped_twice(x):
+    # one region name under two name scopes: two regions, as in eager
+    with remat.name_scope("first"):
+        a = remat.region(torch.exp, "r", recompute=False)(x)  # saves its output
+    with remat.name_scope("second"):
+        b = remat.region(lambda t: (t * 2).sin(), "r", recompute=False)(x)  # saves t * 2
+    return (a + b).sum()
+
+
+def _report_regions(loss) -> set[str]:
+    report = remat.saved_tensors_report(loss)
+    return {r.region for c in report.checkpoints for r in c.regions}
+
+
+def test_name_scope_prefixes_survive_compile_in_the_report():
+    torch._dynamo.reset()
+    x = torch.randn(64, dtype=DTYPE, requires_grad=True)
+    f = remat.checkpoint(region_name="c")(_scoped_twice)
+    eager = f(x)
+    eager_regions = _report_regions(eager)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    assert {"first/r", "second/r"} <= eager_regions
+    assert {"first/r", "second/r"} <= _report_regions(compiled)
+    assert torch.equal(eager, compiled)
+    eager.backward()
+    g = x.grad.clone()
+    x.grad = None
+    compiled.backward()
+    assert torch.equal(x.grad, g)

@@ -331,12 +331,12 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
         )
 
     def call_region(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return compiled.run_region(fn, name, recompute, args, kwargs)
         full, body = name, fn
         prefixes = current_prefixes()
         if prefixes:  # inside remat.name_scope
             full, body = prefixed_name(name, prefixes), without_prefixes(fn)
+        if torch.compiler.is_compiling():
+            return compiled.run_region(body, full, recompute, args, kwargs)
         active = current_pass()
         if active is not None:
             return active.run_region(body, full, recompute, args, kwargs)
