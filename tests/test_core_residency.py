@@ -130,3 +130,35 @@ def test_input_read_by_bare_code_is_kept(memory_probe):
     # an argument replayed code produces, is rebuilt by the replay, not kept.
     assert probe.bytes == 3 * 2048
     out.sum().backward()
+
+
+def test_a_save_region_whose_output_dies_inside_the_forward_frees_its_saves_at_once():
+    import weakref
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    boxes = []
+
+    def pack(t):
+        boxes.append(Box(t))
+        return boxes[-1]
+
+    checked = []
+
+    def body(x):
+        h = remat.region(torch.exp, "unused", recompute=False)(x)  # exp saves its output
+        if not remat.is_recomputing():  # (the replay skips the region: packs nothing)
+            ref = weakref.ref(boxes[-1])
+            boxes.clear()
+            del h  # nothing reads it: its graph, and exp's save, die here
+            checked.append(ref() is None)
+        return x.sin()
+
+    x = torch.randn(1024, dtype=torch.float64, requires_grad=True)
+    with remat.saved_tensors_hooks(pack, lambda b: b.t):
+        y = remat.checkpoint(region_name="c")(body)(x)
+    assert checked == [True]
+    y.sum().backward()
+    assert torch.equal(x.grad, x.detach().cos())

@@ -115,8 +115,9 @@ def test_oom_text_inside_a_region_names_it_and_lists_what_is_held():
     x = torch.randn(3, 4, dtype=D, requires_grad=True)
 
     def fn(x):
-        kept_region(x)
-        return remat.region(lambda t: texts.append(remat.format_oom_saved_tensors_report()) or t.sin(), "b", recompute=False)(x)
+        h = kept_region(x)  # alive while 'b' runs (an output that died would free its saves)
+        y = remat.region(lambda t: texts.append(remat.format_oom_saved_tensors_report()) or t.sin(), "b", recompute=False)(x)
+        return y + h
 
     remat.checkpoint(region_name="c")(fn)(x)
     lines = texts[0].splitlines()

@@ -165,7 +165,9 @@ class CheckpointFrame:
         self.rng_entry: list[Any] | None = None
         self.inputs: list[TensorSource] = []
         self.output_sources: list[TensorSource] = []
-        self.save_output_nodes: list[Any] = []
+        # sequence numbers of the SAVE outputs' autograd nodes (not the nodes: a SAVE
+        # output that dies inside the forward frees its region's saves at once)
+        self.save_output_seqs: set[int] = set()
         self.walk_roots: list[Any] = []
         self.leaves: list[Any] = []
         self.spec = None
@@ -314,7 +316,7 @@ class CheckpointFrame:
         self.walk_roots = []
         self.inputs = []
         self.output_sources = []
-        self.save_output_nodes = []
+        self.save_output_seqs = set()
         self.rebuilds.abandon()
         self.sources = SourceIndex()
         self.leaves = []
@@ -493,7 +495,7 @@ class CheckpointFrame:
                     s.keep = True
         if candidates:
             mark_inputs_read_by_replayed_code(
-                out, candidates, self.save_output_nodes, self.start_seq, self.walk_roots
+                out, candidates, self.save_output_seqs, self.start_seq, self.walk_roots
             )
         self.rebuilds.settle(self, out)
         if not self.rebuilds and all(r() is None or r().kept is not None for r in self.holders):
@@ -510,7 +512,7 @@ class CheckpointFrame:
         for s in self.output_sources:
             s.store(self.name)
         self.sources = SourceIndex()
-        self.save_output_nodes = []
+        self.save_output_seqs = set()
         self.walk_roots = []
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
@@ -736,8 +738,9 @@ class CheckpointFrame:
                 self.output_sources.append(src)
                 node = leaf.grad_fn
                 if node is not None:
-                    self.save_output_nodes.append(node)
-                    self.rebuilds.output_edges[(id(node), leaf.output_nr)] = src
+                    seq = node._sequence_nr()
+                    self.save_output_seqs.add(seq)
+                    self.rebuilds.output_edges[(seq, leaf.output_nr)] = src
                 if pending and any(p is storage_root(leaf) for p in pending):
                     src.mark_kept(leaf)
                 record.outputs.append(src)
@@ -787,7 +790,7 @@ def refuse_argument_writes(
 def mark_inputs_read_by_replayed_code(
     out: Any,
     candidates: Sequence[Any],
-    save_output_nodes: Sequence[Any],
+    save_output_seqs: set[int],
     start_seq: int,
     extra_roots: Sequence[Any] = (),
 ) -> None:
@@ -798,14 +801,15 @@ def mark_inputs_read_by_replayed_code(
         edge = get_gradient_edge(s.ref)
         alive.append(edge.node)
         targets.setdefault((id(edge.node), edge.output_nr), []).append(s)
-    stop = {id(n) for n in save_output_nodes}
+    stop = save_output_seqs  # the walk does not enter SAVE regions through their outputs
     seen: dict[int, Any] = {}
     stack: list[Any] = []
     roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     for node in [*roots, *extra_roots]:
         if node is None:
             continue
-        if id(node) not in seen and id(node) not in stop and node._sequence_nr() >= start_seq:
+        seq = node._sequence_nr()
+        if id(node) not in seen and seq not in stop and seq >= start_seq:
             seen[id(node)] = node
             stack.append(node)
     unfound = len(targets)
@@ -820,10 +824,11 @@ def mark_inputs_read_by_replayed_code(
                 for s in hit:
                     s.keep = True
             k = id(nxt)
-            if k in seen or k in stop:
+            if k in seen:
                 continue
             seen[k] = nxt
-            if nxt._sequence_nr() >= start_seq:
+            seq = nxt._sequence_nr()
+            if seq >= start_seq and seq not in stop:
                 stack.append(nxt)
 
 

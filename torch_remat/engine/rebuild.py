@@ -160,6 +160,7 @@ class Rebuilds:
         # at the last save outside SAVE regions that the replay must recreate
         self.last_needed_seq = 0
         # (id(node), output_nr) of each SAVE output -> its source (for the settle walk)
+        # (sequence number of a SAVE output's node, output_nr) -> its source
         self.output_edges: dict[tuple[int, int], TensorSource] = {}
         # FLOP-walk results per forward shape, shared by the calls of one
         # checkpointed function (see _flop_limit)
@@ -274,9 +275,8 @@ class Rebuilds:
         floor = None
         if output_edges:
             unkept = [k[0] for k, src in output_edges.items() if not src.keep]
-            if unkept:
-                nodes = {id(n): n for n in frame.save_output_nodes}
-                floor = max(min(nodes[k]._sequence_nr() for k in unkept), frame.start_seq)
+            if unkept:  # (keys are (sequence number, output_nr))
+                floor = max(min(unkept), frame.start_seq)
         for rebuild in list(self.by_pos.values()):
             rebuilt = []
             for arg in rebuild.args:
@@ -324,8 +324,7 @@ class Rebuilds:
             return s0 + memo[key]
         roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         arg_nodes = [a.node for r in self.by_pos.values() for a in r.args]
-        stop = {id(n) for n in frame.save_output_nodes}
-        limit = _first_flop_node([*roots, *frame.walk_roots, *arg_nodes], stop, lo)
+        limit = _first_flop_node([*roots, *frame.walk_roots, *arg_nodes], frame.save_output_seqs, lo)
         if memo is not None:
             if len(memo) >= 32:  # forwards of ever new shapes: start over
                 memo.clear()
@@ -476,7 +475,7 @@ def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> 
         for nxt, nr in n.next_functions:
             if nxt is None:
                 continue
-            src = outputs.get((id(nxt), nr))
+            src = outputs.get((nxt._sequence_nr(), nr))
             if src is not None:
                 if not src.keep:
                     return True
@@ -508,17 +507,18 @@ def _has_flops(node: Any) -> bool:
 
 def _first_flop_node(roots: Iterable[Any], stop: set[int], lo: int) -> int:
     """The lowest sequence number >= ``lo`` of a node with FLOPs that the replay runs
-    (reachable from ``roots`` without entering SAVE region outputs ``stop``)."""
+    (reachable from ``roots`` without entering SAVE region outputs, whose nodes'
+    sequence numbers are ``stop``)."""
     first = 2**63
     seen: set[int] = set()
     stack = [n for n in roots if n is not None]
     while stack:
         n = stack.pop()
-        if id(n) in seen or id(n) in stop:
+        if id(n) in seen:
             continue
         seen.add(id(n))
         seq = n._sequence_nr()
-        if seq < lo:
+        if seq < lo or seq in stop:
             continue
         if seq < first and _has_flops(n):
             first = seq
