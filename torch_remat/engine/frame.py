@@ -389,7 +389,7 @@ class CheckpointFrame:
         if not in_save:
             self.replay_regions.append(record)
         leaves = region_leaves(args, kwargs)
-        if self.sources:
+        if self.sources.by_root:
             self._consume_region_args(leaves, recompute and not in_save, not in_save)
         for outer in _tls.stack[:-1]:
             # A checkpoint nested in the replayed code of an outer one is re-run whole
@@ -459,7 +459,7 @@ class CheckpointFrame:
 
     def keep(self, t: torch.Tensor) -> bool:
         """``recompute_needs_tensor`` during the forward. False if ``t`` is unknown."""
-        sources = self.sources.lookup(t) if self.sources else None
+        sources = self.sources.lookup(t) if self.sources.by_root else None
         if sources is None:
             if self.save_depth:
                 # recorded on the outermost SAVE region of the stack: the one whose
@@ -498,7 +498,7 @@ class CheckpointFrame:
                 out, candidates, self.save_output_seqs, self.start_seq, self.walk_roots
             )
         self.rebuilds.settle(self, out)
-        if not self.rebuilds and all(r() is None or r().kept is not None for r in self.holders):
+        if not self.rebuilds.by_pos and all(r() is None or r().kept is not None for r in self.holders):
             # Backward never replays this checkpoint: no input is read again (one
             # modified in place stays, so that storing it reports the modification).
             for s in self.inputs:
@@ -572,7 +572,7 @@ class CheckpointFrame:
             h = ref()
             if h is not None and h.refills:
                 h.refills.pop(key, None)
-        if self.rebuilds:
+        if self.rebuilds.by_pos:
             self.rebuilds.forget(key)
         self.replayed_keys.discard(key)
 
@@ -624,7 +624,7 @@ class CheckpointFrame:
             h = ref()
             if h is not None and h.kept is None and (h.refills is None or key not in h.refills):
                 needed += 1
-        if self.rebuilds:
+        if self.rebuilds.by_pos:
             needed += self.rebuilds.count_to_refill(key)
         replay = ReplayPass(self, key, needed)
         args, kwargs = self.replay_args()

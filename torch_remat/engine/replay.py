@@ -172,7 +172,7 @@ class ReplayPass:
                 # A fresh copy each time: the stored one would collect this
                 # replay's traceback, and with it the replay's tensors.
                 raise detached_copy(expected.raised)
-            if frame.rebuilds:
+            if frame.rebuilds.by_pos:
                 filled = frame.rebuilds.refill(self, pos, args, kwargs)
                 if filled:
                     self.filled += filled
