@@ -198,6 +198,30 @@ def plan_on_first_step(spec: str, model, x, y, rank: int) -> None:
         print(plan, flush=True)
 
 
+def forecast_first_step(spec: str, model, x, y, device_memory: str, rank: int) -> None:
+    """--forecast: the planner's measurements on fake tensors (nothing allocated), for
+    every hand policy and the plan of ``--remat budget=...``, with the largest
+    micro-batch that fits ``device_memory``; printed before the first step."""
+    from torch_remat.integrations.planner import forecast_remat
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # (read when the profiler is first used)
+    budget = parse_budget(spec.removeprefix("budget="))
+    # The loss of plan_on_first_step; the micro-batch search runs other batch sizes,
+    # with targets of the logits' length (their values change no byte or FLOP).
+    def loss_fn(logits):
+        n = logits.shape[0]
+        return F.cross_entropy(logits, y.flatten() if n == y.numel() else y.new_zeros(n))
+
+    try:
+        forecast = forecast_remat(
+            model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear], device_memory=device_memory
+        )
+    except (ValueError, TypeError) as e:
+        usage_error(f"--forecast: {e}", rank)
+    if rank == 0:
+        print(forecast, flush=True)
+
+
 def tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -455,6 +479,8 @@ def parse_args(argv=None):
     p = ArgumentParser(description="Train a small GPT with torch_remat.")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
+    p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES and --parallel none or ddp: before training, print the forecast of every hand policy and the plan (run on fake tensors: nothing allocated), with the largest micro-batch fitting --device-memory")
+    p.add_argument("--device-memory", default="80GiB", help="the device memory --forecast fits micro-batches into (e.g. 80GiB, 40GB)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
@@ -478,6 +504,13 @@ def parse_args(argv=None):
         p.error("--remat budget=auto plans within the free CUDA memory, and no CUDA device is "
                 "available: on CPU give a fraction of the no-remat activation bytes "
                 "(budget=0.3) or a number of bytes (budget=2000000)")
+    if args.forecast and not args.remat.startswith("budget=") or args.remat == "budget=auto" and args.forecast:
+        p.error("--forecast plans like --remat budget=F or budget=BYTES (e.g. --remat budget=0.3 "
+                "--forecast); budget=auto reads a device the forecast does not run on")
+    if args.forecast and args.parallel not in ("none", "ddp"):
+        p.error(f"--forecast with --parallel {args.parallel}: the forecast is of one rank's "
+                "unsharded model (--parallel none or ddp); per-rank forecasts of sharded "
+                "layouts are not implemented yet")
     if args.keep_checkpoints < 0:
         p.error(f"--keep-checkpoints {args.keep_checkpoints}: expected K >= 0 (0: keep all)")
     return args
@@ -537,6 +570,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
+        if step == start + 1 and args.forecast:
+            forecast_first_step(args.remat, model, x, y, args.device_memory, rank)
         if step == start + 1 and args.remat.startswith("budget="):
             plan_on_first_step(args.remat, model, x, y, rank)
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps

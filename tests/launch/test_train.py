@@ -109,6 +109,29 @@ def test_remat_budget_plans_on_the_first_step_and_trains_like_no_remat(tmp_path)
     assert "blocks.0" in out and "saved for backward r0=" in out
 
 
+def test_forecast_prints_the_forecast_before_training_and_then_the_measured_plan(tmp_path):
+    result, out, err = train(tmp_path, "--steps", "1", "--remat", "budget=0.6", "--forecast",
+                             "--device-memory", "1GiB")
+    assert "USDT" not in err and "profiler_start" not in err
+    # the forecast first (its own plan table indented), then the plan measured on the
+    # first step, at the start of a line
+    forecast, plan = out.index("remat forecast for 2 blocks"), out.index("\nremat plan for 2 blocks")
+    assert forecast < plan
+    assert "device memory 1.00 GiB" in out and "largest micro-batch" in out
+    # the forecast plans the policy the first step then measures
+    forecast_plan = out[forecast:plan].split("remat plan for 2 blocks")[1]
+    policy = "SAVE: q, k, v, proj, up, down | RECOMPUTE: the rest"
+    assert policy in forecast_plan and policy in out[plan:]
+    assert len(losses(result)) == 1
+
+
+@pytest.mark.parametrize("args", [["--remat", "selective", "--forecast"], ["--remat", "budget=0.6", "--forecast", "--parallel", "fsdp2"]])
+def test_forecast_usage_errors(args):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "train.py: error: --forecast" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_loss_falls_over_20_steps(tmp_path):
     curve = losses(train(tmp_path, "--steps", "20", "--remat", "selective", "--lr", "1e-2")[0])
     assert len(curve) == 20
