@@ -458,3 +458,63 @@ def test_a_rebuild_candidate_kept_after_all_is_packed_with_the_context_of_its_sa
         remat.checkpoint(region_name="blk")(body)(x, y).sum().backward()
     assert (KIND.BACKWARD, "r", 0) in seen
     assert not any(kind is KIND.BACKWARD and context == 1 for kind, _, context in seen)
+
+
+def _context_pack(step, seen):
+    def pack(t, context):
+        info = remat.current_saved_tensor_info()
+        seen.append((info.kind, info.region, context))
+        return t
+
+    return remat.saved_tensors_hooks(pack, lambda t: t, capture_context=lambda: step["n"])
+
+
+def test_a_rebuild_candidate_kept_because_it_reads_an_unkept_output_is_packed_with_the_context_of_its_save():
+    step = {"n": 0}
+    seen = []
+
+    def body(x):
+        p = remat.region(lambda t: t.exp(), "p", recompute=False)(x)  # not kept: nothing reads it again
+        a = p * 2  # replayed code on a placeholder: rebuilding a is impossible, kept after all
+        out = remat.region(lambda t: t.sin(), "r", recompute=False)(a)  # sin saves a
+        step["n"] = 1  # after the save, before the forward ends
+        return out
+
+    x = _x().requires_grad_()
+    with _context_pack(step, seen):
+        remat.checkpoint(region_name="blk", rebuild="always")(body)(x).sum().backward()
+    assert (KIND.BACKWARD, "r", 0) in seen
+    assert not any(kind is KIND.BACKWARD and context == 1 for kind, _, context in seen)
+    e = x.detach().exp()
+    assert torch.equal(x.grad, (e * 2).cos() * 2 * e)
+
+
+@pytest.mark.parametrize("hooks", sorted(HOOKS))
+@pytest.mark.parametrize("rebuild", ["free", "always"])
+def test_a_rebuild_candidate_modified_after_its_save_raises_in_backward_under_any_hooks(hooks, rebuild):
+    # Kept after all because it was modified; packed when the forward ends, after
+    # the modification: backward must refuse it, as autograd does without remat,
+    # whatever the hooks make of the modified value.
+    def body(t):
+        a = t * 2  # replayed code: a rebuild candidate
+        out = remat.region(lambda u: u.sin(), "r", recompute=False)(a)  # sin saves a
+        with torch.no_grad():
+            a.add_(1)
+        return out
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _plain_modified()  # the same code without remat
+    x = _x().requires_grad_()
+    with HOOKS[hooks]():
+        y = remat.checkpoint(region_name="blk", rebuild=rebuild)(body)(x)
+    with pytest.raises(remat.SavedTensorModifiedError, match="SAVE region 'r' of checkpoint 'blk'"):
+        y.sum().backward()
+
+
+def _plain_modified():
+    x = _x().requires_grad_()
+    a = x * 2
+    out = a.sin()
+    with torch.no_grad():
+        a.add_(1)
+    out.sum().backward()  # autograd refuses the modified save
