@@ -235,7 +235,11 @@ class Rebuilds:
             # detached: the pending tensor may be an output of the node holding the save
             t, saved.pending = saved.pending.detach(), None
             region = saved.region
-            kept = RegionSaved(region, f"saved.{len(region.saved)}", t, saved.hooks)
+            # Modified in place since the save: hooks would pack the new value now and
+            # backward would use it. Held as it is instead, with the version of the
+            # save, so that backward raises as autograd does without remat.
+            modified = t._version != saved.version
+            kept = RegionSaved(region, f"saved.{len(region.saved)}", t, None if modified else saved.hooks)
             if kept.tensor is not None:
                 kept.version = saved.version  # an in-place change since the save is an error
             region.saved.append(weakref.ref(kept))
