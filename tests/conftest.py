@@ -8,9 +8,21 @@ def _live_bytes(prof) -> int:
     return sum(e.self_cpu_memory_usage for e in prof.events())
 
 
+def _peak_bytes(prof) -> int:
+    # From the raw allocation records, in time order: the summary events attribute a
+    # free inside a record_function range (the engine's own) to the range's start.
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
 class MemoryProbe:
-    """Net CPU bytes allocated (and not freed) inside a ``with`` block, from the
-    profiler's memory events."""
+    """Net CPU bytes allocated (and not freed) inside a ``with`` block (``bytes``),
+    and the most that were live at once (``peak``), from the profiler's memory
+    events."""
 
     def __enter__(self):
         # Leftovers of earlier tests freed by the cycle collector mid-measurement
@@ -29,6 +41,7 @@ class MemoryProbe:
         if self._gc_was_enabled:
             gc.enable()
         self.bytes = _live_bytes(self._prof)
+        self.peak = _peak_bytes(self._prof)
         return False
 
 
