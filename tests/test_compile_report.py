@@ -3,6 +3,7 @@ are named after the checkpoint and region they were traced in, bytes exact."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -182,3 +183,55 @@ def test_name_scope_prefixes_survive_compile_in_the_report():
     x.grad = None
     compiled.backward()
     assert torch.equal(x.grad, g)
+
+
+# ------------------------------------------------- name_scope prefixes in compiled reports
+
+
+def _scoped_block(w):
+    """One sub-block (SAVE region ``up``) called under ``name_scope("a")`` and
+    ``name_scope("b")``, then a SAVE region whose body opens a scope of its own."""
+
+    def sub(x, n):
+        h = remat.region(lambda t: (t @ w).tanh() * n, "up", recompute=False)(x)
+        return h.sin()
+
+    def body(t):
+        with remat.name_scope("s"):
+            u = remat.region(lambda v: v.exp() * v, "inner", recompute=False)(t)
+        return remat.region(lambda v: v.cos() * v, "last", recompute=False)(u)
+
+    def block(x):
+        with remat.name_scope("a"):
+            h = sub(x, 1.0)
+        with remat.name_scope("b"):
+            h = sub(h, 2.0)
+        with remat.name_scope("c"):
+            h = remat.region(body, "outer", recompute=False)(h)
+        return h.sin().sum()
+
+    return block
+
+
+def _region_labels(loss):
+    return [r.label for c in remat.saved_tensors_report(loss).checkpoints for r in c.regions]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_report_names_regions_with_their_name_scope_prefixes_as_eager_does():
+    w = torch.randn(8, 8, dtype=DTYPE, requires_grad=True)
+    x = torch.randn(4, 8, dtype=DTYPE, requires_grad=True)
+    step = remat.checkpoint(region_name="blk")(_scoped_block(w))
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    expected = ["blk::a/up", "blk::b/up", "blk::c/outer.s/inner", "blk::c/outer.last"]
+    for scope in (None, "enc"):
+        with remat.name_scope(scope) if scope else contextlib.nullcontext():
+            eager_loss, compiled_loss_ = step(x), compiled(x)
+        want = [label.replace("::", f"::{scope}/") if scope else label for label in expected]
+        eager_labels, compiled_labels = _region_labels(eager_loss), _region_labels(compiled_loss_)
+        # the compiled graph saves no region outputs of its own, so "c/outer"
+        # itself (which holds only its output in eager) is absent there
+        assert [label for label in eager_labels if not label.endswith("c/outer")] == want
+        assert [label for label in compiled_labels if not label.endswith("(inputs)")] == want
+        eager_loss.backward()
+        compiled_loss_.backward()
