@@ -261,6 +261,8 @@ def run_checkpoint(fn: Callable[..., Any], name: str, refusal, args, kwargs):
 
 def run_region(fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
     """``remat.region(fn, name, recompute=...)(*args, **kwargs)`` while Dynamo traces.
+    ``name`` carries the ``remat.name_scope`` prefixes and ``fn`` runs without them,
+    as in eager (``api.region``), so compiled reports name regions as eager ones do.
     Outside a compiled checkpoint the annotation steers nothing."""
     outer, outer_saves = _enclosing_region()
     qualname = nested_name(outer, name)
