@@ -232,3 +232,19 @@ def test_device_memory_sizes_parse_and_bad_ones_are_refused():
         parse_bytes("80 gigs")
     with pytest.raises(ValueError, match="budget='auto'"):
         forecast_remat(nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2), budget="auto")
+
+
+def test_a_loss_reading_a_real_tensor_of_a_closure_forecasts_its_measured_bytes():
+    # the targets are real: the fake mode converts them when the loss reads them,
+    # which is not an allocation of the step (it was counted as one: 1,024 B here)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
+    x = torch.randint(0, 10, (4, 32))
+    y = torch.randint(0, 10, (4, 32))
+
+    def loss_fn(out):
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    forecast = forecast_remat(model, (x,), loss_fn, 1.0, blocks=[nn.Linear], candidates=[nn.Linear])
+    plan = plan_remat(model, (x,), loss_fn, 1.0, blocks=[nn.Linear], candidates=[nn.Linear])
+    assert forecast.plan.measured_bytes == plan.measured_bytes

@@ -62,8 +62,13 @@ class StorageLedger(TorchDispatchMode):
     """Fake storages allocated by ops while active: which are alive, the block each
     was allocated in, and the peak of their total."""
 
-    def __init__(self) -> None:
+    def __init__(self, fake_mode: FakeTensorMode | None = None) -> None:
         super().__init__()
+        # A real tensor an op reads (a target a loss closure holds) is converted by the
+        # fake mode below: converted here first (the mode memoizes the conversion), its
+        # fake storage is known as existing, not taken for one the op allocated.
+        self.fake_mode = fake_mode
+        self.converted: list[torch.Tensor] = []
         self.blocks: list[str] = []
         """The stack of blocks whose forward is running (innermost last)."""
         self.live: dict[int, tuple[int, str]] = {}
@@ -96,6 +101,9 @@ class StorageLedger(TorchDispatchMode):
         kwargs = kwargs or {}
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
+                if self.fake_mode is not None and not isinstance(a, FakeTensor):
+                    a = self.fake_mode.from_tensor(a)
+                    self.converted.append(a)  # alive, so that the op's conversion finds it
                 self._see(a, allocated=False)
         out = func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags:
@@ -267,7 +275,7 @@ def measure_fake(
     for t in leaves:
         t.grad = None
     cpu_rng = torch.get_rng_state()
-    ledger = StorageLedger()
+    ledger = StorageLedger(mode)
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -118,10 +118,11 @@ def test_forecast_prints_the_forecast_before_training_and_then_the_measured_plan
     forecast, plan = out.index("remat forecast for 2 blocks"), out.index("\nremat plan for 2 blocks")
     assert forecast < plan
     assert "device memory 1.00 GiB" in out and "largest micro-batch" in out
-    # the forecast plans the policy the first step then measures
+    # the forecast plans the policy the first step then measures, to the byte
     forecast_plan = out[forecast:plan].split("remat plan for 2 blocks")[1]
     policy = "SAVE: q, k, v, proj, up, down | RECOMPUTE: the rest"
     assert policy in forecast_plan and policy in out[plan:]
+    assert forecast_plan.split("measured ")[1].split(" B")[0] == out[plan:].split("measured ")[1].split(" B")[0]
     assert len(losses(result)) == 1
 
 
