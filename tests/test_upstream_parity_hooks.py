@@ -320,3 +320,20 @@ def test_the_report_counts_an_input_hooks_hold_for_backward():
     report = str(remat.saved_tensors_report())
     assert "c::(inputs): 1.00 KiB" in report and "(input 0)  (256,)" in report
     y.sum().backward()
+
+
+def test_an_unread_input_is_unpacked_when_only_rebuilt_saves_reach_backward():
+    packs, unpacks = [], []
+
+    def body(x, z):
+        remat.region(lambda t: t + 1, "noop", recompute=False)(x)  # x: read by no replay
+        h = z * 2  # replayed code
+        return remat.region(torch.sin, "s", recompute=False)(h)  # sin's save of h: rebuilt
+
+    x = torch.randn(8, dtype=D, requires_grad=True)
+    z = torch.randn(8, dtype=D, requires_grad=True)
+    with remat.saved_tensors_hooks(lambda t: packs.append(t) or t, lambda t: unpacks.append(t) or t):
+        y = remat.checkpoint(region_name="c")(body)(x, z)
+    y.sum().backward()
+    assert len(packs) == len(unpacks) == 2  # x and z, each unpacked once
+    assert torch.equal(z.grad, (2 * z.detach()).cos() * 2)

@@ -533,6 +533,8 @@ class CheckpointFrame:
 
     def take_refill(self, holder: Holder | RebuiltSave) -> torch.Tensor:
         """The tensor the recompute refilled for this backward, recomputing first."""
+        if self.unread_inputs:  # (a rebuilt save's unpack comes here directly)
+            unpack_unread(self.unread_inputs)
         # graph_task_key(), inlined: this runs for every tensor backward unpacks
         group = _graph_exec_group()
         if group is None:
