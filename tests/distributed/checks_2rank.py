@@ -200,6 +200,31 @@ def fsdp2_activation_bytes_per_rank_are_lower_with_remat(ctx):
     return {"forward_resident_bytes_per_rank": resident, "dropped_per_block": per_block}
 
 
+def fsdp2_per_rank_activation_bytes_equal_the_forecast_of_the_unsharded_model(ctx):
+    """FSDP2 shards parameters, not activations: what a rank's forward keeps is what
+    the forecast of the unsharded model at that rank's micro-batch says, to the byte
+    (the planner's forecast, on fake tensors, for each hand policy)."""
+    from torch_remat.integrations.planner import forecast_remat
+
+    x = _batch(ctx, (4 * (ctx.rank + 1), 32, 16))  # rank 1's micro-batch is twice rank 0's
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731 (as _profiled_forward)
+    forecast = forecast_remat(tiny_net(depth=2), x, loss_fn, 1.0, blocks=MLPBlock)
+
+    def measured(config):
+        model = tiny_net(depth=2)
+        fully_shard_with_remat(model, MLPBlock, remat=config)
+        return resident_bytes_outside_fsdp(_profiled_forward(model, x))
+
+    pairs = {
+        "no remat": (forecast.policies["no remat"].kept_bytes, measured(NO_REMAT)),
+        # (both with the CPU RNG hook's entry snapshot, 5,056 B per block)
+        "full checkpoint": (forecast.policies["full checkpoint"].kept_bytes, measured(RematConfig())),
+    }
+    for name, (predicted, got) in pairs.items():
+        assert predicted == got, (name, pairs)
+    return {"forecast_and_measured_bytes": pairs}
+
+
 def fsdp2_mixed_precision_and_reshard_after_forward_pass_through(ctx):
     x = _batch(ctx)
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float64)
@@ -541,6 +566,7 @@ CHECKS = [
     fsdp2_remat_applied_after_fully_shard_gives_equal_gradients,
     fsdp2_recompute_issues_no_all_gather,
     fsdp2_activation_bytes_per_rank_are_lower_with_remat,
+    fsdp2_per_rank_activation_bytes_equal_the_forecast_of_the_unsharded_model,
     fsdp2_mixed_precision_and_reshard_after_forward_pass_through,
     dcp_keys_unchanged_and_round_trip_between_remat_and_plain,
     ddp_gradients_equal_for_static_graph_find_unused_and_no_sync,
