@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,6 +162,7 @@ def sharded(
             yield shadow, mode, fargs
         return
     register_fake_process_group()
+    hook = sys.excepthook  # init_process_group prefixes tracebacks with the (fake) rank
     dist.init_process_group(
         "fake", store=dist.HashStore(), rank=layout.rank, world_size=layout.world_size
     )
@@ -179,15 +181,17 @@ def sharded(
             else:
                 mesh = init_device_mesh(dev, (layout.world_size,))
                 dp_mesh, tp_mesh = mesh, mesh
-            with mode:
-                if layout.tp > 1:
-                    parallelize_module(shadow, tp_mesh, layout.tp_plan)
-                if layout.fsdp_size > 1:
-                    kwargs = dict(layout.fully_shard_kwargs)
-                    for name in reversed(block_names):
-                        fully_shard(shadow.get_submodule(name), mesh=dp_mesh, **kwargs)
-                    kwargs.pop("reshard_after_forward", None)
-                    fully_shard(shadow, mesh=dp_mesh, **kwargs)
+            # Outside the fake mode: the sharding's own ops on the fake parameters
+            # give fakes, and its device-mesh arithmetic stays on real tensors.
+            if layout.tp > 1:
+                parallelize_module(shadow, tp_mesh, layout.tp_plan)
+            if layout.fsdp_size > 1:
+                kwargs = dict(layout.fully_shard_kwargs)
+                for name in reversed(block_names):
+                    fully_shard(shadow.get_submodule(name), mesh=dp_mesh, **kwargs)
+                kwargs.pop("reshard_after_forward", None)
+                fully_shard(shadow, mesh=dp_mesh, **kwargs)
             yield shadow, mode, fargs
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook

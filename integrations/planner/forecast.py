@@ -119,7 +119,9 @@ class Forecast:
         """Parameters, optimizer state and DDP's buckets: held whatever the batch."""
         return self.parameter_bytes + self.optimizer_bytes + self.bucket_bytes
 
-    def format(self) -> str:
+    def format(self, by_block: bool = True) -> str:
+        """The table of policies; ``by_block``: also each block's kept bytes and the
+        plan's table (else the plan's summary lines only)."""
         fb = format_bytes
         where = "" if self.layout is None else (
             f" on rank {self.layout.rank} of {self.layout.describe()}"
@@ -144,6 +146,10 @@ class Forecast:
                 row.append(f"{p.max_batch:,}")
             rows.append(row)
         lines += ["  " + r for r in _report._rows(rows, set(range(1, len(head))))]
+        if not by_block:
+            plan_lines = self.plan.format().splitlines()[:2]
+            lines += ["", *("  " + line for line in plan_lines)]
+            return "\n".join(line.rstrip() for line in lines)
         lines += ["", "  kept bytes by block:"]
         names = list(self.policies)
         rows = [["block", *names]]
@@ -247,7 +253,7 @@ def forecast_remat(
             (lambda t: t.numel() * t.element_size())(local_tensor(p))
             for p in params if p.requires_grad
         )
-        run = functools.partial(measure_fake, mode=mode)
+        run = _Runs(functools.partial(measure_fake, mode=mode), fargs)
         rng_free = frozenset(fake_blocks_drawing_no_random_numbers(target, fargs, names, mode))
         base, checkpoint_base, table = measure_table(
             target, fargs, loss_fn, names, groups, rng_free, measure=run
@@ -295,6 +301,30 @@ def forecast_remat(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
     )
+
+
+class _Runs:
+    """Fake runs of configurations, each run once at the example's arguments: the
+    hand policies and the plan are often configurations the option table ran
+    already (every block of a group with one option). The first run (the table's
+    warm-up, which lazy initialisation makes differ) is never reused."""
+
+    def __init__(self, measure: Any, args: tuple) -> None:
+        self.measure, self.args = measure, args
+        self.done: dict[Any, FakeMeasurement] = {}
+        self.first = True
+
+    def __call__(self, model: nn.Module, args: Any, loss_fn: Any, config: Config,
+                 names: Sequence[str]) -> FakeMeasurement:
+        key = (tuple(sorted(config.checkpointed.items())), config.rng_free)
+        if args is not self.args:
+            return self.measure(model, args, loss_fn, config, names)
+        if self.first:
+            self.first = False
+            return self.measure(model, args, loss_fn, config, names)
+        if key not in self.done:
+            self.done[key] = self.measure(model, args, loss_fn, config, names)
+        return self.done[key]
 
 
 @contextlib.contextmanager
