@@ -26,7 +26,6 @@ from torch_remat._integration import format_bytes
 from . import _report
 from ._fake import (
     FakeMeasurement,
-    fake_blocks_drawing_no_random_numbers,
     faked,
     local_tensor,
     measure_fake,
@@ -34,7 +33,7 @@ from ._fake import (
     storage_bytes,
 )
 from ._layout import Layout, sharded
-from ._measure import Config, LossFn, refuse_applied_remat
+from ._measure import Config, LossFn, blocks_drawing_no_random_numbers, refuse_applied_remat
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
 from .plan import (
     Budget,
@@ -254,7 +253,11 @@ def forecast_remat(
             for p in params if p.requires_grad
         )
         run = _Runs(functools.partial(measure_fake, mode=mode), fargs)
-        rng_free = frozenset(fake_blocks_drawing_no_random_numbers(target, fargs, names, mode))
+        # The blocks that draw no random numbers, seen in a first full step, which is
+        # also the option table's warm-up (lazy state: FSDP2's, first-call caches).
+        rng_free = frozenset(blocks_drawing_no_random_numbers(
+            target, fargs, names, forward=lambda: run.warm_up(target, fargs, loss_fn, names)
+        ))
         base, checkpoint_base, table = measure_table(
             target, fargs, loss_fn, names, groups, rng_free, measure=run
         )
@@ -306,13 +309,21 @@ def forecast_remat(
 class _Runs:
     """Fake runs of configurations, each run once at the example's arguments: the
     hand policies and the plan are often configurations the option table ran
-    already (every block of a group with one option). The first run (the table's
-    warm-up, which lazy initialisation makes differ) is never reused."""
+    already (every block of a group with one option). The first run, whose numbers
+    lazy initialisation changes, is never reused; ``warm_up`` makes it the step
+    that finds the blocks drawing no random numbers, so the table's warm-up is an
+    ordinary step, reused as its run without checkpoints."""
 
     def __init__(self, measure: Any, args: tuple) -> None:
         self.measure, self.args = measure, args
         self.done: dict[Any, FakeMeasurement] = {}
         self.first = True
+
+    def warm_up(self, model: nn.Module, args: Any, loss_fn: Any, names: Sequence[str]) -> None:
+        """The first step (its numbers carry lazy initialisation): the table's warm-up
+        then runs as an ordinary, reusable step."""
+        self.measure(model, args, loss_fn, Config(), names)
+        self.first = False
 
     def __call__(self, model: nn.Module, args: Any, loss_fn: Any, config: Config,
                  names: Sequence[str]) -> FakeMeasurement:
