@@ -19,8 +19,8 @@ so nothing of the model is allocated. Each layout's plan is chosen for an 80 GiB
 device (the budget: what is left of 80 GiB after the rank's parameters,
 gradients and optimizer state and a 25% margin for the step's transients);
 ``--max-batch`` also searches each policy's largest micro-batch. Printed per layout: the
-forecast, its wall time, and the process's peak RSS growth and the peak of
-Python's tracemalloc over it.
+forecast, its wall time and the process's peak RSS (``--tracemalloc``: also the
+peak of Python's traced allocations, which slows the run).
 """
 
 from __future__ import annotations
@@ -156,14 +156,15 @@ def budget_for(lay: Layout) -> int:
     return int(DEVICE_MEMORY * (1 - MARGIN)) - fixed
 
 
-def run(name: str, max_batch: bool) -> None:
+def run(name: str, max_batch: bool, trace: bool) -> None:
     lay = layout(name)
     with torch.device("meta"):
         model = Stack()
     seq = SEQ // lay.tp  # sequence parallel: each rank's forward gets its slice
     x = torch.empty(1, seq, D, dtype=torch.bfloat16, device="meta")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tracemalloc.start()
+    if trace:
+        tracemalloc.start()
     t0 = time.perf_counter()
     forecast = forecast_remat(
         model, x, loss_fn, budget_for(lay), blocks=Block,
@@ -171,13 +172,15 @@ def run(name: str, max_batch: bool) -> None:
         device_memory=DEVICE_MEMORY if max_batch else None,
     )
     wall = time.perf_counter() - t0
-    _, traced = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    traced = ""
+    if trace:
+        traced = f"; tracemalloc peak {tracemalloc.get_traced_memory()[1] / 2**20:.1f} MiB"
+        tracemalloc.stop()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(forecast.format(by_block=False))
-    print(f"  forecast in {wall:.1f} s; peak RSS {rss / 2**10:.0f} MiB "
-          f"(+{(rss - rss0) / 2**10:.0f} MiB over the forecast); tracemalloc peak "
-          f"{traced / 2**20:.1f} MiB", flush=True)
+    print(f"  forecast in {wall:.1f} s{' (under tracemalloc)' if trace else ''}; peak RSS of "
+          f"the process {rss / 2**10:.0f} MiB (+{(rss - rss0) / 2**10:.0f} MiB over the "
+          f"forecast){traced}", flush=True)
     print()
 
 
@@ -186,13 +189,15 @@ def main() -> None:
     p.add_argument("--layouts", default="fsdp8,fsdp64,fsdp8xtp8")
     p.add_argument("--max-batch", action="store_true",
                    help="also search each policy's largest micro-batch for 80 GiB (more runs)")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="trace Python's allocations too (their peak; slows the run 2-4x)")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"W8: Llama-3-8B-shaped stack (d={D}, {HEADS} heads, {KV_HEADS} KV heads, "
           f"FFN {FFN} SwiGLU, seq {SEQ}, {LAYERS} layers, no vocabulary), micro-batch 1, "
           "bf16 activations, fp32 parameters; plans for an 80 GiB device", flush=True)
     for name in args.layouts.split(","):
-        run(name, args.max_batch)
+        run(name, args.max_batch, args.tracemalloc)
 
 
 if __name__ == "__main__":
