@@ -198,14 +198,37 @@ def plan_on_first_step(spec: str, model, x, y, rank: int) -> None:
         print(plan, flush=True)
 
 
-def forecast_first_step(spec: str, model, x, y, device_memory: str, rank: int) -> None:
-    """--forecast: the planner's measurements on fake tensors (nothing allocated), for
-    every hand policy and the plan of ``--remat budget=...``, with the largest
-    micro-batch that fits ``device_memory``; printed before the first step."""
+def forecast_layout(parallel: str, world: int):
+    """The planner's Layout of ``--parallel`` on ``world`` ranks (None: one process)."""
+    from torch_remat.integrations.planner import Layout
+
+    if parallel == "none" or world == 1:
+        return None
+    if parallel == "ddp":
+        return Layout(world, ddp=True)
+    if parallel == "fsdp2":
+        return Layout(world)
+    if parallel == "tp":
+        return Layout(world, tp=world, tp_plan=tp_plan())
+    tp = 2 if world % 2 == 0 else 1  # fsdp2+tp: as build() lays it out
+    return Layout(world, fsdp=world // tp, tp=tp, tp_plan=tp_plan() if tp > 1 else None)
+
+
+def forecast_before_launch(args, vocab: int, rank: int, world: int) -> None:
+    """--forecast: before any process group starts, rank 0 forecasts its own rank of
+    the ``--parallel`` layout on ``world`` ranks (a fake process group, fake tensors:
+    nothing allocated) for every hand policy and the plan of ``--remat budget=...``,
+    with the largest micro-batch that fits ``--device-memory``, and prints it."""
+    if rank != 0:
+        return
     from torch_remat.integrations.planner import forecast_remat
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # (read when the profiler is first used)
-    budget = parse_budget(spec.removeprefix("budget="))
+    budget = parse_budget(args.remat.removeprefix("budget="))
+    with torch.device("meta"):  # shapes only: the forecast allocates nothing of the model
+        model = GPT(GPTConfig(vocab, args.seq_len, args.layers, args.dim, args.heads))
+    x, y = Batches(load_text(), args.seq_len, args.batch_size, args.seed, 0)(1)
+
     # The loss of plan_on_first_step; the micro-batch search runs other batch sizes,
     # with targets of the logits' length (their values change no byte or FLOP).
     def loss_fn(logits):
@@ -214,12 +237,12 @@ def forecast_first_step(spec: str, model, x, y, device_memory: str, rank: int) -
 
     try:
         forecast = forecast_remat(
-            model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear], device_memory=device_memory
+            model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear],
+            device_memory=args.device_memory, layout=forecast_layout(args.parallel, world),
         )
     except (ValueError, TypeError) as e:
         usage_error(f"--forecast: {e}", rank)
-    if rank == 0:
-        print(forecast, flush=True)
+    print(forecast, flush=True)
 
 
 def tp_plan():
@@ -479,7 +502,7 @@ def parse_args(argv=None):
     p = ArgumentParser(description="Train a small GPT with torch_remat.")
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
-    p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES and --parallel none or ddp: before training, print the forecast of every hand policy and the plan (run on fake tensors: nothing allocated), with the largest micro-batch fitting --device-memory")
+    p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES: before training, print rank 0's forecast for the --parallel layout on the launch's ranks (every hand policy and the plan, run on fake tensors over a fake process group: nothing allocated), with the largest micro-batch fitting --device-memory")
     p.add_argument("--device-memory", default="80GiB", help="the device memory --forecast fits micro-batches into (e.g. 80GiB, 40GB)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
@@ -507,10 +530,6 @@ def parse_args(argv=None):
     if args.forecast and not args.remat.startswith("budget=") or args.remat == "budget=auto" and args.forecast:
         p.error("--forecast plans like --remat budget=F or budget=BYTES (e.g. --remat budget=0.3 "
                 "--forecast); budget=auto reads a device the forecast does not run on")
-    if args.forecast and args.parallel not in ("none", "ddp"):
-        p.error(f"--forecast with --parallel {args.parallel}: the forecast is of one rank's "
-                "unsharded model (--parallel none or ddp); per-rank forecasts of sharded "
-                "layouts are not implemented yet")
     if args.keep_checkpoints < 0:
         p.error(f"--keep-checkpoints {args.keep_checkpoints}: expected K >= 0 (0: keep all)")
     return args
@@ -529,6 +548,11 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and args.parallel != "none"
     use_cuda = torch.cuda.is_available()
+    if args.forecast:
+        forecast_before_launch(
+            args, len(sorted(set(load_text()))), int(os.environ.get("RANK", "0")),
+            int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1,
+        )
     if distributed:
         init_process_group("nccl" if use_cuda else "gloo")
         if use_cuda:
@@ -570,8 +594,6 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
-        if step == start + 1 and args.forecast:
-            forecast_first_step(args.remat, model, x, y, args.device_memory, rank)
         if step == start + 1 and args.remat.startswith("budget="):
             plan_on_first_step(args.remat, model, x, y, rank)
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps

@@ -62,6 +62,9 @@ per``, ``OffloadWrapper``, ``checkpoint_wrapper   of apply_activation_checkpoint
 ``distributed.tensor._random`` (``_rng_tracker``  create DTensor's RNG tracker before the first
 , ``OffsetBasedRNGTracker``, ``is_rng_supported_  checkpoint, as its dispatcher would at the
 mesh``)                                           first random op (no public constructor)
+``testing._internal.distributed.fake_pg``         register the "fake" process-group backend: a
+                                                  layout's forecast runs the real FSDP2 / tensor
+                                                  parallel code for N ranks in one process
 ``_higher_order_ops.wrap`` logger and its         drop torch's context_fn warning for the
 ``tag_activation_checkpoint_impl`` frame          region policy torch_remat passes itself
 ===============================================  =============================================
@@ -156,6 +159,13 @@ def run_fsdp_policy(policy, model) -> dict:
     """The modules an FSDP ``_Policy`` object selects in ``model`` (none ignored), each
     with its wrapper kwargs: what ``apply_activation_checkpointing`` asks of it."""
     return policy._run_policy(model, ignored_modules=set(), root_kwargs={})
+
+
+def register_fake_process_group() -> None:
+    """Make ``dist.init_process_group("fake", ...)`` available: torch registers the
+    backend (collectives that move no data, for any world size in one process) when
+    its testing module is imported; it is exported nowhere else."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
 def dtensor_rng_tracker() -> object | None:

@@ -15,6 +15,7 @@ from ._compat import (
     disable_current_modes,
     dtensor_rng_supported_mesh,
     dtensor_rng_tracker,
+    register_fake_process_group,
     run_fsdp_policy,
     tree_flatten,
     tree_map,
@@ -37,6 +38,7 @@ __all__ = [
     "dtensor_rng_tracker",
     "dtensor_rng_supported_mesh",
     "create_dtensor_rng_tracker",
+    "register_fake_process_group",
     *_LAZY,
 ]
 

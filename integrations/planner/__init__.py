@@ -2,6 +2,7 @@
 by measuring every per-block option once and solving exactly (see
 docs/planning.md)."""
 
+from ._layout import Layout
 from ._measure import activation_bytes
 from ._report import ParetoRow, ParetoTable
 from ._space import Option
@@ -13,6 +14,7 @@ __all__ = [
     "forecast_remat",
     "Forecast",
     "PolicyForecast",
+    "Layout",
     "RematPlan",
     "Option",
     "Measured",

@@ -53,6 +53,7 @@ from ._measure import (
     Measurement,
     RecomputeCounter,
     _profiled,
+    blocks_drawing_no_random_numbers,
     held_bytes_by_block,
     install,
 )
@@ -84,6 +85,14 @@ class StorageLedger(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor, allocated: bool) -> None:
         if not isinstance(t, FakeTensor):
+            # A wrapper (DTensor): its op ran on the inner tensors below this mode,
+            # so the inner tensors of its outputs are what that op allocated.
+            flatten = getattr(t, "__tensor_flatten__", None)
+            if flatten is not None:
+                for name in flatten()[0]:
+                    inner = getattr(t, name)
+                    if isinstance(inner, torch.Tensor):
+                        self._see(inner, allocated)
             return
         st = t.untyped_storage()
         key = st._cdata
@@ -113,6 +122,23 @@ class StorageLedger(TorchDispatchMode):
                 self._see(o, allocated=True)
         return out
 
+    def resized(self, st: Any, before: int, after: int) -> None:
+        """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
+        FSDP2 allocates and frees a unit's unsharded parameters so). Grown from empty,
+        it is allocated now, in the running block; shrunk to empty, freed."""
+        key = st._cdata
+        if key not in self.known:
+            self.known.add(key)
+            weakref.finalize(st, self._forget, key)
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+        if after > 0 and (entry is not None or before == 0):
+            block = entry[1] if entry is not None else (self.blocks[-1] if self.blocks else BASE)
+            self.live[key] = (after, block)
+            self.current += after
+            self.peak = max(self.peak, self.current)
+
     def see_existing(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             self._see(t, allocated=False)
@@ -137,6 +163,46 @@ def _draw_like(out: Any) -> None:
     if "cpu" in devices:
         with _disable_current_modes():
             torch.rand(1)
+
+
+@contextlib.contextmanager
+def _storage_resizes(ledger: StorageLedger) -> Iterator[None]:
+    """Report every resize of a fake (meta-device) storage to ``ledger`` while active."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(st: Any, size: int) -> Any:
+        before = st.nbytes()
+        out = original(st, size)
+        if st.device.type == "meta":
+            ledger.resized(st, before, st.nbytes())
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (``to_local()``); any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    with torch.no_grad():
+        return to_local()
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors: their local shards),
+    each counted once however many tensors view it."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = local_tensor(t).untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
 
 
 @contextlib.contextmanager
@@ -256,6 +322,9 @@ class FakeMeasurement(Measurement):
     peak_bytes: int = 0
     """Most bytes the step's own storages (activations, gradients, temporaries)
     held at once, forward and backward."""
+    gradient_bytes: int = 0
+    """Bytes of the parameters' gradients after the backward (distinct storages;
+    DTensor gradients: this rank's shards)."""
 
 
 def measure_fake(
@@ -279,7 +348,7 @@ def measure_fake(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with mode, ledger:
+        with mode, ledger, _storage_resizes(ledger):
             ledger.see_existing([*model.parameters(), *model.buffers(), *leaves])
             with _profiled() as prof, _block_ranges(ledger, model, block_names):
                 loss = loss_fn(model(*args))
@@ -289,6 +358,7 @@ def measure_fake(
             with counter:
                 loss.backward()
             del loss
+            gradient_bytes = storage_bytes([p.grad for p in model.parameters()])
         peak = ledger.peak + sum(real.values())
     finally:
         if was_enabled:
@@ -305,4 +375,24 @@ def measure_fake(
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
     )
     result.peak_bytes = peak
+    result.gradient_bytes = gradient_bytes
     return result
+
+
+def fake_blocks_drawing_no_random_numbers(
+    model: nn.Module, args: Sequence[Any], block_names: Sequence[str], mode: FakeTensorMode
+) -> list[str]:
+    """``_measure.blocks_drawing_no_random_numbers`` for a fake model: one forward
+    without gradients, in which a fake random op draws from the CPU generator (see
+    ``_draw_like``), so the blocks it leaves where they found it are the blocks that
+    draw nothing on real tensors."""
+
+    def forward() -> None:
+        with torch.no_grad(), mode, StorageLedger(mode):
+            model(*args)
+
+    cpu_rng = torch.get_rng_state()
+    try:
+        return blocks_drawing_no_random_numbers(model, args, block_names, forward=forward)
+    finally:
+        torch.set_rng_state(cpu_rng)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.utils.flop_counter import flop_registry
 
 import torch_remat as remat
-from torch_remat._integration import TorchDispatchMode
+from torch_remat._integration import TorchDispatchMode, disable_current_modes
 
 from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
 
@@ -148,13 +148,17 @@ def install(model: nn.Module, config: Config) -> None:
 
 
 def blocks_drawing_no_random_numbers(
-    model: nn.Module, args: Sequence[Any], block_names: Sequence[str]
+    model: nn.Module,
+    args: Sequence[Any],
+    block_names: Sequence[str],
+    forward: Callable[[], Any] | None = None,
 ) -> list[str]:
     """The blocks, in training mode, whose forward on ``args`` left the CPU generator
     (and the current CUDA generator, if CUDA is initialized) where it found it: they
     draw no random numbers, so a checkpoint of theirs needs no RNG snapshot (5,056 B
     on CPU, more than a small block holds). A block in eval mode is never listed:
-    training would switch its dropout on."""
+    training would switch its dropout on. ``forward``: runs the model once (default:
+    ``model(*args)`` without gradients, its state put back)."""
 
     def state() -> list[torch.Tensor]:
         out = [torch.get_rng_state()]
@@ -169,18 +173,23 @@ def blocks_drawing_no_random_numbers(
         block = model.get_submodule(name)
 
         def pre(_m: nn.Module, _a: Any, _name: str = name) -> None:
-            before[_name] = state()
+            with disable_current_modes():  # (a fake forward: the states are real)
+                before[_name] = state()
 
         def post(_m: nn.Module, _a: Any, _o: Any, _name: str = name) -> None:
-            now = state()
-            changed = any(not torch.equal(a, b) for a, b in zip(before.pop(_name), now))
+            with disable_current_modes():
+                now = state()
+                changed = any(not torch.equal(a, b) for a, b in zip(before.pop(_name), now))
             drew[_name] = drew.get(_name, False) or changed
 
         handles.append(block.register_forward_pre_hook(pre))
         handles.append(block.register_forward_hook(post))
     try:
-        with preserved_state(model, args), torch.no_grad():
-            model(*args)
+        if forward is not None:
+            forward()
+        else:
+            with preserved_state(model, args), torch.no_grad():
+                model(*args)
     finally:
         for h in handles:
             h.remove()
@@ -238,16 +247,22 @@ def _allocation_events(prof: Any) -> list[tuple[int, int, int, str]]:
 
 
 def held_bytes_by_block(prof: Any) -> dict[str, int]:
-    """Bytes allocated under ``prof`` and still allocated at its end, by block."""
-    live: dict[int, tuple[int, str]] = {}
+    """Bytes allocated under ``prof`` and still allocated at its end, by block.
+
+    A free pairs with the *oldest* live allocation at its address: the memory at an
+    address is freed before it is handed out again, but a free made on another
+    thread (a gloo worker dropping a collective's buffers) can carry a later
+    timestamp than the main thread's next allocation at that address."""
+    live: dict[int, deque[tuple[int, str]]] = defaultdict(deque)
     for _, ptr, size, block in _allocation_events(prof):
         if size > 0:
-            live[ptr] = (size, block)
-        else:
-            live.pop(ptr, None)
+            live[ptr].append((size, block))
+        elif live.get(ptr):
+            live[ptr].popleft()
     held: dict[str, int] = defaultdict(int)
-    for size, block in live.values():
-        held[block] += size
+    for entries in live.values():
+        for size, block in entries:
+            held[block] += size
     return dict(held)
 
 

@@ -10,10 +10,11 @@ device memory, finds the largest micro-batch each one fits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,16 @@ from torch import nn
 from torch_remat._integration import format_bytes
 
 from . import _report
-from ._fake import FakeMeasurement, faked, measure_fake, resized
-from ._measure import Config, LossFn, refuse_applied_remat
+from ._fake import (
+    FakeMeasurement,
+    faked,
+    local_tensor,
+    measure_fake,
+    resized,
+    storage_bytes,
+)
+from ._layout import Layout, sharded
+from ._measure import Config, LossFn, blocks_drawing_no_random_numbers, refuse_applied_remat
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
 from .plan import (
     Budget,
@@ -95,19 +104,34 @@ class Forecast:
     """The example's micro-batch (size of dimension ``batch_dim``)."""
     device_memory: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    layout: Layout | None = None
+    """The parallel layout forecast (None: one process, nothing sharded); the bytes
+    are then those of rank ``layout.rank``."""
+    gradient_bytes: int = 0
+    """The parameters' gradients after a backward (this rank's shards under FSDP2
+    and tensor parallelism); part of the step peak."""
+    bucket_bytes: int = 0
+    """DDP's gradient buckets, held for the whole run (0 in other layouts)."""
 
     @property
     def fixed_bytes(self) -> int:
-        """Parameters and optimizer state: held whatever the batch."""
-        return self.parameter_bytes + self.optimizer_bytes
+        """Parameters, optimizer state and DDP's buckets: held whatever the batch."""
+        return self.parameter_bytes + self.optimizer_bytes + self.bucket_bytes
 
-    def format(self) -> str:
+    def format(self, by_block: bool = True) -> str:
+        """The table of policies; ``by_block``: also each block's kept bytes and the
+        plan's table (else the plan's summary lines only)."""
         fb = format_bytes
+        where = "" if self.layout is None else (
+            f" on rank {self.layout.rank} of {self.layout.describe()}"
+        )
         lines = [
-            f"remat forecast for {len(self.plan.blocks)} blocks at micro-batch {self.batch} "
-            "(fake tensors: nothing allocated)",
-            f"  parameters {fb(self.parameter_bytes)}, optimizer state "
-            f"{fb(self.optimizer_bytes)}"
+            f"remat forecast for {len(self.plan.blocks)} blocks at micro-batch {self.batch}"
+            f"{where} (fake tensors: nothing allocated)",
+            f"  parameters {fb(self.parameter_bytes)}, "
+            + ("" if self.layout is None else f"gradients {fb(self.gradient_bytes)}, ")
+            + (f"DDP buckets {fb(self.bucket_bytes)}, " if self.bucket_bytes else "")
+            + f"optimizer state {fb(self.optimizer_bytes)}"
             + ("" if self.device_memory is None else f", device memory {fb(self.device_memory)}"),
             "",
         ]
@@ -121,6 +145,10 @@ class Forecast:
                 row.append(f"{p.max_batch:,}")
             rows.append(row)
         lines += ["  " + r for r in _report._rows(rows, set(range(1, len(head))))]
+        if not by_block:
+            plan_lines = self.plan.format().splitlines()[:2]
+            lines += ["", *("  " + line for line in plan_lines)]
+            return "\n".join(line.rstrip() for line in lines)
         lines += ["", "  kept bytes by block:"]
         names = list(self.policies)
         rows = [["block", *names]]
@@ -137,7 +165,9 @@ class Forecast:
         return self.format()
 
 
-def _hand_configs(plan: RematPlan, groups: Sequence[Any]) -> dict[str, Config]:
+def _hand_configs(
+    plan: RematPlan, groups: Sequence[Any], rng_free: frozenset[str] = frozenset()
+) -> dict[str, Config]:
     """The hand policies on every block (save sets over each group's candidates);
     a policy whose save set is empty where it should name modules is left out."""
     configs: dict[str, Config] = {}
@@ -148,7 +178,7 @@ def _hand_configs(plan: RematPlan, groups: Sequence[Any]) -> dict[str, Config]:
             continue
         if any(c.checkpointed == sets for c in configs.values()):
             continue  # the same save sets as a policy already listed
-        configs[name] = Config({b: sets[b] for b in plan.blocks})
+        configs[name] = Config({b: sets[b] for b in plan.blocks}, rng_free)
     return configs
 
 
@@ -165,6 +195,7 @@ def forecast_remat(
     optimizer_states: int = 2,
     batch_dim: int = 0,
     max_batch: int = 1 << 16,
+    layout: Layout | None = None,
 ) -> Forecast:
     """Plan as :func:`plan_remat` does, with every run on fake tensors: no parameter
     or activation memory is allocated, so the model may be larger than this
@@ -178,6 +209,14 @@ def forecast_remat(
             micro-batch whose parameters, optimizer state and step peak fit.
         optimizer_states: optimizer tensors per parameter, each of its size (Adam: 2).
         batch_dim: the dimension of the tensor arguments that is the micro-batch.
+        layout: forecast one rank of a parallel layout (:class:`Layout`: FSDP2,
+            tensor parallel, both, or DDP, over any number of ranks) without a
+            process group: a copy of the model is sharded by the real
+            ``fully_shard`` / ``parallelize_module`` on a fake process group, and
+            ``example_args`` are what that rank's forward receives. The bytes are
+            the rank's: its parameter shards, gradients and optimizer state, its
+            activations (DTensor shards, FSDP2's unsharded parameters while a unit
+            runs). Needs no process group initialized in this process.
     """
     if budget == "auto":
         raise ValueError(
@@ -200,46 +239,111 @@ def forecast_remat(
             "arguments of one batch."
         )
     batch = batches.pop()
-    params = list(model.parameters())
-    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
-    optimizer_bytes = optimizer_states * sum(
-        p.numel() * p.element_size() for p in params if p.requires_grad
+    if layout is not None and not isinstance(layout, Layout):
+        raise TypeError(f"forecast_remat: layout must be a Layout, got {layout!r}.")
+    context = (
+        _unsharded(model, args, device) if layout is None
+        else sharded(model, args, layout, names, device)
     )
-    with faked(model, args, device) as (mode, fargs):
-        run = functools.partial(measure_fake, mode=mode)
-        base, _, table = measure_table(model, fargs, loss_fn, names, groups, measure=run)
+    with context as (target, mode, fargs):
+        params = list(target.parameters())
+        parameter_bytes = storage_bytes(params)
+        optimizer_bytes = optimizer_states * sum(
+            (lambda t: t.numel() * t.element_size())(local_tensor(p))
+            for p in params if p.requires_grad
+        )
+        run = _Runs(functools.partial(measure_fake, mode=mode), fargs)
+        # The blocks that draw no random numbers, seen in a first full step, which is
+        # also the option table's warm-up (lazy state: FSDP2's, first-call caches).
+        rng_free = frozenset(blocks_drawing_no_random_numbers(
+            target, fargs, names, forward=lambda: run.warm_up(target, fargs, loss_fn, names)
+        ))
+        base, checkpoint_base, table = measure_table(
+            target, fargs, loss_fn, names, groups, rng_free, measure=run
+        )
         measured = RematPlan(
             names, table, [0] * len(names), base, 0,
             {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None,
-            weakref.ref(model),
+            weakref.ref(model), rng_free=sorted(rng_free, key=names.index),
+            checkpoint_base_bytes=checkpoint_base,
         )
         plan, error = _solve_or_error(measured, budget)
         if error is not None:
             raise InfeasibleBudgetError(error)
-        configs = {"no remat": Config(), **_hand_configs(plan, groups), "plan": plan.config()}
+        configs = {
+            "no remat": Config(), **_hand_configs(plan, groups, rng_free), "plan": plan.config()
+        }
         policies: dict[str, PolicyForecast] = {}
+        gradient_bytes = 0
         for name, config in configs.items():
-            m: FakeMeasurement = run(model, fargs, loss_fn, config, names)
+            m: FakeMeasurement = run(target, fargs, loss_fn, config, names)
+            gradient_bytes = m.gradient_bytes
             policies[name] = PolicyForecast(
                 name, config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values())
             )
         plan.measured_bytes = policies["plan"].kept_bytes
         if plan.measured_bytes != plan.predicted_bytes:
             raise PlanMismatchError(_report.mismatch_message(plan))
+        trainable = storage_bytes([p for p in params if p.requires_grad])
+        ddp = layout is not None and layout.ddp and layout.world_size > 1
+        bucket_bytes = trainable if ddp and not layout.gradient_as_bucket_view else 0
         if memory is not None:
-            fixed = parameter_bytes + optimizer_bytes
+            fixed = parameter_bytes + optimizer_bytes + bucket_bytes
             for p in policies.values():
                 peaks = {batch: p.peak_bytes}
 
                 def peak(b: int, _p: PolicyForecast = p, _peaks: dict = peaks) -> int:
                     if b not in _peaks:
                         sized = resized(fargs, mode, b, batch_dim)
-                        _peaks[b] = run(model, sized, loss_fn, _p.config, names).peak_bytes
+                        _peaks[b] = run(target, sized, loss_fn, _p.config, names).peak_bytes
                     return _peaks[b]
 
                 p.max_batch = _largest(lambda b, _peak=peak: fixed + _peak(b) <= memory,
                                        _affine_guess(peak, batch, memory - fixed), max_batch)
-    return Forecast(plan, policies, parameter_bytes, optimizer_bytes, batch, memory)
+    return Forecast(
+        plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
+        layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
+    )
+
+
+class _Runs:
+    """Fake runs of configurations, each run once at the example's arguments: the
+    hand policies and the plan are often configurations the option table ran
+    already (every block of a group with one option). The first run, whose numbers
+    lazy initialisation changes, is never reused; ``warm_up`` makes it the step
+    that finds the blocks drawing no random numbers, so the table's warm-up is an
+    ordinary step, reused as its run without checkpoints."""
+
+    def __init__(self, measure: Any, args: tuple) -> None:
+        self.measure, self.args = measure, args
+        self.done: dict[Any, FakeMeasurement] = {}
+        self.first = True
+
+    def warm_up(self, model: nn.Module, args: Any, loss_fn: Any, names: Sequence[str]) -> None:
+        """The first step (its numbers carry lazy initialisation): the table's warm-up
+        then runs as an ordinary, reusable step."""
+        self.measure(model, args, loss_fn, Config(), names)
+        self.first = False
+
+    def __call__(self, model: nn.Module, args: Any, loss_fn: Any, config: Config,
+                 names: Sequence[str]) -> FakeMeasurement:
+        key = (tuple(sorted(config.checkpointed.items())), config.rng_free)
+        if args is not self.args:
+            return self.measure(model, args, loss_fn, config, names)
+        if self.first:
+            self.first = False
+            return self.measure(model, args, loss_fn, config, names)
+        if key not in self.done:
+            self.done[key] = self.measure(model, args, loss_fn, config, names)
+        return self.done[key]
+
+
+@contextlib.contextmanager
+def _unsharded(
+    model: nn.Module, args: Sequence[Any], device: torch.device | str | None
+) -> Iterator[tuple[nn.Module, Any, tuple[Any, ...]]]:
+    with faked(model, args, device) as (mode, fargs):
+        yield model, mode, fargs
 
 
 def _affine_guess(peak: Any, batch: int, room: int) -> int:

@@ -126,7 +126,7 @@ def test_forecast_prints_the_forecast_before_training_and_then_the_measured_plan
     assert len(losses(result)) == 1
 
 
-@pytest.mark.parametrize("args", [["--remat", "selective", "--forecast"], ["--remat", "budget=0.6", "--forecast", "--parallel", "fsdp2"]])
+@pytest.mark.parametrize("args", [["--remat", "selective", "--forecast"], ["--remat", "budget=0.6", "--forecast", "--device-memory", "80 gigs"]])
 def test_forecast_usage_errors(args):
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=120)

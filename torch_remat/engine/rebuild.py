@@ -178,7 +178,8 @@ class Rebuilds:
 
         Its rebuildable arguments are those replayed code produced: created by a
         recorded op of this checkpoint's forward, strided (a sparse or jagged nested
-        tensor has no storage view to refill; its saves are kept), and neither a
+        tensor has no storage view to refill; its saves are kept), not a wrapper of
+        other tensors (a DTensor: its saves are kept), and neither a
         checkpoint input, a SAVE output (those are kept anyway) nor a parameter."""
         if self.policy == "never":
             return None
@@ -194,6 +195,8 @@ class Rebuilds:
                 continue
             if x.layout is not torch.strided:
                 continue  # sparse, jagged nested: no storage view to rebuild from; kept
+            if type(x) is not torch.Tensor and hasattr(type(x), "__tensor_flatten__"):
+                continue  # a wrapper of other tensors (DTensor): no storage of its own; kept
             base = x._base
             root = x if base is None else base
             if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):
