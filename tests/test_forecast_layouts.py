@@ -1,7 +1,7 @@
 """forecast_remat(layout=...): one rank of FSDP2, tensor parallel, both, or DDP,
 forecast in this process on a fake process group (no real group, no second
 process). The per-rank measurements on 2 gloo ranks are compared in
-tests/distributed/test_forecast_layouts.py; these check what needs no ranks: the
+tests/distributed/test_forecast_layouts_2rank.py; these check what needs no ranks: the
 shards each rank holds (against FSDP2's and DTensor's sharding rules, worked out
 here independently), the layouts' validation, and the model left untouched."""
 
