@@ -178,3 +178,27 @@ def test_train_py_forecasts_rank_0_of_its_fsdp2_layout_before_any_group_starts()
     with redirect_stdout(out):
         train.forecast_before_launch(args, vocab, rank=1, world=2)
     assert out.getvalue() == ""
+
+
+def test_tensor_parallel_forecast_converts_no_dtensor_to_a_fake(monkeypatch):
+    # A DTensor of the sharded copy wraps fake tensors already: converting it again
+    # at every op (FakeTensorMode.from_tensor) made the 8B-shaped TP forecast take
+    # more than twice as long and counted nothing more. Only real plain tensors (a
+    # closure's target) are converted.
+    from torch_remat.integrations.planner import _fake
+
+    ledgers = []
+    init = _fake.StorageLedger.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        ledgers.append(self)
+
+    monkeypatch.setattr(_fake.StorageLedger, "__init__", recording)
+    model = tiny_net(dim=16, hidden=64, depth=2)
+    x = torch.randn(8, 8, 16, dtype=torch.float64)
+    layout = Layout(2, tp=2, tp_plan=sequence_parallel_plan())
+    forecast_remat(model, x, loss_fn, 1.0, blocks=MLPBlock, layout=layout)
+    assert ledgers
+    converted = [type(t).__name__ for ledger in ledgers for t in ledger.converted]
+    assert converted == [], converted[:5]

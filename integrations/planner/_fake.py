@@ -110,7 +110,11 @@ class StorageLedger(TorchDispatchMode):
         kwargs = kwargs or {}
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
-                if self.fake_mode is not None and not isinstance(a, FakeTensor):
+                if (
+                    self.fake_mode is not None
+                    and not isinstance(a, FakeTensor)
+                    and not hasattr(type(a), "__tensor_flatten__")  # a wrapper (DTensor)
+                ):  # of fakes: its inner tensors are fake already; nothing to convert
                     a = self.fake_mode.from_tensor(a)
                     self.converted.append(a)  # alive, so that the op's conversion finds it
                 self._see(a, allocated=False)
