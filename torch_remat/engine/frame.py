@@ -521,10 +521,10 @@ class CheckpointFrame:
 
 
     def unpack_holder(self, holder: Holder) -> torch.Tensor:
-        if self.unread_inputs:
-            unpack_unread(self.unread_inputs)
         kept = holder.kept
         if kept is not None:
+            if self.unread_inputs:  # (take_refill drains them for the others)
+                unpack_unread(self.unread_inputs)
             t = kept.data
             if t._version != kept.version:
                 raise self._modified_error(holder.index, kept.version, t._version)
