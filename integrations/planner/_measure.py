@@ -436,6 +436,22 @@ def measure(
     )
 
 
+def settle(model: nn.Module, args: Sequence[Any], loss_fn: LossFn) -> None:
+    """Run the steps after which a wrapper stops changing its own state, unprofiled
+    and leaving no trace: DDP rebuilds its gradient buckets in the first forward
+    after a backward, freeing the ones it built at wrapping (the profiler, seeing a
+    block freed that it did not see allocated, says so on stderr)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    for _ in range(2):
+        with preserved_state(model, args):
+            loss = loss_fn(model(*args))
+            loss.backward()
+            del loss
+
+
 def activation_bytes(model: nn.Module, args: Sequence[Any], loss_fn: LossFn) -> int:
     """Bytes that ``loss_fn(model(*args))`` allocates and keeps for the backward
     (plus the loss), counted the way the planner counts them, with whatever remat

@@ -33,6 +33,7 @@ from ._measure import (
     install,
     measure,
     refuse_applied_remat,
+    settle,
 )
 from ._solve import Point, cheapest_within, frontier
 from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
@@ -436,6 +437,7 @@ def plan_remat(
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     names = select_blocks(model, blocks)
     groups = group_blocks(model, names, candidates, args)
+    settle(model, args, loss_fn)
     rng_free = blocks_drawing_no_random_numbers(model, args, names)
     base, checkpoint_base, table = measure_table(
         model, args, loss_fn, names, groups, frozenset(rng_free)
