@@ -178,10 +178,15 @@ def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
     )
 
 
-def plan_on_first_step(spec: str, model, x, y, rank: int) -> None:
+def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True) -> None:
     """--remat budget=...: measure the options on the first batch, install the
-    cheapest plan that fits, and print its table (measured bytes included)."""
-    from torch_remat.integrations import InfeasibleBudgetError, plan_remat
+    cheapest plan that fits, and print its table (measured bytes included).
+
+    Every rank plans (a sharded forward needs all of them) and installs rank 0's
+    choice. A planning error on any rank ends every rank with status 2 and one
+    message, printed by rank 0: the ranks exchange their outcome in a collective
+    that all of them reach, so none is left waiting in another."""
+    from torch_remat.integrations import InfeasibleBudgetError, PlanMismatchError, plan_remat
 
     # The planner measures with torch.profiler, whose library otherwise logs each of
     # its starts and stops on stderr. Read when the profiler is first used: now.
@@ -189,13 +194,36 @@ def plan_on_first_step(spec: str, model, x, y, rank: int) -> None:
     budget = parse_budget(spec.removeprefix("budget="))
     # The linear layers as candidates: 2**6 + 1 measured options per block.
     loss_fn = lambda logits: F.cross_entropy(logits, y.flatten())  # noqa: E731
+    plan, error = None, None
     try:
-        plan = plan_remat(model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear])
+        plan = plan_remat(
+            model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear], verify=verify
+        )
     except InfeasibleBudgetError as e:
-        usage_error(f"--remat {spec}: {e}", rank)
+        error = f"--remat {spec}: {e}"
+    except PlanMismatchError as e:
+        error = (
+            f"--remat {spec}: {e} From the launcher: --no-verify-plan installs the "
+            "plan without this check (its printed bytes are then predicted, not measured)."
+        )
+    except (remat.RematError, ValueError, TypeError) as e:
+        error = f"--remat {spec}: planning failed: {type(e).__name__}: {e}"
+    error = first_error(error)
+    if error is not None:
+        usage_error(error, rank)
     plan.apply(model)
     if rank == 0:
         print(plan, flush=True)
+
+
+def first_error(error: str | None) -> str | None:
+    """The first rank's error among every rank's (a collective under torchrun), so
+    that every rank stops, or goes on, together."""
+    if not dist.is_initialized():
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e is not None), None)
 
 
 def forecast_layout(parallel: str, world: int):
@@ -503,6 +531,7 @@ def parse_args(argv=None):
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
     p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES: before training, print rank 0's forecast for the --parallel layout on the launch's ranks (every hand policy and the plan, run on fake tensors over a fake process group: nothing allocated), with the largest micro-batch fitting --device-memory")
+    p.add_argument("--verify-plan", action=argparse.BooleanOptionalAction, default=True, help="with --remat budget=...: run the chosen plan once and stop (status 2, naming each block whose bytes differ) if it keeps other bytes than predicted; --no-verify-plan installs the plan unchecked")
     p.add_argument("--device-memory", default="80GiB", help="the device memory --forecast fits micro-batches into (e.g. 80GiB, 40GB)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
@@ -595,7 +624,9 @@ def main(argv=None) -> None:
     for step in range(start + 1, args.steps + 1):
         x, y = (t.to(device) for t in batches(step))
         if step == start + 1 and args.remat.startswith("budget="):
-            plan_on_first_step(args.remat, model, x, y, rank)
+            planning = time.perf_counter()
+            plan_on_first_step(args.remat, model, x, y, rank, args.verify_plan)
+            t0 += time.perf_counter() - planning  # tok/s counts training steps only
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps
         with oom_dumps.guard(step=step) if oom_dumps else contextlib.nullcontext():
             loss = F.cross_entropy(model(x), y.flatten())

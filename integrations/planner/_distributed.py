@@ -1,10 +1,13 @@
-"""One policy for every rank: rank 0's choice, broadcast.
+"""One policy for every rank: rank 0's choice, broadcast; one verdict on it.
 
 Every rank measures its own option table (the same runs in the same order, so a
 forward that communicates, as under FSDP2, stays in step). Rank 0 solves; its
 chosen option indices (or its infeasibility message) go to every rank, which
 builds its plan from them and its own measurements, so each rank's prediction is
-of its own bytes and every rank installs the same policy.
+of its own bytes and every rank installs the same policy. Each rank then verifies
+its own bytes, and every rank learns every rank's verdict (a collective all ranks
+reach), so that a mismatch on one rank is raised on all of them, with one message,
+instead of leaving the others waiting in the next collective.
 """
 
 from __future__ import annotations
@@ -36,3 +39,22 @@ def agree(
             "model (pass per_rank=True to plan each rank for itself)."
         )
     return dataclasses.replace(measured, choices=choices, budget_bytes=budget_bytes), None
+
+
+def _group() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def agree_on_verification(mismatch: str | None) -> str | None:
+    """The first failing rank's verification message on every rank (``None``: every
+    rank measured what it predicted); unchanged without a process group."""
+    if not _group():
+        return mismatch
+    verdicts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, mismatch)
+    failed = [(rank, m) for rank, m in enumerate(verdicts) if m is not None]
+    if not failed:
+        return None
+    ranks = ", ".join(str(r) for r, _ in failed)
+    rank, message = failed[0]
+    return f"rank {rank} (of the failing ranks {ranks}): {message}"

@@ -1,12 +1,23 @@
 """Run one remat configuration of a model once and measure it.
 
-Bytes: the CPU (or CUDA) allocator's events from ``torch.profiler`` with
-``profile_memory=True``, paired by address, so a storage counts once however many
-views or saves share it. A storage counts for the block whose forward allocated it
-(the innermost block running at the allocation) when it is still allocated after
-``loss_fn(model(*args))`` returns; storages allocated outside every block (the
-embedding, the head, the loss) make the base. Views share their base's storage and
-allocate nothing, so they are never counted twice.
+Bytes: the storages the step keeps for its backward after ``loss_fn(model(*args))``
+returns -- what :func:`torch_remat.saved_tensors_report` of the loss counts (tensors
+saved by autograd, a checkpoint's inputs, SAVE outputs and RNG snapshots; never a
+parameter) and the loss itself -- each once however many views or saves share it,
+counted for the block whose forward allocated it. The allocation is read from the
+CPU (or CUDA) allocator's events of ``torch.profiler`` (``profile_memory=True``): the
+latest allocation at the storage's address made on the forward's thread inside the
+forward is the one that made it (a live storage's address was not handed out again
+since), and the innermost block running then owns it; storages allocated outside
+every block (the embedding, the head, the loss) make the base, and storages that
+existed before the forward (the arguments) count nowhere.
+
+The count does not depend on timing. What a collective's machinery holds for a
+while -- FSDP2's all-gather and reduce-scatter buffers and unsharded parameters,
+DDP's buckets, a gloo worker thread's reference to a tensor it sent -- is not kept
+for the backward by the step, so it is never counted, however late the thread that
+holds it lets go; parameters (sharded, unsharded or replicated) are the model's,
+not activations.
 
 Recompute cost: every aten op that runs while a checkpoint is being recomputed in
 the backward is charged to that checkpoint (``remat.active_checkpoint``), its FLOPs
@@ -38,6 +49,10 @@ from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
 
 RANGE_PREFIX = "torch_remat.planner.block::"
 """Name prefix of the profiler ranges that mark each block's forward."""
+
+FORWARD_RANGE = "torch_remat.planner.forward"
+"""Name of the profiler range around ``loss_fn(model(*args))``: allocations inside
+it, on its thread, are the forward's."""
 
 BASE = ""
 """Key of the bytes allocated outside every block."""
@@ -266,6 +281,80 @@ def held_bytes_by_block(prof: Any) -> dict[str, int]:
     return dict(held)
 
 
+def _forward_allocations(prof: Any) -> dict[int, str]:
+    """Address -> block of the latest allocation made inside :data:`FORWARD_RANGE`
+    on its thread (``BASE``: outside every block range). Other threads (a gloo
+    worker) are not inside the range and allocate nothing the forward keeps."""
+    latest: dict[int, tuple[int, str]] = {}
+    stack: list[tuple[Any, str | None]] = [
+        (e, None) for e in prof.profiler.kineto_results.experimental_event_tree()
+    ]
+    while stack:
+        e, block = stack.pop()
+        if e.name == FORWARD_RANGE:
+            block = BASE
+        elif block is not None and e.name.startswith(RANGE_PREFIX):
+            block = e.name[len(RANGE_PREFIX) :]
+        stack.extend((c, block) for c in e.children)
+        if block is None:
+            continue
+        fields = e.extra_fields
+        if hasattr(fields, "alloc_size") and hasattr(fields, "ptr") and fields.alloc_size > 0:
+            seen = latest.get(fields.ptr)
+            if seen is None or seen[0] < e.start_time_ns:
+                latest[fields.ptr] = (e.start_time_ns, block)
+    return {ptr: block for ptr, (_, block) in latest.items()}
+
+
+def _root_storages(t: Any, out: dict[int, int]) -> None:
+    if not isinstance(t, torch.Tensor):
+        return
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if type(t) is not torch.Tensor and flatten is not None:  # a wrapper (DTensor)
+        for name in flatten()[0]:
+            _root_storages(getattr(t, name, None), out)
+        return
+    if t.device.type == "meta":
+        return
+    st = t.untyped_storage()
+    if st.nbytes() > 0:
+        out[st.data_ptr()] = st.nbytes()
+
+
+def kept_storages(loss: Any) -> dict[int, int]:
+    """Address -> bytes of every storage the step keeps for the backward of ``loss``
+    (a tensor or a sequence of them): those :func:`torch_remat.saved_tensors_report`
+    counts, and the loss's own. Found by walking the graph and the checkpoints'
+    holdings, so the answer depends only on what the program holds, not on when
+    another thread drops a buffer it shared."""
+    out: dict[int, int] = {}
+    report = remat.saved_tensors_report(loss)
+    for block in report.checkpoints:
+        for row in block.rows():
+            for s in row.storages:
+                if s.nbytes > 0:
+                    out[s.data_ptr] = s.nbytes
+    for group in report.outside:
+        for s in group.storages:
+            if s.nbytes > 0:
+                out[s.data_ptr] = s.nbytes
+    for t in loss if isinstance(loss, (list, tuple)) else (loss,):
+        _root_storages(t, out)
+    return out
+
+
+def kept_bytes_by_block(prof: Any, loss: Any) -> dict[str, int]:
+    """Bytes the forward profiled by ``prof`` (inside :data:`FORWARD_RANGE`)
+    allocated and the step keeps for the backward of ``loss``, by block."""
+    allocated = _forward_allocations(prof)
+    held: dict[str, int] = defaultdict(int)
+    for ptr, nbytes in kept_storages(loss).items():
+        block = allocated.get(ptr)
+        if block is not None:
+            held[block] += nbytes
+    return dict(held)
+
+
 @contextlib.contextmanager
 def _profiled(block_names: Sequence[str] = (), model: nn.Module | None = None) -> Iterator[Any]:
     """Profile with the block ranges on and the cycle collector off, so that what the
@@ -331,8 +420,9 @@ def measure(
     try:
         with preserved_state(model, args):
             with _profiled(block_names, model) as prof:
-                loss = loss_fn(model(*args))
-            held = held_bytes_by_block(prof)
+                with torch.profiler.record_function(FORWARD_RANGE):
+                    loss = loss_fn(model(*args))
+            held = kept_bytes_by_block(prof, loss)
             counter = RecomputeCounter()
             with counter:
                 loss.backward()
@@ -346,14 +436,31 @@ def measure(
     )
 
 
+def settle(model: nn.Module, args: Sequence[Any], loss_fn: LossFn) -> None:
+    """Run the steps after which a wrapper stops changing its own state, unprofiled
+    and leaving no trace: DDP rebuilds its gradient buckets in the first forward
+    after a backward, freeing the ones it built at wrapping (the profiler, seeing a
+    block freed that it did not see allocated, says so on stderr)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return
+    for _ in range(2):
+        with preserved_state(model, args):
+            loss = loss_fn(model(*args))
+            loss.backward()
+            del loss
+
+
 def activation_bytes(model: nn.Module, args: Sequence[Any], loss_fn: LossFn) -> int:
-    """Bytes that ``loss_fn(model(*args))`` leaves allocated (what the step holds for
-    backward, plus the loss), measured the same way the planner predicts them, with
-    whatever remat ``model`` carries now. Runs the backward too, to free them."""
+    """Bytes that ``loss_fn(model(*args))`` allocates and keeps for the backward
+    (plus the loss), counted the way the planner counts them, with whatever remat
+    ``model`` carries now. Runs the backward too, to free them."""
     with preserved_state(model, args):
         with _profiled() as prof:
-            loss = loss_fn(model(*args))
-        held = sum(held_bytes_by_block(prof).values())
+            with torch.profiler.record_function(FORWARD_RANGE):
+                loss = loss_fn(model(*args))
+        held = sum(kept_bytes_by_block(prof, loss).values())
         loss.backward()
         del loss
     return held

@@ -155,12 +155,30 @@ def hand_policies(plan: RematPlan) -> dict[str, tuple[int, int, int]]:
     return {n: results[n] for n in names or []}
 
 
-def mismatch_message(plan: RematPlan) -> str:
+def mismatch_message(plan: RematPlan, measured_by_block: dict[str, int] | None = None) -> str:
+    """Why the installed plan failed its verification: the totals, and (given the
+    measured bytes by block, ``""`` for outside the blocks) each block whose bytes
+    differ from its chosen option's."""
+    differing = ""
+    if measured_by_block is not None:
+        rows = [
+            (name, measured_by_block.get(name, 0), m.bytes, m.option.label)
+            for name, m in zip(plan.blocks, plan.chosen)
+        ]
+        rows.append(("(outside blocks)", measured_by_block.get("", 0), plan.base_for(plan.choices), ""))
+        lines = [
+            f"{name} ({label}): measured {got:,} B, predicted {want:,} B ({got - want:+,} B)"
+            if label else f"{name}: measured {got:,} B, predicted {want:,} B ({got - want:+,} B)"
+            for name, got, want, label in rows
+            if got != want
+        ]
+        if lines:
+            differing = " Differing: " + "; ".join(lines) + "."
     return (
         f"plan_remat: the chosen plan, installed and run, held {plan.measured_bytes:,} B "
-        f"after the forward, not the predicted {plan.predicted_bytes:,} B. The blocks' "
-        "bytes interact in a way per-block measurement does not capture (a block keeping "
-        "its neighbour's output, say). Plan: "
+        f"after the forward, not the predicted {plan.predicted_bytes:,} B.{differing} The "
+        "blocks' bytes interact in a way per-block measurement does not capture (a block "
+        "keeping its neighbour's output, say). Plan: "
         + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
         + ". Pass verify=False to accept the prediction, or blocks= with coarser blocks."
     )

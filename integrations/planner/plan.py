@@ -4,7 +4,9 @@ The planner measures, it does not estimate: every option of every distinct block
 is installed with :func:`~torch_remat.integrations.apply_remat` and run once on the
 example (see ``_measure``), an exact solver picks one option per block (``_solve``),
 and the chosen plan is installed and measured once more, so the bytes a plan
-reports are bytes that were seen.
+reports are bytes that were seen. The bytes are those the step keeps for its
+backward, which do not depend on when a collective's threads let go of their
+buffers, so one run of an option is its measurement on every run.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from ._measure import (
     BASE,
     Config,
     LossFn,
-    activation_bytes,
     blocks_drawing_no_random_numbers,
     install,
     measure,
     refuse_applied_remat,
+    settle,
 )
 from ._solve import Point, cheapest_within, frontier
 from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
@@ -423,7 +425,10 @@ def plan_remat(
             every rank applies the same policy. Every rank runs the measurements
             either way (a sharded forward needs all ranks).
         verify: install the chosen plan and measure it once; a mismatch with the
-            prediction raises :class:`PlanMismatchError`.
+            prediction raises :class:`PlanMismatchError`, naming each block whose
+            bytes differ. Under a process group (without ``per_rank``) every rank
+            verifies its own bytes and a mismatch on any rank raises the same error
+            on every rank.
 
     Raises :class:`InfeasibleBudgetError` (naming the minimum achievable bytes) when
     no policy fits. The model is returned unchanged; ``plan.apply()`` installs it.
@@ -432,6 +437,7 @@ def plan_remat(
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     names = select_blocks(model, blocks)
     groups = group_blocks(model, names, candidates, args)
+    settle(model, args, loss_fn)
     rng_free = blocks_drawing_no_random_numbers(model, args, names)
     base, checkpoint_base, table = measure_table(
         model, args, loss_fn, names, groups, frozenset(rng_free)
@@ -447,13 +453,15 @@ def plan_remat(
     if error is not None:
         raise InfeasibleBudgetError(error)
     if verify:
-        install(model, plan.config())
-        try:
-            plan.measured_bytes = activation_bytes(model, args, loss_fn)
-        finally:
-            install(model, Config())
+        got = measure(model, args, loss_fn, plan.config(), names)
+        plan.measured_bytes = got.total_bytes
+        mismatch = None
         if plan.measured_bytes != plan.predicted_bytes:
-            raise PlanMismatchError(_report.mismatch_message(plan))
+            mismatch = _report.mismatch_message(plan, got.bytes_by_block)
+        if not per_rank:
+            mismatch = _distributed.agree_on_verification(mismatch)
+        if mismatch is not None:
+            raise PlanMismatchError(mismatch)
     return plan
 
 

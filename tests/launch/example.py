@@ -8,6 +8,8 @@ faults tests need injected from outside (the examples carry no test-only options
 starts, on the first torchrun attempt only (a crashed rank, for ``--max-restarts``).
 ``--oom-at-step N``: at step N the last rank's last block asks its allocator for
 1 PiB, inside the checkpoint's forward, a request no machine grants.
+``--plan-mismatch-on-last-rank``: ``plan_remat``'s verifying run on the last rank
+measures 4 bytes more in the first block than it predicted (a mismatch on one rank).
 
 Afterwards each rank prints ``process group initialized after main: BOOL``.
 """
@@ -77,12 +79,33 @@ def with_faults(build, fail_at_step: int, oom_at_step: int):
     return build_with_faults
 
 
+def mismatch_on_last_rank() -> None:
+    """The last rank's verifying run of a plan measures 4 more bytes in its first
+    block (``plan_remat`` calls ``plan.measure`` only to verify; the option table
+    is measured through ``measure_table``'s own reference)."""
+    if not is_last_rank():
+        return
+    from torch_remat.integrations.planner import plan
+
+    measure = plan.measure
+
+    def off_by_four(model, args, loss_fn, config, blocks):
+        got = measure(model, args, loss_fn, config, blocks)
+        got.bytes_by_block[blocks[0]] += 4
+        return got
+
+    plan.measure = off_by_four
+
+
 def main() -> None:
     name, argv = sys.argv[1], sys.argv[2:]
     faults = argparse.ArgumentParser()
     faults.add_argument("--fail-at-step", type=int, default=0)
     faults.add_argument("--oom-at-step", type=int, default=0)
+    faults.add_argument("--plan-mismatch-on-last-rank", action="store_true")
     injected, argv = faults.parse_known_args(argv)
+    if injected.plan_mismatch_on_last_rank:
+        mismatch_on_last_rank()
     example = load(name)
     if name == "train":
         example.build = with_faults(example.build, injected.fail_at_step, injected.oom_at_step)

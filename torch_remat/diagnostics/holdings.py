@@ -100,12 +100,31 @@ def _state_items(name: str, states: Any) -> list[HeldItem]:
     return [HeldItem(name, TensorMeta.of(t), [t]) for t in tensors_in(list(states or ()))]
 
 
-def _state_group(entry_states: Any, regions: list[Any]) -> HeldGroup:
+def _state_group(entry_states: Any, regions: list[Any], frame: Any = None) -> HeldGroup:
     group = HeldGroup(STATE_SNAPSHOTS)
     group.items.extend(_state_items("entry", entry_states))
     for rec in regions:
         group.items.extend(_state_items(f"after {rec.qualname}", rec.exit_states))
+    if frame is not None:
+        group.items.extend(_buffer_copies(frame))
     return group
+
+
+def _buffer_copies(frame: Any) -> list[HeldItem]:
+    """The copies of module buffers the checkpoint keeps for its replay: each
+    buffer's value at the checkpoint's start (a batch norm's running statistics,
+    which its forward updates in place) and the values after each SAVE region that
+    updated one. They occupy memory until the backward, like the RNG snapshots."""
+    items = []
+    state = frame.module_state
+    for s in state.slots if state is not None else ():
+        if s.copy is not None:
+            items.append(HeldItem(f"buffer {s.name} (entry)", TensorMeta.of(s.copy), [s.copy]))
+    for updated in frame.region_buffers.values():
+        for s, value, _ in updated:
+            if value is not None:
+                items.append(HeldItem(f"buffer {s.name} (after a region)", TensorMeta.of(value), [value]))
+    return items
 
 
 def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
@@ -132,7 +151,7 @@ def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
             storages[id(s.arg)] = s.arg.layout[-1]
     groups = [inputs]
     groups.extend(_region_group(rec, done, pending.get(id(rec), ())) for rec in frame.regions)
-    groups.append(_state_group(frame.entry_states, frame.regions))
+    groups.append(_state_group(frame.entry_states, frame.regions, frame))
     groups = [g for g in groups if g.items]
     return Holdings(frame.name, serial, groups, rebuilt, sum(storages.values()))
 

@@ -1,0 +1,145 @@
+"""What plan_remat counts for an option: the storages the step keeps for its
+backward (the saved-tensors report's, and the loss), by the block that allocated
+them; not what something else holds for a while (a collective's buffers, DDP's
+buckets), so the count does not depend on when that holder lets go. Verification
+names the blocks whose bytes differ."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torch_remat as remat
+from torch_remat.integrations import PlanMismatchError, RematConfig, ddp_with_remat, plan_remat
+from torch_remat.integrations.planner import plan as plan_module
+
+SENT: list[torch.Tensor] = []
+"""Tensors a block hands to a sender (as a collective hands its buffers to a
+worker thread): held after the forward, but not by the step's backward."""
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8, send: bool = False) -> None:
+        super().__init__()
+        self.send = send
+        self.fc1 = nn.Linear(d, 4 * d, dtype=torch.float64)
+        self.fc2 = nn.Linear(4 * d, d, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.send:
+            SENT.append(h.detach().clone())  # a buffer of the block's own making
+        return x + self.fc2(h)
+
+
+class Net(nn.Module):
+    def __init__(self, send: bool = False, n: int = 3, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d, send) for _ in range(n))
+        self.head = nn.Linear(d, 2, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).sum()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    SENT.clear()
+
+
+def _bytes(plan) -> list[list[int]]:
+    return [[m.bytes for m in options] for options in plan.table]
+
+
+def test_a_buffer_held_by_something_else_than_the_backward_is_not_counted():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, dtype=torch.float64)
+    torch.manual_seed(1)
+    plain = plan_remat(Net(), x, loss_fn, budget=0.5)
+    torch.manual_seed(1)
+    sending = plan_remat(Net(send=True), x, loss_fn, budget=0.5)
+    assert SENT, "the blocks must have handed buffers over for the check to bite"
+    # 16 x 32 float64 per block and run were held by the sender after each forward
+    # (the recompute counts the sending's two ops: the op counts differ)
+    assert _bytes(sending) == _bytes(plain)
+    assert (sending.base_bytes, sending.checkpoint_base_bytes) == (
+        plain.base_bytes, plain.checkpoint_base_bytes)
+    assert sending.measured_bytes == sending.predicted_bytes == plain.predicted_bytes
+
+
+def test_a_failed_verification_names_each_differing_block_and_its_bytes(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, dtype=torch.float64)
+    measure = plan_module.measure
+
+    def four_more_in_layer_1(model, args, loss, config, blocks):
+        got = measure(model, args, loss, config, blocks)
+        got.bytes_by_block["layers.1"] += 4
+        return got
+
+    # plan_remat's verifying run (the option table is measured before it)
+    monkeypatch.setattr(plan_module, "measure", four_more_in_layer_1)
+    with pytest.raises(PlanMismatchError) as e:
+        plan_remat(Net(), x, loss_fn, budget=0.5)
+    message = str(e.value)
+    assert "Differing: layers.1 (" in message and "(+4 B)." in message, message
+    assert "layers.0 (" not in message.split("Differing:")[1].split(" The blocks'")[0]
+
+
+class BNBlock(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d, dtype=torch.float64)
+        self.bn = nn.BatchNorm1d(d, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.fc(x))
+
+
+def test_the_saved_tensors_report_counts_a_checkpoints_copies_of_the_buffers_it_updates():
+    block = BNBlock()
+    x = torch.randn(16, 8, dtype=torch.float64, requires_grad=True)
+    out = remat.checkpoint(region_name="bn", preserve_rng_state=False)(block)(x)
+    report = remat.saved_tensors_report(out.sum())
+    # running_mean and running_var (8 float64 each) and num_batches_tracked (int64),
+    # as they were when the checkpoint started: the replay starts from them
+    copies = 8 * 8 * 2 + 8
+    kept_input = 16 * 8 * 8
+    assert report.checkpoint_bytes == kept_input + copies, report.format()
+    assert "buffer bn.running_mean (entry)" in report.format()
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_ddp_plans_without_counting_its_rebuilt_buckets():
+    """DDP rebuilds its gradient buckets in the forward after the first backward:
+    those bytes are the reducer's, so the plan without checkpoints verifies."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, dtype=torch.float64)
+    with _one_rank_group():
+        model = ddp_with_remat(Net(), Block, remat=RematConfig(enabled=False))
+        plan = plan_remat(model, x, loss_fn, budget=1.0, blocks=Block)
+        assert plan.measured_bytes == plan.predicted_bytes == plan.no_remat_bytes
+        loss_fn(model(x)).backward()  # a training step still runs with the reducer's buckets
