@@ -215,9 +215,10 @@ def cuda_memory_history_may_be_enabled() -> bool:
 
 
 def cuda_memory_snapshot_available() -> bool:
-    """Whether this build can take ``torch.cuda.memory._snapshot()`` (CPU-only
-    builds lack the binding)."""
-    return hasattr(torch._C, "_cuda_memorySnapshot")
+    """Whether ``torch.cuda.memory._snapshot()`` can be taken here: a CUDA device is
+    available (a CUDA build on a machine without a GPU has the binding but no
+    allocator to read) and the build has the binding (CPU-only builds lack it)."""
+    return torch.cuda.is_available() and hasattr(torch._C, "_cuda_memorySnapshot")
 
 
 def _queue_callback_before_2_15(callback) -> None:
