@@ -97,7 +97,8 @@ from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_map as tree_map
 from torch.utils._pytree import tree_unflatten as tree_unflatten
 
-TESTED_TORCH = "2.13.0"
+# the releases CI tests on (scripts/test.sh, TORCH_VERSION): the floor and the newest
+TESTED_TORCH = ("2.13.0", "2.15.0")
 
 push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 pop_saved_tensors_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
