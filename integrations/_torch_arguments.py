@@ -66,7 +66,8 @@ def checkpoint_options(wrapper_kwargs: dict[str, Any], where: str) -> tuple[dict
             "is non-reentrant only. Use CheckpointImpl.NO_REENTRANT (the default)."
         )
     fn = kw.pop("checkpoint_fn", None)
-    if fn is not None and fn is not torch_utils_checkpoint:
+    # (torch's, as torch_checkpointing_as_remat shows it while it is open)
+    if fn is not None and fn is not torch_utils_checkpoint and not getattr(fn, "torch_remat_switch", False):
         raise ValueError(
             f"apply_remat ({where}): a custom checkpoint_fn ({fn!r}) cannot be honoured; "
             "apply_remat always checkpoints with torch_remat.checkpoint. Drop checkpoint_fn."

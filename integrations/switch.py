@@ -16,36 +16,87 @@ functions, are replaced, and put back on exit.
   had. Its checkpoint is named after the module's class (the function is not told
   the module's qualified name).
 
+* ``torch.utils.checkpoint.checkpoint(**options)(fn)``, the curried form (torch 2.15
+  and later), returns ``remat.checkpoint(**options)(fn)`` (named after ``fn``). A
+  direct call, ``checkpoint(fn, *args)``, runs torch's checkpoint as before: it is a
+  forward, not the setup the switch is opened around. Besides torch's attribute,
+  the names modules outside torch bound to the function are replaced (torch's own
+  modules call it directly only).
+
 Options torch's wrapper takes are translated as ``apply_remat`` translates them
 (``preserve_rng_state=False`` turns the RNG hooks off, as torch's would not replay
 dropout either); a custom ``checkpoint_fn`` other than torch's
 ``torch.utils.checkpoint.checkpoint``, ``context_fn`` (selective checkpointing
-policies) and reentrant checkpointing are refused with the reason.
+policies) and reentrant checkpointing are refused with the reason. The curried
+form's options are translated the same way; its ``respect_saved_tensors_hooks``
+concerns only selective checkpointing, which remat refuses, and is accepted.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.utils.checkpoint
 from torch import nn
 
+from torch_remat import checkpoint as remat_checkpoint
 from torch_remat._integration import checkpoint_wrapper_module
 
+from ._torch_arguments import checkpoint_options
 from .apply import RematConfig, apply_remat
+from .rng import default_rng_state_hooks
 
 _NAMES = ("apply_activation_checkpointing", "checkpoint_wrapper")
+
+# torch 2.15 made `function` optional: checkpoint(**options) returns a decorator.
+_TORCH_HAS_CURRIED_CHECKPOINT = (
+    inspect.signature(torch.utils.checkpoint.checkpoint).parameters["function"].default is None
+)
+
+
+def _curried_checkpoint(original: Callable[..., Any], config: RematConfig) -> Callable[..., Any]:
+    """torch's ``checkpoint`` with its curried form made remat's."""
+    accepted = {
+        p.name for p in inspect.signature(original).parameters.values() if p.kind is p.KEYWORD_ONLY
+    }
+
+    def checkpoint(function: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if function is not None or args:
+            return original(function, *args, **kwargs)
+        unexpected = sorted(set(kwargs) - accepted)
+        if unexpected:
+            # what torch's own curried form raises
+            raise ValueError("Unexpected keyword arguments: " + ",".join(unexpected))
+        options = dict(kwargs)
+        respect = options.pop("respect_saved_tensors_hooks", None)
+        if respect not in (None, True, False):
+            raise TypeError(
+                "torch.utils.checkpoint.checkpoint: respect_saved_tensors_hooks must be "
+                f"None, True or False, got {respect!r}."
+            )
+        where = "torch.utils.checkpoint.checkpoint(...)(fn) inside torch_checkpointing_as_remat"
+        translated, preserve = checkpoint_options(options, where)
+        translated.update(config.checkpoint_options())
+        use_rng = config.rng_state_hooks if preserve is None else bool(preserve)
+        hooks = (default_rng_state_hooks() if use_rng else ()) + tuple(config.recompute_state_hooks)
+        return remat_checkpoint(recompute_state_hooks=hooks, **translated)
+
+    return checkpoint
 
 
 @contextlib.contextmanager
 def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[None]:
     """Within the block, torch's ``apply_activation_checkpointing`` and
-    ``checkpoint_wrapper`` apply remat (``remat``: the options, as for
+    ``checkpoint_wrapper``, and the curried ``torch.utils.checkpoint.checkpoint(
+    **options)(fn)``, apply remat (``remat``: the options, as for
     :func:`~torch_remat.integrations.apply_remat`). Not thread-safe: it replaces
     module attributes for the whole process while it is open."""
+    config = RematConfig() if remat is None else remat
     _torch = checkpoint_wrapper_module()
     originals = {name: getattr(_torch, name) for name in _NAMES}
     if any(getattr(f, "torch_remat_switch", False) for f in originals.values()):
@@ -68,7 +119,7 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
         check_fn: Any = lambda _: True, auto_wrap_policy: Any = None,
     ) -> None:
         apply_remat(
-            model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy, remat=remat
+            model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy, remat=config
         )
 
     def checkpoint_wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
@@ -76,7 +127,7 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
         holder.add_module(type(module).__name__, module)
         apply_remat(
             holder, functools.partial(original_wrapper, *args, **kwargs),
-            check_fn=lambda m: m is module, remat=remat,
+            check_fn=lambda m: m is module, remat=config,
         )
         return module
 
@@ -84,21 +135,31 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
         "apply_activation_checkpointing": apply_activation_checkpointing,
         "checkpoint_wrapper": checkpoint_wrapper,
     }
+    names = list(_NAMES)
+    if _TORCH_HAS_CURRIED_CHECKPOINT:
+        originals["checkpoint"] = torch.utils.checkpoint.checkpoint
+        replacements["checkpoint"] = _curried_checkpoint(originals["checkpoint"], config)
+        names.append("checkpoint")
     for fn in replacements.values():
         fn.torch_remat_switch = True  # type: ignore[attr-defined]
-    by_original = {id(originals[n]): replacements[n] for n in _NAMES}
+    by_original = {id(originals[n]): replacements[n] for n in names}
     replaced: list[tuple[Any, str, Any]] = []
     for name, module in list(sys.modules.items()):
-        if name.split(".")[0] == "torch_remat":
+        top = name.split(".")[0]
+        if top == "torch_remat":
             continue  # its own references are how apply_remat recognises torch's wrapper
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
         for attr, value in list(namespace.items()):
             new = by_original.get(id(value))
-            if new is not None and any(value is originals[n] for n in _NAMES):
-                replaced.append((module, attr, value))
-                setattr(module, attr, new)
+            if new is None or not any(value is originals[n] for n in names):
+                continue
+            if value is originals.get("checkpoint") and top == "torch" and name != "torch.utils.checkpoint":
+                # torch's modules call it directly (and Dynamo recognises it by identity)
+                continue
+            replaced.append((module, attr, value))
+            setattr(module, attr, new)
     try:
         yield
     finally:

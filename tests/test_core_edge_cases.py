@@ -33,18 +33,18 @@ def test_partial_backwards_with_retain_graph_do_not_accumulate_recomputed_tensor
     x = torch.randn(1000, dtype=torch.float64, requires_grad=True)
     w = torch.randn(1000, dtype=torch.float64, requires_grad=True)
     holders = []
-    real_pack = remat.engine.frame.CheckpointFrame.pack
+    real_pack = remat.engine.frame.CheckpointFrame.__call__  # the frame is its pack hook
 
     def spy(self, t):
         packed = real_pack(self, t)
         holders.append(packed)
         return packed
 
-    remat.engine.frame.CheckpointFrame.pack = spy
+    remat.engine.frame.CheckpointFrame.__call__ = spy
     try:
         y = remat.checkpoint(region_name="ck")(lambda x, w: ((x * 1.5).sin() * w).cos())(x, w)
     finally:
-        remat.engine.frame.CheckpointFrame.pack = real_pack
+        remat.engine.frame.CheckpointFrame.__call__ = real_pack
     for _ in range(3):
         torch.autograd.grad(y.sum(), inputs=[w], retain_graph=True)
         assert _retained_elements(holders) == 0

@@ -1,15 +1,22 @@
 """torch_checkpointing_as_remat: code that calls torch's apply_activation_checkpointing
-or checkpoint_wrapper itself (torchtune, Lightning) applies remat instead, also
-through names it imported before the switch."""
+or checkpoint_wrapper itself (torchtune, Lightning), or builds a checkpointed function
+with torch's curried checkpoint(**options)(fn), applies remat instead, also through
+names it imported before the switch."""
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_cw
+from torch.utils.checkpoint import checkpoint as imported_checkpoint
 
+import torch_remat as remat
 from tests.helpers import assert_bitwise_equal, grads
 from torch_remat.integrations import remat_module_names, remove_remat, torch_checkpointing_as_remat
 
@@ -102,3 +109,72 @@ def test_lightning_fsdp_activation_checkpointing_applies_remat():
         _setup_activation_checkpointing(model, _activation_checkpointing_kwargs(None, {Block}))
     assert remat_module_names(model) == ["0", "1", "2"]
     assert_bitwise_equal(ref, _grads(model, x))
+
+
+# torch 2.15 added the curried form: checkpoint(**options) returns a decorator.
+CURRIED = inspect.signature(torch.utils.checkpoint.checkpoint).parameters["function"].default is None
+
+
+class _Recording(nn.Module):
+    """A block that records, at each run, whether remat is replaying it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.runs: list[bool] = []
+
+    def forward(self, x):
+        self.runs.append(remat.is_recomputing())
+        return self.block(x)
+
+
+@pytest.mark.skipif(not CURRIED, reason="torch before 2.15 has no curried checkpoint(...)(fn)")
+def test_the_curried_torch_checkpoint_applies_remat_inside_the_switch_only():
+    model = _Recording()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    ref = grads(list(model.parameters()), [], lambda: model(x).pow(2).sum(), seed=3)
+    with torch_checkpointing_as_remat():
+        # dropout in the block: torch's default preserve_rng_state=True becomes the
+        # RNG hooks, so the replay draws the same mask
+        fn = torch.utils.checkpoint.checkpoint(use_reentrant=False)(model)
+        imported = imported_checkpoint(use_reentrant=False, respect_saved_tensors_hooks=True)(model)
+    model.runs.clear()
+    for checkpointed in (fn, imported):
+        actual = grads(list(model.parameters()), [], lambda c=checkpointed: c(x).pow(2).sum(), seed=3)
+        assert_bitwise_equal(ref, actual)
+    assert model.runs == [False, True, False, True]  # each replayed by remat
+    assert torch.utils.checkpoint.checkpoint is imported_checkpoint  # put back on exit
+    model.runs.clear()
+    torch.utils.checkpoint.checkpoint(use_reentrant=False)(model)(x).sum().backward()
+    assert model.runs == [False, False]  # torch's own again: it recomputes outside remat
+
+
+@pytest.mark.skipif(not CURRIED, reason="torch before 2.15 has no curried checkpoint(...)(fn)")
+def test_a_direct_torch_checkpoint_call_inside_the_switch_is_torchs_own():
+    model = _Recording()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with torch_checkpointing_as_remat():
+        torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).sum().backward()
+    assert model.runs == [False, False]
+
+
+@pytest.mark.skipif(not CURRIED, reason="torch before 2.15 has no curried checkpoint(...)(fn)")
+def test_the_curried_form_refuses_options_remat_cannot_honour():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    with torch_checkpointing_as_remat():
+        with pytest.raises(ValueError, match="context_fn"):
+            torch.utils.checkpoint.checkpoint(
+                use_reentrant=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, []),
+            )
+        with pytest.raises(ValueError, match="use_reentrant=True"):
+            torch.utils.checkpoint.checkpoint(use_reentrant=True)
+
+
+def test_checkpoint_wrapper_given_torchs_checkpoint_read_inside_the_switch_applies_remat():
+    block = Block()
+    with torch_checkpointing_as_remat():
+        # read while the switch is open: on torch with the curried form, the switch's
+        wrapped = torch_cw.checkpoint_wrapper(block, checkpoint_fn=torch.utils.checkpoint.checkpoint)
+    assert wrapped is block and remat_module_names(nn.Sequential(block)) == ["0"]

@@ -1,8 +1,10 @@
 """Every private PyTorch API torch_remat uses, in one place.
 
-torch_remat is tested on torch 2.13.0, the floor declared in pyproject.toml. Each
-name below is an internal of that release; when a torch upgrade moves one, this is
-the only module to change. Uses outside this module are only of public names.
+torch_remat is tested on torch 2.13.0, the floor declared in pyproject.toml, and on
+2.15.0. Each name below is an internal of those releases; when a torch upgrade moves
+one, this is the only module to change. Uses outside this module are only of public
+names. Where a later release made a name public, the public one is used where it
+exists and the private one stays here as the fallback for older releases.
 
 ===============================================  =============================================
 private name                                      why torch_remat needs it
@@ -17,8 +19,6 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._autograd._get_sequence_nr``                 which autograd nodes a checkpoint created
 ``_C._current_graph_task_id``,                    key recomputed tensors by the backward
 ``_C._get_graph_exec_group``                      (graph task) that needs them
-``autograd.Variable._execution_engine``           free refills a backward did not use when it
-                                                  ends (``queue_callback``)
 ``_C._autograd._profiler_enabled``                build profiler range names only when profiling
 ``_C._DisableTorchDispatch``                      compare state snapshots below dispatch modes
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
@@ -67,6 +67,12 @@ mesh``)                                           first random op (no public con
                                                   parallel code for N ranks in one process
 ``_higher_order_ops.wrap`` logger and its         drop torch's context_fn warning for the
 ``tag_activation_checkpoint_impl`` frame          region policy torch_remat passes itself
+``_checkpoint_internal``, ``_user_hooks`` (the    mark torch_remat's pack hooks as not the
+attributes ``utils.checkpoint`` reads on a pack   user's, so that SAC (2.15+) routes what it
+hook)                                             caches through the user's hooks only
+``autograd.Variable._execution_engine``           free refills a backward did not use when it
+``.queue_callback``                               ends; before 2.15 only (from 2.15: the public
+                                                  ``autograd.graph.queue_callback``)
 ===============================================  =============================================
 
 The torch.distributed names are looked up on first use, so that ``import torch_remat``
@@ -77,7 +83,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import sys
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -89,7 +97,8 @@ from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_map as tree_map
 from torch.utils._pytree import tree_unflatten as tree_unflatten
 
-TESTED_TORCH = "2.13.0"
+# the releases CI tests on (scripts/test.sh, TORCH_VERSION): the floor and the newest
+TESTED_TORCH = ("2.13.0", "2.15.0")
 
 push_saved_tensors_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 pop_saved_tensors_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -207,14 +216,37 @@ def cuda_memory_history_may_be_enabled() -> bool:
 
 
 def cuda_memory_snapshot_available() -> bool:
-    """Whether this build can take ``torch.cuda.memory._snapshot()`` (CPU-only
-    builds lack the binding)."""
-    return hasattr(torch._C, "_cuda_memorySnapshot")
+    """Whether ``torch.cuda.memory._snapshot()`` can be taken here: a CUDA device is
+    available (a CUDA build on a machine without a GPU has the binding but no
+    allocator to read) and the build has the binding (CPU-only builds lack it)."""
+    return torch.cuda.is_available() and hasattr(torch._C, "_cuda_memorySnapshot")
 
 
-def queue_backward_callback(callback) -> None:
-    """Run ``callback`` when the current backward (graph task) finishes."""
+def _queue_callback_before_2_15(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+queue_backward_callback = getattr(torch.autograd.graph, "queue_callback", _queue_callback_before_2_15)
+"""Run ``callback`` when the current backward (graph task) finishes (public from
+torch 2.15 as ``torch.autograd.graph.queue_callback``)."""
+
+
+def mark_internal_pack_hook(hook: Any, user_hooks_attribute: str | None = None) -> None:
+    """Make ``torch.utils.checkpoint`` count ``hook``, a pack hook torch_remat pushes
+    (a function, or a class whose instances are the pack hooks), as internal rather
+    than the user's.
+
+    From torch 2.15, selective checkpointing (SAC) routes the tensors it caches
+    through "the user's" saved-tensor hooks (``respect_saved_tensors_hooks``) and
+    warns while that option is unset. It takes the innermost pair on the stack,
+    stepping past each pack hook whose ``_checkpoint_internal`` is true to the pair
+    its ``_user_hooks`` names (its own hooks carry the two attributes). Ours carry
+    them too: ``_user_hooks`` is the instance attribute ``user_hooks_attribute``,
+    or None (no user hooks) when that is None. Older releases read neither."""
+    hook._checkpoint_internal = True
+    hook._user_hooks = (
+        None if user_hooks_attribute is None else property(operator.attrgetter(user_hooks_attribute))
+    )
 
 
 def cuda_oom_observer_attacher():

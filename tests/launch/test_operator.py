@@ -1,6 +1,6 @@
 """launch/ as an operator uses it: checkpoints that survive a crash, a bad disk and a
 re-run, usage errors without tracebacks, one process for --parallel none, and a
-setup that runs only when needed."""
+setup that runs only when needed, in a venv per torch version."""
 
 from __future__ import annotations
 
@@ -106,3 +106,34 @@ def test_setup_env_runs_pip_only_when_needed():
     again = subprocess.run(setup, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and again.stdout == again.stderr == ""
     assert installed[0].stat().st_mtime_ns == before  # pip did not reinstall
+
+
+@pytest.mark.parametrize(
+    ("version", "venv"), [(None, ".venv"), ("2.13.0", ".venv"), ("2.15.0", ".venv-torch2.15.0")]
+)
+def test_each_torch_version_gets_a_venv_of_its_own_and_the_floor_keeps_venv(version, venv):
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_VERSION"}
+    if version is not None:
+        env["TORCH_VERSION"] = version
+    proc = subprocess.run(
+        ["bash", "-c", ". scripts/venv_dir.sh && echo $TORCH_VERSION $VENV"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [version or "2.13.0", venv]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("TORCH_VERSION", "../x", "TORCH_VERSION must be a release number such as 2.15.0, got '../x'"),
+        ("TEST_TIER", "quick", "scripts/test.sh: TEST_TIER must be all or fast, got 'quick'"),
+    ],
+)
+def test_test_sh_refuses_a_bad_version_or_tier_before_installing_anything(variable, value, message):
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test.sh")], cwd=ROOT,
+        env=dict(os.environ, **{variable: value}), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == message

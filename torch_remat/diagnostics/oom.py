@@ -96,17 +96,19 @@ def oom_observer(
 def attach_oom_observer(observer: Any = None) -> bool:
     """Attach :func:`oom_observer` (or ``observer``) to the CUDA caching allocator.
 
-    Returns True when attached. Where there is no CUDA (a CPU-only build, no
-    visible device) there is no allocator to observe: it warns saying which, and
-    returns False; on CPU catch ``torch.OutOfMemoryError`` and call
-    ``remat.print_saved_tensors_report()`` instead.
+    Returns True when attached. Where no CUDA device is available (a CPU-only build,
+    or a CUDA build on a machine without a visible GPU) there is no allocator to
+    observe: it warns, and returns False; on CPU catch ``torch.OutOfMemoryError``
+    and call ``remat.print_saved_tensors_report()`` instead.
     """
     reason = None
     attach = _compat.cuda_oom_observer_attacher()
-    if attach is None or not torch.backends.cuda.is_built():
-        reason = "this PyTorch build has no CUDA support"
-    elif not torch.cuda.is_available():
+    # The device decides, not what torch was built with: a CUDA build runs on
+    # machines without a GPU too.
+    if not torch.cuda.is_available():
         reason = "no CUDA device is available"
+    elif attach is None:
+        reason = "this PyTorch build has no CUDA out-of-memory observer"
     if reason is not None:
         warnings.warn(
             f"torch_remat.attach_oom_observer: not attached, {reason}. The observer "

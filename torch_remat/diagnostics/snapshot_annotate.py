@@ -90,8 +90,8 @@ def take_snapshot(what: str = "memory_snapshot_annotate") -> dict[str, Any]:
     if not _compat.cuda_memory_snapshot_available():
         raise RematError(
             f"torch_remat: {what}() needs a CUDA memory snapshot, but "
-            "this torch build has no CUDA support (torch.cuda.memory._snapshot() is "
-            "unavailable). Pass a snapshot dict taken where CUDA runs "
+            "no CUDA device is available here (a CPU-only build of torch, or no visible "
+            "GPU), so there is no allocator to snapshot. Pass a snapshot dict taken where CUDA runs "
             f"({what}(snapshot)), or leave annotate= out of the report."
         )
     try:

@@ -266,7 +266,7 @@ class CheckpointFrame:
         self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers)
         self.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
         try:
-            push_hooks(self.pack, unpack_packed)
+            push_hooks(self, unpack_packed)
         except RuntimeError as e:
             raise RematError(
                 f"torch_remat: remat.checkpoint '{self.name}' needs saved-tensor hooks, "
@@ -323,6 +323,7 @@ class CheckpointFrame:
         self.module_state = self.rng_start = None
 
     def pack(self, t: torch.Tensor) -> Any:
+        """The pack hook of the forward (the frame itself is pushed, see ``__call__``)."""
         if self.save_depth:
             return self._pack_in_save_region(t)
         holder = Holder(self, len(self.holders))
@@ -349,6 +350,11 @@ class CheckpointFrame:
 
             self.holder_checksums.append(checksum(t))
         return holder
+
+    # The frame is its own pack hook, so that the hook can carry per-call attributes
+    # (a bound method cannot): for torch's checkpoint, the user's hooks under it are
+    # those around the checkpoint, the ones that pack what it keeps (outer_hooks).
+    __call__ = pack
 
     def _pack_in_save_region(self, t: torch.Tensor) -> RegionSaved | RebuiltSave:
         rebuild = self.rebuilds.running
@@ -653,7 +659,7 @@ class CheckpointFrame:
         for observer in observers:
             observer.replay_started(self)
         try:
-            push_hooks(replay.pack, replay_unpack)
+            push_hooks(replay, replay_unpack)
             try:
                 with torch.enable_grad(), self._autocast_context(), profiler_range(
                     "remat.recompute:", self.name
@@ -749,6 +755,9 @@ class CheckpointFrame:
             else:
                 record.outputs.append(leaf)
         record.pending_keep = []
+
+
+_compat.mark_internal_pack_hook(CheckpointFrame, "outer_hooks")
 
 
 class SaveRegionWatch:

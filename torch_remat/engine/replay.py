@@ -126,6 +126,10 @@ class ReplayPass:
             self.stop()
         return _REPLAYED
 
+    # The pass is pushed as its own pack hook, as the frame is: nothing is handed to
+    # user hooks during a replay, so torch's checkpoint sees none under it.
+    __call__ = pack
+
     def stop(self) -> None:
         """Every tensor this backward needs is back: stop the replay, unless a
         generator the forward drew from stands elsewhere than where the forward
@@ -201,6 +205,9 @@ class ReplayPass:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+_compat.mark_internal_pack_hook(ReplayPass)
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:

@@ -355,9 +355,9 @@ class DeferredPack:
 
 
 def _is_engine_hook(hooks: Any) -> bool:
-    # Bound methods of a CheckpointFrame or a ReplayPass (the active-pass protocol).
-    owner = getattr(hooks[0], "__self__", None)
-    return owner is not None and hasattr(owner, "run_region") and hasattr(owner, "phase")
+    # A CheckpointFrame or a ReplayPass, each its own pack hook (the active-pass protocol).
+    owner = hooks[0]
+    return hasattr(owner, "run_region") and hasattr(owner, "phase")
 
 
 class KeptTensorHooks:

@@ -107,11 +107,11 @@ class gradient_checkpoint_scope:
         record = ScopeRecord(scopes, marker)
         hook = ScopeHook(scopes, marker, _top_hooks(False))
         mode = _RecordingMode(record)
-        _push_hooks(hook.pack_fn, unpack_packed)
+        _push_hooks(hook, unpack_packed)
         try:
             mode.__enter__()
         except BaseException:
-            remove_hook(scopes, hook.pack_fn)
+            remove_hook(scopes, hook)
             raise
         scopes.register(record)
         entry = _OpenScope(record, hook, mode, marker)
@@ -125,7 +125,7 @@ class gradient_checkpoint_scope:
             return False
         scopes = registry()
         entry.mode.__exit__(exc_type, exc, tb)
-        found = remove_hook(scopes, entry.hook.pack_fn)
+        found = remove_hook(scopes, entry.hook)
         record = entry.record
         with scopes.lock:
             record.finish()

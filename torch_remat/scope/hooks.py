@@ -167,6 +167,10 @@ def _pack_after_scope(t: torch.Tensor) -> Any:
     return packed
 
 
+# Nothing is below it: torch's checkpoint sees no user hooks there.
+_compat.mark_internal_pack_hook(_pack_after_scope)
+
+
 class ScopeHook:
     """The hook on top of the stack while a scope is open."""
 
@@ -174,7 +178,6 @@ class ScopeHook:
         self.scopes = scopes
         self.marker = marker
         self.outer = outer
-        self.pack_fn = self.pack  # one bound-method object: found again by identity
 
     def pack(self, t: torch.Tensor) -> Any:
         with paused_recording():
@@ -185,6 +188,13 @@ class ScopeHook:
                 pack, unpack = self.outer
                 return PackedPayload(pack(t), unpack)
             return _kept(t)
+
+    # The hook object itself is pushed (and found again by identity): for torch's
+    # checkpoint, the user's hooks under it are those it hands the rest to.
+    __call__ = pack
+
+
+_compat.mark_internal_pack_hook(ScopeHook, "outer")
 
 
 # ---------------------------------------------------------------- stack surgery
