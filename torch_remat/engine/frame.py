@@ -82,7 +82,16 @@ from .records import (
     unpack_unread,
 )
 from .replay import ReplayPass, replay_unpack
-from .rng import DeviceRNGStateHook, RNGUse, check_position, fingerprints, position, same_state
+from .rng import (
+    DeviceRNGStateHook,
+    RNGUse,
+    check_position,
+    fingerprints,
+    host_rng_state,
+    position,
+    restore_host_rng_state,
+    same_state,
+)
 from .saved_hooks import KeptTensorHooks, next_call_serial, remat_machinery, torch_hooks_around
 
 if TYPE_CHECKING:
@@ -191,6 +200,10 @@ class CheckpointFrame:
         # replay_regions index of a SAVE region -> copies of the buffers it updated
         self.region_buffers: dict[int, list[Any]] = {}
         self.rng_start: list[Any] | None = None  # generator fingerprints at entry
+        # Python's random and NumPy's generator (rng.host_rng_state): at entry, kept
+        # only if the forward drew; and the last state read in forward
+        self.host_entry: tuple[Any, ...] | None = None
+        self.host_last: tuple[Any, ...] | None = None
         self.rng_use: RNGUse | None = None
         self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
@@ -265,6 +278,7 @@ class CheckpointFrame:
         self.start_seq = _compat.autograd_sequence_nr()
         self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers)
         self.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
+        self.host_entry = self.host_last = host_rng_state()
         try:
             push_hooks(self.pack, unpack_packed)
         except RuntimeError as e:
@@ -320,7 +334,7 @@ class CheckpointFrame:
         self.rebuilds.abandon()
         self.sources = SourceIndex()
         self.leaves = []
-        self.module_state = self.rng_start = None
+        self.module_state = self.rng_start = self.host_entry = self.host_last = None
 
     def pack(self, t: torch.Tensor) -> Any:
         if self.save_depth:
@@ -434,6 +448,7 @@ class CheckpointFrame:
                 # code that catches it and falls back to another path.
                 record.raised = detached_copy(e)
                 record.exit_states = self._snapshot_after_region()
+                self._note_host_rng(record)
             raise
         finally:
             self.region_stack.pop()
@@ -444,7 +459,16 @@ class CheckpointFrame:
         if not recompute and not in_save:
             self._record_region_outputs(record, out)
             record.exit_states = self._snapshot_after_region()
+            self._note_host_rng(record)
         return out
+
+    def _note_host_rng(self, record: RegionRecord) -> None:
+        # The replay skips this SAVE region: if Python's random or NumPy's generator
+        # moved since the last look (in the body or before it), the replay sets the
+        # state the forward had here, whatever the body drew.
+        state = host_rng_state()
+        if state != self.host_last:
+            record.host_exit = self.host_last = state
 
     def _snapshot_after_region(self) -> list[Any]:
         # A state that did not change since the last snapshot (no random numbers
@@ -478,6 +502,9 @@ class CheckpointFrame:
         for record in self.replay_regions:
             release_traceback(record.raised)
         self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
+        if self.host_last == self.host_entry and host_rng_state() == self.host_entry:
+            self.host_entry = None  # nothing drawn from Python's or NumPy's generator
+        self.host_last = None
         if self.rng_checks:
             end = position(self.state_hooks, self.rng_checks)
             if end == self.rng_entry:
@@ -636,6 +663,10 @@ class CheckpointFrame:
         caller_states = [h.snapshot() for h in hooks]
         for h, s in zip(hooks, self.entry_states):
             h.restore(s)
+        host_caller = None
+        if self.host_entry is not None:  # the forward drew from Python's random or NumPy's
+            host_caller = host_rng_state()
+            restore_host_rng_state(self.host_entry)
         unrestored = rng.unrestored() if rng is not None else []
         module_undo = []
         if self.module_state is not None:
@@ -644,6 +675,8 @@ class CheckpointFrame:
             except BaseException:
                 for h, s in zip(hooks, caller_states):
                     h.restore(s)
+                if host_caller is not None:
+                    restore_host_rng_state(host_caller)
                 raise
         rng_error = None
         tls = _tls
@@ -676,6 +709,8 @@ class CheckpointFrame:
                 release_traceback(record.raised)
             for h, s in zip(hooks, caller_states):
                 h.restore(s)
+            if host_caller is not None:
+                restore_host_rng_state(host_caller)
             if rng is not None:
                 rng_error = rng.finish(self.name, unrestored, caller_rng)
             for observer in observers:

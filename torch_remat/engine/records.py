@@ -234,6 +234,7 @@ class RegionRecord:
         "output_spec",
         "exit_states",
         "rng_entry",
+        "host_exit",
         "pending_keep",
         "raised",
     )
@@ -248,6 +249,9 @@ class RegionRecord:
         self.output_spec = None
         self.exit_states: list[Any] = []
         self.rng_entry: list[Any] | None = None  # generator fingerprints at the call (rng_guard)
+        # a SAVE region's: the state of Python's random and NumPy's generator when it
+        # returned, if they moved since the previous look (rng.host_rng_state)
+        self.host_exit: tuple[Any, ...] | None = None
         # roots passed to recompute_needs_tensor inside this SAVE region's body
         self.pending_keep: list[weakref.ref] = []
         # the exception a SAVE region's body raised in forward (re-raised in replay)

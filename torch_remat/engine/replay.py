@@ -33,7 +33,7 @@ from .._tensors import format_dtype
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
 from .records import RegionRecord, TensorSource, describe_region, detached_copy, qualified_name
-from .rng import check_position, position
+from .rng import check_position, position, restore_host_rng_state
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
@@ -165,6 +165,8 @@ class ReplayPass:
                                f"SAVE region '{qualname}'")
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
+            if expected.host_exit is not None and frame.host_entry is not None:
+                restore_host_rng_state(expected.host_exit)
             updated = frame.region_buffers.get(pos)
             if updated:
                 frame.module_state.skip_region(updated)

@@ -329,3 +329,162 @@ def validate_state_hooks(hooks: Iterable[Any]) -> tuple[Any, ...]:
             )
     return hooks
 
+
+
+# ------------------------------------------------ Python's random and NumPy's generator
+#
+# Model code also draws from Python's ``random`` (``h * (1 + 0.1 * random.random())``)
+# and from NumPy's global generator (``np.random.rand()``). The replay must draw the
+# same numbers, and must not move the caller's stream. Their public state getters are
+# too slow to call around every checkpoint (``random.getstate()`` builds a tuple of 625
+# ints, ``np.random.get_state()`` an array and a tuple: tens of microseconds each), so
+# the raw Mersenne Twister state (2.5 KB each) is copied with one ``ctypes.string_at``
+# from where CPython and NumPy keep it, and compared. That layout is checked against
+# the public getters once, and the public getters are used where it does not match.
+# Only a replay of a forward that drew sets a state, through the public setters.
+
+
+def _python_random_reader() -> tuple[Any, Any] | None:
+    import random
+    import struct
+
+    inst = getattr(random, "_inst", None)  # what the module-level functions draw from
+    if inst is None or getattr(random.random, "__self__", None) is not inst:
+        return None
+
+    def read_public() -> Any:
+        return inst.getstate()
+
+    def restore(state: Any) -> None:
+        if type(state) is tuple and len(state) == 2 and type(state[0]) is bytes:
+            raw, gauss = state
+            words = struct.unpack_from("624I", raw, 4)
+            index = struct.unpack_from("i", raw, 0)[0]
+            inst.setstate((3, (*words, index), gauss))
+        else:
+            inst.setstate(state)
+
+    # CPython's RandomObject: the object header, int index, uint32_t state[624]
+    offset = object.__basicsize__
+    address = id(inst) + offset
+    try:
+        raw = ctypes.string_at(address, 4 + 624 * 4)
+        _, words, gauss = inst.getstate()
+        if struct.unpack_from("624I", raw, 4) + struct.unpack_from("i", raw, 0) != words:
+            return read_public, restore
+    except Exception:
+        return read_public, restore
+    string_at = ctypes.string_at
+
+    def read() -> Any:
+        return string_at(address, 2500), inst.gauss_next
+
+    return read, restore
+
+
+def _numpy_reader() -> tuple[Any, Any] | None:
+    import sys
+
+    np = sys.modules.get("numpy")  # never imported here: only seen if the program uses it
+    if np is None:
+        return None
+    try:
+        state = np.random.mtrand._rand  # what np.random.rand() and friends draw from
+        get_state, set_state = state.get_state, state.set_state
+    except AttributeError:
+        return None
+
+    def read_public() -> Any:
+        return _numpy_public_state(get_state())
+
+    def restore(saved: Any) -> None:
+        if type(saved) is tuple and len(saved) == 2 and type(saved[0]) is bytes:
+            raw, aug = saved
+            import struct
+
+            key = np.frombuffer(raw, dtype=np.uint32, count=624).copy()
+            pos = struct.unpack_from("i", raw, 2496)[0]
+            has_gauss, gauss = struct.unpack_from("i4xd", aug, 0)
+            set_state(("MT19937", key, pos, has_gauss, gauss))
+        else:
+            set_state(saved[1])
+
+    located = _numpy_layout(np, type(state))
+    if located is None:
+        return read_public, restore
+    state_at, aug_at = located
+    bit_generator = state._bit_generator
+    string_at = ctypes.string_at
+    mt = bit_generator.ctypes.state_address
+    aug = id(state) + aug_at
+
+    def read() -> Any:
+        if state._bit_generator is not bit_generator:  # replaced: start over
+            _host_readers.clear()
+            return read_public()
+        return string_at(mt, 2500), string_at(aug, 16)
+
+    return read, restore
+
+
+def _numpy_public_state(state: tuple) -> Any:
+    # comparable with ==: the key array as bytes
+    return (state[1].tobytes() + bytes(str(state[2:]), "ascii"), state)
+
+
+def _numpy_layout(np: Any, cls: type) -> tuple[int, int] | None:
+    """Where a RandomState keeps its bit generator and its cached gaussian
+    (``has_gauss``, ``gauss``), checked on a scratch instance; None if not found."""
+    import struct
+
+    try:
+        scratch = cls(1234)
+        scratch.standard_normal()  # leaves a cached gaussian
+        size = cls.__basicsize__
+        base = id(scratch)
+        raw = ctypes.string_at(base, size)
+        mt = scratch._bit_generator.ctypes.state_address
+        words = [struct.unpack_from("Q", raw, o)[0] for o in range(0, size - 7, 8)]
+        bitgen_at = words.index(mt) * 8
+        aug_at = words.index(base + bitgen_at) * 8 + 8
+        for _ in range(3):
+            _, key, pos, has_gauss, gauss = scratch.get_state()
+            mt_raw = ctypes.string_at(mt, 2500)
+            aug_raw = ctypes.string_at(base + aug_at, 16)
+            if (
+                mt_raw[:2496] != key.tobytes()
+                or struct.unpack_from("i", mt_raw, 2496)[0] != pos
+                or struct.unpack_from("i4xd", aug_raw, 0) != (has_gauss, gauss)
+            ):
+                return None
+            scratch.standard_normal()
+        return bitgen_at, aug_at
+    except Exception:
+        return None
+
+
+# (read, restore) per generator, built at the first checkpoint
+_host_readers: list[tuple[Any, Any]] = []
+
+
+def _readers() -> list[tuple[Any, Any]]:
+    if not _host_readers:
+        for build in (_python_random_reader, _numpy_reader):
+            reader = build()
+            if reader is not None:
+                _host_readers.append(reader)
+    return _host_readers
+
+
+def host_rng_state() -> tuple[Any, ...]:
+    """The states of Python's ``random`` and NumPy's global generator now: compare
+    two with ``==`` to see whether a random number was drawn in between."""
+    return tuple([read() for read, _ in _readers()])
+
+
+def restore_host_rng_state(state: tuple[Any, ...]) -> None:
+    """Make ``state`` (from :func:`host_rng_state`) current again, setting only the
+    generators that moved."""
+    for (read, restore), saved in zip(_readers(), state):
+        if read() != saved:
+            restore(saved)
