@@ -65,6 +65,7 @@ from .module_state import restore as restore_module_state
 from .observers import observers_for_new_checkpoint
 from .rebuild import Rebuilds, RebuiltSave, describe_rebuilt
 from .records import (
+    ARGUMENT,
     INPUT,
     OUTPUT,
     Constant,
@@ -424,6 +425,7 @@ class CheckpointFrame:
     def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs, leaves) -> Any:
         recompute = record.recompute
         watch = None if recompute or in_save else SaveRegionWatch(self.module_state, leaves)
+        written: list[tuple[int, torch.Tensor]] = []
         self.region_stack.append(record)
         rebuild = None
         if not recompute:
@@ -437,9 +439,10 @@ class CheckpointFrame:
             with profiler_range("remat.region:", self.name, "::", record.qualname):
                 out = fn(*args, **kwargs)
             if watch is not None:
-                updated = watch.check(self.name, record.qualname)
+                updated = watch.updated_buffers()
                 if updated:
                     self.region_buffers[len(self.replay_regions) - 1] = updated
+                written = watch.written_arguments()
             ok = True
         except Exception as e:
             note_exception(e)
@@ -458,6 +461,8 @@ class CheckpointFrame:
                 self.rebuilds.close(self, rebuild, ok)
         if not recompute and not in_save:
             self._record_region_outputs(record, out)
+            if written:
+                self._record_written_arguments(record, written)
             record.exit_states = self._snapshot_after_region()
             self._note_host_rng(record)
         return out
@@ -755,7 +760,7 @@ class CheckpointFrame:
                         self.walk_roots.append(x.grad_fn)
                     continue
                 for s in sources:
-                    if s.kind == OUTPUT or by_replayed_code:
+                    if s.kind != INPUT or by_replayed_code:
                         s.mark_kept(x)
                     else:
                         s.save_consumed = True
@@ -786,6 +791,35 @@ class CheckpointFrame:
         record.pending_keep = []
 
 
+    def _record_written_arguments(self, record: RegionRecord, written: list[tuple[int, torch.Tensor]]) -> None:
+        """A top-level SAVE region wrote arguments in place. The replay skips its body,
+        so at the region it writes the forward's values into its own arguments: each
+        written argument becomes a source holding its value as the body left it
+        (kept: replayed code may read the argument after the region, which no save
+        shows). An earlier SAVE output written this way has no value left to hand
+        back as it was before: the replay gets a placeholder for it."""
+        hooks = self.kept_hooks.bind_outputs()
+        for i, t in written:
+            replay_has_it = True
+            earlier = [s for s in self.sources.lookup(t) or () if s.region != record.qualname]
+            if earlier:
+                replay_has_it = any(s.kind == INPUT for s in earlier)
+                for s in earlier:
+                    if s.kind != INPUT:
+                        s.overwrite()
+                        self.sources.drop(t, s)
+            src = TensorSource(ARGUMENT, i, t, record.qualname)
+            src.hooks = hooks
+            self.sources.add(t, src)
+            self.output_sources.append(src)
+            node = t.grad_fn
+            if node is not None:  # the input walk does not enter the region through it
+                self.save_output_seqs.add(node._sequence_nr())
+            if replay_has_it:
+                src.mark_kept(t)
+            record.written.append((i, src, t._version))
+
+
 class SaveRegionWatch:
     """Set up before a (top-level) SAVE region's body runs, checked after it.
     ``leaves``: the call's arguments, flattened (``region_io.region_leaves``)."""
@@ -800,28 +834,16 @@ class SaveRegionWatch:
             module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
         )
 
-    def check(self, checkpoint: str, region: str) -> list[Any]:
-        """Refuse writes to the arguments; copies of the buffers the body updated."""
-        refuse_argument_writes(self.arguments, region, checkpoint)
+    def updated_buffers(self) -> list[Any]:
+        """Copies of the buffers the body updated."""
         if self.buffers:
             return self.module_state.updated_in_region(self.buffers)
         return []
 
-
-def refuse_argument_writes(
-    watched: list[tuple[int, torch.Tensor, int]], region: str, checkpoint: str
-) -> None:
-    for i, t, version in watched:
-        if t._version != version:
-            raise modified_in_place(
-                f"argument {i} of SAVE region '{region}' of checkpoint '{checkpoint}'",
-                "by the region's body",
-                "The recompute skips SAVE regions, so replayed code after the region "
-                "would read the argument without that update. Return the result "
-                "instead of updating the argument (h = h + b rather than h.add_(b)), "
-                "or make the region recompute=True.",
-                (version, t._version),
-            )
+    def written_arguments(self) -> list[tuple[int, torch.Tensor]]:
+        """``(position, tensor)`` of the arguments the body wrote in place
+        (``nn.ReLU(inplace=True)``, a Function that marks its input dirty)."""
+        return [(i, t) for i, t, version in self.arguments if t._version != version]
 
 
 def mark_inputs_read_by_replayed_code(
