@@ -13,9 +13,9 @@ Forward (:meth:`CheckpointFrame.run_forward`):
   replay when it is (a view of) an argument replayed code produces (a
   ``RebuiltSave``). Elsewhere only a ``Holder`` is packed and the tensor is dropped.
 * Region calls (:meth:`~CheckpointFrame.run_region`) record what a SAVE region
-  reads and returns (producer responsibility: ``TensorSource``\ s), refuse writes
-  to its arguments, and copy the buffers it updates (the replay installs the
-  copies where it skips the region).
+  reads and returns (producer responsibility: ``TensorSource``\ s), keep the
+  arguments its body writes in place as it left them, and copy the buffers it
+  updates (the replay installs both where it skips the region).
 * When the forward ends, checkpoint inputs only SAVE regions consumed are dropped
   (an autograd-graph walk finds what replayed code reads), the rebuilds are
   settled, and what is kept is stored (``TensorSource.store``).

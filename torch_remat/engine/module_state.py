@@ -1,5 +1,5 @@
-"""Tensors a checkpointed function reads besides its arguments: the parameters and
-buffers of the modules behind it and the tensors in its closure.
+"""State a checkpointed function reads besides its arguments: the parameters,
+buffers and other attributes of the modules behind it and the values in its closure.
 
 The replay reads them again in backward, so it must see the tensors the forward
 saw. When the checkpoint starts, every slot that holds such a tensor (an entry of a
@@ -12,12 +12,15 @@ tensor it holds and that tensor's version. Around the replay:
 * a tensor whose version moved since the forward (updated in place under
   ``no_grad``, an optimizer step) cannot be replayed: that raises
   :class:`SavedTensorModifiedError` naming it by its qualified name;
-* a plain tensor attribute of a module (``self.mask = ...``, not a buffer), a
-  submodule and the ``training`` flag of every module are recorded too: one rebound,
-  replaced or flipped (``model.eval()``) after the forward is set back to the
-  forward's (as the forward started) for the replay, and to the caller's
-  afterwards; a tensor attribute the forward itself rebinds is left to the replay,
-  which rebinds it again;
+* every module's attributes (a shallow copy of its ``__dict__``: plain tensor
+  attributes such as ``self.mask``, Python values such as a temperature or a
+  counter, the ``training`` flag), its submodules and every closure value of the
+  function are recorded too. The replay runs with the values they had when the
+  checkpoint started, and the caller's are back afterwards: one rebound, replaced
+  or flipped (``model.eval()``) after the forward, one the forward itself rebinds
+  from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
+  1``), and one the forward added (absent in the replay). Values are compared by
+  identity: a list or dict mutated in place is not seen;
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did

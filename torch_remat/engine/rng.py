@@ -30,6 +30,12 @@ starting state. Its replay then:
 
 Generators passed explicitly (``torch.rand(..., generator=g)``) are not seen.
 
+Python's ``random`` and NumPy's global generator are not guarded but replayed: their
+states are read where the forward starts, where each top-level SAVE region returns
+and where it ends; the replay of a forward that drew starts from the entry state,
+sets the state where it skips such a region, and puts the caller's back afterwards
+(see the section at the end of this module).
+
 With a state hook for a default generator (``CPURNGStateHook``,
 ``DeviceRNGStateHook``), the replay draws from the forward's starting state; that
 is exact only if nothing else drew from the generator while the forward ran.
@@ -44,6 +50,7 @@ is elsewhere (:func:`check_position`).
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -383,8 +390,6 @@ def _python_random_reader() -> tuple[Any, Any] | None:
 
 
 def _numpy_reader() -> tuple[Any, Any] | None:
-    import sys
-
     np = sys.modules.get("numpy")  # never imported here: only seen if the program uses it
     if np is None:
         return None
@@ -428,8 +433,8 @@ def _numpy_reader() -> tuple[Any, Any] | None:
 
 
 def _numpy_public_state(state: tuple) -> Any:
-    # comparable with ==: the key array as bytes
-    return (state[1].tobytes() + bytes(str(state[2:]), "ascii"), state)
+    # comparable with ==: the key array as bytes (three items: not a raw state)
+    return (state[1].tobytes() + bytes(str(state[2:]), "ascii"), state, None)
 
 
 def _numpy_layout(np: Any, cls: type) -> tuple[int, int] | None:
@@ -463,16 +468,23 @@ def _numpy_layout(np: Any, cls: type) -> tuple[int, int] | None:
         return None
 
 
-# (read, restore) per generator, built at the first checkpoint
+# (read, restore) per generator, built at the first checkpoint; NumPy's once the
+# program has imported it
 _host_readers: list[tuple[Any, Any]] = []
+_numpy_pending: list[bool] = []
 
 
 def _readers() -> list[tuple[Any, Any]]:
     if not _host_readers:
-        for build in (_python_random_reader, _numpy_reader):
-            reader = build()
-            if reader is not None:
-                _host_readers.append(reader)
+        _numpy_pending[:] = [True]
+        reader = _python_random_reader()
+        if reader is not None:
+            _host_readers.append(reader)
+    if _numpy_pending and "numpy" in sys.modules:
+        _numpy_pending.clear()
+        reader = _numpy_reader()
+        if reader is not None:
+            _host_readers.append(reader)
     return _host_readers
 
 
