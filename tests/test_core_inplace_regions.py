@@ -150,3 +150,16 @@ def test_replayed_code_updating_an_unkept_save_output_in_place_names_the_region_
     assert "output 0 of SAVE region 'scale'" in message
     assert "in place" in message
     assert "inside the region" in message  # the fix
+
+
+def test_a_save_region_writing_a_view_of_a_replayed_tensor_in_place():
+    def fn(x, w):
+        h = (x @ w).sin()
+        remat.region(relu_inplace, "act", recompute=False)(h[:, :3])  # writes half of h
+        return (h * 2).exp() * (h @ w)
+
+    expected = _grads(fn, False)
+    BODY_RUNS.clear()
+    got = _grads(fn, True)
+    _same(expected, got)
+    assert BODY_RUNS == ["relu"]
