@@ -283,3 +283,36 @@ def test_a_draw_inside_a_save_region_is_not_replayed_and_later_draws_are():
     got, got_after = run(True)
     assert torch.equal(expected, got)
     assert after == got_after
+
+
+def test_a_closure_value_of_a_checkpointed_modules_forward_is_replayed_as_the_forward_saw_it():
+    def make():
+        scale = 0.5
+
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = _linear(6)
+
+            def forward(self, x):
+                return (self.lin(x) * scale).sin() * x
+
+        def set_scale(s):
+            nonlocal scale
+            scale = s
+
+        return Scaled(), set_scale
+
+    def run(ckpt):
+        m, set_scale = make()
+        fn = remat.checkpoint(region_name="scaled")(m) if ckpt else m
+        outs, xs = [], []
+        for i, s in enumerate((0.5, 4.0)):
+            set_scale(s)
+            xs.append(_x(50 + i))
+            outs.append(fn(xs[-1]))
+        for out in outs:
+            out.sum().backward()
+        return [x.grad for x in xs] + [m.lin.weight.grad]
+
+    _same(run(False), run(True))

@@ -118,6 +118,10 @@ def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]],
         seen.add(id(obj))
         if isinstance(obj, nn.Module):
             modules.append((prefix, obj))
+            # a forward defined in a closure (a class built by a factory) reads its cells
+            forward = getattr(type(obj), "forward", None)
+            if getattr(forward, "__closure__", None):
+                visit(forward, prefix, depth + 1)
             return
         named = getattr(obj, "__remat_module__", None)
         if isinstance(named, tuple) and len(named) == 2 and isinstance(named[1], nn.Module):
