@@ -23,7 +23,7 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._DisableTorchDispatch``                      compare state snapshots below dispatch modes
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
                                                   forward saw (saved-tensor checks compare it)
-``_C._disabled_torch_function_impl``              placeholder subclass without torch_function
+``_C._disabled_torch_function_impl``              a placeholder's torch_function after its in-place check
 ``torch.utils.checkpoint``'s hook functions       refuse a checkpoint started inside torch's
 (by their module)                                 checkpoint (a block checkpointed twice)
 ``utils.checkpoint._Holder``                       what torch's checkpoint packs: the reports

@@ -62,7 +62,7 @@ def _source_tensors(src: Any, forward_done: bool) -> list[torch.Tensor]:
         return [] if saved is None else tensors_in(saved.data)
     if not src.keep:
         return []
-    t = src.kept_tensor if src.kind == "output" else src.ref
+    t = src.ref if src.kind == "input" else src.kept_tensor
     return [] if t is None else [t]
 
 

@@ -13,9 +13,9 @@ Forward (:meth:`CheckpointFrame.run_forward`):
   replay when it is (a view of) an argument replayed code produces (a
   ``RebuiltSave``). Elsewhere only a ``Holder`` is packed and the tensor is dropped.
 * Region calls (:meth:`~CheckpointFrame.run_region`) record what a SAVE region
-  reads and returns (producer responsibility: ``TensorSource``\ s), refuse writes
-  to its arguments, and copy the buffers it updates (the replay installs the
-  copies where it skips the region).
+  reads and returns (producer responsibility: ``TensorSource``\ s), keep the
+  arguments its body writes in place as it left them, and copy the buffers it
+  updates (the replay installs both where it skips the region).
 * When the forward ends, checkpoint inputs only SAVE regions consumed are dropped
   (an autograd-graph walk finds what replayed code reads), the rebuilds are
   settled, and what is kept is stored (``TensorSource.store``).
@@ -65,6 +65,7 @@ from .module_state import restore as restore_module_state
 from .observers import observers_for_new_checkpoint
 from .rebuild import Rebuilds, RebuiltSave, describe_rebuilt
 from .records import (
+    ARGUMENT,
     INPUT,
     OUTPUT,
     Constant,
@@ -82,7 +83,16 @@ from .records import (
     unpack_unread,
 )
 from .replay import ReplayPass, replay_unpack
-from .rng import DeviceRNGStateHook, RNGUse, check_position, fingerprints, position, same_state
+from .rng import (
+    DeviceRNGStateHook,
+    RNGUse,
+    check_position,
+    fingerprints,
+    host_rng_state,
+    position,
+    restore_host_rng_state,
+    same_state,
+)
 from .saved_hooks import KeptTensorHooks, next_call_serial, remat_machinery, torch_hooks_around
 
 if TYPE_CHECKING:
@@ -191,6 +201,10 @@ class CheckpointFrame:
         # replay_regions index of a SAVE region -> copies of the buffers it updated
         self.region_buffers: dict[int, list[Any]] = {}
         self.rng_start: list[Any] | None = None  # generator fingerprints at entry
+        # Python's random and NumPy's generator (rng.host_rng_state): at entry, kept
+        # only if the forward drew; and the last state read in forward
+        self.host_entry: tuple[Any, ...] | None = None
+        self.host_last: tuple[Any, ...] | None = None
         self.rng_use: RNGUse | None = None
         self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
@@ -265,6 +279,7 @@ class CheckpointFrame:
         self.start_seq = _compat.autograd_sequence_nr()
         self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers)
         self.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
+        self.host_entry = self.host_last = host_rng_state()
         try:
             push_hooks(self, unpack_packed)
         except RuntimeError as e:
@@ -320,7 +335,7 @@ class CheckpointFrame:
         self.rebuilds.abandon()
         self.sources = SourceIndex()
         self.leaves = []
-        self.module_state = self.rng_start = None
+        self.module_state = self.rng_start = self.host_entry = self.host_last = None
 
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook of the forward (the frame itself is pushed, see ``__call__``)."""
@@ -416,6 +431,7 @@ class CheckpointFrame:
     def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs, leaves) -> Any:
         recompute = record.recompute
         watch = None if recompute or in_save else SaveRegionWatch(self.module_state, leaves)
+        written: list[tuple[int, torch.Tensor]] = []
         self.region_stack.append(record)
         rebuild = None
         if not recompute:
@@ -429,9 +445,10 @@ class CheckpointFrame:
             with profiler_range("remat.region:", self.name, "::", record.qualname):
                 out = fn(*args, **kwargs)
             if watch is not None:
-                updated = watch.check(self.name, record.qualname)
+                updated = watch.updated_buffers()
                 if updated:
                     self.region_buffers[len(self.replay_regions) - 1] = updated
+                written = watch.written_arguments()
             ok = True
         except Exception as e:
             note_exception(e)
@@ -440,6 +457,7 @@ class CheckpointFrame:
                 # code that catches it and falls back to another path.
                 record.raised = detached_copy(e)
                 record.exit_states = self._snapshot_after_region()
+                self._note_host_rng(record)
             raise
         finally:
             self.region_stack.pop()
@@ -449,8 +467,19 @@ class CheckpointFrame:
                 self.rebuilds.close(self, rebuild, ok)
         if not recompute and not in_save:
             self._record_region_outputs(record, out)
+            if written:
+                self._record_written_arguments(record, written)
             record.exit_states = self._snapshot_after_region()
+            self._note_host_rng(record)
         return out
+
+    def _note_host_rng(self, record: RegionRecord) -> None:
+        # The replay skips this SAVE region: if Python's random or NumPy's generator
+        # moved since the last look (in the body or before it), the replay sets the
+        # state the forward had here, whatever the body drew.
+        state = host_rng_state()
+        if state != self.host_last:
+            record.host_exit = self.host_last = state
 
     def _snapshot_after_region(self) -> list[Any]:
         # A state that did not change since the last snapshot (no random numbers
@@ -484,6 +513,9 @@ class CheckpointFrame:
         for record in self.replay_regions:
             release_traceback(record.raised)
         self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
+        if self.host_last == self.host_entry and host_rng_state() == self.host_entry:
+            self.host_entry = None  # nothing drawn from Python's or NumPy's generator
+        self.host_last = None
         if self.rng_checks:
             end = position(self.state_hooks, self.rng_checks)
             if end == self.rng_entry:
@@ -642,6 +674,10 @@ class CheckpointFrame:
         caller_states = [h.snapshot() for h in hooks]
         for h, s in zip(hooks, self.entry_states):
             h.restore(s)
+        host_caller = None
+        if self.host_entry is not None:  # the forward drew from Python's random or NumPy's
+            host_caller = host_rng_state()
+            restore_host_rng_state(self.host_entry)
         unrestored = rng.unrestored() if rng is not None else []
         module_undo = []
         if self.module_state is not None:
@@ -650,6 +686,8 @@ class CheckpointFrame:
             except BaseException:
                 for h, s in zip(hooks, caller_states):
                     h.restore(s)
+                if host_caller is not None:
+                    restore_host_rng_state(host_caller)
                 raise
         rng_error = None
         tls = _tls
@@ -682,6 +720,8 @@ class CheckpointFrame:
                 release_traceback(record.raised)
             for h, s in zip(hooks, caller_states):
                 h.restore(s)
+            if host_caller is not None:
+                restore_host_rng_state(host_caller)
             if rng is not None:
                 rng_error = rng.finish(self.name, unrestored, caller_rng)
             for observer in observers:
@@ -726,7 +766,7 @@ class CheckpointFrame:
                         self.walk_roots.append(x.grad_fn)
                     continue
                 for s in sources:
-                    if s.kind == OUTPUT or by_replayed_code:
+                    if s.kind != INPUT or by_replayed_code:
                         s.mark_kept(x)
                     else:
                         s.save_consumed = True
@@ -757,6 +797,35 @@ class CheckpointFrame:
         record.pending_keep = []
 
 
+    def _record_written_arguments(self, record: RegionRecord, written: list[tuple[int, torch.Tensor]]) -> None:
+        """A top-level SAVE region wrote arguments in place. The replay skips its body,
+        so at the region it writes the forward's values into its own arguments: each
+        written argument becomes a source holding its value as the body left it
+        (kept: replayed code may read the argument after the region, which no save
+        shows). An earlier SAVE output written this way has no value left to hand
+        back as it was before: the replay gets a placeholder for it."""
+        hooks = self.kept_hooks.bind_outputs()
+        for i, t in written:
+            replay_has_it = True
+            earlier = [s for s in self.sources.lookup(t) or () if s.region != record.qualname]
+            if earlier:
+                replay_has_it = any(s.kind == INPUT for s in earlier)
+                for s in earlier:
+                    if s.kind != INPUT:
+                        s.overwrite()
+                        self.sources.drop(t, s)
+            src = TensorSource(ARGUMENT, i, t, record.qualname)
+            src.hooks = hooks
+            self.sources.add(t, src)
+            self.output_sources.append(src)
+            node = t.grad_fn
+            if node is not None:  # the input walk does not enter the region through it
+                self.save_output_seqs.add(node._sequence_nr())
+            if replay_has_it:
+                src.mark_kept(t)
+            record.written.append((i, src, t._version))
+
+
 _compat.mark_internal_pack_hook(CheckpointFrame, "outer_hooks")
 
 
@@ -774,28 +843,16 @@ class SaveRegionWatch:
             module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
         )
 
-    def check(self, checkpoint: str, region: str) -> list[Any]:
-        """Refuse writes to the arguments; copies of the buffers the body updated."""
-        refuse_argument_writes(self.arguments, region, checkpoint)
+    def updated_buffers(self) -> list[Any]:
+        """Copies of the buffers the body updated."""
         if self.buffers:
             return self.module_state.updated_in_region(self.buffers)
         return []
 
-
-def refuse_argument_writes(
-    watched: list[tuple[int, torch.Tensor, int]], region: str, checkpoint: str
-) -> None:
-    for i, t, version in watched:
-        if t._version != version:
-            raise modified_in_place(
-                f"argument {i} of SAVE region '{region}' of checkpoint '{checkpoint}'",
-                "by the region's body",
-                "The recompute skips SAVE regions, so replayed code after the region "
-                "would read the argument without that update. Return the result "
-                "instead of updating the argument (h = h + b rather than h.add_(b)), "
-                "or make the region recompute=True.",
-                (version, t._version),
-            )
+    def written_arguments(self) -> list[tuple[int, torch.Tensor]]:
+        """``(position, tensor)`` of the arguments the body wrote in place
+        (``nn.ReLU(inplace=True)``, a Function that marks its input dirty)."""
+        return [(i, t) for i, t, version in self.arguments if t._version != version]
 
 
 def mark_inputs_read_by_replayed_code(

@@ -1,5 +1,5 @@
-"""Tensors a checkpointed function reads besides its arguments: the parameters and
-buffers of the modules behind it and the tensors in its closure.
+"""State a checkpointed function reads besides its arguments: the parameters,
+buffers and other attributes of the modules behind it and the values in its closure.
 
 The replay reads them again in backward, so it must see the tensors the forward
 saw. When the checkpoint starts, every slot that holds such a tensor (an entry of a
@@ -12,12 +12,15 @@ tensor it holds and that tensor's version. Around the replay:
 * a tensor whose version moved since the forward (updated in place under
   ``no_grad``, an optimizer step) cannot be replayed: that raises
   :class:`SavedTensorModifiedError` naming it by its qualified name;
-* a plain tensor attribute of a module (``self.mask = ...``, not a buffer), a
-  submodule and the ``training`` flag of every module are recorded too: one rebound,
-  replaced or flipped (``model.eval()``) after the forward is set back to the
-  forward's (as the forward started) for the replay, and to the caller's
-  afterwards; a tensor attribute the forward itself rebinds is left to the replay,
-  which rebinds it again;
+* every module's attributes (a shallow copy of its ``__dict__``: plain tensor
+  attributes such as ``self.mask``, Python values such as a temperature or a
+  counter, the ``training`` flag), its submodules and every closure value of the
+  function are recorded too. The replay runs with the values they had when the
+  checkpoint started, and the caller's are back afterwards: one rebound, replaced
+  or flipped (``model.eval()``) after the forward, one the forward itself rebinds
+  from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
+  1``), and one the forward added (absent in the replay). Values are compared by
+  identity: a list or dict mutated in place is not seen;
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import weakref
 from typing import Any
 
@@ -79,6 +83,9 @@ class _CellSlot:
     def __setitem__(self, _key: Any, value: Any) -> None:
         self.cell.cell_contents = value
 
+    def __delitem__(self, _key: Any) -> None:
+        del self.cell.cell_contents
+
 
 class _Slot:
     __slots__ = ("owner", "key", "tensor", "version", "prefix", "kind", "copy")
@@ -99,9 +106,10 @@ class _Slot:
         return self.prefix if self.kind == CLOSURE else self.prefix + self.key
 
 
-def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]]]:
+def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]], list[tuple[Any, Any]]]:
     modules: list[tuple[str, nn.Module]] = []
     cells: list[tuple[str, Any]] = []
+    values: list[tuple[Any, Any]] = []  # (cell, value) of every other closure cell
     seen: set[int] = set()
 
     def visit(obj: Any, prefix: str, depth: int) -> None:
@@ -110,6 +118,10 @@ def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]]]
         seen.add(id(obj))
         if isinstance(obj, nn.Module):
             modules.append((prefix, obj))
+            # a forward defined in a closure (a class built by a factory) reads its cells
+            forward = getattr(type(obj), "forward", None)
+            if getattr(forward, "__closure__", None):
+                visit(forward, prefix, depth + 1)
             return
         named = getattr(obj, "__remat_module__", None)
         if isinstance(named, tuple) and len(named) == 2 and isinstance(named[1], nn.Module):
@@ -128,19 +140,24 @@ def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]]]
         closure = getattr(obj, "__closure__", None)
         if closure:
             for name, cell in zip(obj.__code__.co_freevars, closure):
+                if id(cell) in seen:
+                    continue
+                seen.add(id(cell))
                 try:
                     value = cell.cell_contents
                 except ValueError:
-                    continue
+                    value = _MISSING
                 if isinstance(value, torch.Tensor):
-                    if id(cell) not in seen:
-                        seen.add(id(cell))
-                        cells.append((name, cell))
-                elif isinstance(value, nn.Module) or callable(value):
+                    cells.append((name, cell))
+                    continue
+                # any other value (a temperature, a flag, a submodule) may be rebound
+                # between the forward and its backward: the replay gets the forward's
+                values.append((cell, value))
+                if isinstance(value, nn.Module) or callable(value):
                     visit(value, f"{name}.", depth + 1)
 
     visit(fn, "", 0)
-    return modules, cells
+    return modules, cells, values
 
 
 def _module_slots(
@@ -193,8 +210,9 @@ def _module_slots(
             buffer_groups.append((m, group))
         children = m._modules
         kids = tuple(children.items()) if children else None
-        # the module's training flag and submodules, as the forward starts
-        others.append((d, d["training"] if "training" in d else _MISSING, children, kids))
+        # the module's attributes (a shallow copy: a dict copy in C, cheaper than
+        # picking out what might change) and submodules, as the forward starts
+        others.append((d, d.copy(), children, kids))
         if kids:
             for k, c in reversed(kids):  # named_modules order
                 if c is not None:
@@ -219,7 +237,7 @@ of one checkpointed function did not write (``CheckpointedFunction`` holds it)."
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups", "others")
+    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values")
 
     def __init__(
         self,
@@ -227,6 +245,7 @@ class ModuleState:
         slots: list[_Slot],
         buffer_groups: list[tuple[nn.Module, list[_Slot]]],
         others: list[tuple] | None = None,
+        cell_values: list[tuple[Any, Any]] | None = None,
     ) -> None:
         # parameters: (module._parameters, key, tensor, version, name prefix)
         self.params = params
@@ -234,15 +253,17 @@ class ModuleState:
         # (module, its buffer slots): a module that updated one buffer in forward
         # may have updated the others in place unseen, so all are replayed from copies
         self.buffer_groups = buffer_groups
-        # per module: (its __dict__, its training flag, its _modules, their items)
+        # per module: (its __dict__, a copy of it, its _modules, their items)
         self.others = others or []
+        # (cell, value) of the closure cells that hold no tensor
+        self.cell_values = cell_values or []
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
         """Record the slots when the checkpoint starts; None if there are none.
         Buffers of the modules in ``unwritten`` are not copied."""
-        modules, cells = _roots(fn)
-        if not modules and not cells:
+        modules, cells, values = _roots(fn)
+        if not modules and not cells and not values:
             return None
         params: list[tuple] = []
         slots: list[_Slot] = []
@@ -254,7 +275,9 @@ class ModuleState:
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, t._version, name, CLOSURE))
-        return ModuleState(params, slots, groups, others) if params or slots or others else None
+        if params or slots or others or values:
+            return ModuleState(params, slots, groups, others, values)
+        return None
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
         """End of the forward: keep copies of the buffers it updated, drop the rest
@@ -276,16 +299,14 @@ class ModuleState:
         for _, key, t, version, prefix in self.params:
             if t._version != version:
                 raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
-        rebound = False
         for s in self.slots:
             t = s.tensor
             if s.kind is ATTRIBUTE and s.owner.get(s.key) is not t:
-                rebound = True  # the forward rebinds it: so does the replay
+                # The forward rebinds it (self.center = 0.9 * self.center + ...): the
+                # replay starts from the tensor it held at entry, kept here.
                 continue
             if t._version != s.version and s.kind != BUFFER:
                 raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
-        if rebound:
-            self.slots = [s for s in self.slots if s.kind is not ATTRIBUTE or s.owner.get(s.key) is s.tensor]
 
     def buffers_now(self) -> list[tuple[Any, int]]:
         """Before a SAVE region: the tensor in every buffer slot and its version."""
@@ -334,17 +355,27 @@ class ModuleState:
         :meth:`restore` puts back."""
         undo: list[tuple[Any, Any, Any]] = []
         try:
-            for d, training, children, kids in self.others:
-                current = d["training"] if "training" in d else _MISSING
-                if current is not training and training is not _MISSING:  # model.eval()
-                    undo.append((d, "training", current))
-                    d["training"] = training
+            for d, entry, children, kids in self.others:
+                # attributes rebound since the forward started, by the forward itself
+                # (self.calls += 1) or by the caller (model.eval(), a temperature set
+                # per micro-batch), and attributes added since: as at entry
+                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                    _install_attributes(d, entry, undo)
                 if kids:
                     for key, child in kids:
                         current = children[key] if key in children else _MISSING
                         if current is not child:  # a replaced submodule
                             undo.append((children, key, current))
                             children[key] = child
+            for cell, value in self.cell_values:
+                current = _cell_contents(cell)
+                if current is not value:
+                    slot = _CellSlot(cell)
+                    undo.append((slot, None, current))
+                    if value is _MISSING:
+                        del slot[None]
+                    else:
+                        slot[None] = value
             for owner, key, t, version, prefix in self.params:
                 if t._version != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
@@ -371,6 +402,26 @@ class ModuleState:
             restore(undo)
             raise
         return undo
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # deleted
+        return _MISSING
+
+
+def _install_attributes(d: dict, entry: dict, undo: list[tuple[Any, Any, Any]]) -> None:
+    """Give a module's ``__dict__`` its entry values for the replay, noting the
+    caller's in ``undo``."""
+    for key, value in entry.items():
+        current = d.get(key, _MISSING)
+        if current is not value:
+            undo.append((d, key, current))
+            d[key] = value
+    if len(d) != len(entry):
+        for key in [k for k in d if k not in entry]:
+            undo.append((d, key, d.pop(key)))
 
 
 def _modified_in_forward(kind: str, name: str, checkpoint: str, version: int, t) -> Exception:

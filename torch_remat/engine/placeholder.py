@@ -28,7 +28,8 @@ class PlaceholderOrigin:
     """Where a placeholder comes from, for error messages."""
 
     checkpoint: str
-    # "output" of a SAVE region, or "input" of the checkpoint
+    # "output" of a SAVE region, "input" of the checkpoint, or "argument" of a SAVE
+    # region its body wrote in place
     kind: str
     index: int
     region: str | None = None
@@ -36,6 +37,8 @@ class PlaceholderOrigin:
     def describe(self) -> str:
         if self.kind == "input":
             return f"checkpoint input {self.index}"
+        if self.kind == "argument":
+            return f"argument {self.index} of SAVE region '{self.region}' (as its body wrote it in place)"
         return f"output {self.index} of SAVE region '{self.region}'"
 
     def advice(self) -> str:
@@ -96,7 +99,13 @@ class Placeholder(torch.Tensor):
         out._origin = origin
         return out
 
-    __torch_function__ = _compat.disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # Ahead of autograd, whose own refusal of an in-place op on a leaf that
+        # requires grad would name neither the checkpoint nor the region.
+        if args and isinstance(args[0], Placeholder) and _writes_in_place(func):
+            raise PlaceholderReadError(in_place_message(args[0]._origin, func))
+        return _compat.disabled_torch_function_impl(func, types, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents=None) -> str:  # never reads data
         return (
@@ -150,6 +159,40 @@ def read_error_message(origin: PlaceholderOrigin, reader: str) -> str:
         f"torch_remat: during the recompute of checkpoint '{origin.checkpoint}', "
         f"{reader} read {origin.describe()}, which was not kept. "
         f"{origin.advice()}"
+    )
+
+
+_NOT_WRITES = frozenset({"requires_grad_", "detach_", "retain_grad", "share_memory_"})
+_IN_PLACE_OPERATORS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+)
+
+
+def _writes_in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return name not in _NOT_WRITES
+    return name in _IN_PLACE_OPERATORS
+
+
+def in_place_message(origin: PlaceholderOrigin, func) -> str:
+    op = getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+    if origin.kind == "input":
+        fix = (
+            "Clone the input before updating it (x = x.clone()), or update it "
+            "outside the checkpoint."
+        )
+    else:
+        fix = (
+            "Do the in-place update inside the region (and return the updated tensor), "
+            "or use an out-of-place op after the region (a = a + b rather than a.add_(b))."
+        )
+    return (
+        f"torch_remat: during the recompute of checkpoint '{origin.checkpoint}', "
+        f"replayed code updated {origin.describe()} in place ({op}). It was not kept, "
+        "and its value before the update cannot be recreated: SAVE region bodies are "
+        f"not replayed, and a kept tensor must not change after the forward used it. {fix}"
     )
 
 

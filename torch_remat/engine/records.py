@@ -234,6 +234,8 @@ class RegionRecord:
         "output_spec",
         "exit_states",
         "rng_entry",
+        "host_exit",
+        "written",
         "pending_keep",
         "raised",
     )
@@ -248,6 +250,12 @@ class RegionRecord:
         self.output_spec = None
         self.exit_states: list[Any] = []
         self.rng_entry: list[Any] | None = None  # generator fingerprints at the call (rng_guard)
+        # a SAVE region's: the state of Python's random and NumPy's generator when it
+        # returned, if they moved since the previous look (rng.host_rng_state)
+        self.host_exit: tuple[Any, ...] | None = None
+        # a SAVE region's arguments its body wrote in place: (position, the source of
+        # the value it left, the version it left), written into the replay's arguments
+        self.written: list[tuple[int, TensorSource, int]] = []
         # roots passed to recompute_needs_tensor inside this SAVE region's body
         self.pending_keep: list[weakref.ref] = []
         # the exception a SAVE region's body raised in forward (re-raised in replay)
@@ -280,6 +288,7 @@ def region_leaves(args: tuple, kwargs: dict) -> Sequence[Any]:
 
 INPUT = "input"
 OUTPUT = "output"
+ARGUMENT = "argument"  # an argument a SAVE region's body wrote in place, as it left it
 
 
 class TensorSource:
@@ -329,13 +338,20 @@ class TensorSource:
     def mark_kept(self, alias: torch.Tensor) -> None:
         """Keep this source; ``alias`` is any tensor sharing its storage."""
         self.keep = True
-        if self.kind == OUTPUT and self.kept_tensor is None:
+        if self.kind != INPUT and self.kept_tensor is None:
             t = self.ref()
             if t is not None:
                 self.kept_tensor = t
             else:
                 self.kept_tensor = storage_root(alias)
                 self.kept_is_root = True
+
+    def overwrite(self) -> None:
+        """A later SAVE region wrote this output in place: its value as the region
+        returned it is gone, so it is not kept (the replay gets a placeholder)."""
+        self.keep = False
+        self.kept_tensor = None
+        self.kept_is_root = False
 
     def pack_at_entry(self, hooks: DeferredPack | None) -> None:
         """Under saved-tensor hooks a checkpoint input is packed when the checkpoint
@@ -470,6 +486,12 @@ class SourceIndex:
             entry[1].append(source)
         else:
             self.by_root[key] = (weakref.ref(root), [source])
+
+    def drop(self, t: torch.Tensor, source: TensorSource) -> None:
+        """Forget ``source``, which shares storage with ``t``."""
+        entry = self.by_root.get(id(storage_root(t)))
+        if entry is not None:
+            entry[1][:] = [s for s in entry[1] if s is not source]
 
     def lookup(self, t: torch.Tensor) -> list[TensorSource] | None:
         root = storage_root(t)

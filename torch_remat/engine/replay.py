@@ -32,8 +32,15 @@ from .._errors import (
 from .._tensors import format_dtype
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
-from .records import RegionRecord, TensorSource, describe_region, detached_copy, qualified_name
-from .rng import check_position, position
+from .records import (
+    RegionRecord,
+    TensorSource,
+    describe_region,
+    detached_copy,
+    qualified_name,
+    region_leaves,
+)
+from .rng import check_position, position, restore_host_rng_state
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
@@ -169,6 +176,8 @@ class ReplayPass:
                                f"SAVE region '{qualname}'")
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
+            if expected.host_exit is not None and frame.host_entry is not None:
+                restore_host_rng_state(expected.host_exit)
             updated = frame.region_buffers.get(pos)
             if updated:
                 frame.module_state.skip_region(updated)
@@ -182,6 +191,9 @@ class ReplayPass:
                     self.filled += filled
                     if self.filled == self.needed and frame.early_stop and not self.run_to_end:
                         self.stop()
+            if expected.written:
+                # after the refills above: those are the arguments as the body got them
+                write_arguments(frame.name, expected.written, args, kwargs)
             leaves = [
                 o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
                 for o in expected.outputs
@@ -202,6 +214,25 @@ class ReplayPass:
     def keep(self, t: torch.Tensor) -> bool:
         return True
 
+
+
+def write_arguments(checkpoint: str, written: list, args: tuple, kwargs: dict) -> None:
+    """At a skipped SAVE region whose body wrote arguments in place: write the values
+    the body left into the replay's arguments, at the versions it left them."""
+    leaves = region_leaves(args, kwargs)
+    for i, source, version in written:
+        t = leaves[i] if i < len(leaves) else None
+        if not isinstance(t, torch.Tensor) or isinstance(t, Placeholder):
+            continue  # nothing of it to write into (reads of it raise)
+        value = source.replay_value(checkpoint)
+        if isinstance(value, Placeholder):
+            continue
+        if t.untyped_storage().data_ptr() != value.untyped_storage().data_ptr() or (
+            t.storage_offset() != value.storage_offset()
+        ):
+            with torch.no_grad():
+                t.copy_(value)
+        _compat.set_version_counters((t,), (version,))
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

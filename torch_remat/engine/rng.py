@@ -30,6 +30,12 @@ starting state. Its replay then:
 
 Generators passed explicitly (``torch.rand(..., generator=g)``) are not seen.
 
+Python's ``random`` and NumPy's global generator are not guarded but replayed: their
+states are read where the forward starts, where each top-level SAVE region returns
+and where it ends; the replay of a forward that drew starts from the entry state,
+sets the state where it skips such a region, and puts the caller's back afterwards
+(see the section at the end of this module).
+
 With a state hook for a default generator (``CPURNGStateHook``,
 ``DeviceRNGStateHook``), the replay draws from the forward's starting state; that
 is exact only if nothing else drew from the generator while the forward ran.
@@ -44,6 +50,7 @@ is elsewhere (:func:`check_position`).
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -329,3 +336,167 @@ def validate_state_hooks(hooks: Iterable[Any]) -> tuple[Any, ...]:
             )
     return hooks
 
+
+
+# ------------------------------------------------ Python's random and NumPy's generator
+#
+# Model code also draws from Python's ``random`` (``h * (1 + 0.1 * random.random())``)
+# and from NumPy's global generator (``np.random.rand()``). The replay must draw the
+# same numbers, and must not move the caller's stream. Their public state getters are
+# too slow to call around every checkpoint (``random.getstate()`` builds a tuple of 625
+# ints, ``np.random.get_state()`` an array and a tuple: tens of microseconds each), so
+# the raw Mersenne Twister state (2.5 KB each) is copied with one ``ctypes.string_at``
+# from where CPython and NumPy keep it, and compared. That layout is checked against
+# the public getters once, and the public getters are used where it does not match.
+# Only a replay of a forward that drew sets a state, through the public setters.
+
+
+def _python_random_reader() -> tuple[Any, Any] | None:
+    import random
+    import struct
+
+    inst = getattr(random, "_inst", None)  # what the module-level functions draw from
+    if inst is None or getattr(random.random, "__self__", None) is not inst:
+        return None
+
+    def read_public() -> Any:
+        return inst.getstate()
+
+    def restore(state: Any) -> None:
+        if type(state) is tuple and len(state) == 2 and type(state[0]) is bytes:
+            raw, gauss = state
+            words = struct.unpack_from("624I", raw, 4)
+            index = struct.unpack_from("i", raw, 0)[0]
+            inst.setstate((3, (*words, index), gauss))
+        else:
+            inst.setstate(state)
+
+    # CPython's RandomObject: the object header, int index, uint32_t state[624]
+    offset = object.__basicsize__
+    address = id(inst) + offset
+    try:
+        raw = ctypes.string_at(address, 4 + 624 * 4)
+        _, words, gauss = inst.getstate()
+        if struct.unpack_from("624I", raw, 4) + struct.unpack_from("i", raw, 0) != words:
+            return read_public, restore
+    except Exception:
+        return read_public, restore
+    string_at = ctypes.string_at
+
+    def read() -> Any:
+        return string_at(address, 2500), inst.gauss_next
+
+    return read, restore
+
+
+def _numpy_reader() -> tuple[Any, Any] | None:
+    np = sys.modules.get("numpy")  # never imported here: only seen if the program uses it
+    if np is None:
+        return None
+    try:
+        state = np.random.mtrand._rand  # what np.random.rand() and friends draw from
+        get_state, set_state = state.get_state, state.set_state
+    except AttributeError:
+        return None
+
+    def read_public() -> Any:
+        return _numpy_public_state(get_state())
+
+    def restore(saved: Any) -> None:
+        if type(saved) is tuple and len(saved) == 2 and type(saved[0]) is bytes:
+            raw, aug = saved
+            import struct
+
+            key = np.frombuffer(raw, dtype=np.uint32, count=624).copy()
+            pos = struct.unpack_from("i", raw, 2496)[0]
+            has_gauss, gauss = struct.unpack_from("i4xd", aug, 0)
+            set_state(("MT19937", key, pos, has_gauss, gauss))
+        else:
+            set_state(saved[1])
+
+    located = _numpy_layout(np, type(state))
+    if located is None:
+        return read_public, restore
+    state_at, aug_at = located
+    bit_generator = state._bit_generator
+    string_at = ctypes.string_at
+    mt = bit_generator.ctypes.state_address
+    aug = id(state) + aug_at
+
+    def read() -> Any:
+        if state._bit_generator is not bit_generator:  # replaced: start over
+            _host_readers.clear()
+            return read_public()
+        return string_at(mt, 2500), string_at(aug, 16)
+
+    return read, restore
+
+
+def _numpy_public_state(state: tuple) -> Any:
+    # comparable with ==: the key array as bytes (three items: not a raw state)
+    return (state[1].tobytes() + bytes(str(state[2:]), "ascii"), state, None)
+
+
+def _numpy_layout(np: Any, cls: type) -> tuple[int, int] | None:
+    """Where a RandomState keeps its bit generator and its cached gaussian
+    (``has_gauss``, ``gauss``), checked on a scratch instance; None if not found."""
+    import struct
+
+    try:
+        scratch = cls(1234)
+        scratch.standard_normal()  # leaves a cached gaussian
+        size = cls.__basicsize__
+        base = id(scratch)
+        raw = ctypes.string_at(base, size)
+        mt = scratch._bit_generator.ctypes.state_address
+        words = [struct.unpack_from("Q", raw, o)[0] for o in range(0, size - 7, 8)]
+        bitgen_at = words.index(mt) * 8
+        aug_at = words.index(base + bitgen_at) * 8 + 8
+        for _ in range(3):
+            _, key, pos, has_gauss, gauss = scratch.get_state()
+            mt_raw = ctypes.string_at(mt, 2500)
+            aug_raw = ctypes.string_at(base + aug_at, 16)
+            if (
+                mt_raw[:2496] != key.tobytes()
+                or struct.unpack_from("i", mt_raw, 2496)[0] != pos
+                or struct.unpack_from("i4xd", aug_raw, 0) != (has_gauss, gauss)
+            ):
+                return None
+            scratch.standard_normal()
+        return bitgen_at, aug_at
+    except Exception:
+        return None
+
+
+# (read, restore) per generator, built at the first checkpoint; NumPy's once the
+# program has imported it
+_host_readers: list[tuple[Any, Any]] = []
+_numpy_pending: list[bool] = []
+
+
+def _readers() -> list[tuple[Any, Any]]:
+    if not _host_readers:
+        _numpy_pending[:] = [True]
+        reader = _python_random_reader()
+        if reader is not None:
+            _host_readers.append(reader)
+    if _numpy_pending and "numpy" in sys.modules:
+        _numpy_pending.clear()
+        reader = _numpy_reader()
+        if reader is not None:
+            _host_readers.append(reader)
+    return _host_readers
+
+
+def host_rng_state() -> tuple[Any, ...]:
+    """The states of Python's ``random`` and NumPy's global generator now: compare
+    two with ``==`` to see whether a random number was drawn in between."""
+    return tuple([read() for read, _ in _readers()])
+
+
+def restore_host_rng_state(state: tuple[Any, ...]) -> None:
+    """Make ``state`` (from :func:`host_rng_state`) current again, setting only the
+    generators that moved."""
+    for (read, restore), saved in zip(_readers(), state):
+        if read() != saved:
+            restore(saved)

@@ -1,0 +1,165 @@
+"""In-place writes around SAVE regions: a SAVE region whose body writes its argument
+in place (``nn.ReLU(inplace=True)``, a custom Function with ``mark_dirty``) runs with
+the gradients of the plain program; replayed code that updates in place a SAVE output
+the checkpoint did not keep gets an error naming the checkpoint, the region and the
+fix."""
+
+import pytest
+import torch
+from torch import nn
+
+import torch_remat as remat
+
+D = torch.float64
+BODY_RUNS: list[str] = []
+
+
+def _x(seed=0, shape=(3, 6)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=D, generator=g).requires_grad_()
+
+
+def _w(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(6, 6, dtype=D, generator=g).requires_grad_()
+
+
+class ScaleInPlace(torch.autograd.Function):
+    """x *= 3 in place, declared with mark_dirty; saves nothing."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.mul_(3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+def relu_inplace(t):
+    BODY_RUNS.append("relu")
+    return nn.functional.relu(t, inplace=True)
+
+
+def scale_inplace(t):
+    BODY_RUNS.append("scale")
+    return ScaleInPlace.apply(t)
+
+
+BODIES = {"relu": relu_inplace, "mark_dirty": scale_inplace, "module": None}
+
+
+def _body(kind):
+    if kind == "module":
+        act = nn.ReLU(inplace=True)
+
+        def body(t):
+            BODY_RUNS.append("module")
+            return act(t)
+
+        return body
+    return BODIES[kind]
+
+
+def _grads(fn, ckpt):
+    x, w = _x(), _w()
+    f = remat.checkpoint(region_name="blk")(fn) if ckpt else fn
+    f(x, w).sum().backward()
+    return [x.grad, w.grad]
+
+
+def _same(a, b):
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert torch.equal(u, v), f"gradient {i} differs"
+
+
+@pytest.mark.parametrize("kind", sorted(BODIES))
+def test_a_save_region_writing_its_argument_in_place_gives_the_gradients_without_remat(kind):
+    body = _body(kind)
+
+    def fn(x, w):
+        h = (x @ w).sin()  # replayed
+        y = remat.region(body, "act", recompute=False)(h)
+        return (y @ w).tanh() * y
+
+    expected = _grads(fn, False)
+    BODY_RUNS.clear()
+    got = _grads(fn, True)
+    _same(expected, got)
+    assert len(BODY_RUNS) == 1  # the replay ran (tanh's output is dropped) but skipped the body
+
+
+@pytest.mark.parametrize("kind", sorted(BODIES))
+def test_replayed_code_reading_the_written_argument_after_the_region_reads_the_written_value(kind):
+    body = _body(kind)
+
+    def fn(x, w):
+        h = (x @ w).sin()
+        remat.region(body, "act", recompute=False)(h)  # the result is not used: h is
+        return (h * 2 + 1).exp() * (h @ w)
+
+    expected = _grads(fn, False)
+    BODY_RUNS.clear()
+    got = _grads(fn, True)
+    _same(expected, got)
+    assert len(BODY_RUNS) == 1
+
+
+def test_a_save_region_writing_the_output_of_an_earlier_save_region():
+    def fn(x, w):
+        a = remat.region(lambda t: t @ w, "fc", recompute=False)(x)
+        y = remat.region(relu_inplace, "act", recompute=False)(a)
+        return (y @ w).sin() * y
+
+    expected = _grads(fn, False)
+    BODY_RUNS.clear()
+    got = _grads(fn, True)
+    _same(expected, got)
+    assert BODY_RUNS == ["relu"]
+
+
+def test_a_second_backward_of_an_in_place_save_region_replays_identically():
+    def fn(x, w):
+        h = (x @ w).sin()
+        y = remat.region(relu_inplace, "act", recompute=False)(h)
+        return (y @ w).tanh() * h
+
+    x, w = _x(), _w()
+    out = remat.checkpoint(region_name="blk")(fn)(x, w).sum()
+    out.backward(retain_graph=True)
+    first = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    out.backward()
+    _same(first, [x.grad, w.grad])
+    _same(_grads(fn, False), first)
+
+
+def test_replayed_code_updating_an_unkept_save_output_in_place_names_the_region_and_the_fix():
+    def fn(x, w):
+        a = remat.region(lambda t: t * 2, "scale", recompute=False)(x)
+        a.add_(x)
+        return a.tanh()
+
+    x = _x()
+    y = remat.checkpoint(region_name="blk")(fn)(x, _w())
+    with pytest.raises(remat.PlaceholderReadError) as info:
+        y.sum().backward()
+    message = str(info.value)
+    assert "checkpoint 'blk'" in message
+    assert "output 0 of SAVE region 'scale'" in message
+    assert "in place" in message
+    assert "inside the region" in message  # the fix
+
+
+def test_a_save_region_writing_a_view_of_a_replayed_tensor_in_place():
+    def fn(x, w):
+        h = (x @ w).sin()
+        remat.region(relu_inplace, "act", recompute=False)(h[:, :3])  # writes half of h
+        return (h * 2).exp() * (h @ w)
+
+    expected = _grads(fn, False)
+    BODY_RUNS.clear()
+    got = _grads(fn, True)
+    _same(expected, got)
+    assert BODY_RUNS == ["relu"]

@@ -1,0 +1,318 @@
+"""State that lives in Python rather than in tensors, read by a checkpointed function:
+tensor attributes the forward rebinds from their own value, plain Python attributes
+and closure values changed between a forward and its backward, and draws from
+Python's ``random`` and NumPy's global generator. The replay sees what the forward
+saw, and the module, the closure and the generators end where they would without
+remat."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import torch_remat as remat
+from torch_remat.integrations import apply_remat
+
+D = torch.float64
+
+REPLAYS: list[str] = []  # what ran while recomputing (not a module attribute: that is state too)
+
+
+def _x(seed, requires_grad=True):
+    x = torch.randn(3, 6, dtype=D, generator=torch.Generator().manual_seed(seed))
+    return x.requires_grad_(requires_grad)
+
+
+def _linear(seed):
+    lin = nn.Linear(6, 6, dtype=D)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(6, 6, dtype=D, generator=g))
+        lin.bias.copy_(torch.randn(6, dtype=D, generator=g))
+    return lin
+
+
+def _same(expected, got):
+    assert len(expected) == len(got)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert torch.equal(e, g), f"gradient {i} differs"
+
+
+# ---------------------------------------------------------------- a tensor attribute the forward updates
+
+
+class Centered(nn.Module):
+    """Keeps a running centre as a plain tensor attribute (not a buffer), updated
+    from its own value in forward and used in the compute."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear(1)
+        self.center = torch.zeros(6, dtype=D)
+
+    def forward(self, x):
+        if remat.is_recomputing():
+            REPLAYS.append("centered")
+        h = self.lin(x)
+        self.center = 0.9 * self.center + 0.1 * h.detach().mean(0)
+        return (h - self.center).sin() * h
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = Centered()
+
+    def forward(self, x):
+        return self.blk(x)
+
+
+def _centered_steps(how):
+    model = Outer()
+    if how == "checkpoint":
+        model.blk.forward = remat.checkpoint(region_name="blk")(model.blk.forward)
+    elif how == "apply_remat":
+        apply_remat(model, check_fn=lambda m: isinstance(m, Centered))
+    grads, centers = [], []
+    for step in range(3):
+        x = _x(step)
+        model(x).sum().backward()
+        grads += [x.grad, model.blk.lin.weight.grad.clone()]
+        centers.append(model.blk.center)
+    return grads, centers
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "apply_remat"])
+def test_a_tensor_attribute_the_forward_updates_from_its_own_value_is_replayed_from_its_entry_value(how):
+    expected, expected_centers = _centered_steps("none")
+    REPLAYS.clear()
+    got, centers = _centered_steps(how)
+    assert REPLAYS == ["centered"] * 3  # one replay per step
+    _same(expected, got)
+    _same(expected_centers, centers)  # updated once per step, as without remat
+
+
+# ---------------------------------------------------------------- Python attributes between forward and backward
+
+
+class Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear(2)
+        self.temperature = 1.0
+        self.calls = 0
+
+    def forward(self, x):
+        if remat.is_recomputing():
+            REPLAYS.append("tempered")
+        self.calls += 1  # a counter the forward updates from its own value
+        return (self.lin(x) / self.temperature).sin() * self.calls
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = Tempered()
+
+    def forward(self, x):
+        return self.blk(x) * 2
+
+
+def _micro_batches(how):
+    """Two micro-batch forwards, each with its own temperature, then both backwards."""
+    model = Holder()
+    if how == "apply_remat":
+        apply_remat(model, check_fn=lambda m: isinstance(m, Tempered))
+    elif how == "checkpoint":
+        model.blk.forward = remat.checkpoint(region_name="blk")(model.blk.forward)
+    outs, xs = [], []
+    for i, t in enumerate((0.5, 3.0)):
+        model.blk.temperature = t
+        xs.append(_x(10 + i))
+        outs.append(model(xs[-1]))
+    for out in outs:
+        out.sum().backward()
+    return model, [x.grad for x in xs] + [model.blk.lin.weight.grad]
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "apply_remat"])
+def test_python_attributes_changed_between_forward_and_backward_are_replayed_as_the_forward_saw_them(how):
+    _, expected = _micro_batches("none")
+    REPLAYS.clear()
+    model, got = _micro_batches(how)
+    assert REPLAYS == ["tempered"] * 2
+    _same(expected, got)
+    # the caller's values are back after the replays
+    assert model.blk.temperature == 3.0 and model.blk.calls == 2
+
+
+def test_an_attribute_the_forward_adds_is_absent_in_the_replay_and_kept_afterwards():
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(3)
+
+        def forward(self, x):
+            if not hasattr(self, "scale"):  # set on the first forward only
+                self.scale = 2.0
+                return (self.lin(x) * 3).sin()
+            return (self.lin(x) * self.scale).sin()
+
+    def run(ckpt):
+        m = Lazy()
+        fn = remat.checkpoint(region_name="lazy")(m) if ckpt else m
+        x = _x(0)
+        fn(x).sum().backward()
+        return m, [x.grad, m.lin.weight.grad]
+
+    _, expected = run(False)
+    m, got = run(True)
+    _same(expected, got)
+    assert m.scale == 2.0
+
+
+def _closure_block(ckpt):
+    w = _linear(4).weight.detach().requires_grad_()
+    scale = 0.5
+
+    def set_scale(s):
+        nonlocal scale
+        scale = s
+
+    def block(x):
+        return ((x @ w) * scale).sin() * x
+
+    fn = remat.checkpoint(region_name="closure")(block) if ckpt else block
+    return fn, set_scale, w
+
+
+def test_a_closure_value_changed_between_forward_and_backward_is_replayed_as_the_forward_saw_it():
+    fn, set_scale, w = _closure_block(True)
+    outs, xs = [], []
+    for i, s in enumerate((0.5, 4.0)):
+        set_scale(s)
+        xs.append(_x(20 + i))
+        outs.append(fn(xs[-1]))
+    for out in outs:
+        out.sum().backward()
+    got = [x.grad for x in xs] + [w.grad]
+    ref, ref_set, ref_w = _closure_block(False)
+    expected = []
+    for i, s in enumerate((0.5, 4.0)):
+        ref_set(s)
+        x = _x(20 + i)
+        ref(x).sum().backward()
+        expected.append(x.grad)
+    _same(expected, got[:2])
+    assert torch.equal(ref_w.grad, w.grad)
+
+
+# ---------------------------------------------------------------- Python's random and NumPy's generator
+
+
+class Jittered(nn.Module):
+    def __init__(self, draw):
+        super().__init__()
+        self.lin = _linear(5)
+        self.draw = draw
+
+    def forward(self, x):
+        if remat.is_recomputing():
+            REPLAYS.append("jittered")
+        h = self.lin(x)
+        return (h * (1 + 0.1 * self.draw())).sin() * h
+
+
+DRAWS = {
+    "random.random": random.random,
+    "random.gauss": lambda: random.gauss(0.0, 1.0),  # caches every other value (gauss_next)
+    "np.random.rand": lambda: float(np.random.rand()),
+    "np.random.randn": lambda: float(np.random.randn()),  # NumPy's cached gaussian
+}
+
+
+def _seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _jittered_steps(draw, how, gauss_first):
+    model = nn.Sequential(Jittered(DRAWS[draw]), Jittered(DRAWS[draw]))
+    if how == "apply_remat":
+        apply_remat(model, check_fn=lambda m: isinstance(m, Jittered))
+    _seed_all(0)
+    if gauss_first:  # leave a cached gaussian in both generators
+        random.gauss(0.0, 1.0)
+        np.random.randn()
+    grads = []
+    for step in range(2):
+        x = _x(30 + step)
+        model(x).sum().backward()
+        grads += [x.grad, model[0].lin.weight.grad.clone(), model[1].lin.weight.grad.clone()]
+    # where the caller's streams stand
+    return grads, (random.random(), random.gauss(0.0, 1.0), float(np.random.rand()), float(np.random.randn()))
+
+
+@pytest.mark.parametrize("gauss_first", [False, True])
+@pytest.mark.parametrize("draw", sorted(DRAWS))
+def test_python_and_numpy_random_draws_in_forward_are_replayed_exactly_with_fork_semantics(draw, gauss_first):
+    expected, expected_streams = _jittered_steps(draw, "none", gauss_first)
+    REPLAYS.clear()
+    got, streams = _jittered_steps(draw, "apply_remat", gauss_first)
+    assert REPLAYS == ["jittered"] * 4
+    _same(expected, got)
+    assert streams == expected_streams  # the replay did not move the caller's streams
+
+
+def test_a_draw_inside_a_save_region_is_not_replayed_and_later_draws_are():
+    def body(x):
+        a = remat.region(lambda t: t * random.random(), "jitter", recompute=False)(x)
+        a = remat.recompute_needs_tensor(a)
+        return (a * random.random()).sin() * x
+
+    def run(ckpt):
+        random.seed(7)
+        x = _x(40)
+        fn = remat.checkpoint(region_name="blk")(body) if ckpt else body
+        fn(x).sum().backward()
+        return x.grad, random.random()
+
+    expected, after = run(False)
+    got, got_after = run(True)
+    assert torch.equal(expected, got)
+    assert after == got_after
+
+
+def test_a_closure_value_of_a_checkpointed_modules_forward_is_replayed_as_the_forward_saw_it():
+    def make():
+        scale = 0.5
+
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = _linear(6)
+
+            def forward(self, x):
+                return (self.lin(x) * scale).sin() * x
+
+        def set_scale(s):
+            nonlocal scale
+            scale = s
+
+        return Scaled(), set_scale
+
+    def run(ckpt):
+        m, set_scale = make()
+        fn = remat.checkpoint(region_name="scaled")(m) if ckpt else m
+        outs, xs = [], []
+        for i, s in enumerate((0.5, 4.0)):
+            set_scale(s)
+            xs.append(_x(50 + i))
+            outs.append(fn(xs[-1]))
+        for out in outs:
+            out.sum().backward()
+        return [x.grad for x in xs] + [m.lin.weight.grad]
+
+    _same(run(False), run(True))
