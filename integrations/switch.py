@@ -13,14 +13,20 @@ functions, are replaced, and put back on exit.
   arguments: the same modules are selected, and no wrapper enters the module tree.
 * ``checkpoint_wrapper(module, **options)`` installs remat on ``module`` and returns
   ``module`` itself (not a wrapper), so the caller registers the module it already
-  had. Its checkpoint is named after the module's class (the function is not told
-  the module's qualified name).
+  had. The function is not told the module's qualified name: its checkpoint takes
+  the module's path in the model that first calls it (found among the modules being
+  called around it), or keeps the module's class name when no calling module holds it.
 
-Options torch's wrapper takes are translated as ``apply_remat`` translates them
-(``preserve_rng_state=False`` turns the RNG hooks off, as torch's would not replay
-dropout either); a custom ``checkpoint_fn`` other than torch's
-``torch.utils.checkpoint.checkpoint``, ``context_fn`` (selective checkpointing
-policies) and reentrant checkpointing are refused with the reason.
+Options torch's wrapper takes are translated as ``apply_remat`` translates them; a
+custom ``checkpoint_fn`` other than torch's ``torch.utils.checkpoint.checkpoint``,
+``context_fn`` (selective checkpointing policies) and reentrant checkpointing are
+refused with the reason. ``preserve_rng_state``: a :class:`RematConfig` given to the
+switch decides (its ``rng_state_hooks``, True by default, replays dropout exactly
+whatever the framework passes). Without one the framework's flag holds, and a
+forward that draws random numbers under ``preserve_rng_state=False`` (OLMo-core,
+torchtune's ``ac_mode``, accelerate's FSDP2 plugin pass it) makes the backward raise
+``RecomputeMismatchError`` naming the checkpoint and that config, before any
+recompute.
 """
 
 from __future__ import annotations
@@ -35,17 +41,25 @@ from torch import nn
 
 from torch_remat._integration import checkpoint_wrapper_module
 
-from .apply import RematConfig, apply_remat
+from ._forwards import RematForward, installed_forward
+from .apply import RematConfig, checkpoint_selected
 
 _NAMES = ("apply_activation_checkpointing", "checkpoint_wrapper")
+_FRAMEWORK = (
+    "the code that checkpointed it through torch_checkpointing_as_remat (a call of "
+    "torch's checkpoint_wrapper or apply_activation_checkpointing)"
+)
 
 
 @contextlib.contextmanager
 def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[None]:
     """Within the block, torch's ``apply_activation_checkpointing`` and
     ``checkpoint_wrapper`` apply remat (``remat``: the options, as for
-    :func:`~torch_remat.integrations.apply_remat`). Not thread-safe: it replaces
-    module attributes for the whole process while it is open."""
+    :func:`~torch_remat.integrations.apply_remat`; given, its ``rng_state_hooks`` wins
+    over the framework's ``preserve_rng_state``). On exit every name bound to the
+    replacements, also in modules first imported inside the block, is torch's
+    function again, and a replacement kept elsewhere calls torch's. Not thread-safe:
+    it replaces module attributes for the whole process while it is open."""
     _torch = checkpoint_wrapper_module()
     originals = {name: getattr(_torch, name) for name in _NAMES}
     if any(getattr(f, "torch_remat_switch", False) for f in originals.values()):
@@ -63,21 +77,38 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
             return functools.partial(original_wrapper, *fn.args, **fn.keywords)
         return fn
 
+    open_ = [True]
+    # A config given to the switch decides the RNG hooks, whatever preserve_rng_state
+    # the framework passes; without one the framework's flag holds, as in torch.
+    decides = remat is not None
+
     def apply_activation_checkpointing(
         model: nn.Module, checkpoint_wrapper_fn: Any = None,
         check_fn: Any = lambda _: True, auto_wrap_policy: Any = None,
     ) -> None:
-        apply_remat(
-            model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy, remat=remat
+        if not open_[0]:  # a reference kept past the switch: torch's own again
+            originals["apply_activation_checkpointing"](
+                model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy
+            )
+            return
+        checkpoint_selected(
+            model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy, remat,
+            config_decides_rng=decides, framework=_FRAMEWORK,
         )
 
     def checkpoint_wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if not open_[0]:
+            return original_wrapper(module, *args, **kwargs)
         holder = nn.Module()
         holder.add_module(type(module).__name__, module)
-        apply_remat(
+        checkpoint_selected(
             holder, functools.partial(original_wrapper, *args, **kwargs),
-            check_fn=lambda m: m is module, remat=remat,
+            lambda m: m is module, None, remat,
+            config_decides_rng=decides, framework=_FRAMEWORK,
         )
+        forward = installed_forward(module)
+        if isinstance(forward, RematForward):
+            forward.name_from_callers = True
         return module
 
     replacements = {
@@ -102,6 +133,17 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
     try:
         yield
     finally:
+        open_[0] = False
         for module, attr, value in replaced:
             if getattr(module, attr, None) is by_original[id(value)]:
                 setattr(module, attr, value)
+        # Modules first imported while the switch was open bound the replacements.
+        back = {id(replacements[n]): originals[n] for n in _NAMES}
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                original = back.get(id(value))
+                if original is not None and any(value is r for r in replacements.values()):
+                    setattr(module, attr, original)
