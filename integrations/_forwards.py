@@ -225,19 +225,15 @@ def _refuse_in_backward(out: Any, message: str) -> None:
             leaf.register_hook(refuse)
 
 
-_MODULE_CALLS = frozenset(
-    {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
-)
-
-
 def _path_in_callers(module: nn.Module) -> str | None:
-    """The qualified name of ``module`` in the outermost module being called around it
-    (the model whose forward is running), found on the Python stack; None when no
-    calling module contains it."""
+    """The qualified name of ``module`` in the outermost module whose forward runs
+    around this call (the model), found on the Python stack; None when no calling
+    module contains it."""
     callers: list[nn.Module] = []
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _MODULE_CALLS:
+        # the forwards running around this call, each with its module as ``self``
+        if frame.f_code.co_name == "forward":
             owner = frame.f_locals.get("self")
             if isinstance(owner, nn.Module) and owner is not module:
                 callers.append(owner)

@@ -85,6 +85,9 @@ def test_reports_show_the_full_region_name():
 
 
 def test_a_prefix_must_be_a_non_empty_string():
-    with pytest.raises(TypeError, match="prefix must be a non-empty string"):
+    with pytest.raises(ValueError, match="prefix must be a non-empty string, got ''"):
         with remat.name_scope(""):
+            pass
+    with pytest.raises(TypeError, match="prefix must be a string, got int"):
+        with remat.name_scope(3):
             pass
