@@ -49,6 +49,27 @@ def is_parameter(t: torch.Tensor) -> bool:
     return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
 
 
+def held_anyway(t: torch.Tensor) -> bool:
+    """(A view of) a parameter, or of a leaf that requires grad: the module or
+    autograd (its AccumulateGrad node) holds it anyway, so reports never bill it to
+    a checkpoint."""
+    base = t._base
+    root = t if base is None else base
+    if root.requires_grad and root.is_leaf:
+        return True
+    return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
+
+
+def same_storage(a: object, b: torch.Tensor) -> bool:
+    """True if ``a`` is a tensor in the memory of ``b``'s storage."""
+    if not isinstance(a, torch.Tensor):
+        return False
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # no storage (a subclass, meta)
+        return False
+
+
 def storage_root(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns ``t``'s storage as far as autograd views go."""
     base = t._base
