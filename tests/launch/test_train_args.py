@@ -152,3 +152,15 @@ def test_a_corrupt_checkpoint_is_skipped_with_one_line_and_no_traceback(capfd, c
     assert err == "" and [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert out.startswith(f"torch_remat train: checkpoint {tmp_path / 'step4'} is unreadable (")
     assert out.count("\n") == 1
+
+
+@pytest.mark.parametrize("nproc", ["abc", "0", "-1", "2x"])
+def test_run_sh_refuses_a_bad_nproc_before_starting_anything(nproc):
+    import os
+    import subprocess
+
+    env = dict(os.environ, NPROC=nproc, TORCH_REMAT_NO_SETUP="1")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "run.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == f"run.sh: NPROC={nproc}: expected a number of processes >= 1\n"
