@@ -95,6 +95,10 @@ class _ModuleForward:
 class RematForward(_ModuleForward):
     """``module.forward`` under ``apply_remat``: the original forward, checkpointed."""
 
+    # (class defaults: copies pickled before these existed read them)
+    rng_off_by: str | None = None
+    name_from_callers = False
+
     def __init__(
         self,
         module: nn.Module,

@@ -60,14 +60,20 @@ def held_anyway(t: torch.Tensor) -> bool:
     return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
 
 
+def storage_ptr(t: object) -> int | None:
+    """Where ``t``'s storage starts in memory (None: not a tensor with a storage)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):  # no storage (a subclass, meta)
+        return None
+
+
 def same_storage(a: object, b: torch.Tensor) -> bool:
     """True if ``a`` is a tensor in the memory of ``b``'s storage."""
-    if not isinstance(a, torch.Tensor):
-        return False
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
-    except (RuntimeError, NotImplementedError):  # no storage (a subclass, meta)
-        return False
+    ptr = storage_ptr(a)
+    return ptr is not None and ptr == storage_ptr(b)
 
 
 def storage_root(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._tensors import TensorMeta, same_storage
+from .._tensors import TensorMeta, storage_ptr
 from .registry import FrameEntry
 from .storage import is_parameter, tensors_in
 
@@ -116,7 +116,7 @@ def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
         tensors = _source_tensors(s, done)
         if tensors:
             held = s.held_anyway
-            param = held is not None and all(same_storage(t, held) for t in tensors)
+            param = held is not None and all(storage_ptr(t) == held for t in tensors)
             inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, parameter=param))
     for index, meta, payload in frame.unread_inputs or ():
         # packed by hooks when the checkpoint started; held until backward unpacks it

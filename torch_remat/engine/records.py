@@ -33,7 +33,14 @@ from .. import _compat
 from .._autograd_hooks import VersionedTensor
 from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks
 from .._errors import RematError, modified_in_place
-from .._tensors import TensorMeta, held_anyway, is_parameter, same_storage, storage_root
+from .._tensors import (
+    TensorMeta,
+    held_anyway,
+    is_parameter,
+    same_storage,
+    storage_ptr,
+    storage_root,
+)
 from .context import forget_exception_site
 from .placeholder import PlaceholderOrigin, make_placeholder
 from .saved_hooks import DeferredPack, PackedVersion, SavedTensorKind
@@ -307,9 +314,9 @@ class TensorSource:
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
         self.kind = kind
-        # an input the module or autograd holds anyway (its storage): reports do not
-        # bill what the checkpoint keeps of it in that storage
-        self.held_anyway = t if kind == INPUT and held_anyway(t) else None
+        # an input the module or autograd holds anyway (where its storage is): reports
+        # do not bill what the checkpoint keeps of it in that storage
+        self.held_anyway = storage_ptr(t) if kind == INPUT and held_anyway(t) else None
         self.index = index
         # The region's qualified name; not the RegionRecord, which refers back to its
         # sources (a cycle would delay freeing kept tensors to the garbage collector).
