@@ -317,7 +317,9 @@ def build(args, vocab: int, device: torch.device, world: int):
 # --checkpoint-dir DIR holds one folder per saved step, DIR/stepN: the model and
 # optimizer (torch.distributed.checkpoint, sharded as trained) and every rank's
 # random generators (rng/rankR.pt: dropout draws from them, so a resumed run draws
-# the masks the uninterrupted run would have). A save is written to stepN.tmp and
+# the masks the uninterrupted run would have), and from rank 0 the model's shape
+# (model_config.json, compared at resume) and the log up to the step (log.json, where
+# a resumed --log-json starts). A save is written to stepN.tmp and
 # renamed when complete; DIR/latest.json names the newest step. Under torchrun on
 # several nodes DIR is a folder every node sees (rank 0 writes the metadata and
 # renames).
