@@ -428,16 +428,49 @@ def write_run_metadata(folder: pathlib.Path, config: dict, log: Log) -> None:
     (folder / "log.json").write_text(json.dumps(log.data()))
 
 
-def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: int) -> None:
+def check_saved_shapes(directory: pathlib.Path, step: int, model_state: dict, rank: int) -> None:
+    """For a checkpoint without model_config.json: usage error if the tensors it
+    holds are not the model's, by name and shape (from its DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = directory / f"step{step}"
+    try:
+        with _no_load_logs():
+            metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: the load says so
+        return
+    saved = {k.removeprefix("model."): getattr(v, "size", None) for k, v in metadata.items()
+             if k.startswith("model.")}
+    mine = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    detail = None
+    extra, missing = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+    if extra:
+        detail = f"it holds {extra[0]}, which this run's model lacks"
+    elif missing:
+        detail = f"it lacks {missing[0]}, which this run's model has"
+    else:
+        for k, shape in mine.items():
+            if saved[k] is not None and tuple(saved[k]) != shape:
+                detail = f"{k} is {tuple(saved[k])} there and {shape} here"
+                break
+    if detail:
+        usage_error(f"--checkpoint-dir {directory}: {path.name} holds a model of another shape "
+                    f"than this run's ({detail}); pass the --layers, --dim, --heads and "
+                    "--seq-len it was trained with, or choose another --checkpoint-dir (nothing "
+                    "there was changed)", rank)
+
+
+def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: int) -> bool:
     """Usage error if the checkpoint of ``step`` holds a model of another shape than
-    this run's (loading it would take some of its tensors, or fail on every one)."""
+    this run's (loading it would take some of its tensors, or fail on every one).
+    False when the checkpoint does not record its shape."""
     path = directory / f"step{step}" / "model_config.json"
     try:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
-        return  # an older checkpoint without it: the load decides
+        return False  # an older checkpoint without it
     if not isinstance(saved, dict):
-        return
+        return False
     given = [f"{flag} {config[key]}" for key, flag in MODEL_FLAGS if saved.get(key, config[key]) != config[key]]
     there = [f"{flag} {saved[key]}" for key, flag in MODEL_FLAGS if saved.get(key, config[key]) != config[key]]
     if given:
@@ -449,6 +482,7 @@ def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: i
         usage_error(f"--checkpoint-dir {directory}: its checkpoints were saved with a vocabulary "
                     f"of {saved['vocab']} characters and this corpus has {config['vocab']}; "
                     "choose another --checkpoint-dir (nothing there was changed)", rank)
+    return True
 
 
 def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, keep: int,
@@ -504,8 +538,8 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
                     "resuming from the newest complete checkpoint instead")
     for step in steps:
         path = directory / f"step{step}"
-        if config is not None:
-            check_model_config(directory, step, config, rank)
+        if config is not None and not check_model_config(directory, step, config, rank):
+            check_saved_shapes(directory, step, get_state_dict(model, opt)[0], rank)
         error = None
         try:
             msd, osd = get_state_dict(model, opt)

@@ -164,3 +164,23 @@ def test_run_sh_refuses_a_bad_nproc_before_starting_anything(nproc):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr == f"run.sh: NPROC={nproc}: expected a number of processes >= 1\n"
+
+
+def test_a_checkpoint_without_model_config_is_checked_by_its_tensors(capsys, tmp_path):
+    import torch
+
+    def model_and_opt(layers, dim=8):
+        torch.manual_seed(0)
+        model = train.GPT(train.GPTConfig(vocab=10, seq_len=8, layers=layers, dim=dim, heads=2))
+        return model, torch.optim.AdamW(model.parameters())
+
+    train.save_checkpoint(tmp_path, *model_and_opt(2), 2, rank=0, keep=0)  # no model_config.json
+    assert not (tmp_path / "step2" / "model_config.json").exists()
+    config = {"layers": 1, "dim": 8, "heads": 2, "seq_len": 8, "vocab": 10}
+    for layers, dim, detail in ((1, 8, "it holds blocks.1."), (2, 4, "tok.weight is (10, 8) there and (10, 4) here")):
+        with pytest.raises(SystemExit) as info:
+            train.load_checkpoint(tmp_path, *model_and_opt(layers, dim), rank=0, config=config)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"step2 holds a model of another shape than this run's ({detail}" in err
+    assert train.load_checkpoint(tmp_path, *model_and_opt(2), rank=0, config=config) == 2
