@@ -6,6 +6,7 @@ a checkpointed block (:class:`RematForward`) and a SAVE region inside one
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 import torch_remat as remat
-from torch_remat._integration import tree_flatten
+from torch_remat._integration import drew_random_numbers, generator_positions, tree_flatten
 
 from ._repeated_calls import repeated_call_prefix, run_counting_calls
 from ._selection import save_modules_of
@@ -94,6 +95,10 @@ class _ModuleForward:
 class RematForward(_ModuleForward):
     """``module.forward`` under ``apply_remat``: the original forward, checkpointed."""
 
+    # (class defaults: copies pickled before these existed read them)
+    rng_off_by: str | None = None
+    name_from_callers = False
+
     def __init__(
         self,
         module: nn.Module,
@@ -113,6 +118,13 @@ class RematForward(_ModuleForward):
         # SAVE-region modules are installed inside (install_save_regions): their
         # repeated calls are numbered per run of the forward
         self.counts_calls = False
+        # How a wrapper's preserve_rng_state=False turned the RNG hooks off (None: it
+        # did not): a forward that draws random numbers is then refused by name.
+        self.rng_off_by: str | None = None
+        # Installed on a module alone (torch's checkpoint_wrapper through the switch):
+        # the checkpoint is named by the module's class until its first call, which
+        # finds the module's path in the model that calls it.
+        self.name_from_callers = False
         self._checkpointed: Callable[..., Any] | None = (
             self.build_checkpoint(region_name, _CountedForward(self)) if checkpointed else None
         )
@@ -167,13 +179,74 @@ class RematForward(_ModuleForward):
         if not self.checkpointed:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
                 return self._function()(*args, **kwargs)
+        if self.name_from_callers:
+            self.name_from_callers = False
+            path = _path_in_callers(module)
+            if path:
+                self.region_name = path
+                self._checkpointed = None
         fn = self._checkpointed
         if fn is None:  # a copy (deepcopy, unpickling): built on its first call
             fn = self._checkpointed = self.build_checkpoint(self.region_name, _CountedForward(self))
+        guard = (
+            self.rng_off_by is not None
+            and torch.is_grad_enabled()
+            and not remat.is_recomputing()
+            and not torch.compiler.is_compiling()
+        )
+        start = generator_positions() if guard else None
         if self.offload:
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
+        if start is not None and drew_random_numbers(start):
+            _refuse_in_backward(out, self._rng_refusal())
+        return out
+
+    def _rng_refusal(self) -> str:
+        return (
+            f"torch_remat: checkpoint '{self.region_name}' drew random numbers (dropout) in "
+            f"its forward, but {self.rng_off_by} passed preserve_rng_state=False (as "
+            "OLMo-core, torchtune's ac_mode and accelerate's FSDP2 plugin do), so it runs "
+            "without RNG hooks: the recompute would draw other numbers (another dropout "
+            "mask) and the gradients would be wrong. Open the switch as "
+            "torch_checkpointing_as_remat(RematConfig(rng_state_hooks=True)): a config "
+            "given to the switch decides over the framework's preserve_rng_state, and its "
+            "RNG hooks replay the forward's random numbers exactly."
+        )
+
+
+def _refuse_in_backward(out: Any, message: str) -> None:
+    """Make the first backward through ``out`` raise ``message``, before the recompute
+    (where the engine's own refusal would name a call the user never makes)."""
+
+    def refuse(_grad: torch.Tensor) -> None:
+        raise remat.RecomputeMismatchError(message)
+
+    for leaf in tree_flatten(out)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            leaf.register_hook(refuse)
+
+
+def _path_in_callers(module: nn.Module) -> str | None:
+    """The qualified name of ``module`` in the outermost module whose forward runs
+    around this call (the model), found on the Python stack; None when no calling
+    module contains it."""
+    callers: list[nn.Module] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        # the forwards running around this call, each with its module as ``self``
+        if frame.f_code.co_name == "forward":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and owner is not module:
+                callers.append(owner)
+        frame = frame.f_back
+    for caller in reversed(callers):  # outermost first
+        for name, sub in caller.named_modules():
+            if sub is module:
+                return name
+    return None
 
 
 class _CountedForward:

@@ -173,6 +173,24 @@ def apply_remat(
     remat is already applied anywhere in ``model`` (see :func:`remove_remat`) or if a
     module is wrapped by torch's ``CheckpointWrapper``.
     """
+    return checkpoint_selected(model, checkpoint_wrapper_fn, check_fn, auto_wrap_policy, remat)
+
+
+def checkpoint_selected(
+    model: nn.Module,
+    checkpoint_wrapper_fn: Callable[..., Any] | None,
+    check_fn: Callable[[nn.Module], bool],
+    auto_wrap_policy: Any,
+    remat: RematConfig | None,
+    *,
+    config_decides_rng: bool = False,
+    framework: str | None = None,
+) -> list[str]:
+    """:func:`apply_remat`. ``config_decides_rng``: ``remat.rng_state_hooks`` wins over
+    a wrapper's ``preserve_rng_state`` (a config given to the switch). ``framework``:
+    how the call was made, for the refusal of random numbers in a forward whose RNG
+    hooks a wrapper's ``preserve_rng_state=False`` turned off (None: the engine's own
+    refusal in backward)."""
     config = RematConfig() if remat is None else remat
     if check_fn is None:
         raise TypeError("apply_remat: check_fn must be a callable module -> bool.")
@@ -206,8 +224,13 @@ def apply_remat(
             )
         options, preserve = checkpoint_options({**base_kwargs, **policy_kwargs}, name)
         options.update(config.checkpoint_options())
-        use_rng = config.rng_state_hooks if preserve is None else bool(preserve)
-        plans.append((module, name, options, use_rng))
+        use_rng = config.rng_state_hooks
+        rng_off_by = None
+        if preserve is not None and not config_decides_rng:
+            use_rng = bool(preserve)
+            if not use_rng and framework is not None:
+                rng_off_by = framework
+        plans.append((module, name, options, use_rng, rng_off_by))
 
     rng_hooks: tuple[Any, ...] = ()
     if any(p[3] for p in plans):
@@ -216,9 +239,10 @@ def apply_remat(
         if mesh is not None:
             prepare_dtensor_rng(mesh)
     extra_hooks = tuple(config.recompute_state_hooks)
-    for module, name, options, use_rng in plans:
+    for module, name, options, use_rng, rng_off_by in plans:
         hooks = (rng_hooks if use_rng else ()) + extra_hooks
         module.forward = RematForward(module, name, hooks, options, offload, checkpointed=not offload)
+        module.forward.rng_off_by = rng_off_by
     if is_save is not None and not offload:
         install_save_regions((p[0] for p in plans), is_save)
     return [p[1] for p in plans]

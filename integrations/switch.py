@@ -13,9 +13,9 @@ functions, are replaced, and put back on exit.
   arguments: the same modules are selected, and no wrapper enters the module tree.
 * ``checkpoint_wrapper(module, **options)`` installs remat on ``module`` and returns
   ``module`` itself (not a wrapper), so the caller registers the module it already
-  had. Its checkpoint is named after the module's class (the function is not told
-  the module's qualified name).
-
+  had. The function is not told the module's qualified name: its checkpoint takes
+  the module's path in the model that first calls it (found among the modules being
+  called around it), or keeps the module's class name when no calling module holds it.
 * ``torch.utils.checkpoint.checkpoint(**options)(fn)``, the curried form (torch 2.15
   and later), returns ``remat.checkpoint(**options)(fn)`` (named after ``fn``). A
   direct call, ``checkpoint(fn, *args)``, runs torch's checkpoint as before: it is a
@@ -23,13 +23,18 @@ functions, are replaced, and put back on exit.
   the names modules outside torch bound to the function are replaced (torch's own
   modules call it directly only).
 
-Options torch's wrapper takes are translated as ``apply_remat`` translates them
-(``preserve_rng_state=False`` turns the RNG hooks off, as torch's would not replay
-dropout either); a custom ``checkpoint_fn`` other than torch's
-``torch.utils.checkpoint.checkpoint``, ``context_fn`` (selective checkpointing
-policies) and reentrant checkpointing are refused with the reason. The curried
-form's options are translated the same way; its ``respect_saved_tensors_hooks``
-concerns only selective checkpointing, which remat refuses, and is accepted.
+Options torch's wrapper takes are translated as ``apply_remat`` translates them; a
+custom ``checkpoint_fn`` other than torch's ``torch.utils.checkpoint.checkpoint``,
+``context_fn`` (selective checkpointing policies) and reentrant checkpointing are
+refused with the reason. ``preserve_rng_state``: a :class:`RematConfig` given to the
+switch decides (its ``rng_state_hooks``, True by default, replays dropout exactly
+whatever the framework passes). Without one the framework's flag holds, and a
+forward that draws random numbers under ``preserve_rng_state=False`` (OLMo-core,
+torchtune's ``ac_mode``, accelerate's FSDP2 plugin pass it) makes the backward raise
+``RecomputeMismatchError`` naming the checkpoint and that config, before any
+recompute. The curried form's options are translated the same way; its
+``respect_saved_tensors_hooks`` concerns only selective checkpointing, which remat
+refuses, and is accepted.
 """
 
 from __future__ import annotations
@@ -47,11 +52,16 @@ from torch import nn
 from torch_remat import checkpoint as remat_checkpoint
 from torch_remat._integration import checkpoint_wrapper_module
 
+from ._forwards import RematForward, installed_forward
 from ._torch_arguments import checkpoint_options
-from .apply import RematConfig, apply_remat
+from .apply import RematConfig, checkpoint_selected
 from .rng import default_rng_state_hooks
 
 _NAMES = ("apply_activation_checkpointing", "checkpoint_wrapper")
+_FRAMEWORK = (
+    "the code that checkpointed it through torch_checkpointing_as_remat (a call of "
+    "torch's checkpoint_wrapper or apply_activation_checkpointing)"
+)
 
 # torch 2.15 made `function` optional: checkpoint(**options) returns a decorator.
 _TORCH_HAS_CURRIED_CHECKPOINT = (
@@ -59,14 +69,16 @@ _TORCH_HAS_CURRIED_CHECKPOINT = (
 )
 
 
-def _curried_checkpoint(original: Callable[..., Any], config: RematConfig) -> Callable[..., Any]:
-    """torch's ``checkpoint`` with its curried form made remat's."""
+def _curried_checkpoint(
+    original: Callable[..., Any], config: RematConfig, is_open: Callable[[], bool]
+) -> Callable[..., Any]:
+    """torch's ``checkpoint`` with its curried form made remat's while the switch is open."""
     accepted = {
         p.name for p in inspect.signature(original).parameters.values() if p.kind is p.KEYWORD_ONLY
     }
 
     def checkpoint(function: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if function is not None or args:
+        if function is not None or args or not is_open():
             return original(function, *args, **kwargs)
         unexpected = sorted(set(kwargs) - accepted)
         if unexpected:
@@ -92,11 +104,12 @@ def _curried_checkpoint(original: Callable[..., Any], config: RematConfig) -> Ca
 @contextlib.contextmanager
 def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[None]:
     """Within the block, torch's ``apply_activation_checkpointing`` and
-    ``checkpoint_wrapper``, and the curried ``torch.utils.checkpoint.checkpoint(
-    **options)(fn)``, apply remat (``remat``: the options, as for
-    :func:`~torch_remat.integrations.apply_remat`). Not thread-safe: it replaces
-    module attributes for the whole process while it is open."""
-    config = RematConfig() if remat is None else remat
+    ``checkpoint_wrapper`` apply remat (``remat``: the options, as for
+    :func:`~torch_remat.integrations.apply_remat`; given, its ``rng_state_hooks`` wins
+    over the framework's ``preserve_rng_state``). On exit every name bound to the
+    replacements, also in modules first imported inside the block, is torch's
+    function again, and a replacement kept elsewhere calls torch's. Not thread-safe:
+    it replaces module attributes for the whole process while it is open."""
     _torch = checkpoint_wrapper_module()
     originals = {name: getattr(_torch, name) for name in _NAMES}
     if any(getattr(f, "torch_remat_switch", False) for f in originals.values()):
@@ -114,21 +127,38 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
             return functools.partial(original_wrapper, *fn.args, **fn.keywords)
         return fn
 
+    open_ = [True]
+    # A config given to the switch decides the RNG hooks, whatever preserve_rng_state
+    # the framework passes; without one the framework's flag holds, as in torch.
+    decides = remat is not None
+
     def apply_activation_checkpointing(
         model: nn.Module, checkpoint_wrapper_fn: Any = None,
         check_fn: Any = lambda _: True, auto_wrap_policy: Any = None,
     ) -> None:
-        apply_remat(
-            model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy, remat=config
+        if not open_[0]:  # a reference kept past the switch: torch's own again
+            originals["apply_activation_checkpointing"](
+                model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy
+            )
+            return
+        checkpoint_selected(
+            model, unswitched(checkpoint_wrapper_fn), check_fn, auto_wrap_policy, remat,
+            config_decides_rng=decides, framework=_FRAMEWORK,
         )
 
     def checkpoint_wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if not open_[0]:
+            return original_wrapper(module, *args, **kwargs)
         holder = nn.Module()
         holder.add_module(type(module).__name__, module)
-        apply_remat(
+        checkpoint_selected(
             holder, functools.partial(original_wrapper, *args, **kwargs),
-            check_fn=lambda m: m is module, remat=config,
+            lambda m: m is module, None, remat,
+            config_decides_rng=decides, framework=_FRAMEWORK,
         )
+        forward = installed_forward(module)
+        if isinstance(forward, RematForward):
+            forward.name_from_callers = True
         return module
 
     replacements = {
@@ -138,7 +168,9 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
     names = list(_NAMES)
     if _TORCH_HAS_CURRIED_CHECKPOINT:
         originals["checkpoint"] = torch.utils.checkpoint.checkpoint
-        replacements["checkpoint"] = _curried_checkpoint(originals["checkpoint"], config)
+        replacements["checkpoint"] = _curried_checkpoint(
+            originals["checkpoint"], RematConfig() if remat is None else remat, lambda: open_[0]
+        )
         names.append("checkpoint")
     for fn in replacements.values():
         fn.torch_remat_switch = True  # type: ignore[attr-defined]
@@ -163,6 +195,17 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
     try:
         yield
     finally:
+        open_[0] = False
         for module, attr, value in replaced:
             if getattr(module, attr, None) is by_original[id(value)]:
                 setattr(module, attr, value)
+        # Modules first imported while the switch was open bound the replacements.
+        back = {id(replacements[n]): originals[n] for n in names}
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                original = back.get(id(value))
+                if original is not None and any(value is r for r in replacements.values()):
+                    setattr(module, attr, original)

@@ -176,12 +176,23 @@ def torch_checkpointed_layer_names(model: nn.Module) -> list[str]:
         [
             (name, module)
             for name, module in model.named_modules()
-            if getattr(module, "gradient_checkpointing", False) is True
+            # torch's CheckpointWrapper reads the flag through to the layer it wraps
+            if "gradient_checkpointing" in module.__dict__
+            and module.gradient_checkpointing is True
             and not isinstance(
                 module.__dict__.get("_gradient_checkpointing_func"), RematLayerCheckpoint
             )
         ]
     )
+
+
+def torch_wrapped_names(model: nn.Module) -> list[str]:
+    """Qualified names of the modules of ``model`` that torch's ``CheckpointWrapper``
+    replaced (accelerate's FSDP plugin with ``activation_checkpointing=True``, which the
+    Trainer's ``fsdp_config`` sets, or ``apply_activation_checkpointing``)."""
+    from torch_remat._integration import CheckpointWrapper
+
+    return [name for name, m in model.named_modules() if isinstance(m, CheckpointWrapper)]
 
 
 def _check_supported(model: Any) -> None:
@@ -333,6 +344,19 @@ def _refuse_replaced_remat(model: nn.Module, args: Any) -> None:
     function, so that copies and pickles of the model carry it without a reference)."""
     if not model.training:
         return
+    wrapped = torch_wrapped_names(model)
+    if wrapped:
+        raise RuntimeError(
+            f"enable_remat: torch's checkpoint_wrapper wraps {wrapped} after "
+            "enable_remat(model), so those layers would be checkpointed twice. This is "
+            "FSDP's own activation checkpointing: accelerate's "
+            "FullyShardedDataParallelPlugin(activation_checkpointing=True) (the Trainer "
+            "sets it from fsdp_config={'activation_checkpointing': True}), or a call of "
+            "torch's apply_activation_checkpointing. Set activation_checkpointing=False "
+            "in the plugin or the fsdp_config and keep enable_remat (or prepare with "
+            "torch_remat.integrations.prepare_with_remat, which turns it off), or call "
+            "disable_remat(model) to train with FSDP's checkpointing instead."
+        )
     replaced = torch_checkpointed_layer_names(model)
     if replaced:
         raise RuntimeError(

@@ -35,6 +35,14 @@
 # A bad argument ends the run with status 2 and train.py's message (launch/torchrun.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# a bad count ends here with a usage error, not in torchrun's traceback
+for var in NPROC:processes NNODES:nodes; do
+  name=${var%%:*}
+  value=${!name:-1}
+  case "$value" in
+    ''|*[!0-9]*|0*) echo "run.sh: $name=$value: expected a number of ${var#*:} >= 1" >&2; exit 2 ;;
+  esac
+done
 if [ -z "${TORCH_REMAT_NO_SETUP:-}" ]; then
   bash scripts/setup_env.sh
 fi

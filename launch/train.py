@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
@@ -344,7 +345,9 @@ def build(args, vocab: int, device: torch.device, world: int):
 # --checkpoint-dir DIR holds one folder per saved step, DIR/stepN: the model and
 # optimizer (torch.distributed.checkpoint, sharded as trained) and every rank's
 # random generators (rng/rankR.pt: dropout draws from them, so a resumed run draws
-# the masks the uninterrupted run would have). A save is written to stepN.tmp and
+# the masks the uninterrupted run would have), and from rank 0 the model's shape
+# (model_config.json, compared at resume) and the log up to the step (log.json, where
+# a resumed --log-json starts). A save is written to stepN.tmp and
 # renamed when complete; DIR/latest.json names the newest step. Under torchrun on
 # several nodes DIR is a folder every node sees (rank 0 writes the metadata and
 # renames).
@@ -404,6 +407,17 @@ def check_writable(directory: pathlib.Path, rank: int) -> None:
 
 
 @contextlib.contextmanager
+def _no_load_logs():
+    """torch.distributed.checkpoint logs each failed metadata read with its traceback
+    (about 50 lines per checkpoint); load_checkpoint says in one line what failed."""
+    logging.disable(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@contextlib.contextmanager
 def _single_process_quiet():
     """Without a process group (--parallel none) torch.distributed.checkpoint warns
     that it saves or loads in a single process, as it is meant to: not shown."""
@@ -425,7 +439,82 @@ def _set_rng_states(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, keep: int) -> None:
+MODEL_FLAGS = (("layers", "--layers"), ("dim", "--dim"), ("heads", "--heads"), ("seq_len", "--seq-len"))
+
+
+def model_config(args, vocab: int) -> dict:
+    """The model's shape, as a checkpoint folder records it (model_config.json)."""
+    return {"layers": args.layers, "dim": args.dim, "heads": args.heads,
+            "seq_len": args.seq_len, "vocab": vocab}
+
+
+def write_run_metadata(folder: pathlib.Path, config: dict, log: Log) -> None:
+    """Rank 0's files in a checkpoint folder: the model's shape, compared at resume,
+    and the log up to this step, which a resumed run starts its --log-json from (a
+    run killed after the save but before --log-json was written loses no step)."""
+    (folder / "model_config.json").write_text(json.dumps(config))
+    (folder / "log.json").write_text(json.dumps(log.data()))
+
+
+def check_saved_shapes(directory: pathlib.Path, step: int, model_state: dict, rank: int) -> None:
+    """For a checkpoint without model_config.json: usage error if the tensors it
+    holds are not the model's, by name and shape (from its DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = directory / f"step{step}"
+    try:
+        with _no_load_logs():
+            metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: the load says so
+        return
+    saved = {k.removeprefix("model."): getattr(v, "size", None) for k, v in metadata.items()
+             if k.startswith("model.")}
+    mine = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    detail = None
+    extra, missing = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+    if extra:
+        detail = f"it holds {extra[0]}, which this run's model lacks"
+    elif missing:
+        detail = f"it lacks {missing[0]}, which this run's model has"
+    else:
+        for k, shape in mine.items():
+            if saved[k] is not None and tuple(saved[k]) != shape:
+                detail = f"{k} is {tuple(saved[k])} there and {shape} here"
+                break
+    if detail:
+        usage_error(f"--checkpoint-dir {directory}: {path.name} holds a model of another shape "
+                    f"than this run's ({detail}); pass the --layers, --dim, --heads and "
+                    "--seq-len it was trained with, or choose another --checkpoint-dir (nothing "
+                    "there was changed)", rank)
+
+
+def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: int) -> bool:
+    """Usage error if the checkpoint of ``step`` holds a model of another shape than
+    this run's (loading it would take some of its tensors, or fail on every one).
+    False when the checkpoint does not record its shape."""
+    path = directory / f"step{step}" / "model_config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False  # an older checkpoint without it
+    if not isinstance(saved, dict):
+        return False
+    given = [f"{flag} {config[key]}" for key, flag in MODEL_FLAGS if saved.get(key, config[key]) != config[key]]
+    there = [f"{flag} {saved[key]}" for key, flag in MODEL_FLAGS if saved.get(key, config[key]) != config[key]]
+    if given:
+        usage_error(f"--checkpoint-dir {directory}: this run has {', '.join(given)}, but the "
+                    f"checkpoints there were saved with {', '.join(there)}; pass "
+                    f"{' '.join(there)} to resume them, or choose another --checkpoint-dir "
+                    "for this shape (nothing there was changed)", rank)
+    if saved.get("vocab", config["vocab"]) != config["vocab"]:
+        usage_error(f"--checkpoint-dir {directory}: its checkpoints were saved with a vocabulary "
+                    f"of {saved['vocab']} characters and this corpus has {config['vocab']}; "
+                    "choose another --checkpoint-dir (nothing there was changed)", rank)
+    return True
+
+
+def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, keep: int,
+                    config: dict | None = None, log: Log | None = None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -441,6 +530,8 @@ def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, k
     with _single_process_quiet():
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     if rank == 0:
+        if config is not None and log is not None:
+            write_run_metadata(tmp, config, log)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -453,9 +544,10 @@ def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, k
             shutil.rmtree(directory / f"step{old}")
 
 
-def load_checkpoint(directory: pathlib.Path, model, opt, rank: int) -> int:
+def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict | None = None) -> int:
     """Resume from the newest complete checkpoint in ``directory`` (0: none there).
-    One that cannot be read is skipped, with a message."""
+    One that cannot be read is skipped, with a message; one of another model shape
+    than ``config`` is a usage error."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -474,11 +566,13 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int) -> int:
                     "resuming from the newest complete checkpoint instead")
     for step in steps:
         path = directory / f"step{step}"
+        if config is not None and not check_model_config(directory, step, config, rank):
+            check_saved_shapes(directory, step, get_state_dict(model, opt)[0], rank)
         error = None
         try:
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd}
-            with _single_process_quiet():
+            with _single_process_quiet(), _no_load_logs():
                 dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
             rng_file = path / "rng" / f"rank{rank}.pt"
             rng = torch.load(rng_file) if rng_file.exists() else None
@@ -526,28 +620,50 @@ def init_process_group(backend: str) -> None:
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world)
 
 
+class _Default(str):
+    """A string default: tells a flag left out from one given its default value."""
+
+
+POSITIVE = ("steps", "batch_size", "seq_len", "layers", "dim", "heads", "save_every")
+
+
 def parse_args(argv=None):
-    p = ArgumentParser(description="Train a small GPT with torch_remat.")
-    p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none")
+    p = ArgumentParser(description="Train a small GPT with torch_remat.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none", help="how the ranks share the model (all but none need torchrun, e.g. launch/run.sh); fsdp2+tp: tensor parallelism over pairs of ranks, FSDP2 across the pairs")
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
     p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES: before training, print rank 0's forecast for the --parallel layout on the launch's ranks (every hand policy and the plan, run on fake tensors over a fake process group: nothing allocated), with the largest micro-batch fitting --device-memory")
     p.add_argument("--verify-plan", action=argparse.BooleanOptionalAction, default=True, help="with --remat budget=...: run the chosen plan once and stop (status 2, naming each block whose bytes differ) if it keeps other bytes than predicted; --no-verify-plan installs the plan unchecked")
-    p.add_argument("--device-memory", default="80GiB", help="the device memory --forecast fits micro-batches into (e.g. 80GiB, 40GB)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps (with every rank's random generators); resume from the newest complete checkpoint there, exactly")
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="keep the K newest checkpoints, delete older ones (default 0: keep all)")
+    p.add_argument("--device-memory", default=_Default("80GiB"), help="the device memory --forecast fits micro-batches into (e.g. 80GiB, 40GB); only with --forecast")
+    p.add_argument("--steps", type=int, default=40, help="train up to this step (a resumed run continues to it)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step on each data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (each one checkpoint)")
+    p.add_argument("--dim", type=int, default=64, help="model width (a multiple of --heads)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (a multiple of the tensor-parallel ranks)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batches")
+    p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps (with every rank's random generators and the model's shape); resume from the newest complete checkpoint there, exactly")
+    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir)")
+    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="keep the K newest checkpoints, delete older ones (0: keep all)")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
     p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run keeps the steps before its resume point and lists it in resumed_at")
     p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
     args = p.parse_args(argv)
+    for name in POSITIVE:
+        value = getattr(args, name)
+        if value < 1:
+            p.error(f"--{name.replace('_', '-')} {value}: expected an integer >= 1")
+    if args.dim % args.heads:
+        p.error(f"--heads {args.heads}: --dim {args.dim} must be a multiple of it (each head "
+                "takes dim/heads channels)")
+    if args.oom_dump_dir and pathlib.Path(args.oom_dump_dir).exists() and not pathlib.Path(args.oom_dump_dir).is_dir():
+        p.error(f"--oom-dump-dir {args.oom_dump_dir}: is a file, not a folder; name a folder "
+                "(it is created if missing)")
+    if not isinstance(args.device_memory, _Default) and not args.forecast:
+        p.error("--device-memory is read by --forecast only (the micro-batch it forecasts to "
+                "fit); add --forecast with --remat budget=F|BYTES, or drop --device-memory")
+    args.device_memory = str(args.device_memory)
     try:
         remat_policy(args.remat)
     except ValueError as e:
@@ -564,6 +680,55 @@ def parse_args(argv=None):
     return args
 
 
+def tp_size(parallel: str, world: int) -> int:
+    """The tensor-parallel ranks of ``--parallel`` on ``world`` ranks (1: none)."""
+    if parallel == "tp":
+        return world
+    if parallel == "fsdp2+tp":
+        return 2 if world % 2 == 0 else 1
+    return 1
+
+
+def check_layout(args, world: int, rank: int) -> None:
+    """Usage error where the model cannot be split as ``--parallel`` asks on ``world`` ranks."""
+    tp = tp_size(args.parallel, world)
+    if tp > 1 and args.heads % tp:
+        usage_error(f"--parallel {args.parallel} on {world} ranks: --heads {args.heads} must be "
+                    f"a multiple of the {tp} tensor-parallel ranks (each rank takes heads/{tp} "
+                    "of them); change the number of ranks (NPROC) or --heads", rank)
+
+
+def layout_line(args, world: int) -> str | None:
+    """How ``--parallel fsdp2+tp`` lays out ``world`` ranks (None for other modes)."""
+    if args.parallel != "fsdp2+tp":
+        return None
+    tp = tp_size(args.parallel, world)
+    line = f"torch_remat train: --parallel fsdp2+tp on {world} ranks: mesh dp={world // tp} x tp={tp}"
+    if tp == 1:
+        line += " (an odd number of ranks has no pairs for tensor parallelism: FSDP2 alone)"
+    elif world == tp:
+        line += " (one pair: tensor parallelism alone; 4 or more ranks shard with FSDP2 too)"
+    return line
+
+
+def check_log_json(path: str, rank: int) -> None:
+    """Fail at start, not after training, where rank 0 cannot write ``--log-json``."""
+    if rank != 0 or not path:
+        return
+    target = pathlib.Path(path)
+    error = "it is a folder" if target.is_dir() else None
+    if error is None:
+        probe = pathlib.Path(path + ".tmp")  # Log.write writes there, then renames
+        try:
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            error = e.strerror or str(e)
+    if error is not None:
+        usage_error(f"--log-json {path}: cannot write there ({error}); name a file in an "
+                    "existing, writable folder", rank)
+
+
 def memory_report(loss, distributed: bool) -> str | None:
     """The saved-for-backward report of ``loss``'s graph: on rank 0 across ranks under
     torchrun (every rank must call it), the local one in a single process."""
@@ -577,6 +742,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and args.parallel != "none"
     use_cuda = torch.cuda.is_available()
+    launch_rank = int(os.environ.get("RANK", "0"))
+    check_layout(args, int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1, launch_rank)
+    check_log_json(args.log_json, launch_rank)
     if args.forecast:
         forecast_before_launch(
             args, len(sorted(set(load_text()))), int(os.environ.get("RANK", "0")),
@@ -593,7 +761,8 @@ def main(argv=None) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
     text = load_text()
-    model, dp_rank, dp_size = build(args, len(sorted(set(text))), device, world)
+    config = model_config(args, len(sorted(set(text))))
+    model, dp_rank, dp_size = build(args, config["vocab"], device, world)
     batches = Batches(text, args.seq_len, args.batch_size, args.seed, dp_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt_dir = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -601,7 +770,7 @@ def main(argv=None) -> None:
     start = 0
     if ckpt_dir is not None:
         check_writable(ckpt_dir, rank)
-        start = load_checkpoint(ckpt_dir, model, opt, rank)
+        start = load_checkpoint(ckpt_dir, model, opt, rank, config)
     if start and start >= args.steps:
         if rank == 0:
             print(f"torch_remat train: {ckpt_dir} holds step {start} and --steps is {args.steps}: "
@@ -610,7 +779,8 @@ def main(argv=None) -> None:
         del model, opt
         finish(distributed)
         return
-    log = Log(args.log_json if rank == 0 else "", start, world)
+    log = Log(args.log_json if rank == 0 else "", start, world,
+              ckpt_dir / f"step{start}" if start and ckpt_dir is not None else None)
     if rank == 0:
         print(
             f"torch_remat train: parallel={args.parallel} remat={args.remat} ranks={world} "
@@ -618,6 +788,8 @@ def main(argv=None) -> None:
             + (f" (resumed at step {start})" if start else ""),
             flush=True,
         )
+        if layout_line(args, world):
+            print(layout_line(args, world), flush=True)
     report = None
     tokens = args.batch_size * args.seq_len * dp_size
     t0 = time.perf_counter()
@@ -660,7 +832,7 @@ def main(argv=None) -> None:
                     flush=True,
                 )
         if ckpt_dir is not None and step % args.save_every == 0:
-            save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints)
+            save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints, config, log)
             log.write()  # up to the step a restart resumes from
     log.write()
     if report is not None:
@@ -676,25 +848,34 @@ class Log:
     the logged steps, and the steps a run resumed at. A resumed run keeps the
     earlier attempts' entries up to its resume point."""
 
-    def __init__(self, path: str, start: int, world: int) -> None:
+    def __init__(self, path: str, start: int, world: int, checkpoint: pathlib.Path | None = None) -> None:
         self.path, self.world = path, world
         self.losses, self.saved_bytes, self.resumed_at = {}, {}, []
-        if path and start and pathlib.Path(path).exists():
-            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-                old = json.loads(pathlib.Path(path).read_text())
-                self.losses = {int(k): v for k, v in old["losses"].items() if int(k) <= start}
-                self.saved_bytes = {int(k): v for k, v in old["saved_bytes"].items() if int(k) <= start}
-                self.resumed_at = [s for s in old.get("resumed_at", []) if s < start]
         if start:
+            # The checkpoint's copy holds every step up to it; --log-json may hold
+            # fewer (written after the save) or more (steps after it, dropped).
+            sources = [checkpoint / "log.json"] if checkpoint is not None else []
+            sources += [pathlib.Path(path)] if path else []
+            for source in sources:
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+                    old = json.loads(source.read_text())
+                    losses = {int(k): v for k, v in old["losses"].items() if int(k) <= start}
+                    saved = {int(k): v for k, v in old["saved_bytes"].items() if int(k) <= start}
+                    resumed = [s for s in old.get("resumed_at", []) if s < start]
+                    self.losses = {**losses, **self.losses}
+                    self.saved_bytes = {**saved, **self.saved_bytes}
+                    self.resumed_at = sorted(set(self.resumed_at) | set(resumed))
             self.resumed_at.append(start)
+
+    def data(self) -> dict:
+        return {"losses": self.losses, "saved_bytes": self.saved_bytes, "world": self.world,
+                "resumed_at": self.resumed_at}
 
     def write(self) -> None:
         if not self.path:
             return
-        data = {"losses": self.losses, "saved_bytes": self.saved_bytes, "world": self.world,
-                "resumed_at": self.resumed_at}
         tmp = pathlib.Path(self.path + ".tmp")
-        tmp.write_text(json.dumps(data))
+        tmp.write_text(json.dumps(self.data()))
         tmp.replace(self.path)
 
 

@@ -225,3 +225,22 @@ def test_checkpoint_decorating_a_non_callable():
 def test_bad_determinism_check_value():
     with pytest.raises(ValueError, match="determinism_check"):
         remat.checkpoint(determinism_check="strict")
+
+
+def test_region_takes_its_callable_as_function_too_and_refuses_both_spellings():
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def body(t):
+        a = remat.region(function=torch.sin, name="sin", recompute=False)(t)
+        return remat.region(torch.cos, "cos", recompute=True)(a).sum()
+
+    loss = remat.checkpoint(region_name="layer")(body)(x)
+    loss.backward()
+    assert torch.equal(x.grad, -torch.sin(torch.sin(x.detach())) * torch.cos(x.detach()))
+    with remat.collect_trace() as trace:
+        remat.region(function=torch.sin, name="sin", recompute=False)(x)
+    assert trace.format() == "torch_remat trace\nsin: save"
+    with pytest.raises(TypeError, match="got both fn and function"):
+        remat.region(torch.sin, "sin", recompute=False, function=torch.cos)
+    with pytest.raises(TypeError, match="missing the callable"):
+        remat.region(name="sin", recompute=False)

@@ -78,8 +78,9 @@ def test_header_equals_the_sum_of_the_rows():
         remat.recompute_needs_tensor(g)
         return (g + x[:, :2]).sigmoid()
 
-    x = torch.randn(4, 3, requires_grad=True)
-    w = torch.randn(3, 2, requires_grad=True)
+    # computed, not leaves: a leaf that requires grad is autograd's, not billed
+    x0, w0 = torch.randn(4, 3, requires_grad=True), torch.randn(3, 2, requires_grad=True)
+    x, w = x0 * 1, w0 * 1
     out, text = run_and_report(block, x, w)
     lines = text.splitlines()
     total = int(re.match(r"layers\.0: (\d+) B resident in 4 storage\(s\)$", lines[0]).group(1))
@@ -104,7 +105,7 @@ def test_header_equals_the_sum_of_the_rows():
         "    32 B  (output at idx 0)                 (4, 2)  float32"
     )
     out.sum().backward()
-    assert x.grad is not None and w.grad is not None
+    assert x0.grad is not None and w0.grad is not None
 
 
 def test_same_tensor_twice_joins_names_and_a_view_is_marked():
@@ -127,7 +128,8 @@ def test_kept_inputs_and_kept_outputs_are_listed():
         h = remat.region(torch.exp, "exp", recompute=False)(x)  # saves its result h
         return (h * x).sum()  # bare code saves h and x: both kept for the recompute
 
-    x = torch.randn(2, 2, requires_grad=True)
+    leaf = torch.randn(2, 2, requires_grad=True)
+    x = leaf * 1  # computed: a leaf that requires grad is autograd's, not billed
     out, text = run_and_report(block, x)
     assert text == (
         "layers.0: 32 B resident in 2 storage(s)\n"
@@ -137,7 +139,7 @@ def test_kept_inputs_and_kept_outputs_are_listed():
         "  16 B  saved.0 (output at idx 0)  (2, 2)  float32"
     )
     out.backward()
-    assert torch.equal(x.grad, (x.detach().exp() * x.detach() + x.detach().exp()))
+    assert torch.equal(leaf.grad, (x.detach().exp() * x.detach() + x.detach().exp()))
 
 
 def test_parameters_are_not_listed():
@@ -188,12 +190,17 @@ def test_save_for_backward_saves_positional_then_named():
             return g * b, g * a
 
     a = torch.randn(3, requires_grad=True)
-    b = torch.randn(3, requires_grad=True)  # leaves, not parameters: reports count them
+    b = torch.randn(3, requires_grad=True)
     F.apply(a, b).sum().backward()  # outside any checkpoint: plain save_for_backward
     assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
 
     a.grad = b.grad = None
     out, text = run_and_report(lambda x, y: remat.region(F.apply, "f", recompute=False)(x, y), a, b)
+    assert text == "layers.0: 0 B resident in 0 storage(s)"  # leaves: not billed
+    out.sum().backward()
+    assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
+    a.grad = b.grad = None
+    out, text = run_and_report(lambda x, y: remat.region(F.apply, "f", recompute=False)(x, y), a * 1, b * 1)
     assert "  12 B  saved.0  (3,)  float32" in text
     assert "  12 B  second   (3,)  float32" in text
     out.sum().backward()
@@ -216,3 +223,28 @@ def test_record_save_sites_labels_rows_with_the_innermost_user_frame():
         f"@ test_diagnostics_memory_report.py:{line} <lambda>"
     )
     assert "@" not in plain
+
+
+def test_requires_grad_leaf_inputs_are_not_billed_as_parameters_are_not():
+    # autograd keeps a leaf that requires grad alive for its AccumulateGrad anyway
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    reports = []
+
+    def body(x, w):
+        h = remat.recompute_needs_tensor(remat.region(lambda t: (t @ w).tanh(), "mm", recompute=False)(x))
+        if not remat.is_recomputing():
+            reports.append(remat.format_current_memory_report())
+        return (h * 2).sin().sum()
+
+    loss = remat.checkpoint(region_name="layer")(body)(x, w)
+    expected = (
+        "layer: 128 B resident in 1 storage(s)\n"
+        "layer::mm: 128 B\n"
+        "  128 B  saved.2 (output at idx 0)  (4, 8)  float32"
+    )
+    assert reports[0] == expected
+    saved = remat.format_saved_tensors_report(loss)
+    assert saved.startswith("saved for backward: 136 B resident -- 1 region(s) 128 B, outside regions 8 B\n")
+    assert saved.endswith("[x1: layer]\n" + expected)
+    loss.backward()

@@ -5,6 +5,7 @@ import threading
 import torch
 
 import torch_remat as remat
+from torch_remat.diagnostics import OpTrace, ScopeTrace
 
 
 def sin_cos(x):
@@ -98,3 +99,24 @@ def test_empty_trace_and_scope_without_trace_are_plain():
         pass
     assert str(trace) == "torch_remat trace"
     assert torch.equal(remat.trace_scope(torch.sin, "s")(torch.ones(2)), torch.ones(2).sin())
+
+
+def test_entries_list_op_and_scope_traces_as_upstream_names_them():
+    x = torch.randn(3, requires_grad=True)
+    with remat.collect_trace() as trace:
+        fn = remat.trace_scope(sin_cos, "scope", metadata="test_flag")
+        remat.region(torch.exp, "exp", recompute=False)(remat.checkpoint(region_name="layer")(fn)(x))
+    assert trace.entries == [
+        ScopeTrace(
+            name="scope",
+            metadata="test_flag",
+            entries=[OpTrace(name="sin", recompute=False), OpTrace(name="cos", recompute=True)],
+        ),
+        OpTrace(name="exp", recompute=False),
+    ]
+    # checkpoints shown in the text (checkpoints=True) are not entries: their regions are
+    with remat.collect_trace(checkpoints=True) as with_checkpoints:
+        remat.checkpoint(region_name="layer")(sin_cos)(x)
+    assert with_checkpoints.entries == [
+        OpTrace(name="sin", recompute=False), OpTrace(name="cos", recompute=True)
+    ]

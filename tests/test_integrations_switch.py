@@ -178,3 +178,88 @@ def test_checkpoint_wrapper_given_torchs_checkpoint_read_inside_the_switch_appli
         # read while the switch is open: on torch with the curried form, the switch's
         wrapped = torch_cw.checkpoint_wrapper(block, checkpoint_fn=torch.utils.checkpoint.checkpoint)
     assert wrapped is block and remat_module_names(nn.Sequential(block)) == ["0"]
+
+
+def test_a_module_first_imported_inside_the_switch_gets_torchs_functions_back(tmp_path, monkeypatch):
+    (tmp_path / "imported_inside_switch.py").write_text(
+        "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+        "    apply_activation_checkpointing, checkpoint_wrapper as ptd_wrapper)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+
+    monkeypatch.delitem(sys.modules, "imported_inside_switch", raising=False)
+    with torch_checkpointing_as_remat():
+        import imported_inside_switch as late
+    assert late.ptd_wrapper is torch_cw.checkpoint_wrapper
+    assert late.apply_activation_checkpointing is torch_cw.apply_activation_checkpointing
+
+
+def test_a_replacement_kept_elsewhere_behaves_as_torchs_after_the_switch_closes():
+    with torch_checkpointing_as_remat():
+        kept = {"wrap": torch_cw.checkpoint_wrapper}
+    block = Block()
+    wrapped = kept["wrap"](block)
+    assert isinstance(wrapped, torch_cw.CheckpointWrapper)
+    assert remat_module_names(nn.Sequential(block)) == []
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _wrap_like_olmo(model: Outer) -> None:
+    # what OLMo-core, torchtune's ac_mode and accelerate's FSDP2 plugin do
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch_cw.checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def test_preserve_rng_state_false_through_the_switch_names_the_path_and_the_switch_fix():
+    model = Outer()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with torch_checkpointing_as_remat():
+        _wrap_like_olmo(model)
+    with pytest.raises(RuntimeError) as info:
+        model(x).sum().backward()
+    message = str(info.value)
+    assert "checkpoint 'blocks.1' drew random numbers" in message  # the last block's backward runs first
+    assert "preserve_rng_state=False" in message
+    assert "torch_checkpointing_as_remat(RematConfig(rng_state_hooks=True))" in message
+
+
+def test_a_config_given_to_the_switch_overrides_the_frameworks_preserve_rng_state():
+    from torch_remat.integrations import RematConfig
+
+    model = Outer()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    ref = _grads(model, x)
+    with torch_checkpointing_as_remat(RematConfig(rng_state_hooks=True)):
+        _wrap_like_olmo(model)
+    assert remat_module_names(model) == ["blocks.0", "blocks.1"]
+    assert_bitwise_equal(ref, _grads(model, x))
+    state = torch.get_rng_state()
+    model(x).sum().backward()
+    after_remat = torch.get_rng_state()
+    torch.set_rng_state(state)
+    remove_remat(model)
+    model(x).sum().backward()
+    assert torch.equal(after_remat, torch.get_rng_state())
+
+
+def test_checkpoint_wrapper_through_the_switch_is_named_by_its_path_once_it_runs():
+    from torch_remat.integrations import RematConfig
+
+    model = Outer()
+    with torch_checkpointing_as_remat(RematConfig(rng_state_hooks=True)):
+        _wrap_like_olmo(model)
+    model(torch.randn(4, 16, dtype=torch.float64)).sum().backward()
+    names = [model.blocks[i].forward.region_name for i in range(2)]
+    assert names == ["blocks.0", "blocks.1"]

@@ -358,3 +358,27 @@ def test_apply_remat_layers_under_transformers_checkpointing_raise_and_remove_re
         model(input_ids=ids, labels=ids)
     with pytest.warns(UserWarning, match="still on for"):
         assert remove_remat(model) == LAYERS
+
+
+def test_fsdp_plugin_checkpointing_after_enable_remat_names_the_fsdp_setting():
+    pytest.importorskip("accelerate")
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_apply_ac
+
+    model = tiny_llama()
+    enable_remat(model)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, activation_checkpointing=True, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+    )
+    # what Accelerator.prepare (and the Trainer with fsdp_config) does with it
+    fsdp2_apply_ac(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError) as info:
+        model(input_ids=ids)
+    message = str(info.value)
+    assert "['model.layers.0', 'model.layers.1']" in message
+    assert "fsdp_config" in message and "activation_checkpointing=False" in message
+    assert "gradient_checkpointing_enable" not in message

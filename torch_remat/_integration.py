@@ -21,12 +21,25 @@ from ._compat import (
     tree_map,
 )
 from .diagnostics.format import format_bytes
+from .engine.rng import RNGUse, fingerprints
+
+
+def generator_positions() -> list[Any]:
+    """Where every default generator stands now (as the RNG guard fingerprints them)."""
+    return fingerprints()
+
+
+def drew_random_numbers(start: list[Any]) -> bool:
+    """True if a default generator moved since ``generator_positions()`` gave ``start``."""
+    return RNGUse.of_forward(start) is not None
 
 # torch.distributed names that _compat imports on first use
 _LAZY = ("CheckpointImpl", "CheckpointWrapper", "OffloadWrapper", "checkpoint_wrapper", "offload_wrapper", "FSDPPolicy")
 
 __all__ = [
     "format_bytes",
+    "generator_positions",
+    "drew_random_numbers",
     "TorchDispatchMode",
     "FakeTensor",
     "FakeTensorMode",

@@ -49,6 +49,33 @@ def is_parameter(t: torch.Tensor) -> bool:
     return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
 
 
+def held_anyway(t: torch.Tensor) -> bool:
+    """(A view of) a parameter, or of a leaf that requires grad: the module or
+    autograd (its AccumulateGrad node) holds it anyway, so reports never bill it to
+    a checkpoint."""
+    base = t._base
+    root = t if base is None else base
+    if root.requires_grad and root.is_leaf:
+        return True
+    return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
+
+
+def storage_ptr(t: object) -> int | None:
+    """Where ``t``'s storage starts in memory (None: not a tensor with a storage)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):  # no storage (a subclass, meta)
+        return None
+
+
+def same_storage(a: object, b: torch.Tensor) -> bool:
+    """True if ``a`` is a tensor in the memory of ``b``'s storage."""
+    ptr = storage_ptr(a)
+    return ptr is not None and ptr == storage_ptr(b)
+
+
 def storage_root(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns ``t``'s storage as far as autograd views go."""
     base = t._base

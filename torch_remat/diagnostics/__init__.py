@@ -22,12 +22,14 @@ from .saved_report import (
     saved_tensors_report,
 )
 from .snapshot_annotate import label_memory_snapshot, memory_snapshot_annotate
-from .trace import Trace, collect_trace, trace_scope
+from .trace import OpTrace, ScopeTrace, Trace, collect_trace, trace_scope
 
 __all__ = [
     "collect_trace",
     "trace_scope",
     "Trace",
+    "OpTrace",
+    "ScopeTrace",
     "print_current_memory_report",
     "format_current_memory_report",
     "print_saved_tensors_report",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._tensors import TensorMeta
+from .._tensors import TensorMeta, storage_ptr
 from .registry import FrameEntry
 from .storage import is_parameter, tensors_in
 
@@ -134,7 +134,8 @@ def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
     for s in frame.inputs:
         tensors = _source_tensors(s, done)
         if tensors:
-            param = not done and is_parameter(tensors[0])
+            held = s.held_anyway
+            param = held is not None and all(storage_ptr(t) == held for t in tensors)
             inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, parameter=param))
     for index, meta, payload in frame.unread_inputs or ():
         # packed by hooks when the checkpoint started; held until backward unpacks it

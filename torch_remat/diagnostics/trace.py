@@ -57,6 +57,35 @@ class TraceNode:
         }
 
 
+@dataclass
+class OpTrace:
+    """A region in :attr:`Trace.entries`: its name and whether it recomputes."""
+
+    name: str
+    recompute: bool
+
+
+@dataclass
+class ScopeTrace:
+    """A :func:`trace_scope` in :attr:`Trace.entries`, with what ran inside it."""
+
+    name: str
+    metadata: Any
+    entries: list[OpTrace | ScopeTrace] = field(default_factory=list)
+
+
+def _entries(nodes: list[TraceNode]) -> list[OpTrace | ScopeTrace]:
+    out: list[OpTrace | ScopeTrace] = []
+    for node in nodes:
+        if node.kind == "scope":
+            out.append(ScopeTrace(node.name, node.metadata, _entries(node.children)))
+        elif node.kind == "checkpoint":
+            out.extend(_entries(node.children))
+        else:
+            out.append(OpTrace(node.name, node.kind == "recompute"))
+    return out
+
+
 class Trace(CheckpointObserver):
     """What :func:`collect_trace` recorded; ``format()`` renders it as text."""
 
@@ -123,6 +152,14 @@ class Trace(CheckpointObserver):
         for root in self.roots:
             emit(root, 0)
         return "\n".join(lines)
+
+    @property
+    def entries(self) -> list[OpTrace | ScopeTrace]:
+        """What was recorded, as upstream torch-remat lists it: an :class:`OpTrace`
+        per region and a :class:`ScopeTrace` per scope, nested as they ran (a
+        checkpoint shown with ``checkpoints=True`` contributes its regions). A new
+        list on each read."""
+        return _entries(self.roots)
 
     def to_dict(self) -> list[dict[str, Any]]:
         return [r.to_dict() for r in self.roots]

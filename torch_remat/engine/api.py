@@ -291,7 +291,10 @@ def _default_name(fn: Any) -> str:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def region(fn: F, name: str, *, recompute: bool) -> F:
+_MISSING: Any = object()
+
+
+def region(fn: F = _MISSING, name: str = _MISSING, *, recompute: bool, function: F = _MISSING) -> F:
     """Mark one call inside a checkpoint as a named region.
 
     ``remat.region(self.attention, "attention", recompute=False)(x)`` calls
@@ -307,7 +310,26 @@ def region(fn: F, name: str, *, recompute: bool) -> F:
     Region names must be unique within one forward of a checkpoint; nested regions
     are named ``outer.inner``, and inside ``remat.name_scope(prefix)`` a region is
     named ``prefix/name``.
+
+    ``function=`` (upstream torch-remat's keyword) is another spelling of ``fn``.
     """
+    if function is not _MISSING:
+        if fn is not _MISSING:
+            raise TypeError(
+                "remat.region: got both fn and function (the same argument under two "
+                "names); pass the callable once."
+            )
+        fn = function
+    if fn is _MISSING:
+        raise TypeError(
+            "remat.region: missing the callable to run. Write remat.region(fn, 'name', "
+            "recompute=False)(*args)."
+        )
+    if name is _MISSING:
+        raise TypeError(
+            "remat.region: missing the region name. Write remat.region(fn, 'name', "
+            "recompute=False)(*args)."
+        )
     # Dynamo cannot trace callable() on an autograd Function's apply (a builtin):
     # under compilation the check ran when the model was first called eagerly, or
     # the call below reports it.

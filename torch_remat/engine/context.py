@@ -196,8 +196,10 @@ def name_scope(prefix: str) -> Iterator[None]:
     messages show the full name. Only ``remat.region`` names change; checkpoint
     names (``region_name``) do not.
     """
-    if not isinstance(prefix, str) or not prefix:
-        raise TypeError(f"remat.name_scope: prefix must be a non-empty string, got {prefix!r}.")
+    if not isinstance(prefix, str):
+        raise TypeError(f"remat.name_scope: prefix must be a string, got {type(prefix).__name__}.")
+    if not prefix:
+        raise ValueError(f"remat.name_scope: prefix must be a non-empty string, got {prefix!r}.")
     previous = _prefixes.active
     _prefixes.active = (*previous, prefix)
     try:

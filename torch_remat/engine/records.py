@@ -33,7 +33,14 @@ from .. import _compat
 from .._autograd_hooks import VersionedTensor
 from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks
 from .._errors import RematError, modified_in_place
-from .._tensors import TensorMeta, is_parameter, storage_root
+from .._tensors import (
+    TensorMeta,
+    held_anyway,
+    is_parameter,
+    same_storage,
+    storage_ptr,
+    storage_root,
+)
 from .context import forget_exception_site
 from .placeholder import PlaceholderOrigin, make_placeholder
 from .saved_hooks import DeferredPack, PackedVersion, SavedTensorKind
@@ -93,9 +100,9 @@ class RegionSaved:
         self.meta = TensorMeta.of(t)
         self.site: str | None = None
         # For reports: which region output shares this storage (set when the region
-        # returns), and whether this is (a view of) a parameter, which reports skip.
+        # returns), and whether this is (a view of) a parameter or a requires-grad
+        # leaf, which reports skip.
         self.output_index: int | None = None
-        self.parameter = is_parameter(t)
         self.witness = None
         # the checkpoint's inputs packed at its start that its replay does not read
         # (CheckpointFrame.unread_inputs): unpacked once, with the first save unpacked
@@ -117,6 +124,10 @@ class RegionSaved:
             self.version = t._version
             self.packed = pack_fn(d)
             self.witness = PackedVersion(self.version, t) if d is t else PackedVersion(self.version, t, d)
+        # a leaf's copy made by pack hooks (save_on_cpu) is memory of its own
+        self.parameter = is_parameter(t) or (
+            held_anyway(t) and (self.packed is None or same_storage(self.packed, t))
+        )
 
     def unpack(self) -> torch.Tensor:
         if self.unpack_fn is not None:
@@ -307,10 +318,14 @@ class TensorSource:
         "hooks",
         "witness",
         "bits",
+        "held_anyway",
     )
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
         self.kind = kind
+        # an input the module or autograd holds anyway (where its storage is): reports
+        # do not bill what the checkpoint keeps of it in that storage
+        self.held_anyway = storage_ptr(t) if kind == INPUT and held_anyway(t) else None
         self.index = index
         # The region's qualified name; not the RegionRecord, which refers back to its
         # sources (a cycle would delay freeing kept tensors to the garbage collector).

@@ -1,0 +1,186 @@
+"""launch/train.py's argument checks, in process: each bad value is a usage error
+(status 2, one line naming the flag) before anything trains, and the checkpoint
+folder's model config is compared with the run's at resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("launch_train", ROOT / "launch" / "train.py")
+train = importlib.util.module_from_spec(_spec)
+sys.modules["launch_train"] = train  # dataclasses look their module up there
+_spec.loader.exec_module(train)
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--heads", "5"], "--heads 5: --dim 64 must be a multiple of it"),
+        (["--batch-size", "0"], "--batch-size 0: expected an integer >= 1"),
+        (["--save-every", "0"], "--save-every 0: expected an integer >= 1"),
+        (["--steps", "0"], "--steps 0: expected an integer >= 1"),
+        (["--steps", "-3"], "--steps -3: expected an integer >= 1"),
+        (["--layers", "0"], "--layers 0: expected an integer >= 1"),
+        (["--seq-len", "0"], "--seq-len 0: expected an integer >= 1"),
+        (["--device-memory", "40GiB"], "--device-memory is read by --forecast only"),
+    ],
+)
+def test_bad_values_are_usage_errors_naming_the_flag(capsys, argv, message):
+    err = usage_error(capsys, argv)
+    assert f"train.py: error: {message}" in err and "Traceback" not in err
+
+
+def test_an_oom_dump_dir_that_is_a_file_is_a_usage_error(capsys, tmp_path):
+    file = tmp_path / "dumps"
+    file.write_text("")
+    err = usage_error(capsys, ["--oom-dump-dir", str(file)])
+    assert f"train.py: error: --oom-dump-dir {file}: is a file, not a folder" in err
+
+
+def test_a_log_json_path_that_cannot_be_written_is_a_usage_error_before_training(capsys, tmp_path):
+    for bad in (tmp_path / "missing" / "log.json", tmp_path):
+        with pytest.raises(SystemExit) as info:
+            train.check_log_json(str(bad), rank=0)
+        assert info.value.code == 2
+        assert f"train.py: error: --log-json {bad}: cannot write there" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no .tmp left
+    train.check_log_json(str(tmp_path / "log.json"), rank=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        ("tp", 3, "--parallel tp on 3 ranks: --heads 4 must be a multiple of the 3 tensor-parallel ranks"),
+        ("fsdp2+tp", 4, None),
+        ("tp", 2, None),
+    ],
+)
+def test_tensor_parallel_needs_heads_divisible_by_its_ranks(capsys, parallel, world, message):
+    args = train.parse_args(["--parallel", parallel])
+    if message is None:
+        train.check_layout(args, world, rank=0)
+        return
+    with pytest.raises(SystemExit) as info:
+        train.check_layout(args, world, rank=0)
+    assert info.value.code == 2 and f"train.py: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "world, mesh", [(2, "dp=1 x tp=2"), (3, "dp=3 x tp=1"), (4, "dp=2 x tp=2")]
+)
+def test_fsdp2_tp_says_its_mesh(world, mesh):
+    args = train.parse_args(["--parallel", "fsdp2+tp"])
+    assert mesh in train.layout_line(args, world)
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # as wrapped to any width
+    for default in ("(default: 40)", "(default: selective)", "(default: 80GiB)", "(default: 10)"):
+        assert default in out
+
+
+def _config(**changes):
+    args = train.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in changes.items()])
+    return train.model_config(args, vocab=90)
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_naming_flag_and_values(capsys, tmp_path):
+    saved = _config()  # --layers 4 --dim 64 --heads 4 --seq-len 64
+    (tmp_path / "step10").mkdir()
+    (tmp_path / "step10" / "model_config.json").write_text(json.dumps(saved))
+    for changes, message in (
+        ({"layers": 2}, "--layers 2, but the checkpoints there were saved with --layers 4"),
+        ({"dim": 32, "heads": 4}, "--dim 32, but the checkpoints there were saved with --dim 64"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            train.check_model_config(tmp_path, 10, _config(**changes), rank=0)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "pass --" in err
+    train.check_model_config(tmp_path, 10, saved, rank=0)  # the same: fine
+
+
+def test_a_checkpoint_saves_the_model_config_and_the_log_up_to_its_step(tmp_path):
+    log = train.Log(str(tmp_path / "log.json"), 0, 1)
+    log.losses.update({1: 4.0, 2: 3.5})
+    log.saved_bytes[1] = [100]
+    folder = tmp_path / "step2"
+    folder.mkdir()
+    train.write_run_metadata(folder, _config(), log)
+    assert json.loads((folder / "model_config.json").read_text()) == _config()
+    # killed before --log-json was written: the resumed log takes the steps from the checkpoint
+    resumed = train.Log(str(tmp_path / "log.json"), 2, 1, checkpoint=folder)
+    assert resumed.losses == {1: 4.0, 2: 3.5} and resumed.saved_bytes == {1: [100]}
+    assert resumed.resumed_at == [2]
+
+
+def test_a_corrupt_checkpoint_is_skipped_with_one_line_and_no_traceback(capfd, caplog, tmp_path):
+    import logging
+
+    import torch
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        model = train.GPT(train.GPTConfig(vocab=10, seq_len=8, layers=1, dim=8, heads=2))
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = model_and_opt()
+    for step in (2, 4):
+        train.save_checkpoint(tmp_path, model, opt, step, rank=0, keep=0)
+    (tmp_path / "step4" / ".metadata").write_text("garbage")
+    capfd.readouterr()
+    assert train.load_checkpoint(tmp_path, *model_and_opt(), rank=0) == 2
+    out, err = capfd.readouterr()
+    # torch.distributed.checkpoint logs each failed read with its traceback (on
+    # stderr outside pytest): not shown
+    assert err == "" and [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert out.startswith(f"torch_remat train: checkpoint {tmp_path / 'step4'} is unreadable (")
+    assert out.count("\n") == 1
+
+
+@pytest.mark.parametrize("nproc", ["abc", "0", "-1", "2x"])
+def test_run_sh_refuses_a_bad_nproc_before_starting_anything(nproc):
+    import os
+    import subprocess
+
+    env = dict(os.environ, NPROC=nproc, TORCH_REMAT_NO_SETUP="1")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "run.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == f"run.sh: NPROC={nproc}: expected a number of processes >= 1\n"
+
+
+def test_a_checkpoint_without_model_config_is_checked_by_its_tensors(capsys, tmp_path):
+    import torch
+
+    def model_and_opt(layers, dim=8):
+        torch.manual_seed(0)
+        model = train.GPT(train.GPTConfig(vocab=10, seq_len=8, layers=layers, dim=dim, heads=2))
+        return model, torch.optim.AdamW(model.parameters())
+
+    train.save_checkpoint(tmp_path, *model_and_opt(2), 2, rank=0, keep=0)  # no model_config.json
+    assert not (tmp_path / "step2" / "model_config.json").exists()
+    config = {"layers": 1, "dim": 8, "heads": 2, "seq_len": 8, "vocab": 10}
+    for layers, dim, detail in ((1, 8, "it holds blocks.1."), (2, 4, "tok.weight is (10, 8) there and (10, 4) here")):
+        with pytest.raises(SystemExit) as info:
+            train.load_checkpoint(tmp_path, *model_and_opt(layers, dim), rank=0, config=config)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"step2 holds a model of another shape than this run's ({detail}" in err
+    assert train.load_checkpoint(tmp_path, *model_and_opt(2), rank=0, config=config) == 2
