@@ -44,44 +44,60 @@ def kept_bytes(out):
     }
 
 
+SCOPE_REPLAY = "(scope)"
+
+
+@contextlib.contextmanager
+def recorded_scope_replays():
+    """``with recorded_scope_replays() as replayed:`` lists a :data:`SCOPE_REPLAY`
+    in ``replayed`` for each replay of a ``gradient_checkpoint_scope`` inside the
+    block, from the profiler range each replay opens."""
+    replayed = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield replayed
+    replayed.extend(SCOPE_REPLAY for e in prof.events() if e.name == "remat.scope.replay")
+
+
 class GradResult(tuple):
     """``(loss, grads)`` as :func:`grads` returns it, with ``replays``: the names of
-    the checkpoints its backward replayed."""
+    the checkpoints its backward replayed (and, if asked, its scope replays)."""
 
     replays: list[str]
 
 
-def grads(params, inputs, fn, *, seed=0):
+def grads(params, inputs, fn, *, seed=0, scope=False):
     """Run ``fn(*inputs)`` (a scalar loss) and return grads of params and inputs, as
     a ``(loss, grads)`` :class:`GradResult` that also says which checkpoints the
-    backward replayed."""
+    backward replayed; with ``scope=True`` also each ``gradient_checkpoint_scope``
+    replay (measured with the profiler, so only where a test asks)."""
     for p in params:
         p.grad = None
     for x in inputs:
         if x.requires_grad:
             x.grad = None
     torch.manual_seed(seed)
-    with recorded_replays() as replayed:
+    scopes = recorded_scope_replays() if scope else contextlib.nullcontext([])
+    with recorded_replays() as replayed, scopes as scope_replayed:
         loss = fn(*inputs)
         loss.backward()
     out = [p.grad.clone() if p.grad is not None else None for p in params]
     out += [x.grad.clone() if x.grad is not None else None for x in inputs if x.requires_grad]
     result = GradResult((loss.detach(), out))
-    result.replays = replayed
+    result.replays = replayed + scope_replayed
     return result
 
 
 def assert_bitwise_equal(a, b, *, replays=None):
     """Losses and gradients of two :func:`grads` runs are equal bit for bit, and the
-    runs replayed a checkpoint: an equality that remat doing nothing also gives
-    proves nothing. ``replays=0`` for a comparison in which no checkpoint replays
-    (compiled code, a mechanism other than the checkpoint engine); an int ``n`` for
-    exactly ``n`` replays in the two runs together."""
+    runs replayed a checkpoint (or a scope, for ``grads(..., scope=True)``): an
+    equality that remat doing nothing also gives proves nothing. ``replays=0`` for a
+    comparison in which nothing replays (compiled code, whose backward re-runs no
+    Python); an int ``n`` for exactly ``n`` replays in the two runs together."""
     ran = [*getattr(a, "replays", ()), *getattr(b, "replays", ())]
     if not isinstance(a, GradResult) and not isinstance(b, GradResult):
         assert replays == 0, "neither side comes from grads(): pass replays=0 or use grads()"
     elif replays is None:
-        assert ran, "no checkpoint was replayed in backward: remat did nothing here"
+        assert ran, "nothing was replayed in backward: remat did nothing here"
     else:
         assert len(ran) == replays, f"{len(ran)} checkpoint replays ({ran}), expected {replays}"
     loss_a, grads_a = a
