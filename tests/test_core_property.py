@@ -186,10 +186,14 @@ def test_unmarked_programs_are_exact_or_raise_placeholder_error(plan):
 def test_second_backward_matches_first(plan, retain):
     params, x, y = _setup()
     prog = Program(plan, mark_all=True, params=params)
+    activations = saves_activations(prog, params, x, y)
+    prog.runs.clear()
     ckpt = remat.checkpoint(region_name="prog")(prog)
     for t in [*params, x]:
         t.grad = None
-    loss = ckpt(x, y)
+    with recorded_replays() as replayed:
+        loss = ckpt(x, y)
+    kept = kept_bytes(loss).get("prog", {})
     loss.backward(retain_graph=True)
     first = [t.grad.clone() if t.grad is not None else None for t in [*params, x]]
     for t in [*params, x]:
@@ -197,6 +201,9 @@ def test_second_backward_matches_first(plan, retain):
     loss.backward()
     second = [t.grad.clone() if t.grad is not None else None for t in [*params, x]]
     assert _same(first, second)
+    if activations:
+        assert kept or replayed == ["prog", "prog"], (kept, replayed)  # one per backward
+    check_region_runs(prog, kept)
 
 
 # --------------------------------------------------------------------------------
