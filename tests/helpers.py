@@ -99,7 +99,7 @@ def assert_bitwise_equal(a, b, *, replays=None):
     elif replays is None:
         assert ran, "nothing was replayed in backward: remat did nothing here"
     else:
-        assert len(ran) == replays, f"{len(ran)} checkpoint replays ({ran}), expected {replays}"
+        assert len(ran) == replays, f"{len(ran)} replays ({ran}), expected {replays}"
     loss_a, grads_a = a
     loss_b, grads_b = b
     assert torch.equal(loss_a, loss_b)
