@@ -88,12 +88,15 @@ def test_matmul_before_the_checkpoint_does_not_stop_a_rebuild(memory_probe):
         return save(lin, "proj")(x.neg())
 
     base = base_input()
-    with memory_probe() as probe:
+    with memory_probe() as probe, recorded_replays() as replayed:
         x = before(base)  # a matmul outside the checkpoint, which the replay never runs
         out = remat.checkpoint(region_name="c")(fn)(x)
         del x
     assert probe.bytes == 2 * ROW  # x, kept for the replay; the output
+    report = remat.saved_tensors_report(out).checkpoints[0].to_dict()
+    assert (report["bytes"], report["rebuilt_bytes"]) == (ROW, ROW)  # holds x, rebuilds -x
     out.sum().backward()
+    assert replayed == ["c"]
 
 
 def test_internal_activations_of_a_save_region_stay_resident(memory_probe):
@@ -326,11 +329,13 @@ def test_rebuilt_saves_are_refilled_again_for_a_second_backward():
         return save(lin, "proj")(x.tanh())
 
     x = base_input()
-    out = remat.checkpoint(region_name="c")(fn)(x).sum()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c")(fn)(x).sum()
     out.backward(retain_graph=True)
     first = x.grad.clone()
     x.grad = None
     out.backward()
+    assert replayed == ["c", "c"]  # each backward rebuilds tanh(x) for itself
     assert torch.equal(x.grad, first)
 
 
