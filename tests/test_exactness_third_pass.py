@@ -56,12 +56,13 @@ def test_a_checkpoint_input_modified_before_backward_raises_or_is_exact_under_an
     # version check can notice the in-place update.
     leaf = _x().requires_grad_()
     x = leaf * 1
-    with HOOKS[hooks]():
+    with HOOKS[hooks](), recorded_replays() as replayed:
         y = remat.checkpoint(region_name="blk")(lambda t: (t * 2).exp())(x)
     with torch.no_grad():
         x.add_(1)
     if hooks in COPYING:
         y.sum().backward()
+        assert replayed == ["blk"]  # from the copy of x the hooks took
         assert torch.equal(leaf.grad, (_x() * 2).exp() * 2)
         return
     with pytest.raises(remat.SavedTensorModifiedError, match="checkpoint input 0 of checkpoint 'blk'"):
@@ -367,14 +368,18 @@ def test_a_forward_that_draws_after_its_last_save_replays_to_the_end_exactly():
     # rand draws after dropout's mask, the last tensor backward refills: the replay
     # does not stop there (the generator is not where the forward ended) but runs
     # to the end, whose position matches
+    ends = []
+
     def body(x):
         y = torch.nn.functional.dropout(x, 0.5) * 3
+        ends.append(remat.is_recomputing())
         return y + torch.rand(64, dtype=D)
 
     x = torch.ones(64, dtype=D, requires_grad=True)
     y = remat.checkpoint(region_name="blk", recompute_state_hooks=RNG)(body)(x)
     noise_free = y.detach() - y.detach().frac()  # 0 or 6 per element: dropped or kept
     y.sum().backward()
+    assert ends == [False, True]  # the replay went past the last save
     assert torch.equal(x.grad, noise_free)  # d(mask * 2 * 3)/dx
 
 
