@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -9,24 +10,96 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_remat as remat
+from torch_remat.engine.observers import CheckpointObserver, observe
 
 
-def grads(params, inputs, fn, *, seed=0):
-    """Run ``fn(*inputs)`` (a scalar loss) and return grads of params and inputs."""
+class ReplayLog(CheckpointObserver):
+    """The checkpoints backward replayed, by name, in order: an engine observer, as
+    the diagnostics are, of the checkpoints created inside :func:`recorded_replays`."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def replay_started(self, frame) -> None:
+        self.names.append(remat.active_checkpoint().checkpoint)
+
+
+@contextlib.contextmanager
+def recorded_replays():
+    """``with recorded_replays() as replayed:`` lists, in ``replayed``, the name of each
+    checkpoint replay that backward runs for the checkpoints called inside the block
+    (the backward may run after it)."""
+    log = ReplayLog()
+    with observe(log):
+        yield log.names
+
+
+def kept_bytes(out):
+    """What the checkpoints behind ``out`` keep for backward, as the saved-tensors
+    report counts it: ``{checkpoint: {region: bytes}}``, with ``"(inputs)"`` for the
+    inputs a checkpoint keeps for its replay. Remat doing nothing keeps no entry."""
+    return {
+        block["name"]: {r["region"]: r["bytes"] for r in block["regions"]}
+        for block in remat.saved_tensors_report(out).to_dict()["checkpoints"]
+    }
+
+
+SCOPE_REPLAY = "(scope)"
+
+
+@contextlib.contextmanager
+def recorded_scope_replays():
+    """``with recorded_scope_replays() as replayed:`` lists a :data:`SCOPE_REPLAY`
+    in ``replayed`` for each replay of a ``gradient_checkpoint_scope`` inside the
+    block, from the profiler range each replay opens."""
+    replayed = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield replayed
+    replayed.extend(SCOPE_REPLAY for e in prof.events() if e.name == "remat.scope.replay")
+
+
+class GradResult(tuple):
+    """``(loss, grads)`` as :func:`grads` returns it, with ``replays``: the names of
+    the checkpoints its backward replayed (and, if asked, its scope replays)."""
+
+    replays: list[str]
+
+
+def grads(params, inputs, fn, *, seed=0, scope=False):
+    """Run ``fn(*inputs)`` (a scalar loss) and return grads of params and inputs, as
+    a ``(loss, grads)`` :class:`GradResult` that also says which checkpoints the
+    backward replayed; with ``scope=True`` also each ``gradient_checkpoint_scope``
+    replay (measured with the profiler, so only where a test asks)."""
     for p in params:
         p.grad = None
     for x in inputs:
         if x.requires_grad:
             x.grad = None
     torch.manual_seed(seed)
-    loss = fn(*inputs)
-    loss.backward()
+    scopes = recorded_scope_replays() if scope else contextlib.nullcontext([])
+    with recorded_replays() as replayed, scopes as scope_replayed:
+        loss = fn(*inputs)
+        loss.backward()
     out = [p.grad.clone() if p.grad is not None else None for p in params]
     out += [x.grad.clone() if x.grad is not None else None for x in inputs if x.requires_grad]
-    return loss.detach(), out
+    result = GradResult((loss.detach(), out))
+    result.replays = replayed + scope_replayed
+    return result
 
 
-def assert_bitwise_equal(a, b):
+def assert_bitwise_equal(a, b, *, replays=None):
+    """Losses and gradients of two :func:`grads` runs are equal bit for bit, and the
+    runs replayed a checkpoint (or a scope, for ``grads(..., scope=True)``): an
+    equality that remat doing nothing also gives proves nothing. ``replays=0`` for a
+    comparison in which nothing replays (compiled code, whose backward re-runs no
+    Python); an int ``n`` for exactly ``n`` replays in the two runs together."""
+    ran = [*getattr(a, "replays", ()), *getattr(b, "replays", ())]
+    if not isinstance(a, GradResult) and not isinstance(b, GradResult):
+        assert replays == 0, "neither side comes from grads(): pass replays=0 or use grads()"
+    elif replays is None:
+        assert ran, "nothing was replayed in backward: remat did nothing here"
+    else:
+        assert len(ran) == replays, f"{len(ran)} replays ({ran}), expected {replays}"
     loss_a, grads_a = a
     loss_b, grads_b = b
     assert torch.equal(loss_a, loss_b)
@@ -86,6 +159,15 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         self.pack_hook = counting_pack
 
 
+def _logged(fn, runs):
+    def body(*args):
+        where = remat.active_checkpoint()
+        runs.append((where and where.region, remat.is_recomputing()))
+        return fn(*args)
+
+    return body
+
+
 BLOCK_REGIONS = ("attn_norm", "qkv", "attention", "out_proj", "mlp_norm", "mlp")
 
 
@@ -104,6 +186,9 @@ class Block(nn.Module):
         )
         self.dropout = dropout
         self.save = {name: False for name in BLOCK_REGIONS}
+        # A list to log region bodies into: (the region remat says is running, whether
+        # backward is replaying) per body run. None: no logging.
+        self.runs = None
 
     def attention(self, qkv):
         b, s, _ = qkv.shape
@@ -115,6 +200,8 @@ class Block(nn.Module):
         return (probs @ v).transpose(1, 2).reshape(b, s, -1)
 
     def _r(self, fn, name):
+        if self.runs is not None:
+            fn = _logged(fn, self.runs)
         return remat.region(fn, name, recompute=not self.save[name])
 
     def forward(self, x):

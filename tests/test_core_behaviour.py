@@ -5,7 +5,7 @@ import threading
 import weakref
 
 import torch
-from helpers import Block, assert_bitwise_equal, grads
+from helpers import Block, assert_bitwise_equal, grads, recorded_replays
 
 import torch_remat as remat
 
@@ -115,7 +115,9 @@ def test_without_state_hook_recompute_sees_other_values():
     x = torch.randn(3, requires_grad=True)
     out = remat.checkpoint(region_name="c")(_counter_fn(counter, seen))(x)
     out.sum().backward()
-    assert seen[:2] == [0, 11] and seen[2:] != [0, 11]
+    # The replay starts from where the forward left the counter (12), and the skipped
+    # SAVE body restores nothing: it sees 12, then 13, where the forward saw 0 and 11.
+    assert seen == [0, 11, 12, 13]
 
 
 def test_second_backward_with_retain_graph_replays_identically():
@@ -150,9 +152,10 @@ def test_several_state_hooks_are_independent():
 
 
 def test_early_stop_skips_trailing_ops_that_save_nothing():
-    trailing = []
+    leading, trailing = [], []
 
     def fn(x):
+        leading.append(remat.is_recomputing())
         h = x.sin()  # saves x (static: an input) — no replay needed for it
         h = h.exp()  # saves its result: needs the replay
         trailing.append(remat.is_recomputing())
@@ -161,7 +164,8 @@ def test_early_stop_skips_trailing_ops_that_save_nothing():
     x = torch.randn(3, requires_grad=True)
     out = remat.checkpoint(region_name="c")(fn)(x)
     out.sum().backward()
-    assert trailing == [False]  # the replay stopped inside exp
+    assert leading == [False, True]  # the replay ran ...
+    assert trailing == [False]  # ... and stopped inside exp
 
 
 def test_early_stop_false_replays_everything():
@@ -179,16 +183,20 @@ def test_early_stop_false_replays_everything():
 
 
 def test_all_saves_kept_means_no_recompute():
-    calls = []
+    def calls_with(recompute_exp):
+        calls = []
 
-    def fn(x):
-        calls.append(remat.is_recomputing())
-        y = remat.region(torch.exp, "exp", recompute=False)(x)
-        return y.sin()  # saves y, a SAVE output: kept, not recomputed
+        def fn(x):
+            calls.append(remat.is_recomputing())
+            y = remat.region(torch.exp, "exp", recompute=recompute_exp)(x)
+            return y.sin()  # saves y: kept when it is a SAVE region's output
 
-    x = torch.randn(3, requires_grad=True)
-    remat.checkpoint(region_name="c")(fn)(x).sum().backward()
-    assert calls == [False]
+        x = torch.randn(3, requires_grad=True)
+        remat.checkpoint(region_name="c")(fn)(x).sum().backward()
+        return calls
+
+    assert calls_with(recompute_exp=True) == [False, True]  # exp's result is dropped
+    assert calls_with(recompute_exp=False) == [False]  # every save kept: no replay
 
 
 def _train_in_thread(seed, results, key):
@@ -240,7 +248,9 @@ def test_nothing_is_retained_after_backward():
         refs.append(weakref.ref(out))
         out.sum().backward()
         del out
-        assert len(refs) >= 6  # RECOMPUTE regions ran again in the recompute
+        # 5 region outputs and the block's; the replay ran again the 3 RECOMPUTE
+        # modules (attn_norm, out_proj, mlp_norm)
+        assert len(refs) == 6 + 3
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
@@ -262,10 +272,11 @@ def test_live_bytes_stay_constant_over_20_steps(memory_probe):
 
     for _ in range(3):
         step()  # warm-up: grads and optimizer state exist from here on
-    with memory_probe() as probe:
+    with memory_probe() as probe, recorded_replays() as replayed:
         for _ in range(20):
             step()
     assert probe.bytes == 0
+    assert replayed == ["c"] * 20
 
 
 def test_kwargs_non_tensor_args_and_container_outputs():
@@ -367,9 +378,11 @@ def test_partial_backward_then_full_backward():
         return x.sin().exp().tanh()
 
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    out = remat.checkpoint(region_name="c")(fn)(x)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c")(fn)(x)
     (g,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
     out.sum().backward()
+    assert replayed == ["c", "c"]  # each backward replays for itself
     assert torch.equal(g, x.grad)
     expected = torch.autograd.grad(fn(x).sum(), x)[0]
     assert torch.equal(g, expected)
@@ -384,9 +397,12 @@ def test_double_backward_is_exact():
     x = torch.randn(4, dtype=torch.float64, requires_grad=True)
     (g_ref,) = torch.autograd.grad(fn(x).sum(), x, create_graph=True)
     (gg_ref,) = torch.autograd.grad(g_ref.sum(), x)
-    out = remat.checkpoint(region_name="c")(fn)(x)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c")(fn)(x)
     (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     (gg,) = torch.autograd.grad(g.sum(), x)
+    # the second backward reads the forward's saves again, through the first's graph
+    assert replayed == ["c", "c"]
     assert torch.equal(g, g_ref) and torch.equal(gg, gg_ref)
 
 

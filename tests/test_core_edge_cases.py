@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, grads
+from helpers import assert_bitwise_equal, grads, recorded_replays
 
 import torch_remat as remat
 
@@ -42,11 +42,13 @@ def test_partial_backwards_with_retain_graph_do_not_accumulate_recomputed_tensor
 
     remat.engine.frame.CheckpointFrame.__call__ = spy
     try:
-        y = remat.checkpoint(region_name="ck")(lambda x, w: ((x * 1.5).sin() * w).cos())(x, w)
+        with recorded_replays() as replayed:
+            y = remat.checkpoint(region_name="ck")(lambda x, w: ((x * 1.5).sin() * w).cos())(x, w)
     finally:
         remat.engine.frame.CheckpointFrame.__call__ = real_pack
-    for _ in range(3):
+    for i in range(3):
         torch.autograd.grad(y.sum(), inputs=[w], retain_graph=True)
+        assert replayed == ["ck"] * (i + 1)
         assert _retained_elements(holders) == 0
 
 

@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+from helpers import recorded_replays
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -27,6 +28,21 @@ def _grads(params, fn, x):
 
 def _same(a, b):
     return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def _replayed(run, *args):
+    """``run(*args)`` and the names of the checkpoints its backward replayed."""
+    with recorded_replays() as replayed:
+        out = run(*args)
+    return out, replayed
+
+
+def _assert_same_as_without_remat(run):
+    """``run(True)`` (with remat) replays a checkpoint and gives what ``run(False)``
+    gives."""
+    actual, replayed = _replayed(run, True)
+    assert replayed, "no checkpoint was replayed: remat did nothing"
+    assert _same(actual, run(False))
 
 
 def _mlp():
@@ -59,7 +75,8 @@ def test_multihead_self_attention_gives_bitwise_gradients():
     h = _x(2, 5, 8)
     expected = _grads(params, lambda h: mha(h, h, h)[0], h)
     ckpt = remat.checkpoint(region_name="attn")(mha)
-    actual = _grads(params, lambda h: ckpt(h, h, h)[0], h)
+    actual, replayed = _replayed(_grads, params, lambda h: ckpt(h, h, h)[0], h)
+    assert replayed == ["attn"]
     assert _same(actual, expected)
 
 
@@ -79,7 +96,9 @@ def test_apply_remat_on_a_model_with_multihead_attention_gives_bitwise_gradients
     h = _x(2, 5, 8)
     expected = _grads(params, model, h)
     apply_remat(model, check_fn=lambda m: isinstance(m, _AttnBlock))
-    assert _same(_grads(params, model, h), expected)
+    actual, replayed = _replayed(_grads, params, model, h)
+    assert len(replayed) == 2  # one per block
+    assert _same(actual, expected)
 
 
 # ----------------------------------------------------- tensors read but not saved
@@ -161,7 +180,7 @@ def test_a_parameter_replaced_after_the_forward_is_replayed_with_the_forward_ten
         out.backward()
         return [old.grad, model[0].weight.grad, x.grad]
 
-    assert _same(run(True), run(False))
+    _assert_same_as_without_remat(run)
 
 
 # ---------------------------------------------------------------- parameter swaps
@@ -178,7 +197,7 @@ def test_functional_call_with_fast_weights_gives_bitwise_gradients():
         torch.func.functional_call(model, fast, (x,)).pow(2).sum().backward()
         return [p.grad for p in model.parameters()] + [x.grad]
 
-    assert _same(run(True), run(False))
+    _assert_same_as_without_remat(run)
 
 
 def test_functional_call_on_a_module_that_checkpoints_a_child_gives_bitwise_gradients():
@@ -201,7 +220,7 @@ def test_functional_call_on_a_module_that_checkpoints_a_child_gives_bitwise_grad
         torch.func.functional_call(model, fast, (x,)).pow(2).sum().backward()
         return [p.grad for p in model.parameters()] + [x.grad]
 
-    assert _same(run(True), run(False))
+    _assert_same_as_without_remat(run)
 
 
 class _Symmetric(nn.Module):
@@ -221,7 +240,7 @@ def test_a_parametrized_weight_gives_bitwise_gradients():
         out.backward()
         return [p.grad for p in model.parameters()] + [x.grad]
 
-    assert _same(run(True), run(False))
+    _assert_same_as_without_remat(run)
 
 
 # --------------------------------------------------------- state updated in forward
@@ -239,7 +258,8 @@ def _step_state(model, fn, x):
 
 def _assert_same_step(run):
     g0, s0 = run(False)
-    g1, s1 = run(True)
+    (g1, s1), replayed = _replayed(run, True)
+    assert replayed, "no checkpoint was replayed: remat did nothing"
     assert _same(g1, g0)
     assert s0.keys() == s1.keys()
     for k in s0:
@@ -315,7 +335,7 @@ def test_two_forwards_before_one_backward_replay_each_with_its_own_buffer_values
         (fn(x).pow(2).sum() + fn(x * 2).pow(2).sum()).backward()
         return [p.grad for p in model.parameters()] + [x.grad, model.mean.clone()]
 
-    assert _same(run(True), run(False))
+    _assert_same_as_without_remat(run)
 
 
 # ------------------------------------------------------------------------- RNG
@@ -343,7 +363,8 @@ def test_the_callers_generator_after_backward_is_as_without_remat_with_a_hook():
         return x.grad, torch.rand(3)
 
     grad0, next0 = run(None)
-    grad1, next1 = run((remat.CPURNGStateHook(),))
+    (grad1, next1), replayed = _replayed(run, (remat.CPURNGStateHook(),))
+    assert replayed == ["d"]
     assert torch.equal(grad0, grad1) and torch.equal(next0, next1)
 
 
@@ -360,7 +381,9 @@ def test_the_callers_generator_is_not_moved_by_a_refused_replay():
 
 def test_a_checkpoint_that_draws_no_random_numbers_needs_no_hook():
     x = _x()
-    remat.checkpoint(region_name="c")(lambda t: t.sin().cos())(x).sum().backward()
+    with recorded_replays() as replayed:
+        remat.checkpoint(region_name="c")(lambda t: t.sin().cos())(x).sum().backward()
+    assert replayed == ["c"]
     assert torch.equal(x.grad, -x.detach().sin().sin() * x.detach().cos())
 
 

@@ -26,8 +26,17 @@ def test_transformer_block_gradients_are_bitwise_equal(block, saves):
     hook = remat.CPURNGStateHook()
     ckpt = remat.checkpoint(region_name="layers.0", recompute_state_hooks=(hook,))(block)
     expected = grads(params, [x], lambda x: (block(x) ** 2).sum(), seed=7)
+    block.runs = runs = []
     actual = grads(params, [x], lambda x: (ckpt(x) ** 2).sum(), seed=7)
+    block.runs = None
     assert_bitwise_equal(actual, expected)
+    assert actual.replays == ["layers.0"]
+    # Every region ran in the forward; the replay ran again the RECOMPUTE ones (each
+    # saves a tensor backward needs) and no SAVE body.
+    assert [region for region, replaying in runs if not replaying] == list(BLOCK_REGIONS)
+    assert [region for region, replaying in runs if replaying] == [
+        name for name in BLOCK_REGIONS if not block.save[name]
+    ]
 
 
 def test_two_blocks_in_sequence_with_mixed_policies():

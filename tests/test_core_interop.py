@@ -123,4 +123,5 @@ def test_torch_compile_around_a_checkpoint_traces_it_with_exact_gradients():
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     expected = grads(list(lin.parameters()), [x], lambda x: f(x).sum())
     actual = grads(list(lin.parameters()), [x], compiled)
-    assert_bitwise_equal(actual, expected)
+    # The recompute is part of the compiled backward, which re-runs no Python.
+    assert_bitwise_equal(actual, expected, replays=0)

@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import torch
+from helpers import kept_bytes, recorded_replays
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -55,6 +56,10 @@ class Program:
         self.plan = plan
         self.mark_all = mark_all
         self.params = params
+        # Each region body run: (its qualified name, the region remat says is
+        # running, whether it is a SAVE region, whether backward is replaying).
+        self.runs = []
+        self._names = []
 
     def unary(self, op, t, w):
         return apply_unary(op, t, w)
@@ -75,10 +80,17 @@ class Program:
                 name = f"r{index}"  # nested regions are qualified: r2.r0
                 start = len(values)
 
-                def region_body(*vals, body=body):
-                    local = list(vals)
-                    self.run_steps(body, local)
-                    return local[-1]
+                def region_body(*vals, body=body, name=name, save=save):
+                    self._names.append(name)
+                    qualname = ".".join(self._names)
+                    where = remat.active_checkpoint()
+                    self.runs.append((qualname, where and where.region, save, remat.is_recomputing()))
+                    try:
+                        local = list(vals)
+                        self.run_steps(body, local)
+                        return local[-1]
+                    finally:
+                        self._names.pop()
 
                 out = remat.region(region_body, name, recompute=not save)(*values[:start])
                 if self.mark_all or mark:
@@ -91,11 +103,46 @@ class Program:
         return sum(((v * v).sum() for v in values[2:]), (x * y).sum())
 
 
-def _grads(fn, params, x, y):
+def _grads(fn, params, x, y, prog=None):
+    """Gradients of params and x; with ``prog``, ``fn`` checkpoints it, and what
+    remat kept and replayed is checked against the program's regions."""
     for t in [*params, x]:
         t.grad = None
-    fn(x, y).backward()
+    if prog is None:
+        fn(x, y).backward()
+    else:
+        activations = saves_activations(prog, params, x, y)
+        prog.runs.clear()
+        with recorded_replays() as replayed:
+            loss = fn(x, y)
+            kept = kept_bytes(loss).get("prog", {})
+            loss.backward()
+        # What the plain program saves beyond its inputs, the checkpoint either
+        # keeps (a SAVE region's saves, the inputs its replay reads) or recreates.
+        if activations:
+            assert kept or replayed == ["prog"], (kept, replayed)
+        check_region_runs(prog, kept)
     return [t.grad.clone() if t.grad is not None else None for t in [*params, x]]
+
+
+def saves_activations(prog, params, x, y):
+    """Whether the plain program saves for backward a tensor other than its inputs
+    and parameters."""
+    inputs = {t.untyped_storage().data_ptr() for t in [*params, x, y]}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        prog(x, y)
+    return any(t.untyped_storage().data_ptr() not in inputs for t in saved)
+
+
+def check_region_runs(prog, kept):
+    """Each region body ran as that region; the replay never ran a SAVE body; the
+    checkpoint kept nothing for a RECOMPUTE region."""
+    for qualname, active, save, replaying in prog.runs:
+        assert active == qualname, prog.runs
+        assert not (save and replaying), prog.runs
+    save_regions = {q for q, _, save, _ in prog.runs if save}
+    assert set(kept) <= save_regions | {"(inputs)"}, (kept, prog.runs)
 
 
 def _same(a, b):
@@ -116,7 +163,7 @@ def test_marked_programs_give_bitwise_equal_gradients(plan):
     params, x, y = _setup()
     prog = Program(plan, mark_all=True, params=params)
     expected = _grads(prog, params, x, y)
-    actual = _grads(remat.checkpoint(region_name="prog")(prog), params, x, y)
+    actual = _grads(remat.checkpoint(region_name="prog")(prog), params, x, y, prog)
     assert _same(actual, expected)
 
 
@@ -127,7 +174,7 @@ def test_unmarked_programs_are_exact_or_raise_placeholder_error(plan):
     prog = Program(plan, mark_all=False, params=params)
     expected = _grads(prog, params, x, y)
     try:
-        actual = _grads(remat.checkpoint(region_name="prog")(prog), params, x, y)
+        actual = _grads(remat.checkpoint(region_name="prog")(prog), params, x, y, prog)
     except remat.PlaceholderReadError as e:
         assert "recompute_needs_tensor" in str(e)
         return
@@ -139,10 +186,14 @@ def test_unmarked_programs_are_exact_or_raise_placeholder_error(plan):
 def test_second_backward_matches_first(plan, retain):
     params, x, y = _setup()
     prog = Program(plan, mark_all=True, params=params)
+    activations = saves_activations(prog, params, x, y)
+    prog.runs.clear()
     ckpt = remat.checkpoint(region_name="prog")(prog)
     for t in [*params, x]:
         t.grad = None
-    loss = ckpt(x, y)
+    with recorded_replays() as replayed:
+        loss = ckpt(x, y)
+    kept = kept_bytes(loss).get("prog", {})
     loss.backward(retain_graph=True)
     first = [t.grad.clone() if t.grad is not None else None for t in [*params, x]]
     for t in [*params, x]:
@@ -150,6 +201,9 @@ def test_second_backward_matches_first(plan, retain):
     loss.backward()
     second = [t.grad.clone() if t.grad is not None else None for t in [*params, x]]
     assert _same(first, second)
+    if activations:
+        assert kept or replayed == ["prog", "prog"], (kept, replayed)  # one per backward
+    check_region_runs(prog, kept)
 
 
 # --------------------------------------------------------------------------------
@@ -222,7 +276,10 @@ def _stateful_run(plan, checkpointed, repeated, swap):
         loss = torch.func.functional_call(model, fast, (x, y))
     else:
         loss = model(x, y)
+    kept = kept_bytes(loss).get("prog", {}) if checkpointed else None
     loss.backward()
+    if checkpointed:
+        check_region_runs(model, kept)
     return [p.grad for p in model.parameters()] + [x.grad, model.stat.clone()]
 
 
@@ -341,7 +398,10 @@ def _complex_run(plan, checkpointed, hooks, rebind):
         model.proj = torch.nn.Linear(4, 4, bias=False, dtype=C128)
     elif rebind == "eval":
         model.eval()
+    kept = kept_bytes(loss).get("prog", {}) if checkpointed else None
     loss.backward()
+    if checkpointed:
+        check_region_runs(model, kept)
     return [p.grad for p in params] + [x.grad]
 
 

@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+from helpers import recorded_replays
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -31,16 +32,20 @@ def base_input():
 
 def resident_bytes(memory_probe, fn, base, **opts):
     """Bytes the checkpoint holds after its forward, with a non-leaf input only the
-    checkpoint can keep alive; returns (bytes, output)."""
-    with memory_probe() as probe:
+    checkpoint can keep alive; returns (bytes, output, the list that will name the
+    checkpoint once backward replays it)."""
+    with memory_probe() as probe, recorded_replays() as replayed:
         x = base.clone()
         out = remat.checkpoint(region_name="c", **opts)(fn)(x)
         del x
-    return probe.bytes, out
+    return probe.bytes, out, replayed
 
 
-def assert_same_gradients(fn, base, out):
+def assert_same_gradients(fn, base, out, replayed, replays=1):
+    """Backward through ``out`` replays the checkpoint ``replays`` times and gives
+    the gradients of ``fn`` without remat."""
     out.sum().backward()
+    assert replayed == ["c"] * replays
     expected = base.detach().clone().requires_grad_()
     fn(expected.clone()).sum().backward()
     assert torch.equal(base.grad, expected.grad)
@@ -54,10 +59,12 @@ def test_save_of_an_argument_computed_by_replayed_code_is_rebuilt_not_kept(memor
         return save(lin, "proj")(h)  # the matmul saves h: rebuilt
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     # x, kept for the replay; the output. h is neither kept by the region nor by tanh.
     assert held == 2 * ROW
-    assert_same_gradients(fn, base, out)
+    report = remat.saved_tensors_report(out).checkpoints[0].to_dict()
+    assert (report["bytes"], report["rebuilt_bytes"]) == (ROW, ROW)  # holds x, rebuilds h
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_view_of_an_argument_saved_by_the_region_is_rebuilt(memory_probe):
@@ -68,9 +75,9 @@ def test_view_of_an_argument_saved_by_the_region_is_rebuilt(memory_probe):
         return save(lambda t: lin(t.view(4, 2, 32)).view(8, 32), "proj")(h)
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     assert held == 2 * ROW  # x and the output; the saved (4*2, 32) view of h is rebuilt
-    assert_same_gradients(fn, base, out)
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_matmul_before_the_checkpoint_does_not_stop_a_rebuild(memory_probe):
@@ -81,12 +88,15 @@ def test_matmul_before_the_checkpoint_does_not_stop_a_rebuild(memory_probe):
         return save(lin, "proj")(x.neg())
 
     base = base_input()
-    with memory_probe() as probe:
+    with memory_probe() as probe, recorded_replays() as replayed:
         x = before(base)  # a matmul outside the checkpoint, which the replay never runs
         out = remat.checkpoint(region_name="c")(fn)(x)
         del x
     assert probe.bytes == 2 * ROW  # x, kept for the replay; the output
+    report = remat.saved_tensors_report(out).checkpoints[0].to_dict()
+    assert (report["bytes"], report["rebuilt_bytes"]) == (ROW, ROW)  # holds x, rebuilds -x
     out.sum().backward()
+    assert replayed == ["c"]
 
 
 def test_internal_activations_of_a_save_region_stay_resident(memory_probe):
@@ -99,10 +109,10 @@ def test_internal_activations_of_a_save_region_stay_resident(memory_probe):
         return save(body, "mlp")(x.tanh())
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     # x; relu's output (lin2 saves it, relu saves it: one storage); the output.
     assert held == 3 * ROW
-    assert_same_gradients(fn, base, out)
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_nested_save_region_saving_the_outer_argument_is_rebuilt_at_the_outer_call(memory_probe):
@@ -116,9 +126,9 @@ def test_nested_save_region_saving_the_outer_argument_is_rebuilt_at_the_outer_ca
         return save(outer, "outer")(x.tanh())
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     assert held == 3 * ROW  # x, a, the output
-    assert_same_gradients(fn, base, out)
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_save_output_consumed_by_a_later_save_region_is_held_once(memory_probe):
@@ -129,9 +139,10 @@ def test_save_output_consumed_by_a_later_save_region_is_held_once(memory_probe):
         return save(lin2, "b")(y)  # saves y: y is kept as a's output (rule a); one copy
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     assert held == 3 * ROW  # x, y, the output
-    assert_same_gradients(fn, base, out)
+    assert remat.saved_tensors_report(out).checkpoint_bytes == 2 * ROW  # x and y
+    assert_same_gradients(fn, base, out, replayed, replays=0)  # every save kept
 
 
 def test_replay_stops_exactly_at_the_last_region_whose_saves_it_rebuilds():
@@ -207,9 +218,10 @@ def test_argument_the_replay_cannot_recompute_is_kept(memory_probe):
         return save(lin2, "b")(h)  # ... and b keeps its save of h
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     assert held == 3 * ROW  # x (saved by a), h, the output
-    assert_same_gradients(fn, base, out)
+    assert remat.saved_tensors_report(out).checkpoint_bytes == 2 * ROW  # x and h
+    assert_same_gradients(fn, base, out, replayed, replays=0)  # every save kept
 
 
 def test_argument_whose_replay_needs_a_matmul_is_kept(memory_probe):
@@ -221,9 +233,9 @@ def test_argument_whose_replay_needs_a_matmul_is_kept(memory_probe):
         return save(lin, "proj")(h)  # rebuilding h would replay the mm: h is kept
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     assert held == 3 * ROW  # x, h, the output
-    assert_same_gradients(fn, base, out)
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_without_early_stop_an_argument_whose_replay_needs_a_matmul_is_rebuilt(memory_probe):
@@ -235,9 +247,9 @@ def test_without_early_stop_an_argument_whose_replay_needs_a_matmul_is_rebuilt(m
         return save(lin, "proj")(h)
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base, early_stop=False)
+    held, out, replayed = resident_bytes(memory_probe, fn, base, early_stop=False)
     assert held == 2 * ROW  # x and the output
-    assert_same_gradients(fn, base, out)
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_rebuild_always_rebuilds_an_argument_whose_replay_needs_a_matmul(memory_probe):
@@ -249,9 +261,9 @@ def test_rebuild_always_rebuilds_an_argument_whose_replay_needs_a_matmul(memory_
         return save(lin, "proj")(h)
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base, rebuild="always")
+    held, out, replayed = resident_bytes(memory_probe, fn, base, rebuild="always")
     assert held == 2 * ROW  # x and the output
-    assert_same_gradients(fn, base, out)
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_rebuild_never_keeps_the_saves_of_replayed_arguments(memory_probe):
@@ -261,9 +273,9 @@ def test_rebuild_never_keeps_the_saves_of_replayed_arguments(memory_probe):
         return save(lin, "proj")(x.tanh())
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base, rebuild="never")
+    held, out, replayed = resident_bytes(memory_probe, fn, base, rebuild="never")
     assert held == 3 * ROW  # x, tanh's output (kept by the region), the output
-    assert_same_gradients(fn, base, out)
+    assert_same_gradients(fn, base, out, replayed)
 
 
 def test_unknown_rebuild_choice_is_refused_naming_the_choices():
@@ -304,9 +316,10 @@ def test_input_read_only_by_code_backward_never_replays_is_not_kept(memory_probe
         return save(torch.exp, "exp")(-x).sum()
 
     base = base_input()
-    held, out = resident_bytes(memory_probe, fn, base)
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
     assert held == ROW + 8  # exp's result and the loss; x is not kept
-    assert_same_gradients(fn, base, out)
+    assert remat.saved_tensors_report(out).checkpoint_bytes == ROW  # exp's result
+    assert_same_gradients(fn, base, out, replayed, replays=0)
 
 
 def test_rebuilt_saves_are_refilled_again_for_a_second_backward():
@@ -316,11 +329,13 @@ def test_rebuilt_saves_are_refilled_again_for_a_second_backward():
         return save(lin, "proj")(x.tanh())
 
     x = base_input()
-    out = remat.checkpoint(region_name="c")(fn)(x).sum()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c")(fn)(x).sum()
     out.backward(retain_graph=True)
     first = x.grad.clone()
     x.grad = None
     out.backward()
+    assert replayed == ["c", "c"]  # each backward rebuilds tanh(x) for itself
     assert torch.equal(x.grad, first)
 
 
@@ -348,7 +363,7 @@ def test_save_regions_around_linears_hold_no_more_bytes_than_sac_saving_mm(memor
         )
         del x
     sac_bytes = probe.bytes
-    held, out = resident_bytes(memory_probe, remat_block, base)
+    held, out, replayed = resident_bytes(memory_probe, remat_block, base)
     # x (the replay reads it), fc1's output (gelu saves it), the output. SAC also
     # keeps fc2's matmul output.
     assert held == ROW + 4 * ROW + ROW

@@ -2,15 +2,19 @@
 
 Chain x -> A -> y -> B -> z -> C, where A's backward needs p and B's needs q, and C
 saves z. Sizes (float64) are distinct so the live total names the resident set:
-x 256 B, p 512 B, y 32 B, q 96 B, z 48 B.
+x 256 B, p 512 B, y 32 B, q 96 B, z 48 B (and w 32 B, a leaf weight of the argument rows).
 """
 
 import pytest
 import torch
+from helpers import kept_bytes, recorded_replays
 
 import torch_remat as remat
 
-SIZES = {"x": 256, "p": 512, "y": 32, "q": 96, "z": 48}
+SIZES = {"x": 256, "p": 512, "y": 32, "q": 96, "z": 48, "w": 32}
+# Who keeps a resident tensor: the region whose save or output it is, or the
+# checkpoint itself for its replay.
+KEPT_BY = {"x": "(inputs)", "p": "A", "y": "A", "q": "B", "z": "B"}
 LOSS_BYTES = 8
 
 ROWS = [
@@ -46,16 +50,23 @@ def make_chain(a_saves, b_saves, log):
     return fn
 
 
-def check_chain(memory_probe, fn, log, resident, recreated):
-    """Bytes held after the forward, what the backward recreated, exact gradients."""
+def check_chain(memory_probe, fn, log, resident, recreated, leaf_saves=None):
+    """Bytes held after the forward (in all, and by whom), what the backward
+    recreated, exact gradients. ``leaf_saves``: {region: bytes} of saved leaves
+    allocated before the measurement."""
     base = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
-    with memory_probe() as probe:
+    with memory_probe() as probe, recorded_replays() as replayed:
         x = base.clone()  # non-leaf: nothing but torch_remat can keep it alive
         loss = remat.checkpoint(region_name="chain")(fn)(x)
         del x
     assert probe.bytes == sum(SIZES[n] for n in resident) + LOSS_BYTES
+    kept = dict(leaf_saves or {})
+    for n in resident:
+        kept[KEPT_BY[n]] = kept.get(KEPT_BY[n], 0) + SIZES[n]
+    assert kept_bytes(loss) == {"chain": kept}
     loss.backward()
     assert set(log) == recreated
+    assert replayed == (["chain"] if recreated else [])
     expected = base.detach().clone().requires_grad_()
     fn(expected.clone()).backward()
     assert torch.equal(base.grad, expected.grad)
@@ -90,7 +101,7 @@ def test_save_region_saving_its_argument(memory_probe, a_saves, resident, recrea
         z = remat.region(B, "B", recompute=False)(y)
         return z.sin().sum()
 
-    check_chain(memory_probe, fn, log, resident, recreated)
+    check_chain(memory_probe, fn, log, resident, recreated, leaf_saves={"B": SIZES["w"]})
 
 
 def test_input_consumed_only_by_save_regions_is_not_kept(memory_probe):
@@ -102,7 +113,7 @@ def test_input_consumed_only_by_save_regions_is_not_kept(memory_probe):
         return h.tanh()  # saves tanh's output (dropped, recomputed)
 
     base = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
-    with memory_probe() as probe:
+    with memory_probe() as probe, recorded_replays() as replayed:
         x = base.clone()
         out = remat.checkpoint(region_name="c")(fn)(x)
         del x
@@ -110,7 +121,9 @@ def test_input_consumed_only_by_save_regions_is_not_kept(memory_probe):
     # the checkpoint; h (2048 B), kept for the replay; the output (2048 B), held by
     # the caller. tanh's saved result is dropped.
     assert probe.bytes == 3 * 2048
+    assert kept_bytes(out) == {"c": {"proj": 2 * 2048}}  # x and h, both the region's
     out.sum().backward()
+    assert replayed == ["c"]
 
 
 def test_input_read_by_bare_code_is_kept(memory_probe):
@@ -122,14 +135,16 @@ def test_input_read_by_bare_code_is_kept(memory_probe):
         return h.tanh()
 
     base = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
-    with memory_probe() as probe:
+    with memory_probe() as probe, recorded_replays() as replayed:
         x = base.clone()
         out = remat.checkpoint(region_name="c")(fn)(x)
         del x
     # x kept for the replay of `x + 1`; h; the output. The region's save of x + 1,
     # an argument replayed code produces, is rebuilt by the replay, not kept.
     assert probe.bytes == 3 * 2048
+    assert kept_bytes(out) == {"c": {"(inputs)": 2048, "proj": 2048}}
     out.sum().backward()
+    assert replayed == ["c"]
 
 
 def test_a_save_region_whose_output_dies_inside_the_forward_frees_its_saves_at_once():

@@ -257,7 +257,7 @@ def test_scope_under_compiled_autograd_gives_exact_gradients(compiled_autograd):
 
     expected = grads([a, c], [], lambda: loss(False))
     with compiled_autograd._enable(torch.compile(backend="aot_eager")):
-        actual = grads([a, c], [], lambda: loss(True))
+        actual = grads([a, c], [], lambda: loss(True), scope=True)
     assert_bitwise_equal(actual, expected)
     assert hook_stack() == []
 
@@ -309,7 +309,7 @@ def test_compiled_function_called_inside_a_scope_runs_eagerly_with_exact_gradien
 
     try:
         expected = grads([a, w], [], lambda: loss(inner, False))
-        actual = grads([a, w], [], lambda: loss(compiled, True))
+        actual = grads([a, w], [], lambda: loss(compiled, True), scope=True)
         assert_bitwise_equal(actual, expected)
         assert hook_stack() == []
     finally:
@@ -330,7 +330,7 @@ def test_torch_compile_of_code_containing_a_scope():
 
     try:
         expected = grads([a, w], [], lambda: loss(False))
-        actual = grads([a, w], [], lambda: torch.compile(loss, backend="aot_eager")(True))
+        actual = grads([a, w], [], lambda: torch.compile(loss, backend="aot_eager")(True), scope=True)
         assert_bitwise_equal(actual, expected)
         assert hook_stack() == []
     finally:

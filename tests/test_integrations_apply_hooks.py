@@ -4,7 +4,7 @@ module called twice in one block (distinct region names through name_scope)."""
 import copy
 
 import torch
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, grads
 from torch import nn
 
 import torch_remat as remat
@@ -51,10 +51,7 @@ class Net(nn.Module):
 
 def grads_of(model):
     x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(1))
-    model.zero_grad()
-    loss = model(x)
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    return grads(list(model.parameters()), [], lambda: model(x))
 
 
 def test_a_save_module_called_twice_gets_a_second_region_name_and_exact_gradients():

@@ -19,6 +19,7 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="needs the 'transformers' extra")
 
+from helpers import recorded_replays  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaAttention  # noqa: E402
 
@@ -117,16 +118,19 @@ def test_gradients_equal_no_checkpointing_and_transformers_checkpointing_with_dr
 
     model = tiny_llama(attention_dropout=0.1)
     enable_remat(model)
-    assert_same(loss_and_grads(model), expected)
+    with recorded_replays() as replayed:
+        assert_same(loss_and_grads(model), expected)
+    assert sorted(replayed) == sorted(LAYERS)
 
 
 def test_attention_as_save_region_keeps_gradients_exact():
     expected = loss_and_grads(tiny_llama(attention_dropout=0.1))
     model = tiny_llama(attention_dropout=0.1)
     enable_remat(model, remat=RematConfig(save_modules=LlamaAttention))
-    with remat.collect_trace() as trace:
+    with remat.collect_trace() as trace, recorded_replays() as replayed:
         assert_same(loss_and_grads(model), expected)
     assert [(n.name, n.kind) for n in trace.roots] == [("self_attn", "save")] * 2
+    assert sorted(replayed) == sorted(LAYERS)
 
 
 def test_forward_keeps_fewer_bytes_than_without_checkpointing_exactly_like_transformers():

@@ -62,14 +62,17 @@ def test_nested_scopes_join_with_a_slash_and_a_region_body_starts_unscoped():
 def test_a_scope_around_the_checkpoint_call_also_names_the_replay():
     w = torch.randn(4, 4, dtype=D, requires_grad=True)
     x = torch.randn(2, 4, dtype=D, requires_grad=True)
-    expected = grads([w], [x], lambda x: mlp(x, w).sum())
+    expected = grads([w], [x], lambda x: mlp(x, w).tanh().sum())
 
     def run(x):
         with remat.name_scope("enc"):
-            return remat.checkpoint(region_name="c")(mlp)(x, w).sum()
+            # tanh's dropped result makes backward replay, through region "enc/up"
+            return remat.checkpoint(region_name="c")(lambda x: mlp(x, w).tanh())(x).sum()
 
     # backward runs outside the scope; the replay must still find region "enc/up"
-    assert_bitwise_equal(grads([w], [x], run), expected)
+    actual = grads([w], [x], run)
+    assert_bitwise_equal(actual, expected)
+    assert actual.replays == ["c"]
 
 
 def test_reports_show_the_full_region_name():

@@ -47,7 +47,7 @@ def test_seed_example_saved_after_exit_is_replayed_with_exact_gradients():
         return y.sum()
 
     expected = grads([a, b, c], [], lambda: loss(False))
-    actual = grads([a, b, c], [], lambda: loss(True))
+    actual = grads([a, b, c], [], lambda: loss(True), scope=True)
     assert_bitwise_equal(actual, expected)
     assert replays(lambda: loss(True).backward()) == 1
     assert hook_stack() == []
@@ -62,7 +62,7 @@ def test_saves_inside_the_scope_are_replayed_too():
         return h.tanh().sum()
 
     assert_bitwise_equal(
-        grads([a, w], [], lambda: loss(True)), grads([a, w], [], lambda: loss(False))
+        grads([a, w], [], lambda: loss(True), scope=True), grads([a, w], [], lambda: loss(False))
     )
 
 
@@ -76,7 +76,7 @@ def test_dropout_is_replayed_with_the_rng_state_it_saw():
 
     expected = grads([a, c], [], lambda: loss(False), seed=7)
     after_expected = torch.rand(3)
-    actual = grads([a, c], [], lambda: loss(True), seed=7)
+    actual = grads([a, c], [], lambda: loss(True), seed=7, scope=True)
     # The replay restores the caller's generator afterwards: later draws are unchanged.
     assert torch.equal(torch.rand(3), after_expected)
     assert_bitwise_equal(actual, expected)
@@ -97,7 +97,7 @@ def test_autocast_ops_are_replayed_as_recorded():
         return out.float().square().sum()  # backward runs outside autocast
 
     assert_bitwise_equal(
-        grads(params + [x], [], lambda: loss(True)), grads(params + [x], [], lambda: loss(False))
+        grads(params + [x], [], lambda: loss(True), scope=True), grads(params + [x], [], lambda: loss(False))
     )
 
 
@@ -116,7 +116,7 @@ def test_batchnorm_running_stats_are_updated_once_and_replay_reads_their_old_val
             return (h * h.sin()).sum()
 
         results[use] = (
-            grads(params + [x], [], loss),
+            grads(params + [x], [], loss, scope=use),
             bn.running_mean.clone(),
             bn.running_var.clone(),
         )
@@ -158,7 +158,7 @@ def test_inference_tensors_inside_and_around_the_scope():
             x = a.exp() + buf + k.clone()
         return (x * a).sum()
 
-    assert_bitwise_equal(grads([a], [], lambda: loss(True)), grads([a], [], lambda: loss(False)))
+    assert_bitwise_equal(grads([a], [], lambda: loss(True), scope=True), grads([a], [], lambda: loss(False)))
     assert hook_stack() == []
 
 
@@ -214,8 +214,10 @@ def test_inplace_on_scope_output_after_exit_then_saved_gives_correct_gradient():
         x.mul_(2)
         return (x * c).sum()
 
+    # x is stored, not replayed
     assert_bitwise_equal(
-        grads([a, c], [], lambda: loss(True)), grads([a, c], [], lambda: loss(False))
+        grads([a, c], [], lambda: loss(True), scope=True), grads([a, c], [], lambda: loss(False)),
+        replays=0,
     )
 
 
@@ -261,7 +263,7 @@ def test_sibling_scopes_whose_outputs_are_alive_together_are_both_replayed():
         return (x1 * x2).sum()  # saves both after both scopes exited
 
     assert_bitwise_equal(
-        grads([a, b], [], lambda: loss(True)), grads([a, b], [], lambda: loss(False))
+        grads([a, b], [], lambda: loss(True), scope=True), grads([a, b], [], lambda: loss(False))
     )
     assert replays(lambda: loss(True).backward()) == 2
 
@@ -284,7 +286,7 @@ def test_nested_scopes_keep_hook_bookkeeping_and_later_plain_hooks_work():
         return z
 
     assert_bitwise_equal(
-        grads([a, c], [], lambda: loss(True)), grads([a, c], [], lambda: loss(False))
+        grads([a, c], [], lambda: loss(True), scope=True), grads([a, c], [], lambda: loss(False))
     )
     assert hook_stack() == []
     assert packed  # the plain block's hook was the active one inside it
@@ -315,8 +317,10 @@ def test_user_hooks_entered_before_the_scope_are_never_popped_by_it():
 
     expected = grads([a, c], [], lambda: loss(False))
     seen.clear()
+    # Not counted: whether the scope replays x here depends on when its tensor is
+    # freed, which varies with what ran before; this test is about the hook stack.
     actual = grads([a, c], [], lambda: loss(True))
-    assert_bitwise_equal(actual, expected)
+    assert_bitwise_equal(actual, expected, replays=0)
     assert seen == [(5,), (5,)]  # x and c; exp's save of x went to the scope
     assert hook_stack() == []
 
@@ -349,7 +353,7 @@ def test_user_hooks_entered_after_the_scope_apply_inside_their_block_and_pop_the
 
     expected = grads([a, c], [], lambda: loss(False))
     seen.clear()
-    actual = grads([a, c], [], lambda: loss(True))
+    actual = grads([a, c], [], lambda: loss(True), scope=True)
     assert_bitwise_equal(actual, expected)
     assert seen == [(5,), (5,)]
 
@@ -407,4 +411,6 @@ def test_two_threads_record_and_replay_independently():
     assert not errors, errors
     assert stacks == [[], []]
     for i in range(2):
-        assert_bitwise_equal(results[i], expected[i])
+        # Not counted: the profiler that counts scope replays cannot run in two
+        # threads at once (the tests above count them).
+        assert_bitwise_equal(results[i], expected[i], replays=0)

@@ -197,7 +197,7 @@ def test_save_on_cpu_around_a_scope_offloads_only_what_the_scope_did_not_create(
     expected = grads([a, w, c], [], lambda: loss_fn(False))
     assert sorted(offload.offloaded) == sorted([(3, 6), (6, 6), (3, 6), (3, 6), (6,)])
     offload.offloaded.clear()
-    actual = grads([a, w, c], [], lambda: loss_fn(True))
+    actual = grads([a, w, c], [], lambda: loss_fn(True), scope=True)
     assert_bitwise_equal(actual, expected)
     # exp's save of h went to the scope (a recipe); mm's inputs were handed to the
     # user's hook; after the scope, h * c runs inside save_on_cpu: offloaded.

@@ -79,7 +79,7 @@ def test_an_unnamed_checkpoint_created_inside_compiled_code_compiles(how):
     params = list(model.parameters())
     actual = grads(params, [x], lambda x: compiled(x).sum())
     expected = grads(params, [x], lambda x: model(x).sum())
-    assert_bitwise_equal(actual, expected)
+    assert_bitwise_equal(actual, expected, replays=0)
     assert names and all(type(n) is str for n in names)
     assert set(names) == {EXPECTED[how]}
 

@@ -11,6 +11,7 @@ import pickle
 import pytest
 import torch
 from dist_models import MLPBlock, assert_grads_equal, param_grads, tiny_net
+from helpers import recorded_replays
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -37,12 +38,17 @@ def IS_BLOCK(module):
     return isinstance(module, MLPBlock)
 
 
-def _run(model, x, seed=1):
+def _run(model, x, seed=1, *, replays=True):
+    """Loss and gradients of one step. A model with remat applied must replay its
+    checkpoints in backward (``replays=False``: compiled ones, whose backward
+    re-runs no Python), one without it replays nothing."""
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    loss = model(x).pow(2).sum()
-    loss.backward()
+    with recorded_replays() as replayed:
+        loss = model(x).pow(2).sum()
+        loss.backward()
+    assert bool(replayed) == (replays and bool(remat_module_names(model))), replayed
     return loss.detach(), param_grads(model)
 
 
@@ -294,7 +300,8 @@ def test_offload_wrapper_keeps_activations_on_cpu_with_equal_gradients():
     model = tiny_net()
     apply_remat(model, checkpoint_wrapper_fn=offload_wrapper, check_fn=IS_BLOCK)
     assert model.layers[0].forward.offload
-    assert_grads_equal(_run(model, x)[1], reference[1])
+    # offloaded, not recomputed: nothing replays
+    assert_grads_equal(_run(model, x, replays=False)[1], reference[1])
 
 
 def test_save_modules_become_save_regions_named_inside_their_block():
@@ -403,7 +410,7 @@ def test_apply_remat_then_module_compile_gives_the_gradients_of_eager_remat():
     apply_remat(model, check_fn=IS_BLOCK, remat=RematConfig(save_modules=nn.Linear))
     model.compile(backend="aot_eager", fullgraph=True)
     try:
-        assert_grads_equal(_run(model, x)[1], _run(eager, x)[1])
+        assert_grads_equal(_run(model, x, replays=False)[1], _run(eager, x)[1])
     finally:
         torch._dynamo.reset()
 

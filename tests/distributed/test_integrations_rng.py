@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_models import MLPBlock, assert_grads_equal, param_grads, tiny_net
+from helpers import recorded_replays
 
 from torch_remat.integrations import (
     DeviceRNGStateHook,
@@ -73,7 +74,9 @@ def test_recompute_does_not_move_the_callers_generator():
     after_plain = torch.rand(4)
     model = tiny_net(dropout=0.3)
     apply_remat(model, check_fn=_is_block)
-    _step(model, x)
+    with recorded_replays() as replayed:
+        _step(model, x)
+    assert sorted(replayed) == ["layers.0", "layers.1"]  # each replay draws dropout again
     assert torch.equal(torch.rand(4), after_plain)
 
 
@@ -81,10 +84,12 @@ def test_second_backward_with_retain_graph_replays_dropout_identically():
     x = torch.randn(4, 16, dtype=torch.float64)
     model = tiny_net(dropout=0.3)
     apply_remat(model, check_fn=_is_block, remat=RematConfig(determinism_check="bitwise"))
-    loss = _step(model, x, retain_graph=True)
+    with recorded_replays() as replayed:
+        loss = _step(model, x, retain_graph=True)
     first = param_grads(model)
     model.zero_grad()
     loss.backward()
+    assert sorted(replayed) == ["layers.0", "layers.0", "layers.1", "layers.1"]  # per backward
     assert_grads_equal(first, param_grads(model))
 
 
