@@ -119,7 +119,7 @@ class StorageLedger(TorchDispatchMode):
                     self.converted.append(a)  # alive, so that the op's conversion finds it
                 self._see(a, allocated=False)
         out = func(*args, **kwargs)
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor):
@@ -155,6 +155,25 @@ class StorageLedger(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a random op draws from its generator with these arguments. An op
+    tagged as random that takes a dropout probability (an attention kernel, an RNN)
+    draws nothing at probability 0, and a dropout with ``train=False`` draws
+    nothing; a real kernel leaves the generator where it was, so the fake run must
+    too (else a block that draws nothing is taken to draw, and its checkpoints keep
+    an RNG state they do not keep on real tensors)."""
+    values = dict(kwargs)
+    for arg, value in zip(func._schema.arguments, args):
+        values[arg.name] = value
+    if values.get("train", True) is False:
+        return False
+    for name in ("dropout_p", "dropout"):
+        p = values.get(name)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0:
+            return False
+    return True
 
 
 def _draw_like(out: Any) -> None:
@@ -381,6 +400,17 @@ def measure_fake(
     result.peak_bytes = peak
     result.gradient_bytes = gradient_bytes
     return result
+
+
+def fake_forward(model: nn.Module, args: Sequence[Any], mode: FakeTensorMode) -> None:
+    """One forward of the fake model without gradients; the CPU generator, which a
+    fake random op advances (``_draw_like``), is put back."""
+    cpu_rng = torch.get_rng_state()
+    try:
+        with torch.no_grad(), mode, StorageLedger(mode):
+            model(*args)
+    finally:
+        torch.set_rng_state(cpu_rng)
 
 
 def fake_blocks_drawing_no_random_numbers(

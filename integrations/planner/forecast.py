@@ -26,6 +26,7 @@ from torch_remat._integration import format_bytes
 from . import _report
 from ._fake import (
     FakeMeasurement,
+    fake_forward,
     faked,
     local_tensor,
     measure_fake,
@@ -228,7 +229,6 @@ def forecast_remat(
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     memory = None if device_memory is None else parse_bytes(device_memory)
     names = select_blocks(model, blocks)
-    groups = group_blocks(model, names, candidates)
     batches = {
         a.shape[batch_dim] for a in args if isinstance(a, torch.Tensor) and a.dim() > batch_dim
     }
@@ -246,6 +246,12 @@ def forecast_remat(
         else sharded(model, args, layout, names, device)
     )
     with context as (target, mode, fargs):
+        # Grouped as plan_remat groups them: sibling projections found by one
+        # forward, here a fake one.
+        groups = group_blocks(
+            target, names, candidates, fargs,
+            forward=functools.partial(fake_forward, target, fargs, mode),
+        )
         params = list(target.parameters())
         parameter_bytes = storage_bytes(params)
         optimizer_bytes = optimizer_states * sum(

@@ -1,0 +1,117 @@
+"""forecast_remat on models nobody here wrote: stock transformers models from tiny
+configs and common PyTorch layers. The forecast equals a real run and
+``plan_remat``'s table, and planning leaves the model as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_remat.integrations import plan_remat
+from torch_remat.integrations.planner import forecast_remat
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _same_table(plan, forecast) -> None:
+    fp = forecast.plan
+    assert fp.blocks == plan.blocks
+    assert fp.rng_free == plan.rng_free
+    assert fp.base_bytes == plan.base_bytes
+    for name, real, fake in zip(plan.blocks, plan.table, fp.table):
+        assert [m.option for m in fake] == [m.option for m in real], name
+        assert fake == real, name
+    assert fp.choices == plan.choices
+    assert fp.predicted_bytes == plan.predicted_bytes == plan.measured_bytes
+
+
+class SDPABlock(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_attention_without_dropout_draws_no_random_numbers_in_the_forecast(dropout):
+    # scaled_dot_product_attention may draw; at dropout_p=0 it does not, and the
+    # forecast's blocks are RNG-free as the real ones are (each checkpoint then keeps
+    # no 5,056 B copy of the CPU generator's state)
+    torch.manual_seed(0)
+    model = nn.Sequential(SDPABlock(dropout=dropout), SDPABlock(dropout=dropout))
+    x = torch.randn(2, 8, 16)
+    kwargs = dict(budget=0.9, candidates=["qkv"])
+    plan = plan_remat(model, x, **kwargs)
+    forecast = forecast_remat(model, x, **kwargs)
+    assert plan.rng_free == ([] if dropout else ["0", "1"])
+    _same_table(plan, forecast)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d)
+        self.down_proj = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_default_candidates_are_grouped_as_the_planners_are():
+    # gate_proj and up_proj read the same input: one unit for both planners, so the
+    # tables list the same options (4 with the unit, 5 with three separate leaves)
+    torch.manual_seed(0)
+    model = nn.Sequential(SwiGLU(), SwiGLU())
+    x = torch.randn(4, 8)
+    plan = plan_remat(model, x, budget=0.5)
+    forecast = forecast_remat(model, x, budget=0.5)
+    assert [m.option.label for m in plan.table[0]] == [
+        "no checkpoint", "full checkpoint", "checkpoint, save gate_proj, up_proj",
+        "checkpoint, save down_proj", "checkpoint, save gate_proj, up_proj, down_proj",
+    ]
+    _same_table(plan, forecast)
+
+
+def _llama(**overrides):
+    transformers = pytest.importorskip("transformers")
+    config = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128,
+    )
+    config.update(overrides)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+
+
+def _logits_sum(out) -> torch.Tensor:
+    return out.logits.sum()
+
+
+@pytest.mark.parametrize("planner", [plan_remat, forecast_remat])
+def test_a_key_value_cache_is_refused_naming_use_cache(planner):
+    # transformers' default use_cache=True hands each layer a cache that a
+    # checkpoint's replay would update a second time (eager attention then raised
+    # RecomputeMismatchError)
+    model = _llama(attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(ValueError, match=r"'model.layers.0' \(LlamaDecoderLayer\).*"
+                       r"DynamicCache.*model.config.use_cache = False"):
+        planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
+    model.config.use_cache = False
+    planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
