@@ -115,3 +115,47 @@ def test_a_key_value_cache_is_refused_naming_use_cache(planner):
         planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
     model.config.use_cache = False
     planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(SwiGLU(d), SwiGLU(d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(ids)))
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+def test_tied_parameters_count_once(meta):
+    # the embedding and the head share one weight (32 x 8 fp32, 1,024 B): it is one
+    # parameter, one gradient and one set of optimizer states
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = TiedLM()
+    ids = torch.randint(0, 32, (2, 4))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    forecast = forecast_remat(model, (ids,), budget=1.0, candidates=["gate_proj"])
+    assert forecast.parameter_bytes == params
+    assert forecast.optimizer_bytes == 2 * params
+    assert model.head.weight is model.embed.weight
+    if not meta:
+        plan = plan_remat(model, (ids,), budget=1.0, candidates=["gate_proj"])
+        _same_table(plan, forecast)
+
+
+def test_transformers_attention_takes_the_real_path_on_fake_tensors():
+    # without an attention mask, transformers checks the position ids for packed
+    # sequences, which it cannot read on fake tensors; taken as packed, the forecast
+    # built an explicit mask and repeated K/V for GQA (forecast 1.07x the real bytes
+    # without remat here)
+    model = _llama(use_cache=False)
+    ids = torch.randint(0, 128, (2, 16))
+    kwargs = dict(budget=0.5, candidates=["*self_attn", "*mlp"])
+    plan = plan_remat(model, (ids,), _logits_sum, **kwargs)
+    forecast = forecast_remat(model, (ids,), _logits_sum, **kwargs)
+    assert forecast.plan.rng_free == plan.rng_free == ["model.layers.0", "model.layers.1"]
+    _same_table(plan, forecast)

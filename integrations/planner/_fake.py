@@ -282,6 +282,35 @@ def _to_fake(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None)
 
 
 @contextlib.contextmanager
+def _transformers_real_paths() -> Iterator[None]:
+    """transformers decides some paths from tensor values, and takes its tracing
+    path where it cannot read them (on a fake tensor): without an attention mask it
+    reads the position ids for packed sequences, and with a fake answer it builds an
+    explicit causal mask, which in turn repeats K/V for grouped-query attention
+    instead of passing ``enable_gqa``: more bytes than the real run keeps. While
+    active, fake position ids are taken as one sequence per row (the position ids
+    the model makes itself, ``arange``), the real path for an unpacked batch."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return find(position_ids)
+
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
+
+
+@contextlib.contextmanager
 def faked(
     model: nn.Module, args: Sequence[Any], device: torch.device | str | None = None
 ) -> Iterator[tuple[FakeTensorMode, tuple[Any, ...]]]:
@@ -294,16 +323,22 @@ def faked(
     # The engine's real tensors (a checkpoint's copy of the RNG state) meet fakes.
     allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
     swapped: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    # One fake per tensor object: a parameter tied in two modules (an embedding and
+    # its head) stays one parameter, with one gradient and one optimizer state.
+    fakes: dict[int, torch.Tensor] = {}
     try:
-        for module in model.modules():
+        for module in model.modules(remove_duplicate=False):
             for kind in ("_parameters", "_buffers"):
                 table = getattr(module, kind)
                 for name, t in list(table.items()):
                     if t is None or isinstance(t, FakeTensor):
                         continue
-                    fake = _to_fake(mode, t, dev)
-                    if kind == "_parameters":
-                        fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                    fake = fakes.get(id(t))
+                    if fake is None:
+                        fake = _to_fake(mode, t, dev)
+                        if kind == "_parameters":
+                            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                        fakes[id(t)] = fake
                     swapped.append((module, kind, name, t))
                     table[name] = fake
 
@@ -313,7 +348,8 @@ def faked(
             f = _to_fake(mode, a, dev)
             return f.requires_grad_(a.requires_grad) if a.is_leaf else f
 
-        yield mode, tuple(tree_map(arg, list(args)))
+        with _transformers_real_paths():
+            yield mode, tuple(tree_map(arg, list(args)))
     finally:
         mode.allow_non_fake_inputs = allowed
         for module, kind, name, t in reversed(swapped):

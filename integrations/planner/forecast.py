@@ -254,10 +254,7 @@ def forecast_remat(
         )
         params = list(target.parameters())
         parameter_bytes = storage_bytes(params)
-        optimizer_bytes = optimizer_states * sum(
-            (lambda t: t.numel() * t.element_size())(local_tensor(p))
-            for p in params if p.requires_grad
-        )
+        optimizer_bytes = optimizer_states * _distinct_bytes(p for p in params if p.requires_grad)
         run = _Runs(functools.partial(measure_fake, mode=mode), fargs)
         # The blocks that draw no random numbers, seen in a first full step, which is
         # also the option table's warm-up (lazy state: FSDP2's, first-call caches).
@@ -310,6 +307,21 @@ def forecast_remat(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
     )
+
+
+def _distinct_bytes(params: Any) -> int:
+    """Bytes of the parameters' elements (DTensors: this rank's shard), each tensor
+    counted once however many parameter objects view it (weights tied by sharing
+    one tensor's data)."""
+    seen: set[tuple] = set()
+    total = 0
+    for p in params:
+        t = local_tensor(p)
+        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
 
 
 class _Runs:
