@@ -159,3 +159,42 @@ def test_transformers_attention_takes_the_real_path_on_fake_tensors():
     forecast = forecast_remat(model, (ids,), _logits_sum, **kwargs)
     assert forecast.plan.rng_free == plan.rng_free == ["model.layers.0", "model.layers.1"]
     _same_table(plan, forecast)
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (x > 0).nonzero().shape[0]  # how many are positive: a value
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc, self.gate = nn.Linear(d, d), Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate(self.fc(x))
+
+
+def test_a_data_dependent_op_is_named_with_its_module_and_the_way_out():
+    model = nn.Sequential(GatedBlock(), GatedBlock())
+    with pytest.raises(RuntimeError) as e:
+        forecast_remat(model, torch.randn(4, 8), budget=1.0)
+    text = str(e.value)
+    assert "aten.nonzero.default" in text
+    assert "'0.gate' (Gate)" in text  # the innermost module running it
+    assert "plan_remat" in text  # the way out: measure on real tensors
+
+
+def test_the_forecasts_mismatch_message_gives_advice_it_can_take(monkeypatch):
+    from torch_remat.integrations.planner import PlanMismatchError, PolicyForecast
+
+    real = PolicyForecast.kept_bytes.fget
+    monkeypatch.setattr(  # the plan's own run holds one byte more than its table says
+        PolicyForecast, "kept_bytes",
+        property(lambda p: real(p) + (p.name == "plan")),
+    )
+    with pytest.raises(PlanMismatchError) as e:
+        forecast_remat(nn.Sequential(SwiGLU(), SwiGLU()), torch.randn(4, 8), budget=1.0)
+    text = str(e.value)
+    assert "forecast_remat" in text and "blocks=" in text
+    assert "verify=False" not in text  # forecast_remat has no such argument

@@ -7,6 +7,8 @@ from typing import Any
 
 from . import _compat
 from ._compat import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
@@ -29,6 +31,8 @@ __all__ = [
     "format_bytes",
     "TorchDispatchMode",
     "FakeTensor",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
     "FakeTensorMode",
     "disable_current_modes",
     "tree_map",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -35,7 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import torch_remat as remat
 from torch_remat._integration import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
@@ -76,6 +80,9 @@ class StorageLedger(TorchDispatchMode):
         self.known: set[int] = set()
         self.current = 0
         self.peak = 0
+        self.modules: dict[int, str] = {}
+        """``id(module) -> qualified name`` of the model's modules, to name the
+        module whose code ran an op that fake tensors cannot run."""
 
     def _forget(self, key: int) -> None:
         self.known.discard(key)
@@ -118,7 +125,10 @@ class StorageLedger(TorchDispatchMode):
                     a = self.fake_mode.from_tensor(a)
                     self.converted.append(a)  # alive, so that the op's conversion finds it
                 self._see(a, allocated=False)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise DataDependentOpError(_data_dependent_message(func, self.modules)) from e
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
         for o in tree_flatten(out)[0]:
@@ -155,6 +165,34 @@ class StorageLedger(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+class DataDependentOpError(remat.RematError):
+    """An op whose result depends on tensor values ran on fake tensors, which have
+    shapes and no values."""
+
+
+def _data_dependent_message(func: Any, modules: dict[int, str]) -> str:
+    """Names the op, the innermost module of the model whose ``forward`` ran it
+    (found on the Python stack) and the ways out."""
+    where = "outside the model's modules (in loss_fn, say)"
+    frame = sys._getframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in modules:
+            name = modules[id(owner)] or "the model itself"
+            where = f"in {name!r} ({type(owner).__name__})" if modules[id(owner)] else (
+                f"in {name} ({type(owner).__name__})"
+            )
+            break
+        frame = frame.f_back
+    return (
+        f"forecast_remat: {func} ran {where} on fake tensors, which have shapes and no "
+        "values, and its result depends on the values (a data-dependent output shape, "
+        "or a value read into Python: .item(), nonzero, a boolean mask, a branch on a "
+        "tensor). Plan on real tensors with plan_remat if the model fits this machine, "
+        "or compute the value outside the forward and pass it in as a Python number."
+    )
 
 
 def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -404,6 +442,7 @@ def measure_fake(
         t.grad = None
     cpu_rng = torch.get_rng_state()
     ledger = StorageLedger(mode)
+    ledger.modules = _module_names(model)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -442,11 +481,17 @@ def fake_forward(model: nn.Module, args: Sequence[Any], mode: FakeTensorMode) ->
     """One forward of the fake model without gradients; the CPU generator, which a
     fake random op advances (``_draw_like``), is put back."""
     cpu_rng = torch.get_rng_state()
+    ledger = StorageLedger(mode)
+    ledger.modules = _module_names(model)
     try:
-        with torch.no_grad(), mode, StorageLedger(mode):
+        with torch.no_grad(), mode, ledger:
             model(*args)
     finally:
         torch.set_rng_state(cpu_rng)
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
 
 
 def fake_blocks_drawing_no_random_numbers(

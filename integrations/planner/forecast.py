@@ -246,15 +246,16 @@ def forecast_remat(
         else sharded(model, args, layout, names, device)
     )
     with context as (target, mode, fargs):
+        params = list(target.parameters())
+        parameter_bytes = storage_bytes(params)
+        optimizer_bytes = optimizer_states * _distinct_bytes(p for p in params if p.requires_grad)
         # Grouped as plan_remat groups them: sibling projections found by one
-        # forward, here a fake one.
+        # forward, here a fake one (after the parameters are counted: FSDP2 leaves
+        # the root's unsharded after a forward without gradients).
         groups = group_blocks(
             target, names, candidates, fargs,
             forward=functools.partial(fake_forward, target, fargs, mode),
         )
-        params = list(target.parameters())
-        parameter_bytes = storage_bytes(params)
-        optimizer_bytes = optimizer_states * _distinct_bytes(p for p in params if p.requires_grad)
         run = _Runs(functools.partial(measure_fake, mode=mode), fargs)
         # The blocks that draw no random numbers, seen in a first full step, which is
         # also the option table's warm-up (lazy state: FSDP2's, first-call caches).
@@ -286,7 +287,7 @@ def forecast_remat(
             )
         plan.measured_bytes = policies["plan"].kept_bytes
         if plan.measured_bytes != plan.predicted_bytes:
-            raise PlanMismatchError(_report.mismatch_message(plan))
+            raise PlanMismatchError(_mismatch_message(plan))
         trainable = storage_bytes([p for p in params if p.requires_grad])
         ddp = layout is not None and layout.ddp and layout.world_size > 1
         bucket_bytes = trainable if ddp and not layout.gradient_as_bucket_view else 0
@@ -306,6 +307,18 @@ def forecast_remat(
     return Forecast(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
+    )
+
+
+def _mismatch_message(plan: RematPlan) -> str:
+    return (
+        f"forecast_remat: the chosen plan, run on fake tensors, held {plan.measured_bytes:,} B "
+        f"after the forward, not the {plan.predicted_bytes:,} B its blocks' options add up "
+        "to: the blocks' bytes interact in a way per-block measurement does not capture "
+        "(a block keeping its neighbour's output, say). Plan: "
+        + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
+        + ". Pass blocks= with coarser blocks (one holding both neighbours), or "
+        "candidates= with fewer SAVE regions."
     )
 
 
