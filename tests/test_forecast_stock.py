@@ -198,3 +198,51 @@ def test_the_forecasts_mismatch_message_gives_advice_it_can_take(monkeypatch):
     text = str(e.value)
     assert "forecast_remat" in text and "blocks=" in text
     assert "verify=False" not in text  # forecast_remat has no such argument
+
+
+class Counted(nn.Module):
+    """A block whose forward updates Python state: a counter, a list, a generator."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.steps, self.seen = 0, []
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        self.seen.append(x.shape[0])
+        torch.empty(2).uniform_(generator=self.gen)
+        return x + self.fc(x)
+
+
+class HookCounter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module, args, out) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize("planner", [plan_remat, forecast_remat])
+def test_planning_leaves_python_attributes_hooks_and_generators_as_found(planner):
+    torch.manual_seed(0)
+    model = nn.Sequential(Counted(), Counted())
+    hook = HookCounter()
+    model[0].register_forward_hook(hook)
+    closure_calls = 0
+
+    def counting_pre_hook(module, args):
+        nonlocal closure_calls
+        closure_calls += 1
+
+    model[1].register_forward_pre_hook(counting_pre_hook)
+    gen_state = model[0].gen.get_state()
+    seen = model[1].seen
+    planner(model, torch.randn(4, 8), budget=1.0)
+    assert [m.steps for m in model] == [0, 0]
+    assert model[1].seen is seen and seen == []
+    assert hook.calls == 0 and closure_calls == 0
+    assert torch.equal(model[0].gen.get_state(), gen_state)
+    model(torch.randn(4, 8))  # the hooks are still there, and count from where they were
+    assert [m.steps for m in model] == [1, 1] and hook.calls == closure_calls == 1

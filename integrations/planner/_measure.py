@@ -35,6 +35,7 @@ import torch_remat as remat
 from torch_remat._integration import TorchDispatchMode, disable_current_modes
 
 from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
+from ._state import preserved_python_state
 
 RANGE_PREFIX = "torch_remat.planner.block::"
 """Name prefix of the profiler ranges that mark each block's forward."""
@@ -107,7 +108,8 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        yield
+        with preserved_python_state(model):
+            yield
     finally:
         with torch.no_grad():
             for table, name, t, value in slots:

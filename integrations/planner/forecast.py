@@ -36,6 +36,7 @@ from ._fake import (
 from ._layout import Layout, sharded
 from ._measure import Config, LossFn, blocks_drawing_no_random_numbers, refuse_applied_remat
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
+from ._state import preserved_python_state
 from .plan import (
     Budget,
     InfeasibleBudgetError,
@@ -245,7 +246,7 @@ def forecast_remat(
         _unsharded(model, args, device) if layout is None
         else sharded(model, args, layout, names, device)
     )
-    with context as (target, mode, fargs):
+    with preserved_python_state(model), context as (target, mode, fargs):
         params = list(target.parameters())
         parameter_bytes = storage_bytes(params)
         optimizer_bytes = optimizer_states * _distinct_bytes(p for p in params if p.requires_grad)
