@@ -183,9 +183,6 @@ def plan_on_first_step(spec: str, model, x, y, rank: int) -> None:
     cheapest plan that fits, and print its table (measured bytes included)."""
     from torch_remat.integrations import InfeasibleBudgetError, plan_remat
 
-    # The planner measures with torch.profiler, whose library otherwise logs each of
-    # its starts and stops on stderr. Read when the profiler is first used: now.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     budget = parse_budget(spec.removeprefix("budget="))
     # The linear layers as candidates: 2**6 + 1 measured options per block.
     loss_fn = lambda logits: F.cross_entropy(logits, y.flatten())  # noqa: E731
@@ -223,7 +220,6 @@ def forecast_before_launch(args, vocab: int, rank: int, world: int) -> None:
         return
     from torch_remat.integrations.planner import forecast_remat
 
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # (read when the profiler is first used)
     budget = parse_budget(args.remat.removeprefix("budget="))
     with torch.device("meta"):  # shapes only: the forecast allocates nothing of the model
         model = GPT(GPTConfig(vocab, args.seq_len, args.layers, args.dim, args.heads))

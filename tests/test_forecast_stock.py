@@ -246,3 +246,29 @@ def test_planning_leaves_python_attributes_hooks_and_generators_as_found(planner
     assert torch.equal(model[0].gen.get_state(), gen_state)
     model(torch.randn(4, 8))  # the hooks are still there, and count from where they were
     assert [m.steps for m in model] == [1, 1] and hook.calls == closure_calls == 1
+
+
+@pytest.mark.slow
+def test_planning_and_forecasting_print_nothing_on_stderr():
+    # the profiler the planners measure with logs each start and stop on stderr
+    # unless told not to: the library tells it (22 lines for docs/planning.md's
+    # first example, 144 for a small forecast, before)
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch_remat.integrations import plan_remat\n"
+        "from torch_remat.integrations.planner import forecast_remat\n"
+        "m = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2)])\n"
+        "x = torch.randn(64, 8)\n"
+        "print(plan_remat(m, x, budget=1.0).predicted_bytes)\n"
+        "print(forecast_remat(m, x, budget=1.0, device_memory='1MiB').plan.predicted_bytes)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr == ""
+    first, second = done.stdout.split()
+    assert first == second

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -288,6 +289,10 @@ def _profiled(block_names: Sequence[str] = (), model: nn.Module | None = None) -
 
 
 def _profiler() -> torch.profiler.profile:
+    # The profiler's library logs each start and stop on stderr unless its log level
+    # says otherwise; it reads the level when the profiler is first used (a level the
+    # caller set is kept).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
