@@ -272,3 +272,18 @@ def test_planning_and_forecasting_print_nothing_on_stderr():
     assert done.stderr == ""
     first, second = done.stdout.split()
     assert first == second
+
+
+def test_attention_flops_are_counted_where_the_cpu_kernel_has_no_formula():
+    # FlopCounterMode has no formula for the CPU kernel of scaled_dot_product_attention:
+    # the recompute of a full checkpoint is the qkv projection (2*16*16*48; the output
+    # projection is not replayed: nothing saved depends on it) plus the attention's
+    # two matmuls (2 * 2*4*8*8*8), as torch counts the GPU kernels
+    torch.manual_seed(0)
+    model = nn.Sequential(SDPABlock(), SDPABlock())
+    x = torch.randn(2, 8, 16)
+    for planner in (plan_remat, forecast_remat):
+        got = planner(model, x, budget=0.9, candidates=["qkv"])
+        plan = got if planner is plan_remat else got.plan
+        full = next(m for m in plan.table[0] if m.option.checkpoint and not m.option.save)
+        assert full.flops == 24_576 + 8_192, planner.__name__

@@ -36,6 +36,7 @@ import torch_remat as remat
 from torch_remat._integration import TorchDispatchMode, disable_current_modes
 
 from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
+from ._flops import flops as op_flops
 from ._state import preserved_python_state
 
 RANGE_PREFIX = "torch_remat.planner.block::"
@@ -317,9 +318,7 @@ class RecomputeCounter(TorchDispatchMode):
             active = remat.active_checkpoint()
             name = active.checkpoint if active is not None else BASE
             self.ops[name] += 1
-            formula = flop_registry.get(func.overloadpacket)
-            if formula is not None:
-                self.flops[name] += int(formula(*args, **kwargs, out_val=out))
+            self.flops[name] += op_flops(func, args, kwargs, out, flop_registry)
         return out
 
 

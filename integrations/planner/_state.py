@@ -11,6 +11,7 @@ a closure's variables) and ``torch.Generator`` objects the model holds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -108,7 +109,16 @@ class _Cells:
 
 def _hook_state(hook: Any) -> list[Any]:
     """A hook's state: its closure's variables, and the attributes of the object it
-    is a method of, or that it is (a callable object)."""
+    is a method of, or that it is (a callable object). Hooks of torch and of this
+    package are left alone: the planner's own hooks carry what it measures out of
+    the run, and torch's (FSDP2's) state is the protocol's."""
+    inner = hook.func if isinstance(hook, functools.partial) else hook
+    if getattr(getattr(inner, "__func__", inner), "__module__", None) is None:
+        where = type(inner).__module__
+    else:
+        where = getattr(inner, "__func__", inner).__module__
+    if where == "torch" or where.startswith(("torch.", "torch_remat")):
+        return []
     owner = getattr(hook, "__self__", None)
     fn = getattr(hook, "__func__", hook)
     holder = owner if owner is not None else (
