@@ -287,3 +287,36 @@ def test_attention_flops_are_counted_where_the_cpu_kernel_has_no_formula():
         plan = got if planner is plan_remat else got.plan
         full = next(m for m in plan.table[0] if m.option.checkpoint and not m.option.save)
         assert full.flops == 24_576 + 8_192, planner.__name__
+
+
+class LSTMBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(d, d, batch_first=True), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.lstm(x)[0]))
+
+
+class BNBlock(nn.Module):
+    """Batch norm over the channels of a (B, L, C) activation, transposed to (B, C, L)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.BatchNorm1d(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x.transpose(1, 2)).transpose(1, 2).relu())
+
+
+@pytest.mark.parametrize("block", [LSTMBlock, BNBlock])
+def test_kernels_whose_real_outputs_differ_from_their_fake_ones_forecast_as_run(block):
+    # on CPU the LSTM's kernel (mkldnn) returns a workspace its fake twin sizes 0,
+    # and batch norm returns a contiguous output where the fake one keeps the
+    # input's layout: the forecast runs such an op once on real zeros to learn them
+    torch.manual_seed(0)
+    model = nn.Sequential(block(), block())
+    x = torch.randn(4, 10, 16)
+    plan = plan_remat(model, x, budget=1.0, candidates=["fc"])
+    forecast = forecast_remat(model, x, budget=1.0, candidates=["fc"])
+    _same_table(plan, forecast)

@@ -21,6 +21,7 @@ from ._compat import (
     run_fsdp_policy,
     tree_flatten,
     tree_map,
+    tree_unflatten,
 )
 from .diagnostics.format import format_bytes
 
@@ -37,6 +38,7 @@ __all__ = [
     "disable_current_modes",
     "tree_map",
     "tree_flatten",
+    "tree_unflatten",
     "run_fsdp_policy",
     "checkpoint_wrapper_module",
     "dtensor_rng_tracker",

@@ -45,6 +45,7 @@ from torch_remat._integration import (
     TorchDispatchMode,
     tree_flatten,
     tree_map,
+    tree_unflatten,
 )
 from torch_remat._integration import disable_current_modes as _disable_current_modes
 
@@ -80,6 +81,7 @@ class StorageLedger(TorchDispatchMode):
         self.known: set[int] = set()
         self.current = 0
         self.peak = 0
+        self.learned: dict[Any, list[tuple]] = _LEARNED
         self.modules: dict[int, str] = {}
         """``id(module) -> qualified name`` of the model's modules, to name the
         module whose code ran an op that fake tensors cannot run."""
@@ -129,6 +131,8 @@ class StorageLedger(TorchDispatchMode):
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise DataDependentOpError(_data_dependent_message(func, self.modules)) from e
+        if func.overloadpacket.__name__ in REAL_LAYOUT_OPS and self.fake_mode is not None:
+            out = _as_run(func, args, kwargs, out, self.learned)
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
         for o in tree_flatten(out)[0]:
@@ -165,6 +169,68 @@ class StorageLedger(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+REAL_LAYOUT_OPS = frozenset({
+    # mkldnn's LSTM/GRU layer on CPU returns a workspace (saved for backward) whose
+    # size its library chooses; the fake kernel returns an empty one
+    "mkldnn_rnn_layer",
+    # the CPU kernel returns a contiguous output whatever the input's layout; the fake
+    # kernel keeps the input's strides (a transposed (B, L, C) activation), and the
+    # ops after it then copy, or do not, differently
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+})
+"""Ops whose real CPU outputs differ in size or layout from their fake twins' (by
+name). The forecast runs each once, per shapes, on real zeros of its arguments'
+shapes and takes the sizes and strides of the real outputs."""
+
+_LEARNED: dict[Any, list[tuple]] = {}
+"""Per op and argument shapes, the (shape, stride) of each tensor output of a real
+run; the same in every forecast of a process, so it is kept across them."""
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """Real zeros of ``t``'s shape, strides and dtype (expanded strides included)."""
+    span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return torch.zeros(span, dtype=t.dtype).as_strided(t.shape, t.stride())
+
+
+def _as_run(func: Any, args: tuple, kwargs: dict, out: Any, learned: dict) -> Any:
+    """``out`` (the fake outputs of ``func``) with the sizes and strides the real CPU
+    kernel gives them, learned from one real run on zeros (memoized)."""
+    flat, spec = tree_flatten((args, kwargs))
+    if not all(isinstance(a, FakeTensor) and a.device.type == "cpu"
+               for a in flat if isinstance(a, torch.Tensor)):
+        return out
+    key = (func, torch.is_grad_enabled(), tuple(
+        (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
+        for a in flat
+    ))
+    if key not in learned:
+        # In the caller's grad mode: a kernel may return a workspace only with
+        # gradients on (mkldnn's RNN layer does).
+        with _disable_current_modes():
+            real = [_zeros_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
+            rargs, rkwargs = tree_unflatten(real, spec)
+            got = func(*rargs, **rkwargs)
+            learned[key] = [
+                (tuple(o.shape), o.stride()) if isinstance(o, torch.Tensor) else None
+                for o in tree_flatten(got)[0]
+            ]
+    outs, out_spec = tree_flatten(out)
+    if len(outs) != len(learned[key]):
+        return out
+    fixed = []
+    for o, layout in zip(outs, learned[key]):
+        if isinstance(o, torch.Tensor) and layout is not None and (
+            tuple(o.shape) != layout[0] or o.stride() != layout[1]
+        ):
+            # made below this mode, by the fake mode: a fake of the real layout
+            o = torch.empty_strided(layout[0], layout[1], dtype=o.dtype, device=o.device)
+        fixed.append(o)
+    return tree_unflatten(fixed, out_spec)
 
 
 class DataDependentOpError(remat.RematError):
