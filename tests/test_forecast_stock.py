@@ -320,3 +320,54 @@ def test_kernels_whose_real_outputs_differ_from_their_fake_ones_forecast_as_run(
     plan = plan_remat(model, x, budget=1.0, candidates=["fc"])
     forecast = forecast_remat(model, x, budget=1.0, candidates=["fc"])
     _same_table(plan, forecast)
+
+
+def _stock(name: str):
+    """A stock model from a tiny config, its example arguments and loss."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    decoder = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, use_cache=False,
+    )
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder)), (ids,), _logits_sum
+    if name == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder)), (ids,), _logits_sum
+    if name == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**decoder)), (ids,), _logits_sum
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, use_cache=False)
+        return transformers.GPT2LMHeadModel(config), (ids,), _logits_sum
+    if name == "bert":
+        config = transformers.BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            vocab_size=128,
+        )
+        return transformers.BertModel(config), (ids,), lambda out: out.last_hidden_state.sum()
+    if name == "lstm":
+        return nn.Sequential(LSTMBlock(), LSTMBlock()), (torch.randn(4, 10, 16),), lambda o: o.sum()
+    conv = nn.Sequential(*[
+        nn.Sequential(nn.Conv1d(8, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU()) for _ in range(2)
+    ])
+    return conv, (torch.randn(4, 8, 32),), lambda o: o.sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "bert", "lstm", "bn_conv"])
+def test_stock_models_forecast_every_option_as_measured(name):
+    from torch_remat.integrations import remove_remat
+    from torch_remat.integrations.planner import activation_bytes
+    from torch_remat.integrations.planner._measure import install
+
+    model, args, loss = _stock(name)
+    plan = plan_remat(model, args, loss, 1.0)
+    forecast = forecast_remat(model, args, loss, 1.0)
+    _same_table(plan, forecast)  # every option of every block, bytes, FLOPs and ops
+    for policy in forecast.policies.values():  # and each policy as a real run keeps it
+        install(model, policy.config)
+        try:
+            assert activation_bytes(model, args, loss) == policy.kept_bytes, policy.name
+        finally:
+            remove_remat(model)
