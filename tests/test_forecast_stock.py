@@ -371,3 +371,12 @@ def test_stock_models_forecast_every_option_as_measured(name):
             assert activation_bytes(model, args, loss) == policy.kept_bytes, policy.name
         finally:
             remove_remat(model)
+
+
+def test_a_largest_micro_batch_at_the_search_cap_is_not_shown_as_the_answer():
+    model = nn.Sequential(SwiGLU(), SwiGLU())
+    forecast = forecast_remat(model, torch.randn(4, 8), budget=1.0, device_memory="1TiB",
+                              max_batch=64)
+    assert forecast.policies["no remat"].max_batch == 64
+    row = next(line for line in str(forecast).splitlines() if line.strip().startswith("no remat"))
+    assert row.rstrip().endswith(">= 64 (max_batch)")

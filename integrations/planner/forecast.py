@@ -114,6 +114,9 @@ class Forecast:
     and tensor parallelism); part of the step peak."""
     bucket_bytes: int = 0
     """DDP's gradient buckets, held for the whole run (0 in other layouts)."""
+    max_batch_limit: int | None = None
+    """Where the largest-micro-batch search stopped (``max_batch``): a policy whose
+    answer is this fits at least this batch, maybe more."""
 
     @property
     def fixed_bytes(self) -> int:
@@ -144,7 +147,9 @@ class Forecast:
         for p in self.policies.values():
             row = [p.name, f"{p.kept_bytes:,}", f"{p.peak_bytes:,}", f"{p.flops:,}"]
             if self.device_memory is not None:
-                row.append(f"{p.max_batch:,}")
+                capped = p.max_batch is not None and p.max_batch == self.max_batch_limit
+                # The search stops at its cap: a larger batch may fit too.
+                row.append(f">= {p.max_batch:,} (max_batch)" if capped else f"{p.max_batch:,}")
             rows.append(row)
         lines += ["  " + r for r in _report._rows(rows, set(range(1, len(head))))]
         if not by_block:
@@ -211,6 +216,8 @@ def forecast_remat(
             micro-batch whose parameters, optimizer state and step peak fit.
         optimizer_states: optimizer tensors per parameter, each of its size (Adam: 2).
         batch_dim: the dimension of the tensor arguments that is the micro-batch.
+        max_batch: where the largest-micro-batch search stops; a policy that fits
+            it is shown as ``>= max_batch``.
         layout: forecast one rank of a parallel layout (:class:`Layout`: FSDP2,
             tensor parallel, both, or DDP, over any number of ranks) without a
             process group: a copy of the model is sharded by the real
@@ -308,6 +315,7 @@ def forecast_remat(
     return Forecast(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
+        max_batch_limit=max_batch if memory is not None else None,
     )
 
 
