@@ -189,9 +189,6 @@ def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True) -
     that all of them reach, so none is left waiting in another."""
     from torch_remat.integrations import InfeasibleBudgetError, PlanMismatchError, plan_remat
 
-    # The planner measures with torch.profiler, whose library otherwise logs each of
-    # its starts and stops on stderr. Read when the profiler is first used: now.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     budget = parse_budget(spec.removeprefix("budget="))
     # The linear layers as candidates: 2**6 + 1 measured options per block.
     loss_fn = lambda logits: F.cross_entropy(logits, y.flatten())  # noqa: E731
@@ -252,7 +249,6 @@ def forecast_before_launch(args, vocab: int, rank: int, world: int) -> None:
         return
     from torch_remat.integrations.planner import forecast_remat
 
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # (read when the profiler is first used)
     budget = parse_budget(args.remat.removeprefix("budget="))
     with torch.device("meta"):  # shapes only: the forecast allocates nothing of the model
         model = GPT(GPTConfig(vocab, args.seq_len, args.layers, args.dim, args.heads))

@@ -48,6 +48,8 @@ tree_map``                                        outputs, and rebuild the conta
 ``_subclasses.fake_tensor.FakeTensor``            leave fake tensors' graphs out of the reports;
 (``FakeTensorMode``), ``utils._python_dispatch    the planner's forecast runs its measurements
 ._disable_current_modes``                         on fake tensors (and steps out of the mode)
+``_subclasses.fake_tensor.DataDependentOutput     the forecast names the op and the module that
+Exception`` (``DynamicOutputShapeException``)     read tensor values a fake tensor does not have
 ``cuda.memory._snapshot``                         the allocator's blocks with their stacks
                                                   (allocation sites, snapshot annotation)
 ``distributed.algorithms._checkpoint.checkpoint_  recognise torch's checkpoint wrappers and read
@@ -89,6 +91,10 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException as DataDependentOutputException,
+)
+from torch._subclasses.fake_tensor import DynamicOutputShapeException as DynamicOutputShapeException
 from torch._subclasses.fake_tensor import FakeTensor as FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode

@@ -7,6 +7,8 @@ from typing import Any
 
 from . import _compat
 from ._compat import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
@@ -19,6 +21,7 @@ from ._compat import (
     run_fsdp_policy,
     tree_flatten,
     tree_map,
+    tree_unflatten,
 )
 from .diagnostics.format import format_bytes
 from .engine.rng import RNGUse, fingerprints
@@ -42,10 +45,13 @@ __all__ = [
     "drew_random_numbers",
     "TorchDispatchMode",
     "FakeTensor",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
     "FakeTensorMode",
     "disable_current_modes",
     "tree_map",
     "tree_flatten",
+    "tree_unflatten",
     "run_fsdp_policy",
     "checkpoint_wrapper_module",
     "dtensor_rng_tracker",

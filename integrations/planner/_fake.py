@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -35,12 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
+import torch_remat as remat
 from torch_remat._integration import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
     tree_flatten,
     tree_map,
+    tree_unflatten,
 )
 from torch_remat._integration import disable_current_modes as _disable_current_modes
 
@@ -76,6 +81,10 @@ class StorageLedger(TorchDispatchMode):
         self.known: set[int] = set()
         self.current = 0
         self.peak = 0
+        self.learned: dict[Any, list[tuple]] = _LEARNED
+        self.modules: dict[int, str] = {}
+        """``id(module) -> qualified name`` of the model's modules, to name the
+        module whose code ran an op that fake tensors cannot run."""
 
     def _forget(self, key: int) -> None:
         self.known.discard(key)
@@ -118,8 +127,13 @@ class StorageLedger(TorchDispatchMode):
                     a = self.fake_mode.from_tensor(a)
                     self.converted.append(a)  # alive, so that the op's conversion finds it
                 self._see(a, allocated=False)
-        out = func(*args, **kwargs)
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise DataDependentOpError(_data_dependent_message(func, self.modules)) from e
+        if func.overloadpacket.__name__ in REAL_LAYOUT_OPS and self.fake_mode is not None:
+            out = _as_run(func, args, kwargs, out, self.learned)
+        if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor):
@@ -155,6 +169,115 @@ class StorageLedger(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+REAL_LAYOUT_OPS = frozenset({
+    # mkldnn's LSTM/GRU layer on CPU returns a workspace (saved for backward) whose
+    # size its library chooses; the fake kernel returns an empty one
+    "mkldnn_rnn_layer",
+    # the CPU kernel returns a contiguous output whatever the input's layout; the fake
+    # kernel keeps the input's strides (a transposed (B, L, C) activation), and the
+    # ops after it then copy, or do not, differently
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+})
+"""Ops whose real CPU outputs differ in size or layout from their fake twins' (by
+name). The forecast runs each once, per shapes, on real zeros of its arguments'
+shapes and takes the sizes and strides of the real outputs."""
+
+_LEARNED: dict[Any, list[tuple]] = {}
+"""Per op and argument shapes, the (shape, stride) of each tensor output of a real
+run; the same in every forecast of a process, so it is kept across them."""
+
+
+def _zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """Real zeros of ``t``'s shape, strides and dtype (expanded strides included)."""
+    span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return torch.zeros(span, dtype=t.dtype).as_strided(t.shape, t.stride())
+
+
+def _as_run(func: Any, args: tuple, kwargs: dict, out: Any, learned: dict) -> Any:
+    """``out`` (the fake outputs of ``func``) with the sizes and strides the real CPU
+    kernel gives them, learned from one real run on zeros (memoized)."""
+    flat, spec = tree_flatten((args, kwargs))
+    if not all(isinstance(a, FakeTensor) and a.device.type == "cpu"
+               for a in flat if isinstance(a, torch.Tensor)):
+        return out
+    key = (func, torch.is_grad_enabled(), tuple(
+        (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
+        for a in flat
+    ))
+    if key not in learned:
+        # In the caller's grad mode: a kernel may return a workspace only with
+        # gradients on (mkldnn's RNN layer does).
+        with _disable_current_modes():
+            real = [_zeros_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
+            rargs, rkwargs = tree_unflatten(real, spec)
+            got = func(*rargs, **rkwargs)
+            learned[key] = [
+                (tuple(o.shape), o.stride()) if isinstance(o, torch.Tensor) else None
+                for o in tree_flatten(got)[0]
+            ]
+    outs, out_spec = tree_flatten(out)
+    if len(outs) != len(learned[key]):
+        return out
+    fixed = []
+    for o, layout in zip(outs, learned[key]):
+        if isinstance(o, torch.Tensor) and layout is not None and (
+            tuple(o.shape) != layout[0] or o.stride() != layout[1]
+        ):
+            # made below this mode, by the fake mode: a fake of the real layout
+            o = torch.empty_strided(layout[0], layout[1], dtype=o.dtype, device=o.device)
+        fixed.append(o)
+    return tree_unflatten(fixed, out_spec)
+
+
+class DataDependentOpError(remat.RematError):
+    """An op whose result depends on tensor values ran on fake tensors, which have
+    shapes and no values."""
+
+
+def _data_dependent_message(func: Any, modules: dict[int, str]) -> str:
+    """Names the op, the innermost module of the model whose ``forward`` ran it
+    (found on the Python stack) and the ways out."""
+    where = "outside the model's modules (in loss_fn, say)"
+    frame = sys._getframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in modules:
+            name = modules[id(owner)] or "the model itself"
+            where = f"in {name!r} ({type(owner).__name__})" if modules[id(owner)] else (
+                f"in {name} ({type(owner).__name__})"
+            )
+            break
+        frame = frame.f_back
+    return (
+        f"forecast_remat: {func} ran {where} on fake tensors, which have shapes and no "
+        "values, and its result depends on the values (a data-dependent output shape, "
+        "or a value read into Python: .item(), nonzero, a boolean mask, a branch on a "
+        "tensor). Plan on real tensors with plan_remat if the model fits this machine, "
+        "or compute the value outside the forward and pass it in as a Python number."
+    )
+
+
+def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a random op draws from its generator with these arguments. An op
+    tagged as random that takes a dropout probability (an attention kernel, an RNN)
+    draws nothing at probability 0, and a dropout with ``train=False`` draws
+    nothing; a real kernel leaves the generator where it was, so the fake run must
+    too (else a block that draws nothing is taken to draw, and its checkpoints keep
+    an RNG state they do not keep on real tensors)."""
+    values = dict(kwargs)
+    for arg, value in zip(func._schema.arguments, args):
+        values[arg.name] = value
+    if values.get("train", True) is False:
+        return False
+    for name in ("dropout_p", "dropout"):
+        p = values.get(name)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0:
+            return False
+    return True
 
 
 def _draw_like(out: Any) -> None:
@@ -263,6 +386,35 @@ def _to_fake(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None)
 
 
 @contextlib.contextmanager
+def _transformers_real_paths() -> Iterator[None]:
+    """transformers decides some paths from tensor values, and takes its tracing
+    path where it cannot read them (on a fake tensor): without an attention mask it
+    reads the position ids for packed sequences, and with a fake answer it builds an
+    explicit causal mask, which in turn repeats K/V for grouped-query attention
+    instead of passing ``enable_gqa``: more bytes than the real run keeps. While
+    active, fake position ids are taken as one sequence per row (the position ids
+    the model makes itself, ``arange``), the real path for an unpacked batch."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return find(position_ids)
+
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
+
+
+@contextlib.contextmanager
 def faked(
     model: nn.Module, args: Sequence[Any], device: torch.device | str | None = None
 ) -> Iterator[tuple[FakeTensorMode, tuple[Any, ...]]]:
@@ -275,16 +427,22 @@ def faked(
     # The engine's real tensors (a checkpoint's copy of the RNG state) meet fakes.
     allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
     swapped: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    # One fake per tensor object: a parameter tied in two modules (an embedding and
+    # its head) stays one parameter, with one gradient and one optimizer state.
+    fakes: dict[int, torch.Tensor] = {}
     try:
-        for module in model.modules():
+        for module in model.modules(remove_duplicate=False):
             for kind in ("_parameters", "_buffers"):
                 table = getattr(module, kind)
                 for name, t in list(table.items()):
                     if t is None or isinstance(t, FakeTensor):
                         continue
-                    fake = _to_fake(mode, t, dev)
-                    if kind == "_parameters":
-                        fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                    fake = fakes.get(id(t))
+                    if fake is None:
+                        fake = _to_fake(mode, t, dev)
+                        if kind == "_parameters":
+                            fake = nn.Parameter(fake, requires_grad=t.requires_grad)
+                        fakes[id(t)] = fake
                     swapped.append((module, kind, name, t))
                     table[name] = fake
 
@@ -294,7 +452,8 @@ def faked(
             f = _to_fake(mode, a, dev)
             return f.requires_grad_(a.requires_grad) if a.is_leaf else f
 
-        yield mode, tuple(tree_map(arg, list(args)))
+        with _transformers_real_paths():
+            yield mode, tuple(tree_map(arg, list(args)))
     finally:
         mode.allow_non_fake_inputs = allowed
         for module, kind, name, t in reversed(swapped):
@@ -349,6 +508,7 @@ def measure_fake(
         t.grad = None
     cpu_rng = torch.get_rng_state()
     ledger = StorageLedger(mode)
+    ledger.modules = _module_names(model)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -381,6 +541,23 @@ def measure_fake(
     result.peak_bytes = peak
     result.gradient_bytes = gradient_bytes
     return result
+
+
+def fake_forward(model: nn.Module, args: Sequence[Any], mode: FakeTensorMode) -> None:
+    """One forward of the fake model without gradients; the CPU generator, which a
+    fake random op advances (``_draw_like``), is put back."""
+    cpu_rng = torch.get_rng_state()
+    ledger = StorageLedger(mode)
+    ledger.modules = _module_names(model)
+    try:
+        with torch.no_grad(), mode, ledger:
+            model(*args)
+    finally:
+        torch.set_rng_state(cpu_rng)
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
 
 
 def fake_blocks_drawing_no_random_numbers(

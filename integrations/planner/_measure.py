@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ import torch_remat as remat
 from torch_remat._integration import TorchDispatchMode, disable_current_modes
 
 from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
+from ._flops import flops as op_flops
+from ._state import preserved_python_state
 
 RANGE_PREFIX = "torch_remat.planner.block::"
 """Name prefix of the profiler ranges that mark each block's forward."""
@@ -122,7 +125,8 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        yield
+        with preserved_python_state(model):
+            yield
     finally:
         with torch.no_grad():
             for table, name, t, value in slots:
@@ -375,6 +379,10 @@ def _profiled(block_names: Sequence[str] = (), model: nn.Module | None = None) -
 
 
 def _profiler() -> torch.profiler.profile:
+    # The profiler's library logs each start and stop on stderr unless its log level
+    # says otherwise; it reads the level when the profiler is first used (a level the
+    # caller set is kept).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -399,9 +407,7 @@ class RecomputeCounter(TorchDispatchMode):
             active = remat.active_checkpoint()
             name = active.checkpoint if active is not None else BASE
             self.ops[name] += 1
-            formula = flop_registry.get(func.overloadpacket)
-            if formula is not None:
-                self.flops[name] += int(formula(*args, **kwargs, out_val=out))
+            self.flops[name] += op_flops(func, args, kwargs, out, flop_registry)
         return out
 
 

@@ -298,11 +298,15 @@ def group_blocks(
     block_names: Sequence[str],
     candidates: Candidates,
     example_args: Sequence[Any] | None = None,
+    forward: Callable[[], Any] | None = None,
 ) -> list[Group]:
-    """Groups of identical blocks, in the order of their first block. With the
-    default candidates and ``example_args``, one forward (no gradients) finds the
-    sibling projections: leaves of one class under one parent called with the same
-    input tensor become one unit."""
+    """Groups of identical blocks, in the order of their first block. Given
+    ``example_args``, one forward (no gradients) checks that no block receives a
+    key/value cache (:func:`refuse_cache`) and, with the default candidates, finds
+    the sibling projections: leaves of one class under one parent called with the
+    same input tensor become one unit. ``forward``: runs that forward (default:
+    ``model(*example_args)`` without gradients, its state put back; a forecast
+    passes its fake run)."""
     match = _candidate_matcher(candidates)
     by_signature: dict[tuple, list[str]] = {}
     paths_of: dict[tuple, tuple[str, ...]] = {}
@@ -320,15 +324,15 @@ def group_blocks(
             )
             kinds_of[sig] = tuple(_kind(block.get_submodule(p)) for p in paths_of[sig])
     inputs: dict[str, int] = {}
-    if candidates is None and example_args is not None:
+    if example_args is not None:
         leaves = {
             f"{names[0]}.{p}": model.get_submodule(f"{names[0]}.{p}")
             for sig, names in by_signature.items()
             for p in paths_of[sig]
-        }
+        } if candidates is None else {}
         inputs = _first_inputs(model, example_args, {
             n: m for n, m in leaves.items() if not any(True for _ in m.children())
-        })
+        }, forward, block_names)
     groups = []
     for sig, names in by_signature.items():
         paths = paths_of[sig]
@@ -337,26 +341,70 @@ def group_blocks(
     return groups
 
 
-def _first_inputs(model: nn.Module, args: Sequence[Any], leaves: dict[str, nn.Module]) -> dict[str, int]:
+def _first_inputs(
+    model: nn.Module,
+    args: Sequence[Any],
+    leaves: dict[str, nn.Module],
+    forward: Callable[[], Any] | None = None,
+    block_names: Sequence[str] = (),
+) -> dict[str, int]:
     """Per leaf, an id of the tensor its first call took first (leaves called more
-    than once, or with no tensor, are left out)."""
+    than once, or with no tensor, are left out); each of ``block_names`` is checked
+    by :func:`refuse_cache` as it is called."""
     from ._measure import preserved_state
 
     seen: dict[str, list[Any]] = {}
     handles = []
+    for name in block_names:
+        def check(m: nn.Module, a: tuple, kw: dict, _name: str = name) -> None:
+            refuse_cache(_name, m, a, kw)
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(check, with_kwargs=True))
     for name, leaf in leaves.items():
         def pre(_m: nn.Module, a: tuple, _name: str = name) -> None:
             seen.setdefault(_name, []).append(a[0] if a and isinstance(a[0], torch.Tensor) else None)
 
         handles.append(leaf.register_forward_pre_hook(pre))
     try:
-        with preserved_state(model, args), torch.no_grad():
-            model(*args)
+        if forward is not None:
+            forward()
+        else:
+            with preserved_state(model, args), torch.no_grad():
+                model(*args)
     finally:
         for h in handles:
             h.remove()
     # The tensors are alive in `seen` until here, so their ids are distinct.
     return {n: id(t[0]) for n, t in seen.items() if len(t) == 1 and t[0] is not None}
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """A transformers key/value cache (``DynamicCache`` and the other subclasses of
+    ``transformers.cache_utils.Cache``), known by its class, so that transformers
+    need not be imported."""
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers.")
+        for c in type(value).__mro__
+    )
+
+
+def refuse_cache(name: str, block: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse a block called with a transformers key/value cache. Each layer appends
+    its keys and values to the cache, and a checkpoint's replay would append them a
+    second time: the replay then attends over twice the keys (a
+    ``RecomputeMismatchError``, or a cache that training leaves changed), and the
+    cache holds keys and values for as long as a checkpoint holds its inputs.
+    transformers' own checkpointing drops the cache in training for this reason."""
+    for value in [*args, *kwargs.values()]:
+        if value is not None and _is_kv_cache(value):
+            raise ValueError(
+                f"plan_remat: block {name!r} ({type(block).__name__}) is called with a "
+                f"key/value cache ({type(value).__name__}): the model's config has "
+                "use_cache=True, transformers' default. A checkpoint's replay would "
+                "append the block's keys and values to the cache a second time, and the "
+                "cache keeps them alive for the whole step. Training needs no cache: set "
+                "model.config.use_cache = False before planning and training."
+            )
 
 
 def _sibling_units(

@@ -26,6 +26,7 @@ from torch_remat._integration import format_bytes
 from . import _report
 from ._fake import (
     FakeMeasurement,
+    fake_forward,
     faked,
     local_tensor,
     measure_fake,
@@ -35,6 +36,7 @@ from ._fake import (
 from ._layout import Layout, sharded
 from ._measure import Config, LossFn, blocks_drawing_no_random_numbers, refuse_applied_remat
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
+from ._state import preserved_python_state
 from .plan import (
     Budget,
     InfeasibleBudgetError,
@@ -112,6 +114,9 @@ class Forecast:
     and tensor parallelism); part of the step peak."""
     bucket_bytes: int = 0
     """DDP's gradient buckets, held for the whole run (0 in other layouts)."""
+    max_batch_limit: int | None = None
+    """Where the largest-micro-batch search stopped (``max_batch``): a policy whose
+    answer is this fits at least this batch, maybe more."""
 
     @property
     def fixed_bytes(self) -> int:
@@ -142,7 +147,9 @@ class Forecast:
         for p in self.policies.values():
             row = [p.name, f"{p.kept_bytes:,}", f"{p.peak_bytes:,}", f"{p.flops:,}"]
             if self.device_memory is not None:
-                row.append(f"{p.max_batch:,}")
+                capped = p.max_batch is not None and p.max_batch == self.max_batch_limit
+                # The search stops at its cap: a larger batch may fit too.
+                row.append(f">= {p.max_batch:,} (max_batch)" if capped else f"{p.max_batch:,}")
             rows.append(row)
         lines += ["  " + r for r in _report._rows(rows, set(range(1, len(head))))]
         if not by_block:
@@ -209,6 +216,8 @@ def forecast_remat(
             micro-batch whose parameters, optimizer state and step peak fit.
         optimizer_states: optimizer tensors per parameter, each of its size (Adam: 2).
         batch_dim: the dimension of the tensor arguments that is the micro-batch.
+        max_batch: where the largest-micro-batch search stops; a policy that fits
+            it is shown as ``>= max_batch``.
         layout: forecast one rank of a parallel layout (:class:`Layout`: FSDP2,
             tensor parallel, both, or DDP, over any number of ranks) without a
             process group: a copy of the model is sharded by the real
@@ -228,7 +237,6 @@ def forecast_remat(
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     memory = None if device_memory is None else parse_bytes(device_memory)
     names = select_blocks(model, blocks)
-    groups = group_blocks(model, names, candidates)
     batches = {
         a.shape[batch_dim] for a in args if isinstance(a, torch.Tensor) and a.dim() > batch_dim
     }
@@ -245,12 +253,16 @@ def forecast_remat(
         _unsharded(model, args, device) if layout is None
         else sharded(model, args, layout, names, device)
     )
-    with context as (target, mode, fargs):
+    with preserved_python_state(model), context as (target, mode, fargs):
         params = list(target.parameters())
         parameter_bytes = storage_bytes(params)
-        optimizer_bytes = optimizer_states * sum(
-            (lambda t: t.numel() * t.element_size())(local_tensor(p))
-            for p in params if p.requires_grad
+        optimizer_bytes = optimizer_states * _distinct_bytes(p for p in params if p.requires_grad)
+        # Grouped as plan_remat groups them: sibling projections found by one
+        # forward, here a fake one (after the parameters are counted: FSDP2 leaves
+        # the root's unsharded after a forward without gradients).
+        groups = group_blocks(
+            target, names, candidates, fargs,
+            forward=functools.partial(fake_forward, target, fargs, mode),
         )
         run = _Runs(functools.partial(measure_fake, mode=mode), fargs)
         # The blocks that draw no random numbers, seen in a first full step, which is
@@ -283,7 +295,7 @@ def forecast_remat(
             )
         plan.measured_bytes = policies["plan"].kept_bytes
         if plan.measured_bytes != plan.predicted_bytes:
-            raise PlanMismatchError(_report.mismatch_message(plan))
+            raise PlanMismatchError(_mismatch_message(plan))
         trainable = storage_bytes([p for p in params if p.requires_grad])
         ddp = layout is not None and layout.ddp and layout.world_size > 1
         bucket_bytes = trainable if ddp and not layout.gradient_as_bucket_view else 0
@@ -303,7 +315,35 @@ def forecast_remat(
     return Forecast(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
+        max_batch_limit=max_batch if memory is not None else None,
     )
+
+
+def _mismatch_message(plan: RematPlan) -> str:
+    return (
+        f"forecast_remat: the chosen plan, run on fake tensors, held {plan.measured_bytes:,} B "
+        f"after the forward, not the {plan.predicted_bytes:,} B its blocks' options add up "
+        "to: the blocks' bytes interact in a way per-block measurement does not capture "
+        "(a block keeping its neighbour's output, say). Plan: "
+        + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
+        + ". Pass blocks= with coarser blocks (one holding both neighbours), or "
+        "candidates= with fewer SAVE regions."
+    )
+
+
+def _distinct_bytes(params: Any) -> int:
+    """Bytes of the parameters' elements (DTensors: this rank's shard), each tensor
+    counted once however many parameter objects view it (weights tied by sharing
+    one tensor's data)."""
+    seen: set[tuple] = set()
+    total = 0
+    for p in params:
+        t = local_tensor(p)
+        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
 
 
 class _Runs:

@@ -1,0 +1,382 @@
+"""forecast_remat on models nobody here wrote: stock transformers models from tiny
+configs and common PyTorch layers. The forecast equals a real run and
+``plan_remat``'s table, and planning leaves the model as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_remat.integrations import plan_remat
+from torch_remat.integrations.planner import forecast_remat
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _same_table(plan, forecast) -> None:
+    fp = forecast.plan
+    assert fp.blocks == plan.blocks
+    assert fp.rng_free == plan.rng_free
+    assert fp.base_bytes == plan.base_bytes
+    for name, real, fake in zip(plan.blocks, plan.table, fp.table):
+        assert [m.option for m in fake] == [m.option for m in real], name
+        assert fake == real, name
+    assert fp.choices == plan.choices
+    assert fp.predicted_bytes == plan.predicted_bytes == plan.measured_bytes
+
+
+class SDPABlock(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_attention_without_dropout_draws_no_random_numbers_in_the_forecast(dropout):
+    # scaled_dot_product_attention may draw; at dropout_p=0 it does not, and the
+    # forecast's blocks are RNG-free as the real ones are (each checkpoint then keeps
+    # no 5,056 B copy of the CPU generator's state)
+    torch.manual_seed(0)
+    model = nn.Sequential(SDPABlock(dropout=dropout), SDPABlock(dropout=dropout))
+    x = torch.randn(2, 8, 16)
+    kwargs = dict(budget=0.9, candidates=["qkv"])
+    plan = plan_remat(model, x, **kwargs)
+    forecast = forecast_remat(model, x, **kwargs)
+    assert plan.rng_free == ([] if dropout else ["0", "1"])
+    _same_table(plan, forecast)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, 2 * d), nn.Linear(d, 2 * d)
+        self.down_proj = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_default_candidates_are_grouped_as_the_planners_are():
+    # gate_proj and up_proj read the same input: one unit for both planners, so the
+    # tables list the same options (4 with the unit, 5 with three separate leaves)
+    torch.manual_seed(0)
+    model = nn.Sequential(SwiGLU(), SwiGLU())
+    x = torch.randn(4, 8)
+    plan = plan_remat(model, x, budget=0.5)
+    forecast = forecast_remat(model, x, budget=0.5)
+    assert [m.option.label for m in plan.table[0]] == [
+        "no checkpoint", "full checkpoint", "checkpoint, save gate_proj, up_proj",
+        "checkpoint, save down_proj", "checkpoint, save gate_proj, up_proj, down_proj",
+    ]
+    _same_table(plan, forecast)
+
+
+def _llama(**overrides):
+    transformers = pytest.importorskip("transformers")
+    config = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128,
+    )
+    config.update(overrides)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+
+
+def _logits_sum(out) -> torch.Tensor:
+    return out.logits.sum()
+
+
+@pytest.mark.parametrize("planner", [plan_remat, forecast_remat])
+def test_a_key_value_cache_is_refused_naming_use_cache(planner):
+    # transformers' default use_cache=True hands each layer a cache that a
+    # checkpoint's replay would update a second time (eager attention then raised
+    # RecomputeMismatchError)
+    model = _llama(attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(ValueError, match=r"'model.layers.0' \(LlamaDecoderLayer\).*"
+                       r"DynamicCache.*model.config.use_cache = False"):
+        planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
+    model.config.use_cache = False
+    planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.Sequential(SwiGLU(d), SwiGLU(d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(ids)))
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+def test_tied_parameters_count_once(meta):
+    # the embedding and the head share one weight (32 x 8 fp32, 1,024 B): it is one
+    # parameter, one gradient and one set of optimizer states
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = TiedLM()
+    ids = torch.randint(0, 32, (2, 4))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    forecast = forecast_remat(model, (ids,), budget=1.0, candidates=["gate_proj"])
+    assert forecast.parameter_bytes == params
+    assert forecast.optimizer_bytes == 2 * params
+    assert model.head.weight is model.embed.weight
+    if not meta:
+        plan = plan_remat(model, (ids,), budget=1.0, candidates=["gate_proj"])
+        _same_table(plan, forecast)
+
+
+def test_transformers_attention_takes_the_real_path_on_fake_tensors():
+    # without an attention mask, transformers checks the position ids for packed
+    # sequences, which it cannot read on fake tensors; taken as packed, the forecast
+    # built an explicit mask and repeated K/V for GQA (forecast 1.07x the real bytes
+    # without remat here)
+    model = _llama(use_cache=False)
+    ids = torch.randint(0, 128, (2, 16))
+    kwargs = dict(budget=0.5, candidates=["*self_attn", "*mlp"])
+    plan = plan_remat(model, (ids,), _logits_sum, **kwargs)
+    forecast = forecast_remat(model, (ids,), _logits_sum, **kwargs)
+    assert forecast.plan.rng_free == plan.rng_free == ["model.layers.0", "model.layers.1"]
+    _same_table(plan, forecast)
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (x > 0).nonzero().shape[0]  # how many are positive: a value
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc, self.gate = nn.Linear(d, d), Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate(self.fc(x))
+
+
+def test_a_data_dependent_op_is_named_with_its_module_and_the_way_out():
+    model = nn.Sequential(GatedBlock(), GatedBlock())
+    with pytest.raises(RuntimeError) as e:
+        forecast_remat(model, torch.randn(4, 8), budget=1.0)
+    text = str(e.value)
+    assert "aten.nonzero.default" in text
+    assert "'0.gate' (Gate)" in text  # the innermost module running it
+    assert "plan_remat" in text  # the way out: measure on real tensors
+
+
+def test_the_forecasts_mismatch_message_gives_advice_it_can_take(monkeypatch):
+    from torch_remat.integrations.planner import PlanMismatchError, PolicyForecast
+
+    real = PolicyForecast.kept_bytes.fget
+    monkeypatch.setattr(  # the plan's own run holds one byte more than its table says
+        PolicyForecast, "kept_bytes",
+        property(lambda p: real(p) + (p.name == "plan")),
+    )
+    with pytest.raises(PlanMismatchError) as e:
+        forecast_remat(nn.Sequential(SwiGLU(), SwiGLU()), torch.randn(4, 8), budget=1.0)
+    text = str(e.value)
+    assert "forecast_remat" in text and "blocks=" in text
+    assert "verify=False" not in text  # forecast_remat has no such argument
+
+
+class Counted(nn.Module):
+    """A block whose forward updates Python state: a counter, a list, a generator."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.steps, self.seen = 0, []
+        self.gen = torch.Generator().manual_seed(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        self.seen.append(x.shape[0])
+        torch.empty(2).uniform_(generator=self.gen)
+        return x + self.fc(x)
+
+
+class HookCounter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module, args, out) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize("planner", [plan_remat, forecast_remat])
+def test_planning_leaves_python_attributes_hooks_and_generators_as_found(planner):
+    torch.manual_seed(0)
+    model = nn.Sequential(Counted(), Counted())
+    hook = HookCounter()
+    model[0].register_forward_hook(hook)
+    closure_calls = 0
+
+    def counting_pre_hook(module, args):
+        nonlocal closure_calls
+        closure_calls += 1
+
+    model[1].register_forward_pre_hook(counting_pre_hook)
+    gen_state = model[0].gen.get_state()
+    seen = model[1].seen
+    planner(model, torch.randn(4, 8), budget=1.0)
+    assert [m.steps for m in model] == [0, 0]
+    assert model[1].seen is seen and seen == []
+    assert hook.calls == 0 and closure_calls == 0
+    assert torch.equal(model[0].gen.get_state(), gen_state)
+    model(torch.randn(4, 8))  # the hooks are still there, and count from where they were
+    assert [m.steps for m in model] == [1, 1] and hook.calls == closure_calls == 1
+
+
+@pytest.mark.slow
+def test_planning_and_forecasting_print_nothing_on_stderr():
+    # the profiler the planners measure with logs each start and stop on stderr
+    # unless told not to: the library tells it (22 lines for docs/planning.md's
+    # first example, 144 for a small forecast, before)
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from torch import nn\n"
+        "from torch_remat.integrations import plan_remat\n"
+        "from torch_remat.integrations.planner import forecast_remat\n"
+        "m = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2)])\n"
+        "x = torch.randn(64, 8)\n"
+        "print(plan_remat(m, x, budget=1.0).predicted_bytes)\n"
+        "print(forecast_remat(m, x, budget=1.0, device_memory='1MiB').plan.predicted_bytes)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr == ""
+    first, second = done.stdout.split()
+    assert first == second
+
+
+def test_attention_flops_are_counted_where_the_cpu_kernel_has_no_formula():
+    # FlopCounterMode has no formula for the CPU kernel of scaled_dot_product_attention:
+    # the recompute of a full checkpoint is the qkv projection (2*16*16*48; the output
+    # projection is not replayed: nothing saved depends on it) plus the attention's
+    # two matmuls (2 * 2*4*8*8*8), as torch counts the GPU kernels
+    torch.manual_seed(0)
+    model = nn.Sequential(SDPABlock(), SDPABlock())
+    x = torch.randn(2, 8, 16)
+    for planner in (plan_remat, forecast_remat):
+        got = planner(model, x, budget=0.9, candidates=["qkv"])
+        plan = got if planner is plan_remat else got.plan
+        full = next(m for m in plan.table[0] if m.option.checkpoint and not m.option.save)
+        assert full.flops == 24_576 + 8_192, planner.__name__
+
+
+class LSTMBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lstm, self.fc = nn.LSTM(d, d, batch_first=True), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.lstm(x)[0]))
+
+
+class BNBlock(nn.Module):
+    """Batch norm over the channels of a (B, L, C) activation, transposed to (B, C, L)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.BatchNorm1d(d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x.transpose(1, 2)).transpose(1, 2).relu())
+
+
+@pytest.mark.parametrize("block", [LSTMBlock, BNBlock])
+def test_kernels_whose_real_outputs_differ_from_their_fake_ones_forecast_as_run(block):
+    # on CPU the LSTM's kernel (mkldnn) returns a workspace its fake twin sizes 0,
+    # and batch norm returns a contiguous output where the fake one keeps the
+    # input's layout: the forecast runs such an op once on real zeros to learn them
+    torch.manual_seed(0)
+    model = nn.Sequential(block(), block())
+    x = torch.randn(4, 10, 16)
+    plan = plan_remat(model, x, budget=1.0, candidates=["fc"])
+    forecast = forecast_remat(model, x, budget=1.0, candidates=["fc"])
+    _same_table(plan, forecast)
+
+
+def _stock(name: str):
+    """A stock model from a tiny config, its example arguments and loss."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 16))
+    decoder = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, use_cache=False,
+    )
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder)), (ids,), _logits_sum
+    if name == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder)), (ids,), _logits_sum
+    if name == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**decoder)), (ids,), _logits_sum
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, use_cache=False)
+        return transformers.GPT2LMHeadModel(config), (ids,), _logits_sum
+    if name == "bert":
+        config = transformers.BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            vocab_size=128,
+        )
+        return transformers.BertModel(config), (ids,), lambda out: out.last_hidden_state.sum()
+    if name == "lstm":
+        return nn.Sequential(LSTMBlock(), LSTMBlock()), (torch.randn(4, 10, 16),), lambda o: o.sum()
+    conv = nn.Sequential(*[
+        nn.Sequential(nn.Conv1d(8, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU()) for _ in range(2)
+    ])
+    return conv, (torch.randn(4, 8, 32),), lambda o: o.sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "bert", "lstm", "bn_conv"])
+def test_stock_models_forecast_every_option_as_measured(name):
+    from torch_remat.integrations import remove_remat
+    from torch_remat.integrations.planner import activation_bytes
+    from torch_remat.integrations.planner._measure import install
+
+    model, args, loss = _stock(name)
+    plan = plan_remat(model, args, loss, 1.0)
+    forecast = forecast_remat(model, args, loss, 1.0)
+    _same_table(plan, forecast)  # every option of every block, bytes, FLOPs and ops
+    for policy in forecast.policies.values():  # and each policy as a real run keeps it
+        install(model, policy.config)
+        try:
+            assert activation_bytes(model, args, loss) == policy.kept_bytes, policy.name
+        finally:
+            remove_remat(model)
+
+
+def test_a_largest_micro_batch_at_the_search_cap_is_not_shown_as_the_answer():
+    model = nn.Sequential(SwiGLU(), SwiGLU())
+    forecast = forecast_remat(model, torch.randn(4, 8), budget=1.0, device_memory="1TiB",
+                              max_batch=64)
+    assert forecast.policies["no remat"].max_batch == 64
+    row = next(line for line in str(forecast).splitlines() if line.strip().startswith("no remat"))
+    assert row.rstrip().endswith(">= 64 (max_batch)")
