@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import recorded_replays
 from torch import nn
 
 import torch_remat as remat
@@ -316,3 +317,35 @@ def test_a_closure_value_of_a_checkpointed_modules_forward_is_replayed_as_the_fo
         return [x.grad for x in xs] + [m.lin.weight.grad]
 
     _same(run(False), run(True))
+
+
+def test_an_attribute_a_save_region_rebinds_is_read_after_it_as_the_body_left_it():
+    # The replay skips the SAVE region's body: the code after it must still read the
+    # counter as the body left it (2, not 1), and the module ends as without remat.
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+            self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+        def count(self, t):
+            self.calls += 1
+            return t * self.calls
+
+        def forward(self, x):
+            a = remat.region(lambda t: self.count(t * self.w).sin(), "counted", recompute=False)(x)
+            remat.recompute_needs_tensor(a)
+            return self.count(a).sin().sum()
+
+    results = []
+    for checkpointed in (False, True):
+        m = Counting()
+        x = torch.arange(3.0, dtype=torch.float64).requires_grad_()
+        f = remat.checkpoint(region_name="p")(m) if checkpointed else m
+        with recorded_replays() as replayed:
+            f(x).backward()
+        results.append((x.grad, m.w.grad, m.calls, replayed))
+    (gx, gw, calls, _), (cx, cw, ccalls, creplayed) = results
+    assert creplayed == ["p"]
+    assert torch.equal(cx, gx) and torch.equal(cw, gw)
+    assert ccalls == calls == 2

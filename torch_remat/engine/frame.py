@@ -458,6 +458,7 @@ class CheckpointFrame:
                 record.raised = detached_copy(e)
                 record.exit_states = self._snapshot_after_region()
                 self._note_host_rng(record)
+                self._note_attributes(record)
             raise
         finally:
             self.region_stack.pop()
@@ -471,7 +472,12 @@ class CheckpointFrame:
                 self._record_written_arguments(record, written)
             record.exit_states = self._snapshot_after_region()
             self._note_host_rng(record)
+            self._note_attributes(record)
         return out
+
+    def _note_attributes(self, record: RegionRecord) -> None:
+        if self.module_state is not None and self.module_state.others:
+            record.attributes_exit = self.module_state.attributes_rebound()
 
     def _note_host_rng(self, record: RegionRecord) -> None:
         # The replay skips this SAVE region: if Python's random or NumPy's generator
@@ -683,6 +689,7 @@ class CheckpointFrame:
         if self.module_state is not None:
             try:
                 module_undo = self.module_state.install(self.name)
+                replay.module_undo = module_undo
             except BaseException:
                 for h, s in zip(hooks, caller_states):
                     h.restore(s)

@@ -237,7 +237,7 @@ of one checkpointed function did not write (``CheckpointedFunction`` holds it)."
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values")
+    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen")
 
     def __init__(
         self,
@@ -257,6 +257,9 @@ class ModuleState:
         self.others = others or []
         # (cell, value) of the closure cells that hold no tensor
         self.cell_values = cell_values or []
+        # per module in ``others``: its attributes as the last SAVE region left them
+        # (the entry copy until one rebinds any)
+        self.seen: list[dict] | None = None
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
@@ -348,6 +351,41 @@ class ModuleState:
                     value = value.clone()
                 _compat.set_version_counters((value,), (version,))
             s.owner[s.key] = value
+
+    def attributes_rebound(self) -> list[tuple[dict, Any, Any]] | None:
+        """In the forward, where a SAVE region returns: the module attributes rebound
+        (or added, or deleted) since the last look, as ``(__dict__, key, value)``. The
+        replay skips the region's body and sets them (:meth:`skip_attributes`), so the
+        code after it reads what the body left (``self.calls += 1`` in the body).
+        None when nothing changed: one identity comparison per module in C."""
+        if self.seen is None:
+            self.seen = [entry for _, entry, _, _ in self.others]
+        changes = None
+        for i, (d, _, _, _) in enumerate(self.others):
+            last = self.seen[i]
+            if len(d) == len(last) and all(map(operator.is_, d.values(), last.values())):
+                continue
+            changes = changes or []
+            for key, value in d.items():
+                if last.get(key, _MISSING) is not value:
+                    changes.append((d, key, value))
+            changes.extend((d, key, _MISSING) for key in last if key not in d)
+            self.seen[i] = dict(d)
+        return changes
+
+    @staticmethod
+    def skip_attributes(changes: list[tuple[dict, Any, Any]], undo: list[tuple[Any, Any, Any]]) -> None:
+        """In the replay, at a skipped SAVE region: the attributes its body rebound, as
+        it left them; ``undo`` (from :meth:`install`) gets the values to put back."""
+        for d, key, value in changes:
+            current = d.get(key, _MISSING)
+            if current is value:
+                continue
+            undo.append((d, key, current))
+            if value is _MISSING:
+                del d[key]
+            else:
+                d[key] = value
 
     def install(self, checkpoint: str) -> list[tuple[Any, Any, Any]]:
         """Before the replay: put the forward's tensors back where the caller swapped

@@ -246,6 +246,7 @@ class RegionRecord:
         "exit_states",
         "rng_entry",
         "host_exit",
+        "attributes_exit",
         "written",
         "pending_keep",
         "raised",
@@ -264,6 +265,9 @@ class RegionRecord:
         # a SAVE region's: the state of Python's random and NumPy's generator when it
         # returned, if they moved since the previous look (rng.host_rng_state)
         self.host_exit: tuple[Any, ...] | None = None
+        # a SAVE region's: module attributes rebound since the previous SAVE region
+        # returned (ModuleState.attributes_rebound), set by the replay where it skips
+        self.attributes_exit: list[tuple[Any, Any, Any]] | None = None
         # a SAVE region's arguments its body wrote in place: (position, the source of
         # the value it left, the version it left), written into the replay's arguments
         self.written: list[tuple[int, TensorSource, int]] = []

@@ -78,6 +78,8 @@ class ReplayPass:
         self.filled = 0
         self.run_to_end = False  # set by stop()
         self.region_pos = 0
+        # what ModuleState.install changed, for skipped SAVE regions to add to
+        self.module_undo: list[tuple[Any, Any, Any]] = []
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
 
@@ -178,6 +180,8 @@ class ReplayPass:
                 hook.restore(state)
             if expected.host_exit is not None and frame.host_entry is not None:
                 restore_host_rng_state(expected.host_exit)
+            if expected.attributes_exit:
+                frame.module_state.skip_attributes(expected.attributes_exit, self.module_undo)
             updated = frame.region_buffers.get(pos)
             if updated:
                 frame.module_state.skip_region(updated)
