@@ -61,12 +61,15 @@ def held_anyway(t: torch.Tensor) -> bool:
 
 
 def storage_ptr(t: object) -> int | None:
-    """Where ``t``'s storage starts in memory (None: not a tensor with a storage)."""
+    """A key equal for two tensors exactly when they share one storage (None: not a
+    tensor with a storage). The storage object's identity, not its data pointer:
+    fake and meta tensors have storages but no memory (and torch warns when a fake
+    tensor's data pointer is read)."""
     if not isinstance(t, torch.Tensor):
         return None
     try:
-        return t.untyped_storage().data_ptr() or None
-    except (RuntimeError, NotImplementedError):  # no storage (a subclass, meta)
+        return t.untyped_storage()._cdata or None
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (a subclass)
         return None
 
 

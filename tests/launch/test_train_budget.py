@@ -11,22 +11,22 @@ from test_train import ROOT, SMALL, _env, run_sh
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# Each layout at budgets from 0.3 to 1.5: the runs that failed most often (FSDP2 at
-# 0.3, DDP at 1.0 and 1.5) included. Two CPU ranks on gloo; the first budget of each
-# layout on the launcher's own model, the others on the smaller one of test_train.
+# Each layout once, at the budgets that failed most often before planning was made
+# deterministic (FSDP2 at 0.3 on the launcher's own model: 7 of 9 runs; DDP at 1.0 and
+# 1.5: every run), the others on the smaller model of test_train. Two CPU ranks on gloo.
 BUDGETS = {
-    "fsdp2": ("0.3", "0.3", "1.5"),
-    "tp": ("0.3", "0.6", "1.5"),
-    "fsdp2+tp": ("0.3", "1.0", "1.5"),
-    "ddp": ("0.3", "1.0", "1.5"),
+    "fsdp2": ("0.3",),
+    "tp": ("0.3",),
+    "fsdp2+tp": ("1.0",),
+    "ddp": ("1.0", "1.5"),
 }
 
 
 @pytest.mark.parametrize("parallel", list(BUDGETS))
 def test_main_job_with_a_budget_exits_0_every_time(parallel):
-    for i, budget in enumerate(BUDGETS[parallel]):
+    for budget in BUDGETS[parallel]:
         proc = run_sh("--parallel", parallel, "--remat", f"budget={budget}", "--steps", "2",
-                      "--no-report", *(SMALL if i else ()))
+                      "--no-report", *(SMALL if parallel != "fsdp2" else ()))
         out = proc.stdout
         assert f"parallel={parallel} remat=budget={budget} ranks=2" in out
         assert "measured " in out and "(equal)" in out, out[-3000:]

@@ -819,7 +819,7 @@ class CheckpointFrame:
                 replay_has_it = any(s.kind == INPUT for s in earlier)
                 for s in earlier:
                     if s.kind != INPUT:
-                        s.overwrite()
+                        s.overwrite(record.qualname)
                         self.sources.drop(t, s)
             src = TensorSource(ARGUMENT, i, t, record.qualname)
             src.hooks = hooks

@@ -33,15 +33,30 @@ class PlaceholderOrigin:
     kind: str
     index: int
     region: str | None = None
+    # the later SAVE region whose body wrote this output in place (its value as the
+    # region returned it is gone)
+    written_by: str | None = None
 
     def describe(self) -> str:
         if self.kind == "input":
             return f"checkpoint input {self.index}"
         if self.kind == "argument":
             return f"argument {self.index} of SAVE region '{self.region}' (as its body wrote it in place)"
+        if self.written_by is not None:
+            return (
+                f"output {self.index} of SAVE region '{self.region}' (which SAVE region "
+                f"'{self.written_by}' then wrote in place)"
+            )
         return f"output {self.index} of SAVE region '{self.region}'"
 
     def advice(self) -> str:
+        if self.written_by is not None:
+            return (
+                "The replay skips both bodies, and the value the first returned was "
+                "overwritten in forward, so nothing holds it. Write a copy in "
+                f"'{self.written_by}' (t = t.clone() before the in-place op), or make "
+                "one of the two regions recompute=True."
+            )
         if self.kind == "input":
             return (
                 "It was not kept because, as far as autograd could see, only SAVE "

@@ -323,6 +323,7 @@ class TensorSource:
         "witness",
         "bits",
         "held_anyway",
+        "written_by",
     )
 
     def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
@@ -350,9 +351,13 @@ class TensorSource:
         # lacks (public ops give a real tensor a negative bit only as the .imag of a
         # conjugate: a dtype view of a complex root, refused in replay_value)
         self.bits = (t.is_conj(), t.is_neg()) if kind != INPUT and t.dtype.is_complex else None
+        self.written_by: str | None = None  # see overwrite
 
     def describe(self, checkpoint: str) -> str:
-        return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region).describe()
+        return self.origin(checkpoint).describe()
+
+    def origin(self, checkpoint: str) -> PlaceholderOrigin:
+        return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region, self.written_by)
 
     def mark_kept(self, alias: torch.Tensor) -> None:
         """Keep this source; ``alias`` is any tensor sharing its storage."""
@@ -365,9 +370,11 @@ class TensorSource:
                 self.kept_tensor = storage_root(alias)
                 self.kept_is_root = True
 
-    def overwrite(self) -> None:
-        """A later SAVE region wrote this output in place: its value as the region
-        returned it is gone, so it is not kept (the replay gets a placeholder)."""
+    def overwrite(self, by: str) -> None:
+        """A later SAVE region ``by`` wrote this output in place: its value as the
+        region returned it is gone, so it is not kept (the replay gets a placeholder
+        whose reads say so)."""
+        self.written_by = by
         self.keep = False
         self.kept_tensor = None
         self.kept_is_root = False
@@ -440,8 +447,7 @@ class TensorSource:
         """The value the recompute sees: the kept tensor, or a placeholder."""
         meta = self.meta
         if self.saved is None:
-            origin = PlaceholderOrigin(checkpoint, self.kind, self.index, self.region)
-            return make_placeholder(meta, origin)
+            return make_placeholder(meta, self.origin(checkpoint))
         saved = self.saved
         if type(saved) is VersionedTensor:
             if not saved.intact():
