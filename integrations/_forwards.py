@@ -6,6 +6,7 @@ a checkpointed block (:class:`RematForward`) and a SAVE region inside one
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -19,6 +20,8 @@ from torch_remat._integration import drew_random_numbers, generator_positions, t
 
 from ._repeated_calls import repeated_call_prefix, run_counting_calls
 from ._selection import save_modules_of
+
+_log = logging.getLogger("torch_remat")
 
 
 class _ModuleForward:
@@ -185,6 +188,8 @@ class RematForward(_ModuleForward):
             if path:
                 self.region_name = path
                 self._checkpointed = None
+        if module.training and torch.is_grad_enabled() and kwargs:
+            kwargs = without_kv_cache(kwargs)
         fn = self._checkpointed
         if fn is None:  # a copy (deepcopy, unpickling): built on its first call
             fn = self._checkpointed = self.build_checkpoint(self.region_name, _CountedForward(self))
@@ -215,6 +220,45 @@ class RematForward(_ModuleForward):
             "given to the switch decides over the framework's preserve_rng_state, and its "
             "RNG hooks replay the forward's random numbers exactly."
         )
+
+
+# The keyword arguments transformers' layers take a key/value cache by, across its
+# releases (``cache`` now; ``past_key_value(s)`` and GPT-2's ``layer_past`` before).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """A transformers key/value cache (``DynamicCache`` and the other subclasses of
+    ``transformers.cache_utils.Cache``), known by its class, so that transformers
+    need not be imported."""
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers.")
+        for c in type(value).__mro__
+    )
+
+
+def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a checkpointed block's call in training, without a
+    transformers key/value cache: each layer appends its keys and values to the
+    cache, and the checkpoint's replay would append them a second time (the replay
+    then attends over twice the keys, or leaves the cache changed), while the cache
+    would keep what it holds alive for the whole step. As transformers' own
+    gradient checkpointing does, the block gets ``use_cache=False`` and no cache
+    (``model.config.use_cache = False`` avoids building one at all)."""
+    out = None
+    if kwargs.get("use_cache") is True:
+        out = dict(kwargs, use_cache=False)
+    for key in _CACHE_KWARGS:
+        value = kwargs.get(key)
+        if value is not None and _is_kv_cache(value):
+            out = dict(out or kwargs)
+            out[key] = None
+    if out is not None:
+        _log.info(
+            "torch_remat: a checkpointed block's call in training drops its key/value "
+            "cache (use_cache=False), as transformers' gradient checkpointing does"
+        )
+    return kwargs if out is None else out
 
 
 def _refuse_in_backward(out: Any, message: str) -> None:

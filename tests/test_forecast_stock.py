@@ -103,18 +103,34 @@ def _logits_sum(out) -> torch.Tensor:
     return out.logits.sum()
 
 
-@pytest.mark.parametrize("planner", [plan_remat, forecast_remat])
-def test_a_key_value_cache_is_refused_naming_use_cache(planner):
+@pytest.mark.slow
+def test_checkpointed_blocks_drop_the_key_value_cache_in_training():
     # transformers' default use_cache=True hands each layer a cache that a
     # checkpoint's replay would update a second time (eager attention then raised
-    # RecomputeMismatchError)
-    model = _llama(attn_implementation="eager")
+    # RecomputeMismatchError; with SDPA the cache was left changed). A checkpointed
+    # block in training drops it, as transformers' own checkpointing does: both
+    # planners plan the default config, alike, and the plan trains exactly.
+    from torch_remat.integrations import remove_remat
+
+    model = _llama(attn_implementation="eager")  # SDPA: Mistral's default config below
+    assert model.config.use_cache
     ids = torch.randint(0, 128, (2, 8))
-    with pytest.raises(ValueError, match=r"'model.layers.0' \(LlamaDecoderLayer\).*"
-                       r"DynamicCache.*model.config.use_cache = False"):
-        planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
-    model.config.use_cache = False
-    planner(model, (ids,), _logits_sum, 0.5, candidates=["*mlp"])
+    out = model(ids)
+    assert out.past_key_values.get_seq_length() == 8  # the cache without remat
+    _logits_sum(out).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    plan = plan_remat(model, (ids,), _logits_sum, 0.3, candidates=["*mlp"])
+    _same_table(plan, forecast_remat(model, (ids,), _logits_sum, 0.3, candidates=["*mlp"]))
+    assert all(m.option.checkpoint for m in plan.chosen)
+    plan.apply(model)
+    try:
+        model.zero_grad(set_to_none=True)
+        out = model(ids)
+        assert out.past_key_values.get_seq_length() == 0  # no block filled it
+        _logits_sum(out).backward()
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    finally:
+        remove_remat(model)
 
 
 class TiedLM(nn.Module):
@@ -327,22 +343,25 @@ def _stock(name: str):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (2, 16))
+    # One decoder layer (each forecast runs ~100 options of it on fake tensors); GPT2
+    # and the small stacks below have two, where one block's plan meets another's.
     decoder = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, use_cache=False,
     )
     if name == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder)), (ids,), _logits_sum
     if name == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder)), (ids,), _logits_sum
-    if name == "mistral":
-        return transformers.MistralForCausalLM(transformers.MistralConfig(**decoder)), (ids,), _logits_sum
+    if name == "mistral":  # its default use_cache=True
+        config = transformers.MistralConfig(**dict(decoder, use_cache=True))
+        return transformers.MistralForCausalLM(config), (ids,), _logits_sum
     if name == "gpt2":
         config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, use_cache=False)
         return transformers.GPT2LMHeadModel(config), (ids,), _logits_sum
     if name == "bert":
         config = transformers.BertConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
             vocab_size=128,
         )
         return transformers.BertModel(config), (ids,), lambda out: out.last_hidden_state.sum()

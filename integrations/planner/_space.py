@@ -301,8 +301,7 @@ def group_blocks(
     forward: Callable[[], Any] | None = None,
 ) -> list[Group]:
     """Groups of identical blocks, in the order of their first block. Given
-    ``example_args``, one forward (no gradients) checks that no block receives a
-    key/value cache (:func:`refuse_cache`) and, with the default candidates, finds
+    ``example_args`` and the default candidates, one forward (no gradients) finds
     the sibling projections: leaves of one class under one parent called with the
     same input tensor become one unit. ``forward``: runs that forward (default:
     ``model(*example_args)`` without gradients, its state put back; a forecast
@@ -330,9 +329,10 @@ def group_blocks(
             for sig, names in by_signature.items()
             for p in paths_of[sig]
         } if candidates is None else {}
-        inputs = _first_inputs(model, example_args, {
-            n: m for n, m in leaves.items() if not any(True for _ in m.children())
-        }, forward, block_names)
+        if leaves:
+            inputs = _first_inputs(model, example_args, {
+                n: m for n, m in leaves.items() if not any(True for _ in m.children())
+            }, forward)
     groups = []
     for sig, names in by_signature.items():
         paths = paths_of[sig]
@@ -346,20 +346,13 @@ def _first_inputs(
     args: Sequence[Any],
     leaves: dict[str, nn.Module],
     forward: Callable[[], Any] | None = None,
-    block_names: Sequence[str] = (),
 ) -> dict[str, int]:
     """Per leaf, an id of the tensor its first call took first (leaves called more
-    than once, or with no tensor, are left out); each of ``block_names`` is checked
-    by :func:`refuse_cache` as it is called."""
+    than once, or with no tensor, are left out)."""
     from ._measure import preserved_state
 
     seen: dict[str, list[Any]] = {}
     handles = []
-    for name in block_names:
-        def check(m: nn.Module, a: tuple, kw: dict, _name: str = name) -> None:
-            refuse_cache(_name, m, a, kw)
-
-        handles.append(model.get_submodule(name).register_forward_pre_hook(check, with_kwargs=True))
     for name, leaf in leaves.items():
         def pre(_m: nn.Module, a: tuple, _name: str = name) -> None:
             seen.setdefault(_name, []).append(a[0] if a and isinstance(a[0], torch.Tensor) else None)
@@ -376,35 +369,6 @@ def _first_inputs(
             h.remove()
     # The tensors are alive in `seen` until here, so their ids are distinct.
     return {n: id(t[0]) for n, t in seen.items() if len(t) == 1 and t[0] is not None}
-
-
-def _is_kv_cache(value: Any) -> bool:
-    """A transformers key/value cache (``DynamicCache`` and the other subclasses of
-    ``transformers.cache_utils.Cache``), known by its class, so that transformers
-    need not be imported."""
-    return any(
-        c.__name__ == "Cache" and c.__module__.startswith("transformers.")
-        for c in type(value).__mro__
-    )
-
-
-def refuse_cache(name: str, block: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Refuse a block called with a transformers key/value cache. Each layer appends
-    its keys and values to the cache, and a checkpoint's replay would append them a
-    second time: the replay then attends over twice the keys (a
-    ``RecomputeMismatchError``, or a cache that training leaves changed), and the
-    cache holds keys and values for as long as a checkpoint holds its inputs.
-    transformers' own checkpointing drops the cache in training for this reason."""
-    for value in [*args, *kwargs.values()]:
-        if value is not None and _is_kv_cache(value):
-            raise ValueError(
-                f"plan_remat: block {name!r} ({type(block).__name__}) is called with a "
-                f"key/value cache ({type(value).__name__}): the model's config has "
-                "use_cache=True, transformers' default. A checkpoint's replay would "
-                "append the block's keys and values to the cache a second time, and the "
-                "cache keeps them alive for the whole step. Training needs no cache: set "
-                "model.config.use_cache = False before planning and training."
-            )
 
 
 def _sibling_units(
