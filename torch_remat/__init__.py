@@ -45,7 +45,7 @@ from .engine.saved_hooks import (
 )
 from .scope.api import gradient_checkpoint_scope
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 # The top level: every name of the upstream torch-remat package and of its
 # documented contract, our error classes, and the few additions users reach for.
