@@ -41,14 +41,16 @@ def agree(
     return dataclasses.replace(measured, choices=choices, budget_bytes=budget_bytes), None
 
 
-def _group() -> bool:
+def in_group() -> bool:
+    """Under an initialized process group of more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 
 
 def agree_on_verification(mismatch: str | None) -> str | None:
     """The first failing rank's verification message on every rank (``None``: every
     rank measured what it predicted); unchanged without a process group."""
-    if not _group():
+    if not in_group():
         return mismatch
     verdicts: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(verdicts, mismatch)

@@ -62,8 +62,16 @@ def format_plan(plan: RematPlan) -> str:
             else f"; measured {plan.measured_bytes:,} B"
             + (" (equal)" if plan.measured_bytes == plan.predicted_bytes else " (DIFFERENT)")
         ),
-        "",
     ]
+    if plan.replaced is not None:
+        r = plan.replaced
+        lines.append(
+            f"  (the budget's cheapest plan, {'; '.join(f'{n}: {o.label}' for n, o in r.options.items())}, "
+            f"held {r.measured_bytes:,} B when run, not the {r.predicted_bytes:,} B its blocks' "
+            "options add up to: its blocks keep each other's tensors depending on their options. "
+            "Chosen instead: the cheapest of the other plans tried that held what it predicts.)"
+        )
+    lines.append("")
     rows = [["block", "policy", "bytes", "recompute FLOPs", "ops"]]
     for name, m in zip(plan.blocks, plan.chosen):
         rows.append([name, _regions(m.option, _candidates_of(plan, name)), f"{m.bytes:,}",

@@ -43,7 +43,9 @@ from .plan import (
     PlanMismatchError,
     RematPlan,
     _solve_or_error,
+    block_groups,
     measure_table,
+    verified_plan,
 )
 
 _UNITS = {
@@ -282,9 +284,7 @@ def forecast_remat(
         plan, error = _solve_or_error(measured, budget)
         if error is not None:
             raise InfeasibleBudgetError(error)
-        configs = {
-            "no remat": Config(), **_hand_configs(plan, groups, rng_free), "plan": plan.config()
-        }
+        configs = {"no remat": Config(), **_hand_configs(plan, groups, rng_free)}
         policies: dict[str, PolicyForecast] = {}
         gradient_bytes = 0
         for name, config in configs.items():
@@ -293,9 +293,21 @@ def forecast_remat(
             policies[name] = PolicyForecast(
                 name, config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values())
             )
-        plan.measured_bytes = policies["plan"].kept_bytes
-        if plan.measured_bytes != plan.predicted_bytes:
+        plan_runs: dict[tuple[int, ...], PolicyForecast] = {}
+
+        def run_plan(candidate: RematPlan) -> dict[str, int]:
+            config = candidate.config()
+            m = run(target, fargs, loss_fn, config, names)
+            policy = PolicyForecast(
+                "plan", config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values())
+            )
+            plan_runs[tuple(candidate.choices)] = policy
+            return {"": policy.kept_bytes}  # what the verification compares: the total
+
+        plan, mismatch = verified_plan(plan, block_groups(names, groups), run_plan)
+        if mismatch is not None:
             raise PlanMismatchError(_mismatch_message(plan))
+        policies["plan"] = plan_runs[tuple(plan.choices)]
         trainable = storage_bytes([p for p in params if p.requires_grad])
         ddp = layout is not None and layout.ddp and layout.world_size > 1
         bucket_bytes = trainable if ddp and not layout.gradient_as_bucket_view else 0

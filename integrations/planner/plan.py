@@ -72,6 +72,15 @@ class Measured:
         return Measured(Option.from_json(d), d["bytes"], d["flops"], d["ops"])
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """A cheaper plan that a whole run showed to hold other bytes than predicted."""
+
+    options: dict[str, Option]
+    predicted_bytes: int
+    measured_bytes: int
+
+
 @dataclass
 class RematPlan:
     """A remat policy chosen for a budget, with the measurements it was chosen from."""
@@ -100,6 +109,9 @@ class RematPlan:
     ``base_bytes``): a checkpoint keeps its block's inputs, and an input made outside
     the blocks that the block itself does not save (transformers' ``position_ids``)
     is then held too. Shared by all blocks, so it is counted once."""
+    replaced: Replaced | None = field(default=None, compare=False)
+    """The cheaper plan the budget first chose, when its whole run held other bytes
+    than its blocks' options add up to (see :func:`verified_plan`)."""
 
     # ---------------------------------------------------------------- numbers
 
@@ -172,6 +184,49 @@ class RematPlan:
             self.candidates, None, self._model, self.frontier(), list(self.rng_free),
             self.checkpoint_base_bytes,
         )
+
+    def with_choices(self, choices: Sequence[int]) -> RematPlan:
+        """This plan with other options chosen (same table and budget)."""
+        return RematPlan(
+            self.blocks, self.table, list(choices), self.base_bytes, self.budget_bytes,
+            self.candidates, None, self._model, self._frontier, list(self.rng_free),
+            self.checkpoint_base_bytes,
+        )
+
+    def next_plans(self, groups: Sequence[Sequence[int]]) -> list[RematPlan]:
+        """Plans to try when this one, run whole, does not hold what its blocks'
+        options add up to: the next cheapest plans within the budget, then the
+        cheapest within it whose blocks of each group (``groups``: block indices)
+        share one option -- each group's options were measured with all its blocks
+        at that option, so such a plan holds what its table says."""
+        fitting = [p for p in self.frontier() if p.bytes <= self.budget_bytes]
+        out = [
+            self.with_choices(p.choices) for p in reversed(fitting)
+            if list(p.choices) != self.choices
+        ][: MAX_PLAN_RUNS - 2]
+        per_group = frontier([
+            [
+                (sum(self.table[b][k].bytes for b in g),
+                 (sum(self.table[b][k].flops for b in g), sum(self.table[b][k].ops for b in g)))
+                for k in range(len(self.table[g[0]]))
+            ]
+            for g in groups
+        ])
+        uniform = None
+        for point in per_group:
+            choices = [0] * len(self.blocks)
+            for g, k in zip(groups, point.choices):
+                for b in g:
+                    choices[b] = k
+            candidate = self.with_choices(choices)
+            if candidate.predicted_bytes <= self.budget_bytes and (
+                uniform is None or (candidate.recompute_flops, candidate.recompute_ops)
+                < (uniform.recompute_flops, uniform.recompute_ops)
+            ):
+                uniform = candidate
+        if uniform is not None and uniform.choices not in [self.choices, *(q.choices for q in out)]:
+            out.append(uniform)
+        return out
 
     def pareto(self, budgets: Sequence[float] | None = None) -> _report.ParetoTable:
         """The cheapest plan's bytes and recompute cost for budget fractions
@@ -335,6 +390,37 @@ def _infeasible(budget: Budget, budget_bytes: int, plan: RematPlan) -> str:
 
 # -------------------------------------------------------------------- planning
 
+# At most this many whole-plan runs verify a plan: the chosen one, the next cheapest
+# within the budget, and one whose identical blocks share an option.
+MAX_PLAN_RUNS = 4
+
+
+def verified_plan(
+    plan: RematPlan, groups: Sequence[Sequence[int]], run: Any
+) -> tuple[RematPlan, str | None]:
+    """The first of ``plan`` and :meth:`RematPlan.next_plans` whose whole run
+    (``run(plan) -> bytes by block``) holds what it predicts, with
+    ``measured_bytes`` set; or ``plan`` and the mismatch of its run. Each block's
+    options are measured with its identical neighbours at the same option, so a
+    mixed plan can hold more or less than its sum where a block keeps its
+    neighbour's output depending on the neighbour's option (in bf16, RMSNorm saves
+    an fp32 copy of its input: a block's output is kept only when the next block is
+    checkpointed)."""
+    first: str | None = None
+    for candidate in [plan, *plan.next_plans(groups)]:
+        by_block = run(candidate)
+        candidate.measured_bytes = sum(by_block.values())
+        if candidate.measured_bytes == candidate.predicted_bytes:
+            if candidate is not plan:
+                candidate.replaced = Replaced(
+                    plan.options, plan.predicted_bytes, plan.measured_bytes or 0
+                )
+            return candidate, None
+        if first is None:
+            first = _report.mismatch_message(candidate, by_block)
+            plan.measured_bytes = candidate.measured_bytes
+    return plan, first
+
 
 def measure_table(
     model: nn.Module,
@@ -424,11 +510,15 @@ def plan_remat(
             measurements and budget; otherwise rank 0's choice is broadcast, so
             every rank applies the same policy. Every rank runs the measurements
             either way (a sharded forward needs all ranks).
-        verify: install the chosen plan and measure it once; a mismatch with the
-            prediction raises :class:`PlanMismatchError`, naming each block whose
-            bytes differ. Under a process group (without ``per_rank``) every rank
-            verifies its own bytes and a mismatch on any rank raises the same error
-            on every rank.
+        verify: install the chosen plan and measure it. Where it holds other bytes
+            than predicted (blocks that keep each other's tensors depending on
+            their options), the next cheapest plans are run (see
+            :func:`verified_plan`) and the first that holds what it predicts is
+            returned, naming the plan it replaced; when none does,
+            :class:`PlanMismatchError` names each block whose bytes differ. Under a
+            process group (without ``per_rank``) the chosen plan is verified on
+            every rank, and a mismatch on any rank raises the same error on every
+            rank.
 
     Raises :class:`InfeasibleBudgetError` (naming the minimum achievable bytes) when
     no policy fits. The model is returned unchanged; ``plan.apply()`` installs it.
@@ -453,16 +543,26 @@ def plan_remat(
     if error is not None:
         raise InfeasibleBudgetError(error)
     if verify:
-        got = measure(model, args, loss_fn, plan.config(), names)
-        plan.measured_bytes = got.total_bytes
-        mismatch = None
-        if plan.measured_bytes != plan.predicted_bytes:
-            mismatch = _report.mismatch_message(plan, got.bytes_by_block)
-        if not per_rank:
+        def run(candidate: RematPlan) -> dict[str, int]:
+            return measure(model, args, loss_fn, candidate.config(), names).bytes_by_block
+
+        if per_rank or not _distributed.in_group():
+            plan, mismatch = verified_plan(plan, block_groups(names, groups), run)
+        else:  # one plan for every rank: verified as chosen, on every rank
+            by_block = run(plan)
+            plan.measured_bytes = sum(by_block.values())
+            mismatch = None
+            if plan.measured_bytes != plan.predicted_bytes:
+                mismatch = _report.mismatch_message(plan, by_block)
             mismatch = _distributed.agree_on_verification(mismatch)
         if mismatch is not None:
             raise PlanMismatchError(mismatch)
     return plan
+
+
+def block_groups(names: Sequence[str], groups: Sequence[Group]) -> list[list[int]]:
+    """The indices in ``names`` of each group's blocks."""
+    return [[names.index(b) for b in g.blocks] for g in groups]
 
 
 def _solve_or_error(measured: RematPlan, budget: Budget) -> tuple[RematPlan, str | None]:
