@@ -314,6 +314,26 @@ class LSTMBlock(nn.Module):
         return self.fc(torch.tanh(self.lstm(x)[0]))
 
 
+class ResidualLSTMBlock(LSTMBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + super().forward(x)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.7, 0.9])
+def test_a_residual_lstm_stack_is_planned_at_every_budget(budget):
+    # Block 1's checkpoint keeps block 0's output when block 0 keeps none of it: the
+    # cheapest plans at 0.7 and 0.9 hold more than their blocks' sums, which raised
+    # PlanMismatchError; the planners replace them by plans that hold what they say.
+    torch.manual_seed(0)
+    model = nn.Sequential(ResidualLSTMBlock(), ResidualLSTMBlock())
+    x = torch.randn(4, 10, 16)
+    plan = plan_remat(model, x, budget=budget)
+    forecast = forecast_remat(model, x, budget=budget).plan
+    assert plan.measured_bytes == plan.predicted_bytes <= plan.budget_bytes
+    assert (forecast.choices, forecast.measured_bytes) == (plan.choices, plan.measured_bytes)
+    assert (plan.replaced is not None) == (budget > 0.5)
+
+
 class BNBlock(nn.Module):
     """Batch norm over the channels of a (B, L, C) activation, transposed to (B, C, L)."""
 
