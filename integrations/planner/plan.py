@@ -516,9 +516,9 @@ def plan_remat(
             :func:`verified_plan`) and the first that holds what it predicts is
             returned, naming the plan it replaced; when none does,
             :class:`PlanMismatchError` names each block whose bytes differ. Under a
-            process group (without ``per_rank``) the chosen plan is verified on
-            every rank, and a mismatch on any rank raises the same error on every
-            rank.
+            process group the chosen plan alone is verified (runs are collective),
+            on every rank; without ``per_rank`` a mismatch on any rank raises the
+            same error on every rank.
 
     Raises :class:`InfeasibleBudgetError` (naming the minimum achievable bytes) when
     no policy fits. The model is returned unchanged; ``plan.apply()`` installs it.
@@ -546,15 +546,18 @@ def plan_remat(
         def run(candidate: RematPlan) -> dict[str, int]:
             return measure(model, args, loss_fn, candidate.config(), names).bytes_by_block
 
-        if per_rank or not _distributed.in_group():
+        if not _distributed.in_group():
             plan, mismatch = verified_plan(plan, block_groups(names, groups), run)
-        else:  # one plan for every rank: verified as chosen, on every rank
+        else:
+            # Verified as chosen: a run of another plan on one rank alone would
+            # wait forever in a collective of the sharded forward.
             by_block = run(plan)
             plan.measured_bytes = sum(by_block.values())
             mismatch = None
             if plan.measured_bytes != plan.predicted_bytes:
                 mismatch = _report.mismatch_message(plan, by_block)
-            mismatch = _distributed.agree_on_verification(mismatch)
+            if not per_rank:
+                mismatch = _distributed.agree_on_verification(mismatch)
         if mismatch is not None:
             raise PlanMismatchError(mismatch)
     return plan
