@@ -173,7 +173,9 @@ REMAT_IMPORT = "from torch_remat.integrations import apply_remat as apply_activa
 
 def _run_script(import_line):
     namespace = {"make_model": lambda: tiny_net(dropout=0.2), "MLPBlock": MLPBlock}
-    exec(SCRIPT.format(import_line=import_line), namespace)
+    with recorded_replays() as replayed:
+        exec(SCRIPT.format(import_line=import_line), namespace)
+    namespace["replayed"] = replayed
     return namespace
 
 
@@ -192,6 +194,9 @@ def test_switching_the_import_line_alone_gives_identical_losses_gradients_and_st
         torch.equal(torch_run["state"][k], remat_run["state"][k]) for k in torch_run["state"]
     )
     assert remat_module_names(remat_run["model"]) == ["layers.0", "layers.1"]
+    # the equalities compare torch's checkpointing with remat's replays, step by step
+    assert torch_run["replayed"] == []
+    assert remat_run["replayed"] == ["layers.1", "layers.0"] * 3
 
 
 @pytest.mark.parametrize(
