@@ -288,7 +288,7 @@ def test_an_input_the_replay_does_not_read_may_change_after_the_forward():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         a = x * 1.0
         y = remat.checkpoint(region_name="c")(square_region)(a)
-    assert packed[0] is a  # the hooks hold the input, as the checkpoint's first save
+    assert any(t is a for t in packed)  # the hooks hold the input for the checkpoint
     with torch.no_grad():
         a.add_(1.0)
     y.sum().backward()
