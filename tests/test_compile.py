@@ -107,6 +107,9 @@ def test_explain_shows_one_graph_and_no_break_for_a_block_with_save_and_recomput
 
 def test_fullgraph_compile_gives_gradients_bitwise_equal_to_eager(compiled_runs):
     for save_b in (True, False):
+        # compiled backward replays no Python: the checkpoint shows in the graph instead
+        forward = compiled_runs[save_b]["forward"]
+        assert any(n.meta.get("custom", {}).get("remat_checkpoint") == "layers.0" for n in forward.graph.nodes)
         assert_bitwise_equal(compiled_runs[save_b]["actual"], compiled_runs[save_b]["expected"], replays=0)
 
 
@@ -241,13 +244,17 @@ def test_nested_regions_are_recorded_under_their_qualified_names():
     x = torch.randn(4, dtype=DTYPE, requires_grad=True)
     torch.compile(remat.checkpoint(region_name="c")(block), backend=keep_graph, fullgraph=True)(x)
     regions = {
-        (getattr(n.target, "__name__", n.target), n.meta["custom"].get("remat_region"))
+        (
+            getattr(n.target, "__name__", n.target),
+            n.meta["custom"].get("remat_checkpoint"),
+            n.meta["custom"].get("remat_region"),
+        )
         for module in graphs[0].modules()
         for n in getattr(module, "graph", torch.fx.Graph()).nodes
         if n.op in ("call_function", "call_method") and "custom" in n.meta
     }
-    assert ("sin", "attn") in regions
-    assert ("exp", "attn.softmax") in regions
+    assert ("sin", "c", "attn") in regions
+    assert ("exp", "c", "attn.softmax") in regions
 
 
 def test_a_recompute_region_inside_a_save_region_is_refused_under_compile():
