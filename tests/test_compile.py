@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import CounterHook, SavedBytes, assert_bitwise_equal, grads
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.checkpoint import CheckpointPolicy
 
 import torch_remat as remat
@@ -37,6 +38,12 @@ class TwoRegionBlock(torch.nn.Module):
         h = h.sin() * scale
         y = remat.region(lambda t: torch.tanh(self.b(t)), "b", recompute=not self.save_b)(h)
         return {"out": y.cos(), "aux": [h]}
+
+
+def holds_the_checkpoint(counter):
+    """The graphs ``counter`` compiled hold a checkpoint (compiled backward replays
+    no Python, so the graph, not a replay, says remat took part)."""
+    return torch.ops.higher_order.tag_activation_checkpoint in {n.target for gm in counter.graphs for n in gm.graph.nodes}
 
 
 def loss_of(out):
@@ -107,6 +114,9 @@ def test_explain_shows_one_graph_and_no_break_for_a_block_with_save_and_recomput
 
 def test_fullgraph_compile_gives_gradients_bitwise_equal_to_eager(compiled_runs):
     for save_b in (True, False):
+        # compiled backward replays no Python: the checkpoint shows in the graph instead
+        forward = compiled_runs[save_b]["forward"]
+        assert any(n.meta.get("custom", {}).get("remat_checkpoint") == "layers.0" for n in forward.graph.nodes)
         assert_bitwise_equal(compiled_runs[save_b]["actual"], compiled_runs[save_b]["expected"], replays=0)
 
 
@@ -162,7 +172,9 @@ def test_dropout_in_a_compiled_checkpoint_with_the_stock_rng_hook_uses_the_forwa
     x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
     params = list(lin.parameters())
     ckpt = remat.checkpoint(region_name="c", recompute_state_hooks=(hook,))(f)
-    actual = grads(params, [x], torch.compile(lambda x: ckpt(x).sum(), backend="aot_eager"), seed=3)
+    counter = CompileCounterWithBackend("aot_eager")
+    actual = grads(params, [x], torch.compile(lambda x: ckpt(x).sum(), backend=counter), seed=3)
+    assert holds_the_checkpoint(counter)
     # The same compiled code without the checkpoint draws the same mask from seed 3.
     expected = grads(params, [x], torch.compile(lambda x: f(x).sum(), backend="aot_eager"), seed=3)
     assert_bitwise_equal(actual, expected, replays=0)
@@ -177,7 +189,9 @@ def test_dropout_under_the_eager_backend_uses_the_forward_mask_in_backward():
         return torch.nn.functional.dropout(x * w, 0.5, training=True).sin()
 
     ckpt = remat.checkpoint(region_name="c")(f)
-    out = torch.compile(ckpt, backend="eager", fullgraph=True)(w)
+    counter = CompileCounterWithBackend("eager")
+    out = torch.compile(ckpt, backend=counter, fullgraph=True)(w)
+    assert holds_the_checkpoint(counter)
     out.sum().backward()
     kept = (out != 0).to(DTYPE) * 2.0  # the forward's mask, scaled by 1 / (1 - p)
     expected = torch.cos(x * w.detach() * kept) * kept * x
@@ -201,8 +215,10 @@ def test_is_recomputing_is_false_in_compiled_code_and_traces_without_a_break():
 
     x = torch.randn(4, dtype=DTYPE, requires_grad=True)
     ckpt = remat.checkpoint(region_name="c")(f)
-    compiled = torch.compile(lambda x: ckpt(x).sum(), backend="aot_eager", fullgraph=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: ckpt(x).sum(), backend=counter, fullgraph=True)
     assert_bitwise_equal(grads([], [x], compiled), grads([], [x], lambda x: f(x).sum()), replays=0)
+    assert holds_the_checkpoint(counter)  # traced as a checkpoint, not as plain code
 
 
 def test_regions_in_a_compiled_block_inside_an_eager_checkpoint_are_plain_calls():
@@ -241,13 +257,17 @@ def test_nested_regions_are_recorded_under_their_qualified_names():
     x = torch.randn(4, dtype=DTYPE, requires_grad=True)
     torch.compile(remat.checkpoint(region_name="c")(block), backend=keep_graph, fullgraph=True)(x)
     regions = {
-        (getattr(n.target, "__name__", n.target), n.meta["custom"].get("remat_region"))
+        (
+            getattr(n.target, "__name__", n.target),
+            n.meta["custom"].get("remat_checkpoint"),
+            n.meta["custom"].get("remat_region"),
+        )
         for module in graphs[0].modules()
         for n in getattr(module, "graph", torch.fx.Graph()).nodes
         if n.op in ("call_function", "call_method") and "custom" in n.meta
     }
-    assert ("sin", "attn") in regions
-    assert ("exp", "attn.softmax") in regions
+    assert ("sin", "c", "attn") in regions
+    assert ("exp", "c", "attn.softmax") in regions
 
 
 def test_a_recompute_region_inside_a_save_region_is_refused_under_compile():

@@ -117,7 +117,10 @@ def test_nested_checkpoints_free_everything_after_each_step():
     before = frames()
     for _ in range(3):
         x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
-        remat.checkpoint(region_name="outer")(outer)(x).sum().backward()
+        out = remat.checkpoint(region_name="outer")(outer)(x).sum()
+        assert frames() > before  # the count sees the frames a step holds
+        out.backward()
+        del out
     gc.collect()
     assert frames() == before
 
@@ -144,12 +147,13 @@ def test_copying_hooks_around_a_checkpoint_hold_the_only_copy_of_kept_inputs():
     x = x0 * 1.0
     x.add_(1)  # an input at version 1
     ptr = x.untyped_storage().data_ptr()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t), recorded_replays() as replayed:
         out = remat.checkpoint(region_name="c")(f)(x)
     del x
     gc.collect()
     assert not _storage_alive(ptr)  # only the hook's clone is kept, as without remat
     out.sum().backward()
+    assert replayed == ["c"]  # the replay read the clone
     got = x0.grad.clone()
     x0.grad = None
     x = x0 * 1.0

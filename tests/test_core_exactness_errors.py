@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import kept_bytes, recorded_replays
 from torch import nn
 
 import torch_remat as remat
@@ -34,7 +35,11 @@ def test_a_save_region_writing_in_place_to_its_argument_gives_the_gradients_with
     def grad(ckpt):
         torch.manual_seed(0)
         x = _x()
-        (remat.checkpoint(region_name="c")(fn) if ckpt else fn)(x).sum().backward()
+        out = (remat.checkpoint(region_name="c")(fn) if ckpt else fn)(x)
+        # cos saves the region's written output: the checkpoint keeps it, as the
+        # region's, and the replay has nothing left to do
+        assert kept_bytes(out) == ({"c": {"fused_add": 3 * 4 * 8}} if ckpt else {})
+        out.sum().backward()
         return x.grad
 
     assert torch.equal(grad(True), grad(False))
@@ -115,8 +120,10 @@ def test_a_caught_save_region_error_frees_the_forward_after_the_step(exc):
     gc.disable()
     try:
         x = _x()
-        for _ in range(3):
-            remat.checkpoint(region_name="c")(fn)(x).sum().backward()
+        with recorded_replays() as replayed:
+            for _ in range(3):
+                remat.checkpoint(region_name="c")(fn)(x).sum().backward()
+        assert replayed == ["c"] * 3  # each step's h was dropped and rebuilt, then freed
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
@@ -171,7 +178,14 @@ def test_save_modules_called_twice_in_one_block_get_distinct_names():
     for t in [*params, x]:
         t.grad = None
     apply_remat(model, check_fn=lambda m: isinstance(m, _TwiceLinear), remat=RematConfig(save_modules=nn.Linear))
-    model(x).pow(2).sum().backward()
+    with recorded_replays() as replayed:
+        loss = model(x).pow(2).sum()
+        kept = kept_bytes(loss)
+        loss.backward()
+    assert replayed == ["1", "0"]
+    # the second call of the shared Linear is a region of its own, not a second 'lin'
+    assert sorted(kept) == ["0", "1"]
+    assert all({"lin", "call1/lin"} <= set(regions) for regions in kept.values())
     actual = [p.grad for p in params] + [x.grad]
     assert all(torch.equal(a, b) for a, b in zip(actual, expected))
 

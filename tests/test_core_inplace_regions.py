@@ -6,6 +6,7 @@ fix."""
 
 import pytest
 import torch
+from helpers import recorded_replays
 from torch import nn
 
 import torch_remat as remat
@@ -65,7 +66,10 @@ def _body(kind):
 def _grads(fn, ckpt):
     x, w = _x(), _w()
     f = remat.checkpoint(region_name="blk")(fn) if ckpt else fn
-    f(x, w).sum().backward()
+    with recorded_replays() as replayed:
+        f(x, w).sum().backward()
+    # Equal gradients prove nothing unless backward replayed the checkpoint.
+    assert replayed == (["blk"] if ckpt else [])
     return [x.grad, w.grad]
 
 
@@ -126,11 +130,13 @@ def test_a_second_backward_of_an_in_place_save_region_replays_identically():
         return (y @ w).tanh() * h
 
     x, w = _x(), _w()
-    out = remat.checkpoint(region_name="blk")(fn)(x, w).sum()
-    out.backward(retain_graph=True)
-    first = [x.grad.clone(), w.grad.clone()]
-    x.grad = w.grad = None
-    out.backward()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="blk")(fn)(x, w).sum()
+        out.backward(retain_graph=True)
+        first = [x.grad.clone(), w.grad.clone()]
+        x.grad = w.grad = None
+        out.backward()
+    assert replayed == ["blk", "blk"]
     _same(first, [x.grad, w.grad])
     _same(_grads(fn, False), first)
 

@@ -2,6 +2,7 @@
 
 import torch
 from helpers import Block, assert_bitwise_equal, grads
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_remat as remat
 
@@ -119,9 +120,11 @@ def test_torch_compile_around_a_checkpoint_traces_it_with_exact_gradients():
         remat.recompute_needs_tensor(h)
         return h.tanh()
 
-    compiled = torch.compile(lambda x: remat.checkpoint(region_name="c")(f)(x).sum(), backend="eager")
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda x: remat.checkpoint(region_name="c")(f)(x).sum(), backend=counter)
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     expected = grads(list(lin.parameters()), [x], lambda x: f(x).sum())
     actual = grads(list(lin.parameters()), [x], compiled)
+    assert torch.ops.higher_order.tag_activation_checkpoint in {n.target for gm in counter.graphs for n in gm.graph.nodes}
     # The recompute is part of the compiled backward, which re-runs no Python.
     assert_bitwise_equal(actual, expected, replays=0)

@@ -165,7 +165,9 @@ def test_an_attribute_the_forward_adds_is_absent_in_the_replay_and_kept_afterwar
         m = Lazy()
         fn = remat.checkpoint(region_name="lazy")(m) if ckpt else m
         x = _x(0)
-        fn(x).sum().backward()
+        with recorded_replays() as replayed:
+            fn(x).sum().backward()
+        assert replayed == (["lazy"] if ckpt else [])
         return m, [x.grad, m.lin.weight.grad]
 
     _, expected = run(False)
@@ -192,12 +194,14 @@ def _closure_block(ckpt):
 def test_a_closure_value_changed_between_forward_and_backward_is_replayed_as_the_forward_saw_it():
     fn, set_scale, w = _closure_block(True)
     outs, xs = [], []
-    for i, s in enumerate((0.5, 4.0)):
-        set_scale(s)
-        xs.append(_x(20 + i))
-        outs.append(fn(xs[-1]))
-    for out in outs:
-        out.sum().backward()
+    with recorded_replays() as replayed:
+        for i, s in enumerate((0.5, 4.0)):
+            set_scale(s)
+            xs.append(_x(20 + i))
+            outs.append(fn(xs[-1]))
+        for out in outs:
+            out.sum().backward()
+    assert replayed == ["closure", "closure"]
     got = [x.grad for x in xs] + [w.grad]
     ref, ref_set, ref_w = _closure_block(False)
     expected = []
@@ -277,7 +281,9 @@ def test_a_draw_inside_a_save_region_is_not_replayed_and_later_draws_are():
         random.seed(7)
         x = _x(40)
         fn = remat.checkpoint(region_name="blk")(body) if ckpt else body
-        fn(x).sum().backward()
+        with recorded_replays() as replayed:
+            fn(x).sum().backward()
+        assert replayed == (["blk"] if ckpt else [])  # the later draw was replayed
         return x.grad, random.random()
 
     expected, after = run(False)
@@ -308,12 +314,14 @@ def test_a_closure_value_of_a_checkpointed_modules_forward_is_replayed_as_the_fo
         m, set_scale = make()
         fn = remat.checkpoint(region_name="scaled")(m) if ckpt else m
         outs, xs = [], []
-        for i, s in enumerate((0.5, 4.0)):
-            set_scale(s)
-            xs.append(_x(50 + i))
-            outs.append(fn(xs[-1]))
-        for out in outs:
-            out.sum().backward()
+        with recorded_replays() as replayed:
+            for i, s in enumerate((0.5, 4.0)):
+                set_scale(s)
+                xs.append(_x(50 + i))
+                outs.append(fn(xs[-1]))
+            for out in outs:
+                out.sum().backward()
+        assert replayed == (["scaled", "scaled"] if ckpt else [])
         return [x.grad for x in xs] + [m.lin.weight.grad]
 
     _same(run(False), run(True))

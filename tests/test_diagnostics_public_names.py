@@ -64,6 +64,9 @@ def test_annotate_leaves_blocks_of_other_devices_alone():
     snapshot = synthetic_snapshot(kept)
     remat.diagnostics.label_memory_snapshot(snapshot)  # device_type="cuda": no CPU storage matches
     assert all("remat" not in b for b in snapshot["segments"][0]["blocks"])
+    # ... though the same snapshot read as the CPU's has a block to label
+    remat.diagnostics.label_memory_snapshot(snapshot, device_type="cpu")
+    assert [b.get("remat", [{}])[0].get("checkpoint") for b in snapshot["segments"][0]["blocks"]] == [None, "c"]
     loss.backward()
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import recorded_replays
 
 import torch_remat as remat
 from torch_remat import CPURNGStateHook
@@ -41,12 +42,14 @@ def test_with_the_rng_hook_it_passes_and_gradients_are_exact():
     torch.manual_seed(1)
     block(ref).sum().backward()
     torch.manual_seed(1)
-    out = remat.checkpoint(
-        region_name="layers.0",
-        determinism_check="bitwise",
-        recompute_state_hooks=(CPURNGStateHook(),),
-    )(block)(x)
-    out.sum().backward()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(
+            region_name="layers.0",
+            determinism_check="bitwise",
+            recompute_state_hooks=(CPURNGStateHook(),),
+        )(block)(x)
+        out.sum().backward()
+    assert replayed == ["layers.0"]  # the check compared a real replay's dropout mask
     assert torch.equal(x.grad, ref.grad)
 
 

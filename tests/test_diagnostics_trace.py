@@ -3,6 +3,7 @@
 import threading
 
 import torch
+from helpers import recorded_replays
 
 import torch_remat as remat
 from torch_remat.diagnostics import OpTrace, ScopeTrace
@@ -46,9 +47,10 @@ def test_recompute_is_not_recorded():
         h = remat.region(torch.exp, "exp", recompute=True)(x)
         return remat.region(torch.sin, "sin", recompute=False)(h).cos()
 
-    with remat.collect_trace() as trace:
+    with remat.collect_trace() as trace, recorded_replays() as replayed:
         out = remat.checkpoint(region_name="layer")(block)(x)
         out.sum().backward()  # recomputes "exp" inside the trace block
+    assert replayed == ["layer"]
     assert x.grad is not None
     assert trace.format() == "torch_remat trace\nexp: recompute\nsin: save"
 
@@ -120,3 +122,4 @@ def test_entries_list_op_and_scope_traces_as_upstream_names_them():
     assert with_checkpoints.entries == [
         OpTrace(name="sin", recompute=False), OpTrace(name="cos", recompute=True)
     ]
+    assert with_checkpoints.format() == "torch_remat trace\nlayer: checkpoint\n  sin: save\n  cos: recompute"

@@ -4,7 +4,7 @@ remat, or a RematError naming what went wrong."""
 
 import pytest
 import torch
-from helpers import recorded_replays
+from helpers import kept_bytes, recorded_replays
 
 import torch_remat as remat
 from torch_remat.offload import ActivationOffloader
@@ -78,6 +78,7 @@ def test_a_save_region_save_modified_after_the_region_raises_or_is_exact_under_a
 
     with HOOKS[hooks]():
         y = remat.checkpoint(region_name="blk")(body)(x)
+    assert "attn" in kept_bytes(y)["blk"]  # the region's save is the checkpoint's
     with torch.no_grad():
         y.mul_(2)
     if hooks in COPYING:
@@ -141,6 +142,7 @@ def _complex_grads(body, ckpt, *shapes, replays=1, **options):
     fn = remat.checkpoint(region_name="blk", **options)(body) if ckpt else body
     with recorded_replays() as replayed:
         out = fn(*xs)
+    assert list(kept_bytes(out)) == (["blk"] if ckpt else [])
     out = out if out.is_complex() else out.to(C)
     (out.real.sum() + out.imag.square().sum()).backward()
     assert replayed == (["blk"] * replays if ckpt else [])
@@ -420,7 +422,13 @@ def test_arguments_rebuilding_cannot_handle_are_kept(body, shape, rebuild):
     def run(ckpt):
         x = torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(5)).requires_grad_()
         fn = remat.checkpoint(region_name="blk", rebuild=rebuild)(body) if ckpt else body
-        fn(x).sum().backward()
+        out = fn(x)
+        # kept by the region, not rebuilt: nothing is left to replay
+        assert list(kept_bytes(out)) == (["blk"] if ckpt else [])
+        assert "r" in kept_bytes(out).get("blk", {"r": 0})
+        with recorded_replays() as replayed:
+            out.sum().backward()
+        assert replayed == []
         return x.grad
 
     assert torch.equal(run(True), run(False))
@@ -443,7 +451,11 @@ def test_recompute_needs_tensor_in_a_nested_save_region_keeps_the_output():
         return (o + 1).exp()  # bare code that reads o and saves only its own result
 
     x = _x().requires_grad_()
-    remat.checkpoint(region_name="blk")(body)(x).sum().backward()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="blk")(body)(x)
+        assert kept_bytes(out) == {"blk": {"outer": 6 * 8, "outer.inner": 0}}  # o, kept once
+        out.sum().backward()
+    assert replayed == ["blk"]
     e = (x.detach().exp() + 1).exp()
     assert torch.equal(x.grad, e * x.detach().exp())
 
@@ -571,9 +583,10 @@ def test_a_save_region_whose_output_dies_in_the_forward_frees_its_saves_with_it(
         loss = body(base)
     loss.backward()
     expected, base.grad = base.grad, None
-    with memory_probe() as ckpt:
+    with memory_probe() as ckpt, recorded_replays() as replayed:
         loss = remat.checkpoint(region_name="blk")(body)(base)
     loss.backward()
+    assert replayed == ["blk"]  # the peaks compare a real checkpoint with the plain run
     assert torch.equal(base.grad, expected)
     assert plain.peak >= 2 * BIG  # the temporaries
     # the uncheckpointed forward frees the region's saves with h; so must remat (the

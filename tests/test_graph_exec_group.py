@@ -2,6 +2,7 @@
 shared by them and freed when the group object dies."""
 
 import torch
+from helpers import recorded_replays
 from torch.utils.checkpoint import GraphExecGroup
 
 import torch_remat as remat
@@ -27,10 +28,11 @@ def test_refills_a_group_did_not_use_are_freed_when_the_group_dies():
     x = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
     y = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
     frames = Frames()
-    with observe(frames):
+    with observe(frames), recorded_replays() as replayed:
         loss = remat.checkpoint(region_name="b")(lambda a, b: block(a) + block(b))(x, y).sum()
     with GraphExecGroup():
         (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    assert len(frames.frames) == 1 and replayed == ["b"]
     # block(y)'s refills were made by the one replay but never unpacked
     assert frames.refilled() == []
     (ref,) = torch.autograd.grad((block(x) + block(y)).sum(), [x])

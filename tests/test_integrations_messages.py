@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_remat as remat
 
@@ -81,8 +82,12 @@ def test_compiling_a_checkpoint_logs_no_context_fn_warning_the_user_did_not_caus
         block = Block()
         x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
         eager = torch.autograd.grad(block(x).sum(), [x, *block.parameters()])
-        fn = torch.compile(remat.checkpoint(region_name="block")(block), backend="aot_eager")
+        counter = CompileCounterWithBackend("aot_eager")
+        fn = torch.compile(remat.checkpoint(region_name="block")(block), backend=counter)
         compiled = torch.autograd.grad(fn(x).sum(), [x, *block.parameters()])
+        # a checkpoint was traced: the silence is about it
+        targets = {n.target for gm in counter.graphs for n in gm.graph.nodes}
+        assert torch.ops.higher_order.tag_activation_checkpoint in targets
     finally:
         logger.removeHandler(records)
         torch._dynamo.reset()

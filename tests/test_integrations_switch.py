@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch
 from torch.utils.checkpoint import checkpoint as imported_checkpoint
 
 import torch_remat as remat
-from tests.helpers import assert_bitwise_equal, grads
+from tests.helpers import assert_bitwise_equal, grads, recorded_replays
 from torch_remat.integrations import remat_module_names, remove_remat, torch_checkpointing_as_remat
 
 
@@ -38,6 +38,13 @@ def _net() -> nn.Sequential:
 
 def _grads(model, x):
     return grads(list(model.parameters()), [], lambda: model(x).pow(2).sum(), seed=3)
+
+
+def _replays(module):
+    """The checkpoints one training step of ``module`` replays."""
+    with recorded_replays() as replayed:
+        module(torch.randn(4, 16, dtype=torch.float64)).sum().backward()
+    return replayed
 
 
 def test_torch_apply_activation_checkpointing_applies_remat_inside_the_switch_only():
@@ -61,6 +68,7 @@ def test_checkpoint_wrapper_returns_the_module_itself_with_remat():
     with torch_checkpointing_as_remat():
         wrapped = torch_cw.checkpoint_wrapper(block)
     assert wrapped is block and remat_module_names(nn.Sequential(block)) == ["0"]
+    assert _replays(block) == ["Block"]  # a checkpoint named after the module's class
 
 
 def test_torchtune_set_activation_checkpointing_applies_remat():
@@ -92,6 +100,8 @@ def test_torchtune_checkpoint_wrapper_imported_under_another_name_applies_remat(
     with torch_checkpointing_as_remat():
         wrapped = activations.checkpoint_wrapper(block, "full", None)
     assert wrapped is block and remat_module_names(nn.Sequential(block)) == ["0"]
+    # torchtune passes preserve_rng_state=False: a step that draws no dropout mask
+    assert _replays(block.eval()) == ["Block"]
     assert activations.ptd_checkpoint_wrapper is torch_cw.checkpoint_wrapper
 
 
@@ -178,6 +188,7 @@ def test_checkpoint_wrapper_given_torchs_checkpoint_read_inside_the_switch_appli
         # read while the switch is open: on torch with the curried form, the switch's
         wrapped = torch_cw.checkpoint_wrapper(block, checkpoint_fn=torch.utils.checkpoint.checkpoint)
     assert wrapped is block and remat_module_names(nn.Sequential(block)) == ["0"]
+    assert _replays(block) == ["Block"]
 
 
 def test_a_module_first_imported_inside_the_switch_gets_torchs_functions_back(tmp_path, monkeypatch):
@@ -260,6 +271,6 @@ def test_checkpoint_wrapper_through_the_switch_is_named_by_its_path_once_it_runs
     model = Outer()
     with torch_checkpointing_as_remat(RematConfig(rng_state_hooks=True)):
         _wrap_like_olmo(model)
-    model(torch.randn(4, 16, dtype=torch.float64)).sum().backward()
+    assert _replays(model) == ["blocks.1", "blocks.0"]  # backward replays the last block first
     names = [model.blocks[i].forward.region_name for i in range(2)]
     assert names == ["blocks.0", "blocks.1"]

@@ -7,6 +7,7 @@ torch's ``saved_tensors_hooks``, exposes the captured context on
 from __future__ import annotations
 
 import torch
+from helpers import kept_bytes
 
 import torch_remat as remat
 from torch_remat import SavedTensorKind
@@ -89,8 +90,9 @@ def test_one_pair_covers_the_saves_inside_and_outside_checkpoints():
         loss = y.tanh().sum()  # outside: tanh saves its result
     loss.backward()
     kinds = sorted(p[1].value for p in log.packed)
-    # exp, tanh (outside) and the SAVE region's internal save (inside)
-    assert kinds.count("backward") == 3
+    # exp, tanh (outside) and the SAVE region's internal save (inside), and the
+    # checkpoint's input, packed by the same pair
+    assert kinds == ["backward", "backward", "backward", "checkpoint_input"]
     expected_x = x.detach().clone().requires_grad_()
     Square.apply(expected_x.exp()).tanh().sum().backward()
     assert torch.equal(x.grad, expected_x.grad)
@@ -191,8 +193,12 @@ def test_a_saved_parameter_reaches_the_pack_hook_as_the_parameter():
             act, w = ctx.saved_tensors
             return (g @ w) * 2, g.t() @ act
 
+    places = []
+
     def pack(t):
         got.append(t)
+        info = remat.current_saved_tensor_info()
+        places.append((info.checkpoint, info.region))
         return t
 
     def body(x):
@@ -204,6 +210,8 @@ def test_a_saved_parameter_reaches_the_pack_hook_as_the_parameter():
         y.sum().backward()
     params = [t for t in got if isinstance(t, torch.nn.Parameter)]
     assert len(params) == 1 and params[0] is weight
+    # packed as a save of the region, inside the checkpoint
+    assert places[[t is weight for t in got].index(True)] == ("c", "linear")
     assert any(not isinstance(t, torch.nn.Parameter) and t.shape == (4, 3) for t in got)
     expected = x.detach().clone().requires_grad_()
     w2 = weight.detach().clone().requires_grad_()
@@ -276,9 +284,12 @@ def test_an_input_the_replay_does_not_read_may_change_after_the_forward():
     # torch's hooks check versions on unpack; the unread input's unpack must not
     # turn an update nothing reads again into an error
     x = torch.tensor([2.0, 3.0], dtype=D, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         a = x * 1.0
         y = remat.checkpoint(region_name="c")(square_region)(a)
+    # the hooks hold the input (a view of it) for the checkpoint
+    assert [t.data_ptr() == a.data_ptr() for t in packed] == [True, False]
     with torch.no_grad():
         a.add_(1.0)
     y.sum().backward()
@@ -305,6 +316,7 @@ def test_without_hooks_an_input_the_replay_does_not_read_is_not_held():
     a = x * 1.0
     ref = weakref.ref(a)
     y = remat.checkpoint(region_name="c")(square_region)(a)
+    assert kept_bytes(y) == {"c": {"square": 2 * 8}}  # the region's save (2x), no input
     del a
     assert ref() is None
     y.sum().backward()

@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 from dist_models import MLPBlock, assert_grads_equal, param_grads, tiny_net
-from helpers import recorded_replays
+from helpers import kept_bytes, recorded_replays
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -173,7 +173,9 @@ REMAT_IMPORT = "from torch_remat.integrations import apply_remat as apply_activa
 
 def _run_script(import_line):
     namespace = {"make_model": lambda: tiny_net(dropout=0.2), "MLPBlock": MLPBlock}
-    exec(SCRIPT.format(import_line=import_line), namespace)
+    with recorded_replays() as replayed:
+        exec(SCRIPT.format(import_line=import_line), namespace)
+    namespace["replayed"] = replayed
     return namespace
 
 
@@ -192,6 +194,9 @@ def test_switching_the_import_line_alone_gives_identical_losses_gradients_and_st
         torch.equal(torch_run["state"][k], remat_run["state"][k]) for k in torch_run["state"]
     )
     assert remat_module_names(remat_run["model"]) == ["layers.0", "layers.1"]
+    # the equalities compare torch's checkpointing with remat's replays, step by step
+    assert torch_run["replayed"] == []
+    assert remat_run["replayed"] == ["layers.1", "layers.0"] * 3
 
 
 @pytest.mark.parametrize(
@@ -329,6 +334,8 @@ def test_save_modules_by_predicate_and_refused_on_a_checkpointed_module():
         model, check_fn=IS_BLOCK, remat=RematConfig(save_modules=lambda m: isinstance(m, nn.LayerNorm))
     )
     assert save_region_names(model) == ["layers.0.norm", "layers.1.norm"]
+    kept = kept_bytes(model(_input()).pow(2).sum())
+    assert sorted(kept) == ["layers.0", "layers.1"] and all("norm" in regions for regions in kept.values())
     with pytest.raises(ValueError, match="also matches save_modules"):
         apply_remat(tiny_net(), check_fn=IS_BLOCK, remat=RematConfig(save_modules=MLPBlock))
 
@@ -400,6 +407,8 @@ def test_apply_remat_then_compiling_a_block_traces_it_as_one_graph_with_no_break
     explanation = torch._dynamo.explain(model.layers[0])(_input())
     torch._dynamo.reset()
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)
+    targets = {n.target for gm in explanation.graphs for n in gm.graph.nodes}
+    assert torch.ops.higher_order.tag_activation_checkpoint in targets  # the checkpoint is in it
 
 
 def test_apply_remat_then_module_compile_gives_the_gradients_of_eager_remat():
