@@ -43,4 +43,6 @@ def install(package_dir: str) -> None:
             and os.path.isfile(os.path.join(root, "pyproject.toml"))):
         return
     if not any(isinstance(f, _SiblingFolder) for f in sys.meta_path):
-        sys.meta_path.append(_SiblingFolder(folder))
+        # First: an editable install of another checkout maps the name to its own
+        # folder, and this checkout's torch_remat goes with its own sibling.
+        sys.meta_path.insert(0, _SiblingFolder(folder))
