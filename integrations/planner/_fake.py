@@ -26,6 +26,7 @@ FLOPs and aten ops of the recompute come from the same counter as ``measure``
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import weakref
@@ -85,6 +86,15 @@ class StorageLedger(TorchDispatchMode):
         self.modules: dict[int, str] = {}
         """``id(module) -> qualified name`` of the model's modules, to name the
         module whose code ran an op that fake tensors cannot run."""
+        self.spikes: dict[Any, int] = {}
+        """Per op signature (see ``_transient_key``), the most bytes alive when an op
+        of it started: its real kernel's transient bytes (outputs and internal
+        temporaries, learned once per signature) peak above that."""
+        self.pending: dict[Any, tuple] = {}
+        """Signatures not learned yet: ``(func, flat arguments, spec, grad mode)``."""
+        self.real_live: dict[int, int] = {}
+        """Real storages the engine allocated outside the dispatcher (a checkpoint's
+        copy of the CPU RNG state, a fingerprint of it) that are alive: key -> bytes."""
 
     def _forget(self, key: int) -> None:
         self.known.discard(key)
@@ -127,6 +137,7 @@ class StorageLedger(TorchDispatchMode):
                     a = self.fake_mode.from_tensor(a)
                     self.converted.append(a)  # alive, so that the op's conversion finds it
                 self._see(a, allocated=False)
+        self._spike(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
@@ -139,6 +150,47 @@ class StorageLedger(TorchDispatchMode):
             if isinstance(o, torch.Tensor):
                 self._see(o, allocated=True)
         return out
+
+    def _spike(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Note the bytes alive as ``func`` starts, for its real kernel's transient
+        peak (outputs and internal temporaries), learned after the step."""
+        if self.fake_mode is None:
+            return
+        key = _transient_key(func, args, kwargs)
+        if key is None:
+            return
+        if key not in _TRANSIENT and key not in self.pending:
+            flat, spec = tree_flatten((args, kwargs))
+            self.pending[key] = (func, flat, spec, torch.is_grad_enabled())
+        if self.current > self.spikes.get(key, -1):
+            self.spikes[key] = self.current
+
+    def real_allocated(self, t: torch.Tensor) -> None:
+        """A real tensor the engine allocated outside the dispatcher (an RNG state):
+        alive in the step's bytes until its storage is freed."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.real_live:
+            return
+        n = st.nbytes()
+        self.real_live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+        def freed(_key: int = key) -> None:
+            self.current -= self.real_live.pop(_key, 0)
+
+        weakref.finalize(st, freed)
+
+    def transient_peak(self) -> int:
+        """The peak with each op's learned transient bytes on top of what was alive
+        when it started (signatures not learned: their outputs, as counted)."""
+        peak = self.peak
+        for key, before in self.spikes.items():
+            extra = _TRANSIENT.get(key)
+            if extra is not None:
+                peak = max(peak, before + extra)
+        return peak
 
     def resized(self, st: Any, before: int, after: int) -> None:
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
@@ -189,6 +241,91 @@ shapes and takes the sizes and strides of the real outputs."""
 _LEARNED: dict[Any, list[tuple]] = {}
 """Per op and argument shapes, the (shape, stride) of each tensor output of a real
 run; the same in every forecast of a process, so it is kept across them."""
+
+
+LEARN_CAP = 16 * 2**20
+"""Ops whose tensor arguments hold at most this many bytes have their real CPU
+kernel's transient bytes learned (one real run per signature, on zeros); larger
+ones are counted by their outputs alone (their real run would allocate and compute
+what the forecast is there to avoid)."""
+
+_TRANSIENT: dict[Any, int | None] = {}
+"""Per op signature, the most bytes its real CPU kernel held at once above what
+was alive when it started (its outputs and internal temporaries: a copy of a
+strided operand, a library's workspace); None: not learnable (the run failed)."""
+
+
+def _transient_key(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The signature under which an op's transient bytes are learned, or None for an
+    op that is not learned: a view, an op not of aten, an op on anything but CPU
+    fakes, one with no tensor argument, one over ``LEARN_CAP``."""
+    if func.namespace != "aten" or func.is_view:
+        return None
+    meta = []
+    size = 0
+    tensors = 0
+    for a in tree_flatten((args, kwargs))[0]:
+        if isinstance(a, torch.Tensor):
+            if not isinstance(a, FakeTensor) or a.device.type != "cpu":
+                return None
+            tensors += 1
+            size += a.untyped_storage().nbytes()
+            meta.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype,
+                         a.untyped_storage().nbytes()))
+        elif isinstance(a, (torch.Generator, torch.Stream)):
+            return None
+        else:
+            meta.append(repr(a))
+    if not tensors or size > LEARN_CAP:
+        return None
+    return (func, torch.is_grad_enabled(), tuple(meta))
+
+
+def _real_like(a: torch.Tensor) -> torch.Tensor:
+    """Real zeros with ``a``'s storage size, shape, strides and offset."""
+    n = a.untyped_storage().nbytes()
+    base = torch.zeros(n, dtype=torch.uint8)
+    return torch.empty(0, dtype=a.dtype).set_(
+        base.untyped_storage(), a.storage_offset(), tuple(a.shape), a.stride()
+    )
+
+
+def learn_transients(pending: dict[Any, tuple]) -> None:
+    """Run each op of ``pending`` once on real zeros under the profiler and keep the
+    most bytes it held at once (outputs and temporaries), in ``_TRANSIENT``."""
+    todo = [(k, v) for k, v in pending.items() if k not in _TRANSIENT]
+    pending.clear()
+    if not todo or torch._C._autograd._profiler_enabled():
+        return
+    rng = torch.get_rng_state()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with _disable_current_modes():
+            for key, (func, flat, spec, grad) in todo:
+                try:
+                    real = [_real_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
+                    rargs, rkwargs = tree_unflatten(real, spec)
+                    with torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+                    ) as prof, torch.set_grad_enabled(grad):
+                        got = func(*rargs, **rkwargs)
+                    del got, real, rargs, rkwargs
+                except Exception:  # noqa: BLE001 (an op that fails on zeros is not learned)
+                    _TRANSIENT[key] = None
+                    continue
+                records = [
+                    e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+                ]
+                live = most = 0
+                for e in sorted(records, key=lambda e: e.start_ns()):
+                    live += e.nbytes()
+                    most = max(most, live)
+                _TRANSIENT[key] = most
+    finally:
+        if was:
+            gc.enable()
+        torch.set_rng_state(rng)
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
@@ -309,6 +446,39 @@ def _storage_resizes(ledger: StorageLedger) -> Iterator[None]:
         yield
     finally:
         torch.UntypedStorage.resize_ = original
+
+
+@contextlib.contextmanager
+def _rng_states(ledger: StorageLedger) -> Iterator[None]:
+    """Follow the engine's reads of the CPU generator's state while active: a
+    checkpoint's copy (kept until its backward) and the fingerprints of the RNG
+    guard (freed at once) are real tensors allocated outside the dispatcher."""
+    from torch_remat.engine import rng  # noqa: PLC0415
+
+    cls = rng.DefaultGenerator
+    get_state, fingerprint = cls.get_state, cls.fingerprint
+
+    def followed_get_state(self: Any) -> torch.Tensor:
+        state = get_state(self)
+        if self.device.type == "cpu":
+            ledger.real_allocated(state)
+        return state
+
+    def followed_fingerprint(self: Any) -> Any:
+        if self.device.type == "cpu":
+            ledger.peak = max(ledger.peak, ledger.current + _cpu_state_bytes())
+        return fingerprint(self)
+
+    cls.get_state, cls.fingerprint = followed_get_state, followed_fingerprint
+    try:
+        yield
+    finally:
+        cls.get_state, cls.fingerprint = get_state, fingerprint
+
+
+@functools.cache
+def _cpu_state_bytes() -> int:
+    return torch.default_generator.get_state().untyped_storage().nbytes()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -512,18 +682,22 @@ def measure_fake(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with mode, ledger, _storage_resizes(ledger):
+        with mode, ledger, _storage_resizes(ledger), _rng_states(ledger):
             ledger.see_existing([*model.parameters(), *model.buffers(), *leaves])
             with _profiled() as prof, _block_ranges(ledger, model, block_names):
                 loss = loss_fn(model(*args))
             real = held_bytes_by_block(prof)
             fake = ledger.held_by_block()
+            # Real storages of the forward the ledger did not follow (it follows the
+            # engine's RNG states): alive for the whole step, at most.
+            unfollowed = max(0, sum(real.values()) - sum(ledger.real_live.values()))
             counter = RecomputeCounter()
             with counter:
                 loss.backward()
             del loss
             gradient_bytes = storage_bytes([p.grad for p in model.parameters()])
-        peak = ledger.peak + sum(real.values())
+        learn_transients(ledger.pending)
+        peak = ledger.transient_peak() + unfollowed
     finally:
         if was_enabled:
             gc.enable()
