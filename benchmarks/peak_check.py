@@ -13,6 +13,7 @@ storages held at once, from just before the forward to just after the backward
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 from collections.abc import Callable, Sequence
@@ -92,6 +93,9 @@ class Case:
     make_args: Callable[[int], tuple]
     loss_fn: Callable[[Any], torch.Tensor]
     kwargs: dict
+    outer_autocast: bool = False
+    """Forecast and real step both inside ``torch.autocast("cpu", bfloat16)``
+    (backward included), rather than the forward alone."""
 
 
 def _sum(out: Any) -> torch.Tensor:
@@ -121,6 +125,14 @@ class LSTMBlock(nn.Module):
 def case(name: str) -> Case:
     torch.manual_seed(0)
     gpt_kwargs = dict(budget=0.3, candidates=["qkv", "fc1", "fc2"])
+    if name == "w1_bf16_outer":
+        c = case("w1")
+        c.name, c.outer_autocast = name, True
+        return c
+    if name == "llama_bf16_outer":
+        c = case("llama")
+        c.name, c.outer_autocast = name, True
+        return c
     if name in ("w1", "w1_bf16"):
         stack = GPTStack(W1)
 
@@ -177,7 +189,7 @@ def case(name: str) -> Case:
     raise ValueError(f"unknown case {name!r}")
 
 
-CASES = ("w1", "w1_bf16", "bert", "gpt2", "llama", "qwen2", "mistral", "lstm", "bn_conv")
+CASES = ("w1", "w1_bf16", "w1_bf16_outer", "llama_bf16_outer", "bert", "gpt2", "llama", "qwen2", "mistral", "lstm", "bn_conv")
 
 
 def check(name: str, batches: Sequence[int]) -> list[tuple]:
@@ -186,10 +198,13 @@ def check(name: str, batches: Sequence[int]) -> list[tuple]:
     rows = []
     for b in batches:
         args = c.make_args(b)
-        forecast = forecast_remat(c.model, args, c.loss_fn, **c.kwargs)
-        for policy in forecast.policies.values():
-            real = real_step_peak(c.model, args, c.loss_fn, policy.config)
-            rows.append((name, b, policy.name, policy.peak_bytes, real))
+        with contextlib.ExitStack() as stack:
+            if c.outer_autocast:
+                stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            forecast = forecast_remat(c.model, args, c.loss_fn, **c.kwargs)
+            for policy in forecast.policies.values():
+                real = real_step_peak(c.model, args, c.loss_fn, policy.config)
+                rows.append((name, b, policy.name, policy.peak_bytes, real))
     return rows
 
 

@@ -160,8 +160,10 @@ class StorageLedger(TorchDispatchMode):
         if key is None:
             return
         if key not in _TRANSIENT and key not in self.pending:
+            # The arguments' layouts, not the tensors (kept, they would not be freed)
             flat, spec = tree_flatten((args, kwargs))
-            self.pending[key] = (func, flat, spec, torch.is_grad_enabled())
+            layouts = [_Layout(a) if isinstance(a, torch.Tensor) else a for a in flat]
+            self.pending[key] = (func, layouts, spec, torch.is_grad_enabled())
         if self.current > self.spikes.get(key, -1):
             self.spikes[key] = self.current
 
@@ -278,16 +280,25 @@ def _transient_key(func: Any, args: tuple, kwargs: dict) -> Any:
             meta.append(repr(a))
     if not tensors or size > LEARN_CAP:
         return None
-    return (func, torch.is_grad_enabled(), tuple(meta))
+    return (func, torch.is_grad_enabled(), torch.get_num_threads(), tuple(meta))
 
 
-def _real_like(a: torch.Tensor) -> torch.Tensor:
-    """Real zeros with ``a``'s storage size, shape, strides and offset."""
-    n = a.untyped_storage().nbytes()
-    base = torch.zeros(n, dtype=torch.uint8)
-    return torch.empty(0, dtype=a.dtype).set_(
-        base.untyped_storage(), a.storage_offset(), tuple(a.shape), a.stride()
-    )
+class _Layout:
+    """A tensor argument's storage size, shape, strides, offset and dtype."""
+
+    __slots__ = ("nbytes", "shape", "stride", "offset", "dtype")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.nbytes = t.untyped_storage().nbytes()
+        self.shape, self.stride = tuple(t.shape), t.stride()
+        self.offset, self.dtype = t.storage_offset(), t.dtype
+
+    def zeros(self) -> torch.Tensor:
+        """Real zeros of this layout."""
+        base = torch.zeros(self.nbytes, dtype=torch.uint8)
+        return torch.empty(0, dtype=self.dtype).set_(
+            base.untyped_storage(), self.offset, self.shape, self.stride
+        )
 
 
 def learn_transients(pending: dict[Any, tuple]) -> None:
@@ -304,7 +315,7 @@ def learn_transients(pending: dict[Any, tuple]) -> None:
         with _disable_current_modes():
             for key, (func, flat, spec, grad) in todo:
                 try:
-                    real = [_real_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
+                    real = [a.zeros() if isinstance(a, _Layout) else a for a in flat]
                     rargs, rkwargs = tree_unflatten(real, spec)
                     with torch.profiler.profile(
                         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
@@ -655,6 +666,11 @@ class FakeMeasurement(Measurement):
     peak_bytes: int = 0
     """Most bytes the step's own storages (activations, gradients, temporaries)
     held at once, forward and backward."""
+    peak_margin: int = 0
+    """How far ``peak_bytes`` may lie above the real step's peak: real storages
+    the forward keeps that were allocated outside the dispatcher and that the
+    ledger does not follow to their free (a Python number an op saves for its
+    backward, wrapped in an 8 B tensor), counted as alive for the whole step."""
     gradient_bytes: int = 0
     """Bytes of the parameters' gradients after the backward (distinct storages;
     DTensor gradients: this rank's shards)."""
@@ -713,6 +729,7 @@ def measure_fake(
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
     )
     result.peak_bytes = peak
+    result.peak_margin = unfollowed
     result.gradient_bytes = gradient_bytes
     return result
 

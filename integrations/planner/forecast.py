@@ -88,6 +88,10 @@ class PolicyForecast:
     max_batch: int | None = None
     """The largest micro-batch whose step fits the device memory (None: not asked;
     0: not even a micro-batch of 1)."""
+    peak_margin: int = 0
+    """``peak_bytes`` is at most this many bytes above the real step's peak (and
+    never below it): real storages the forward keeps outside the dispatcher (a
+    Python number saved for backward, 8 B each), counted for the whole step."""
 
     @property
     def kept_bytes(self) -> int:
@@ -291,7 +295,8 @@ def forecast_remat(
             m: FakeMeasurement = run(target, fargs, loss_fn, config, names)
             gradient_bytes = m.gradient_bytes
             policies[name] = PolicyForecast(
-                name, config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values())
+                name, config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values()),
+                peak_margin=m.peak_margin,
             )
         plan_runs: dict[tuple[int, ...], PolicyForecast] = {}
 
@@ -299,7 +304,8 @@ def forecast_remat(
             config = candidate.config()
             m = run(target, fargs, loss_fn, config, names)
             policy = PolicyForecast(
-                "plan", config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values())
+                "plan", config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values()),
+                peak_margin=m.peak_margin,
             )
             plan_runs[tuple(candidate.choices)] = policy
             return {"": policy.kept_bytes}  # what the verification compares: the total
