@@ -111,6 +111,9 @@ def _hidden_sum(out: Any) -> torch.Tensor:
 
 
 W1 = GPTConfig(d_model=32, n_heads=4, seq_len=32, batch=2, n_layers=2, attention_dropout=0.1)
+W1_WIDE = GPTConfig(d_model=256, n_heads=4, seq_len=128, batch=2, n_layers=2,
+                    attention_dropout=0.1)
+"""Wider, where CPU kernels take other paths (bf16 matmul through oneDNN)."""
 
 
 class LSTMBlock(nn.Module):
@@ -133,15 +136,17 @@ def case(name: str) -> Case:
         c = case("llama")
         c.name, c.outer_autocast = name, True
         return c
-    if name in ("w1", "w1_bf16"):
-        stack = GPTStack(W1)
+    if name in ("w1", "w1_bf16", "w1_wide", "w1_wide_bf16"):
+        cfg = W1_WIDE if "wide" in name else W1
+        stack = GPTStack(cfg)
 
         def w1_args(b: int) -> tuple:
-            return (torch.randn(b, W1.seq_len, W1.d_model, requires_grad=True),)
+            return (torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True),)
 
-        model = stack if name == "w1" else Autocast(stack)
+        bf16 = name.endswith("bf16")
+        model = Autocast(stack) if bf16 else stack
         kwargs = dict(gpt_kwargs)
-        if name == "w1_bf16":
+        if bf16:
             kwargs["candidates"] = ["*qkv", "*fc1", "*fc2"]
             kwargs["blocks"] = [type(stack.blocks[0])]
         return Case(name, model, w1_args, _sum, kwargs)
@@ -189,7 +194,7 @@ def case(name: str) -> Case:
     raise ValueError(f"unknown case {name!r}")
 
 
-CASES = ("w1", "w1_bf16", "w1_bf16_outer", "llama_bf16_outer", "bert", "gpt2", "llama", "qwen2", "mistral", "lstm", "bn_conv")
+CASES = ("w1", "w1_bf16", "w1_wide", "w1_wide_bf16", "w1_bf16_outer", "llama_bf16_outer", "bert", "gpt2", "llama", "qwen2", "mistral", "lstm", "bn_conv")
 
 
 def check(name: str, batches: Sequence[int]) -> list[tuple]:
@@ -216,13 +221,13 @@ def main() -> None:
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
     batches = [int(b) for b in ns.batches.split(",")]
-    print(f"{'case':<8} {'batch':>5} {'policy':<16} {'forecast':>12} {'real':>12} {'real/fc':>8}")
+    print(f"{'case':<16} {'batch':>5} {'policy':<16} {'forecast':>12} {'real':>12} {'real/fc':>8}")
     worst = 0.0
     for name in ns.cases:
         for cname, b, policy, fc, real in check(name, batches):
             ratio = real / fc if fc else float("inf")
             worst = max(worst, ratio)
-            print(f"{cname:<8} {b:>5} {policy:<16} {fc:>12,} {real:>12,} {ratio:>8.4f}",
+            print(f"{cname:<16} {b:>5} {policy:<16} {fc:>12,} {real:>12,} {ratio:>8.4f}",
                   flush=True)
     print(f"largest real/forecast: {worst:.4f}")
 

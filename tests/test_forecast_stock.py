@@ -420,3 +420,48 @@ def test_a_largest_micro_batch_at_the_search_cap_is_not_shown_as_the_answer():
     assert forecast.policies["no remat"].max_batch == 64
     row = next(line for line in str(forecast).splitlines() if line.strip().startswith("no remat"))
     assert row.rstrip().endswith(">= 64 (max_batch)")
+
+
+def _real_peaks(model, args, loss, forecast):
+    from benchmarks.peak_check import real_step_peak
+
+    return {n: real_step_peak(model, args, loss, p.config) for n, p in forecast.policies.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "bert", "lstm", "bn_conv"])
+def test_stock_models_forecast_each_policys_step_peak_as_a_real_step(name):
+    # Before: a real CPU step peaked above the forecast (the LSTM's backward
+    # workspace: 31,032 B, 1.36x; the convolutions' temporaries: 1.27x), or below it
+    # by each checkpoint's RNG state (GPT2's Megatron-style: 30,384 B over, 4 %)
+    model, args, loss = _stock(name)
+    forecast = forecast_remat(model, args, loss, 1.0)
+    real = _real_peaks(model, args, loss, forecast)
+    for n, policy in forecast.policies.items():
+        assert 0 <= policy.peak_bytes - real[n] <= policy.peak_margin <= 64, (
+            n, policy.peak_bytes, real[n], policy.peak_margin
+        )
+    if name not in ("gpt2",):  # GPT2 saves 6 Python numbers: 48 B over at most
+        assert {n: p.peak_bytes for n, p in forecast.policies.items()} == real
+
+
+@pytest.mark.slow
+def test_berts_largest_micro_batch_fits_a_real_step_and_one_more_does_not():
+    # Before: the forecast's peak (each checkpoint's RNG state counted for the whole
+    # step) was above the real one, and one more than the answer fit too
+    from benchmarks.peak_check import real_step_peak
+
+    model, args, loss = _stock("bert")
+    forecast = forecast_remat(model, args, loss, 1.0, device_memory=forecast_fixed(model) + 500_000)
+    for name, policy in forecast.policies.items():
+        b = policy.max_batch
+        assert b >= 2, name
+        for batch, fits in ((b, True), (b + 1, False)):
+            ids = torch.randint(0, 128, (batch, 16))
+            real = real_step_peak(model, (ids,), loss, policy.config)
+            assert (forecast.fixed_bytes + real <= forecast.device_memory) is fits, (name, batch, real)
+
+
+def forecast_fixed(model) -> int:
+    """Parameters and Adam's two states."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
