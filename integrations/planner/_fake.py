@@ -137,7 +137,7 @@ class StorageLedger(TorchDispatchMode):
                     a = self.fake_mode.from_tensor(a)
                     self.converted.append(a)  # alive, so that the op's conversion finds it
                 self._see(a, allocated=False)
-        self._spike(func, args, kwargs)
+        before = self.current
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
@@ -146,26 +146,35 @@ class StorageLedger(TorchDispatchMode):
             out = _as_run(func, args, kwargs, out, self.learned)
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
+        self._spike(func, args, kwargs, out, before)
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor):
                 self._see(o, allocated=True)
         return out
 
-    def _spike(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Note the bytes alive as ``func`` starts, for its real kernel's transient
-        peak (outputs and internal temporaries), learned after the step."""
+    def _spike(self, func: Any, args: tuple, kwargs: dict, out: Any, before: int) -> None:
+        """Note the bytes alive as ``func`` started (``before``), for its real
+        kernel's transient peak (outputs and internal temporaries), learned after
+        the step. Not for outputs over ``LEARN_CAP`` (a small input expanded, a
+        ``new_zeros`` of any size)."""
         if self.fake_mode is None:
             return
         key = _transient_key(func, args, kwargs)
         if key is None:
+            return
+        outputs = sum(
+            o.untyped_storage().nbytes() for o in tree_flatten(out)[0]
+            if isinstance(o, torch.Tensor)
+        )
+        if outputs > LEARN_CAP:
             return
         if key not in _TRANSIENT and key not in self.pending:
             # The arguments' layouts, not the tensors (kept, they would not be freed)
             flat, spec = tree_flatten((args, kwargs))
             layouts = [_Layout(a) if isinstance(a, torch.Tensor) else a for a in flat]
             self.pending[key] = (func, layouts, spec, torch.is_grad_enabled())
-        if self.current > self.spikes.get(key, -1):
-            self.spikes[key] = self.current
+        if before > self.spikes.get(key, -1):
+            self.spikes[key] = before
 
     def real_allocated(self, t: torch.Tensor) -> None:
         """A real tensor the engine allocated outside the dispatcher (an RNG state):
@@ -246,8 +255,8 @@ run; the same in every forecast of a process, so it is kept across them."""
 
 
 LEARN_CAP = 16 * 2**20
-"""Ops whose tensor arguments hold at most this many bytes have their real CPU
-kernel's transient bytes learned (one real run per signature, on zeros); larger
+"""Ops whose tensor arguments hold at most this many bytes, and whose outputs too,
+have their real CPU kernel's transient bytes learned (one real run per signature, on zeros); larger
 ones are counted by their outputs alone (their real run would allocate and compute
 what the forecast is there to avoid)."""
 
