@@ -447,15 +447,18 @@ def test_stock_models_forecast_each_policys_step_peak_as_a_real_step(name):
 
 @pytest.mark.slow
 def test_berts_largest_micro_batch_fits_a_real_step_and_one_more_does_not():
-    # Before: the forecast's peak (each checkpoint's RNG state counted for the whole
-    # step) was above the real one, and one more than the answer fit too
+    # Before: at batch 2 the checkpointed policies' peaks were forecast 5,056 B per
+    # checkpoint too high (the RNG state counted for the whole step; full
+    # checkpoint: 312,008 B, the real step 306,952 B), so with 310,000 B of room
+    # their answer was 1, and one more fit too
     from benchmarks.peak_check import real_step_peak
 
     model, args, loss = _stock("bert")
-    forecast = forecast_remat(model, args, loss, 1.0, device_memory=forecast_fixed(model) + 500_000)
+    forecast = forecast_remat(model, args, loss, 1.0, device_memory=forecast_fixed(model) + 310_000)
+    assert forecast.policies["full checkpoint"].max_batch == 2
     for name, policy in forecast.policies.items():
         b = policy.max_batch
-        assert b >= 2, name
+        assert b >= 1, name
         for batch, fits in ((b, True), (b + 1, False)):
             ids = torch.randint(0, 128, (batch, 16))
             real = real_step_peak(model, (ids,), loss, policy.config)
