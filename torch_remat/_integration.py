@@ -3,6 +3,8 @@ public API: helpers the adapters share with the core's reports, and the private
 torch names they need, which ``_compat`` holds (each with its reason there). None of
 it is part of the public surface."""
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _compat
@@ -17,6 +19,7 @@ from ._compat import (
     disable_current_modes,
     dtensor_rng_supported_mesh,
     dtensor_rng_tracker,
+    profiler_enabled,
     register_fake_process_group,
     run_fsdp_policy,
     tree_flatten,
@@ -24,7 +27,7 @@ from ._compat import (
     tree_unflatten,
 )
 from .diagnostics.format import format_bytes
-from .engine.rng import RNGUse, fingerprints
+from .engine.rng import DefaultGenerator, RNGUse, fingerprints
 
 
 def generator_positions() -> list[Any]:
@@ -36,6 +39,36 @@ def drew_random_numbers(start: list[Any]) -> bool:
     """True if a default generator moved since ``generator_positions()`` gave ``start``."""
     return RNGUse.of_forward(start) is not None
 
+@contextlib.contextmanager
+def cpu_rng_state_reads(
+    kept: Callable[[Any], None], read: Callable[[], None]
+) -> Iterator[None]:
+    """While active, the engine's reads of the CPU generator's state are reported:
+    ``kept(state)`` for each copy it takes (a checkpoint's snapshot, a real tensor
+    allocated outside the dispatcher), ``read()`` before each fingerprint (a copy
+    read and freed at once)."""
+    get_state, fingerprint = DefaultGenerator.get_state, DefaultGenerator.fingerprint
+
+    def reported_get_state(self: DefaultGenerator) -> Any:
+        state = get_state(self)
+        if self.device.type == "cpu":
+            kept(state)
+        return state
+
+    def reported_fingerprint(self: DefaultGenerator) -> Any:
+        if self.device.type == "cpu":
+            read()
+        return fingerprint(self)
+
+    DefaultGenerator.get_state = reported_get_state  # type: ignore[method-assign]
+    DefaultGenerator.fingerprint = reported_fingerprint  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DefaultGenerator.get_state = get_state  # type: ignore[method-assign]
+        DefaultGenerator.fingerprint = fingerprint  # type: ignore[method-assign]
+
+
 # torch.distributed names that _compat imports on first use
 _LAZY = ("CheckpointImpl", "CheckpointWrapper", "OffloadWrapper", "checkpoint_wrapper", "offload_wrapper", "FSDPPolicy")
 
@@ -43,6 +76,8 @@ __all__ = [
     "format_bytes",
     "generator_positions",
     "drew_random_numbers",
+    "cpu_rng_state_reads",
+    "profiler_enabled",
     "TorchDispatchMode",
     "FakeTensor",
     "DataDependentOutputException",

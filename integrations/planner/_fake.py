@@ -44,6 +44,8 @@ from torch_remat._integration import (
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
+    cpu_rng_state_reads,
+    profiler_enabled,
     tree_flatten,
     tree_map,
     tree_unflatten,
@@ -315,7 +317,7 @@ def learn_transients(pending: dict[Any, tuple]) -> None:
     most bytes it held at once (outputs and temporaries), in ``_TRANSIENT``."""
     todo = [(k, v) for k, v in pending.items() if k not in _TRANSIENT]
     pending.clear()
-    if not todo or torch._C._autograd._profiler_enabled():
+    if not todo or profiler_enabled():
         return
     rng = torch.get_rng_state()
     was = gc.isenabled()
@@ -473,27 +475,12 @@ def _rng_states(ledger: StorageLedger) -> Iterator[None]:
     """Follow the engine's reads of the CPU generator's state while active: a
     checkpoint's copy (kept until its backward) and the fingerprints of the RNG
     guard (freed at once) are real tensors allocated outside the dispatcher."""
-    from torch_remat.engine import rng  # noqa: PLC0415
 
-    cls = rng.DefaultGenerator
-    get_state, fingerprint = cls.get_state, cls.fingerprint
+    def read() -> None:
+        ledger.peak = max(ledger.peak, ledger.current + _cpu_state_bytes())
 
-    def followed_get_state(self: Any) -> torch.Tensor:
-        state = get_state(self)
-        if self.device.type == "cpu":
-            ledger.real_allocated(state)
-        return state
-
-    def followed_fingerprint(self: Any) -> Any:
-        if self.device.type == "cpu":
-            ledger.peak = max(ledger.peak, ledger.current + _cpu_state_bytes())
-        return fingerprint(self)
-
-    cls.get_state, cls.fingerprint = followed_get_state, followed_fingerprint
-    try:
+    with cpu_rng_state_reads(ledger.real_allocated, read):
         yield
-    finally:
-        cls.get_state, cls.fingerprint = get_state, fingerprint
 
 
 @functools.cache
