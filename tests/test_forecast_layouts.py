@@ -72,6 +72,23 @@ def test_fsdp2_rank_holds_padded_shards_and_their_gradients_and_adam_state():
     assert not dist.is_initialized()
 
 
+def test_fsdp2_kept_bytes_are_the_unsharded_models_not_the_roots_unsharded_parameters():
+    # The root keeps its parameters unsharded from its forward to its backward (in
+    # storages its all-gather allocated in the forward): parameters, which the
+    # planner's accounting never counts as kept. Each rank's forward keeps what the
+    # unsharded model's keeps at that rank's micro-batch, for every option and policy.
+    model = tiny_net(dim=16, hidden=48, depth=2)
+    x = torch.randn(64, 16, dtype=torch.float64)
+    alone = forecast_remat(model, x, loss_fn, 0.8, blocks=MLPBlock)
+    sharded = forecast_remat(model, x, loss_fn, 0.8, blocks=MLPBlock, layout=Layout(2))
+    assert (sharded.plan.base_bytes, sharded.plan.checkpoint_base_bytes) == (
+        alone.plan.base_bytes, alone.plan.checkpoint_base_bytes)
+    assert sharded.plan.table == alone.plan.table
+    assert {n: p.kept_bytes for n, p in sharded.policies.items()} == {
+        n: p.kept_bytes for n, p in alone.policies.items()}
+    assert any(not n.startswith("layers.") for n, _ in model.named_parameters())  # the root's own
+
+
 def test_the_last_fsdp2_rank_holds_the_remainder_of_uneven_shards():
     model = tiny_net(dim=16, hidden=48, depth=2)  # head.weight: 1 row, head.bias: 1
     x = torch.randn(64, 16, dtype=torch.float64)

@@ -161,10 +161,13 @@ class StorageLedger(TorchDispatchMode):
         for t in tensors:
             self._see(t, allocated=False)
 
-    def held_by_block(self) -> dict[str, int]:
+    def held_by_block(self, excluding: frozenset[int] = frozenset()) -> dict[str, int]:
+        """Bytes of the live storages each block allocated, but for the storages
+        keyed (``_cdata``) in ``excluding``."""
         held: dict[str, int] = defaultdict(int)
-        for n, block in self.live.values():
-            held[block] += n
+        for key, (n, block) in self.live.items():
+            if key not in excluding:
+                held[block] += n
         return dict(held)
 
     def reset_peak(self) -> None:
@@ -517,7 +520,7 @@ def measure_fake(
             with _profiled() as prof, _block_ranges(ledger, model, block_names):
                 loss = loss_fn(model(*args))
             real = held_bytes_by_block(prof)
-            fake = ledger.held_by_block()
+            fake = ledger.held_by_block(excluding=_parameter_storages(model))
             counter = RecomputeCounter()
             with counter:
                 loss.backward()
@@ -541,6 +544,20 @@ def measure_fake(
     result.peak_bytes = peak
     result.gradient_bytes = gradient_bytes
     return result
+
+
+def _parameter_storages(model: nn.Module) -> frozenset[int]:
+    """Keys of the storages the model's parameters are in now. After the forward
+    FSDP2's root keeps its parameters unsharded (in storages the forward allocated)
+    for the backward: they are the model's, not activations, and the planner's
+    accounting (``_measure.kept_storages``) never counts a parameter, so neither
+    does the forecast."""
+    keys = set()
+    for p in model.parameters():
+        t = local_tensor(p)
+        if isinstance(t, FakeTensor):
+            keys.add(t.untyped_storage()._cdata)
+    return frozenset(keys)
 
 
 def fake_forward(model: nn.Module, args: Sequence[Any], mode: FakeTensorMode) -> None:
