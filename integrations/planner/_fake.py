@@ -43,6 +43,7 @@ from torch_remat._integration import (
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
+    storage_key,
     tree_flatten,
     tree_map,
     tree_unflatten,
@@ -104,7 +105,7 @@ class StorageLedger(TorchDispatchMode):
                         self._see(inner, allocated)
             return
         st = t.untyped_storage()
-        key = st._cdata
+        key = storage_key(st)
         if key in self.known:
             return
         self.known.add(key)
@@ -144,7 +145,7 @@ class StorageLedger(TorchDispatchMode):
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
         FSDP2 allocates and frees a unit's unsharded parameters so). Grown from empty,
         it is allocated now, in the running block; shrunk to empty, freed."""
-        key = st._cdata
+        key = storage_key(st)
         if key not in self.known:
             self.known.add(key)
             weakref.finalize(st, self._forget, key)
@@ -331,7 +332,7 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
         if t is None:
             continue
         st = local_tensor(t).untyped_storage()
-        seen[st._cdata] = st.nbytes()
+        seen[storage_key(st)] = st.nbytes()
     return sum(seen.values())
 
 
@@ -556,7 +557,7 @@ def _parameter_storages(model: nn.Module) -> frozenset[int]:
     for p in model.parameters():
         t = local_tensor(p)
         if isinstance(t, FakeTensor):
-            keys.add(t.untyped_storage()._cdata)
+            keys.add(storage_key(t.untyped_storage()))
     return frozenset(keys)
 
 

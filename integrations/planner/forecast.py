@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_remat._integration import format_bytes
+from torch_remat._integration import format_bytes, storage_key
 
 from . import _report
 from ._fake import (
@@ -351,7 +351,7 @@ def _distinct_bytes(params: Any) -> int:
     total = 0
     for p in params:
         t = local_tensor(p)
-        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
+        key = (storage_key(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._compat import storage_key
 from ..engine.context import current_pass
 from ..engine.observers import CheckpointObserver
 from .storage import tensors_in
@@ -25,7 +26,7 @@ from .storage import tensors_in
 
 def _tensor_key(t: torch.Tensor) -> tuple:
     try:
-        st = t.untyped_storage()._cdata
+        st = storage_key(t.untyped_storage())
     except (RuntimeError, NotImplementedError):
         st = id(t)
     return (st, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -111,7 +112,7 @@ def link_saved_outputs(record: Any) -> None:
         if out is None:
             continue
         try:
-            outputs.setdefault(out.untyped_storage()._cdata, src.index)
+            outputs.setdefault(storage_key(out.untyped_storage()), src.index)
         except (RuntimeError, NotImplementedError):
             continue
     if not outputs:
@@ -121,7 +122,7 @@ def link_saved_outputs(record: Any) -> None:
         tensors = [saved.tensor] if saved.tensor is not None else tensors_in(saved.packed)
         for t in tensors:
             try:
-                index = outputs.get(t.untyped_storage()._cdata)
+                index = outputs.get(storage_key(t.untyped_storage()))
             except (RuntimeError, NotImplementedError):
                 continue
             if index is not None:

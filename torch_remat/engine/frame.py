@@ -44,6 +44,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .. import _compat
 from .._autograd_hooks import VersionedTensor, pop_hooks, push_hooks, top_hooks, unpack_packed
+from .._compat import sequence_nr, version_of
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -358,7 +359,7 @@ class CheckpointFrame:
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(
-            (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, t._version)
+            (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, version_of(t))
         )
         if self.bitwise_check:
             from .replay import checksum  # looked up at the call: tests count its calls
@@ -377,7 +378,7 @@ class CheckpointFrame:
             # (a view of) an argument the replay recomputes, not modified since the call
             root = storage_root(t)
             for arg in rebuild.args:
-                if arg.root is root and t.dtype is arg.layout[3] and t._version == arg.version:
+                if arg.root is root and t.dtype is arg.layout[3] and version_of(t) == arg.version:
                     a = arg.tensor
                     if t.dtype.is_complex and (t.is_conj() is not a.is_conj() or t.is_neg() is not a.is_neg()):
                         break  # a conjugate/negative view: refilled as a view it would lose the bit
@@ -546,7 +547,7 @@ class CheckpointFrame:
             # Backward never replays this checkpoint: no input is read again (one
             # modified in place stays, so that storing it reports the modification).
             for s in self.inputs:
-                s.keep = s.ref._version != s.version
+                s.keep = version_of(s.ref) != s.version
         unread = self.unread_inputs
         for s in self.inputs:
             if unread is not None and not s.keep:
@@ -570,8 +571,8 @@ class CheckpointFrame:
             if self.unread_inputs:  # (take_refill drains them for the others)
                 unpack_unread(self.unread_inputs)
             t = kept.data
-            if t._version != kept.version:
-                raise self._modified_error(holder.index, kept.version, t._version)
+            if version_of(t) != kept.version:
+                raise self._modified_error(holder.index, kept.version, version_of(t))
             return t
         return self.take_refill(holder)
 
@@ -603,11 +604,11 @@ class CheckpointFrame:
         t, version = rec.pop(key)
         if type(key) is object:
             self.forget(key)  # unpacked outside a backward: nothing else will use them
-        if t._version != version:
+        if version_of(t) != version:
             if isinstance(holder, Holder):
-                raise self._modified_error(holder.index, version, t._version)
+                raise self._modified_error(holder.index, version, version_of(t))
             raise modified_in_place(describe_rebuilt(holder), "after it was saved", CLONE_FIRST,
-                                    (version, t._version))
+                                    (version, version_of(t)))
         return t
 
     def forget(self, key: Any) -> None:
@@ -793,7 +794,7 @@ class CheckpointFrame:
                 self.output_sources.append(src)
                 node = leaf.grad_fn
                 if node is not None:
-                    seq = node._sequence_nr()
+                    seq = sequence_nr(node)
                     self.save_output_seqs.add(seq)
                     self.rebuilds.output_edges[(seq, leaf.output_nr)] = src
                 if pending and any(p is storage_root(leaf) for p in pending):
@@ -827,10 +828,10 @@ class CheckpointFrame:
             self.output_sources.append(src)
             node = t.grad_fn
             if node is not None:  # the input walk does not enter the region through it
-                self.save_output_seqs.add(node._sequence_nr())
+                self.save_output_seqs.add(sequence_nr(node))
             if replay_has_it:
                 src.mark_kept(t)
-            record.written.append((i, src, t._version))
+            record.written.append((i, src, version_of(t)))
 
 
 _compat.mark_internal_pack_hook(CheckpointFrame, "outer_hooks")
@@ -845,7 +846,7 @@ class SaveRegionWatch:
     def __init__(self, module_state: Any, leaves: Sequence[Any]) -> None:
         self.module_state = module_state
         # (position, tensor, version) of every tensor argument
-        self.arguments = [(i, t, t._version) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self.arguments = [(i, t, version_of(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         self.buffers = (
             module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
         )
@@ -859,7 +860,7 @@ class SaveRegionWatch:
     def written_arguments(self) -> list[tuple[int, torch.Tensor]]:
         """``(position, tensor)`` of the arguments the body wrote in place
         (``nn.ReLU(inplace=True)``, a Function that marks its input dirty)."""
-        return [(i, t) for i, t, version in self.arguments if t._version != version]
+        return [(i, t) for i, t, version in self.arguments if version_of(t) != version]
 
 
 def mark_inputs_read_by_replayed_code(
@@ -883,7 +884,7 @@ def mark_inputs_read_by_replayed_code(
     for node in [*roots, *extra_roots]:
         if node is None:
             continue
-        seq = node._sequence_nr()
+        seq = sequence_nr(node)
         if id(node) not in seen and seq not in stop and seq >= start_seq:
             seen[id(node)] = node
             stack.append(node)
@@ -902,7 +903,7 @@ def mark_inputs_read_by_replayed_code(
             if k in seen:
                 continue
             seen[k] = nxt
-            seq = nxt._sequence_nr()
+            seq = sequence_nr(nxt)
             if seq >= start_seq and seq not in stop:
                 stack.append(nxt)
 

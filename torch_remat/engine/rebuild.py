@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
-from .._compat import autograd_sequence_nr
+from .._compat import autograd_sequence_nr, sequence_nr, version_of, view_base
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
 from .._tensors import TensorMeta, describe_tensor
 from .placeholder import Placeholder
@@ -70,7 +70,7 @@ class RebuildArg:
         self.layout = (
             t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes()
         )
-        self.version = t._version
+        self.version = version_of(t)
         self.checksum: Any = None
         self.saves: list[weakref.ref] = []
 
@@ -120,7 +120,7 @@ class RebuiltSave:
         else:
             self.view = (shape, stride, offset)
         self.requires_grad = t.requires_grad
-        self.version = t._version
+        self.version = version_of(t)
         self.pending: torch.Tensor | None = t
         self.kept: RegionSaved | None = None
         # the hooks a kept save would get, as of the save (if it is kept after all)
@@ -191,13 +191,13 @@ class Rebuilds:
             if not isinstance(x, torch.Tensor):
                 continue
             node = x.grad_fn  # None for parameters and other leaves
-            if node is None or node._sequence_nr() < start:
+            if node is None or sequence_nr(node) < start:
                 continue
             if x.layout is not torch.strided:
                 continue  # sparse, jagged nested: no storage view to rebuild from; kept
             if type(x) is not torch.Tensor and hasattr(type(x), "__tensor_flatten__"):
                 continue  # a wrapper of other tensors (DTensor): no storage of its own; kept
-            base = x._base
+            base = view_base(x)
             root = x if base is None else base
             if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):
                 continue  # (a view of) a parameter: is_parameter(x)
@@ -241,7 +241,7 @@ class Rebuilds:
             # Modified in place since the save: hooks would pack the new value now and
             # backward would use it. Held as it is instead, with the version of the
             # save, so that backward raises as autograd does without remat.
-            modified = t._version != saved.version
+            modified = version_of(t) != saved.version
             kept = RegionSaved(region, f"saved.{len(region.saved)}", t, None if modified else saved.hooks)
             if kept.tensor is not None:
                 kept.version = saved.version  # an in-place change since the save is an error
@@ -291,12 +291,12 @@ class Rebuilds:
                 node, arg.node = arg.node, None
                 keep = rebuild.seq > limit or (
                     floor is not None
-                    and node._sequence_nr() >= floor
+                    and sequence_nr(node) >= floor
                     and _reaches_unkept_output(node, output_edges, floor, clean)
                 )
                 if not keep:
                     for s in saves:
-                        if s.pending._version != s.version:
+                        if version_of(s.pending) != s.version:
                             keep = True
                             break
                 if keep:
@@ -395,7 +395,7 @@ class Rebuilds:
                     x = leaves[arg.index] if arg.index < len(leaves) else None
                     if not (
                         type(x) is torch.Tensor
-                        and x._version == arg.version
+                        and version_of(x) == arg.version
                         and arg.checksum is None
                         and _same_layout(x, arg.layout)
                     ):
@@ -403,7 +403,7 @@ class Rebuilds:
                     d = x.detach()
                 view = s.view
                 t = d if view is None else d.as_strided(*view)  # the argument, or a view of it
-                rec[key] = (t, t._version)
+                rec[key] = (t, version_of(t))
                 filled += 1
         return filled
 
@@ -444,10 +444,10 @@ def _check_argument(frame: CheckpointFrame, rebuild: RegionRebuild, arg: Rebuild
             "that argument are rebuilt from the replay's value, which must be laid out "
             "as in the forward: the replay must compute the same tensors as the forward."
         )
-    if x._version != arg.version:
+    if version_of(x) != arg.version:
         raise modified_in_place(
             _where(frame, rebuild, arg), "after the forward passed it to the region", CLONE_FIRST,
-            (arg.version, x._version),
+            (arg.version, version_of(x)),
         )
     if arg.checksum is not None:
         from .replay import checksum
@@ -482,7 +482,7 @@ def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> 
         for nxt, nr in n.next_functions:
             if nxt is None:
                 continue
-            src = outputs.get((nxt._sequence_nr(), nr))
+            src = outputs.get((sequence_nr(nxt), nr))
             if src is not None:
                 if not src.keep:
                     return True
@@ -491,7 +491,7 @@ def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> 
             if k in seen or k in clean:
                 continue
             seen.add(k)
-            if nxt._sequence_nr() >= start:
+            if sequence_nr(nxt) >= start:
                 stack.append(nxt)
                 visited.append(nxt)
     clean.update(id(v) for v in visited)
@@ -524,7 +524,7 @@ def _first_flop_node(roots: Iterable[Any], stop: set[int], lo: int) -> int:
         if id(n) in seen:
             continue
         seen.add(id(n))
-        seq = n._sequence_nr()
+        seq = sequence_nr(n)
         if seq < lo or seq in stop:
             continue
         if seq < first and _has_flops(n):

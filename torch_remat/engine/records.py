@@ -31,7 +31,7 @@ import torch
 
 from .. import _compat
 from .._autograd_hooks import VersionedTensor
-from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks
+from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks, version_of
 from .._errors import RematError, modified_in_place
 from .._tensors import (
     TensorMeta,
@@ -110,7 +110,7 @@ class RegionSaved:
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d
-            self.version = d._version
+            self.version = version_of(d)
             self.packed = None
             self.unpack_fn = None
         else:
@@ -121,7 +121,7 @@ class RegionSaved:
             # (an nn.Parameter reaches remat's hooks as itself, as autograd saves it)
             d = t.detach() if len(outer_hooks) > 2 and not isinstance(t, torch.nn.Parameter) else t
             self.tensor = None
-            self.version = t._version
+            self.version = version_of(t)
             self.packed = pack_fn(d)
             self.witness = PackedVersion(self.version, t) if d is t else PackedVersion(self.version, t, d)
         # a leaf's copy made by pack hooks (save_on_cpu) is memory of its own
@@ -139,8 +139,8 @@ class RegionSaved:
                 raise self._modified(moved)
             return t
         t = self.tensor
-        if t._version != self.version:
-            raise self._modified(t._version)
+        if version_of(t) != self.version:
+            raise self._modified(version_of(t))
         return t
 
     def _modified(self, version: int) -> Exception:
@@ -341,7 +341,7 @@ class TensorSource:
         self.ref = t if kind == INPUT else weakref.ref(t)
         self.kept_tensor: torch.Tensor | None = None
         self.kept_is_root = False
-        self.version = t._version
+        self.version = version_of(t)
         self.keep = False
         self.save_consumed = False
         self.saved = None
@@ -401,7 +401,7 @@ class TensorSource:
             t, self.kept_tensor, self.ref = self.kept_tensor, None, None
         if not self.keep:
             return
-        if t._version != self.version:
+        if version_of(t) != self.version:
             raise self._modified_error(checkpoint)
         if self.saved is not None:
             return  # an input packed when the checkpoint started
@@ -485,7 +485,7 @@ class TensorSource:
                 t = neg_view(t)
         # A copy made by the user's own hooks (offloading) starts at version 0; give
         # it the version the forward saw, which the replay's in-place check expects.
-        for _ in range(self.version - t._version):
+        for _ in range(self.version - version_of(t)):
             torch.autograd.graph.increment_version(t)
         if meta.requires_grad:
             t.requires_grad_()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
+from .._compat import version_of
 from .._errors import (
     CLONE_FIRST,
     PlaceholderReadError,
@@ -105,14 +106,14 @@ class ReplayPass:
                 read_error_message(t._origin, "code outside SAVE regions saved for backward a tensor that")
             )
         shape, dtype, device, region, version = frame.holder_meta[i]
-        if t._version != version:
+        if version_of(t) != version:
             # The replay recreates fresh tensors with the versions the forward saw;
             # a differing version means a tensor both passes share (a closure tensor,
             # a buffer) was modified in place after the forward saved it.
             raise modified_in_place(
                 frame.describe_holder(i),
                 f"after the forward saved it: it was at version {version} when the "
-                f"forward saved it and is at version {t._version} in the recompute",
+                f"forward saved it and is at version {version_of(t)} in the recompute",
                 CLONE_FIRST,
             )
         if frame.check_metadata and (t.shape != shape or t.dtype != dtype or t.device != device):
@@ -129,7 +130,7 @@ class ReplayPass:
         d = t.detach()
         if rec is None:
             holder.refills = rec = {}
-        rec[self.key] = (d, d._version)
+        rec[self.key] = (d, version_of(d))
         self.filled += 1
         if self.filled == self.needed and frame.early_stop and not self.run_to_end:
             self.stop()

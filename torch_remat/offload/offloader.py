@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import SavedTensorKind, current_saved_tensor_info
+from .._compat import version_of
 from .copies import CudaCopier, Layout, SyncCopier
 from .pool import HostPool
 
@@ -101,7 +102,7 @@ class _Handle:
         self.device = t.device
         self.layout = layout
         self.nbytes = layout.nbytes(t)  # what moves: the storage a broadcast view spans
-        self.version = t._version
+        self.version = version_of(t)
         self.tensor: torch.Tensor | None = t  # on the device: before offload, or prefetched
         self.host: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
@@ -250,7 +251,7 @@ class ActivationOffloader:
 
     def _offload(self, handle: _Handle) -> None:
         t = handle.tensor
-        if t._version != handle.version:
+        if version_of(t) != handle.version:
             # Updated in place since it was saved: a copy would hide that from
             # backward, which must refuse it; it stays on the device as it is.
             return
