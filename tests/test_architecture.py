@@ -213,6 +213,32 @@ def test_private_tensor_attributes_are_read_only_through_compat():
         offending)
 
 
+def _untyped_frames(source: str) -> list[int]:
+    """Lines where a parameter or field named ``frame`` is annotated ``Any``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg) and node.arg == "frame" and node.annotation is not None:
+            annotation = node.annotation
+        elif (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+              and node.target.id == "frame"):
+            annotation = node.annotation
+        else:
+            continue
+        if "Any" in ast.unparse(annotation):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_the_checkpoint_record_is_typed_wherever_it_is_handed_on():
+    assert _untyped_frames("def f(frame: Any): ...\nclass C:\n    frame: Any | None") == [1, 3]
+    offending = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in _untyped_frames(path.read_text())
+    ]
+    assert not offending, "frame: Any in:\n" + "\n".join(offending)
+
+
 # The integrations reach private torch names and the core's shared helpers through
 # one internal module, which re-exports what they need of _compat.
 SANCTIONED_FOR_INTEGRATIONS = ("torch_remat._integration",)

@@ -14,7 +14,7 @@ done once when a SAVE region returns, while its outputs are still alive.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,10 @@ from .._compat import storage_key
 from ..engine.context import current_pass
 from ..engine.observers import CheckpointObserver
 from .storage import tensors_in
+
+if TYPE_CHECKING:
+    from ..engine.frame import CheckpointFrame
+    from ..engine.records import RegionRecord, RegionSaved
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -43,7 +47,9 @@ class SaveNamer(CheckpointObserver):
         for name, t in named.items():
             self.pending.setdefault(_tensor_key(t), []).append(name)
 
-    def tensor_kept(self, frame: Any, saved: Any, tensor: torch.Tensor) -> None:
+    def tensor_kept(
+        self, frame: CheckpointFrame | None, saved: RegionSaved, tensor: torch.Tensor
+    ) -> None:
         pending = self.pending
         if pending:
             key = _tensor_key(tensor)
@@ -54,7 +60,7 @@ class SaveNamer(CheckpointObserver):
                     del pending[key]
 
 
-def _namer_of(frame: Any) -> SaveNamer:
+def _namer_of(frame: CheckpointFrame) -> SaveNamer:
     for observer in frame.observers.kept:
         if isinstance(observer, SaveNamer):
             return observer
@@ -98,7 +104,7 @@ def save_for_backward(
         _namer_of(active.frame).add_names(live)
 
 
-def link_saved_outputs(record: Any) -> None:
+def link_saved_outputs(record: RegionRecord) -> None:
     """Mark each tensor a SAVE region saved that shares storage with one of the
     region's outputs, so reports can say ``(output at idx i)`` after the forward.
     (Saved parameters are left out: reports do not list them.)"""
