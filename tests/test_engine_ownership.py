@@ -1,6 +1,7 @@
 """The engine is cut by ownership (docs/architecture.md), checked on the source:
 only the module that defines ``CheckpointFrame`` assigns its attributes, no function
-takes an untyped frame, and every engine module is named in the architecture page."""
+takes an untyped frame, and every engine module is named in the architecture page;
+and at run time: every attribute write to an engine object comes from its owner."""
 
 from __future__ import annotations
 
@@ -122,3 +123,158 @@ def _looks_like_engine_module(page: str, module: str) -> bool:
     engine_part = layout.split("engine/", 1)[1] if "engine/" in layout else ""
     engine_part = re.split(r"\n  \S", engine_part, maxsplit=1)[0]
     return re.search(rf"^\s+{re.escape(module)}\b", engine_part, re.M) is not None
+
+
+# ------------------------------------------------------------------ at run time
+#
+# The source checks above see ``frame.x = ...`` only. At run time every attribute
+# write to an object of an engine class is seen, whatever the name it is reached by:
+# a write is the owner's when the code making it is in a module that defines the
+# object's class or one of its bases (a record's own methods; an observer subclass
+# writes its own fields).
+
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import torch_remat as remat  # noqa: E402
+
+ENGINE_MODULES = [f"torch_remat.engine.{p.stem}" for p in sorted(ENGINE.glob("*.py"))
+                  if p.stem != "__init__"]
+
+
+def _engine_classes() -> list[type]:
+    out = []
+    for name in ENGINE_MODULES:
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if (inspect.isclass(cls) and cls.__module__ == name
+                    and not issubclass(cls, BaseException)
+                    and cls.__setattr__ is object.__setattr__
+                    and not getattr(cls, "_is_protocol", False)):
+                out.append(cls)
+    return out
+
+
+@contextlib.contextmanager
+def ownership_watch():
+    """Every write to an attribute of an engine object by code outside the modules
+    of its class's MRO, as ``(class, attribute, writer file)``."""
+    foreign: list[tuple[str, str, str]] = []
+    patched = []
+
+    def owners_of(obj) -> set[str]:
+        files = set()
+        for c in type(obj).__mro__:
+            module = sys.modules.get(c.__module__)
+            if module is not None and getattr(module, "__file__", None):
+                files.add(module.__file__)
+        return files
+
+    def guarded(self, name, value):
+        writer = sys._getframe(1).f_code.co_filename
+        if writer not in owners_of(self):
+            foreign.append((type(self).__qualname__, name, writer))
+        object.__setattr__(self, name, value)
+
+    for cls in _engine_classes():
+        try:
+            cls.__setattr__ = guarded
+        except TypeError:  # a class torch or the interpreter fixed
+            continue
+        patched.append(cls)
+    try:
+        yield foreign
+    finally:
+        for cls in patched:
+            del cls.__setattr__
+
+
+class _Block(nn.Module):
+    """A block that goes through most of the engine: SAVE and RECOMPUTE regions, a
+    nested region, recompute_needs_tensor, dropout, batch-norm buffers, a Python
+    attribute and Python's random, an in-place SAVE region, a named save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = remat.region(self.a, "a", recompute=False)(x)
+        h = remat.region(lambda t: torch.relu_(t * 1.0), "inplace", recompute=False)(h)
+        remat.recompute_needs_tensor(h)
+        g = remat.region(lambda t: self.drop(torch.tanh(self.b(t))), "b", recompute=True)(h)
+        g = self.norm(g) * (1 + 0.01 * random.random())
+        k = remat.region(lambda t: remat.region(torch.sin, "inner", recompute=False)(t) * 2,
+                         "outer", recompute=False)(g)
+        remat.recompute_needs_tensor(k)
+        return _Named.apply(k + h)
+
+
+class _Named(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        remat.save_for_backward(ctx, kept=t)
+        return t * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (t,) = ctx.saved_tensors
+        return grad * 3 + 0 * t
+
+
+def _run_engine_workload() -> None:
+    torch.manual_seed(0)
+    block = _Block().train()
+    x = torch.randn(6, 8, requires_grad=True)
+    rng = (remat.CPURNGStateHook(),)
+    for rebuild in ("free", "always", "never"):
+        fn = remat.checkpoint(region_name=f"blk_{rebuild}", rebuild=rebuild, recompute_state_hooks=rng)(block)
+        with remat.collect_trace(checkpoints=True), remat.record_save_sites():
+            loss = fn(x).sum()
+        remat.format_saved_tensors_report(loss)
+        loss.backward()
+    # a backward that reaches part of the graph, then the rest (refills forgotten)
+    loss = remat.checkpoint(recompute_state_hooks=rng)(block)(x).sum()
+    torch.autograd.grad(loss, [x], retain_graph=True)
+    loss.backward()
+    # a forward that raises inside a SAVE region
+    def broken(t):
+        remat.region(lambda u: u.reshape(-1, 7), "bad", recompute=False)(t)
+    with contextlib.suppress(RuntimeError):
+        remat.checkpoint()(broken)(x)
+
+
+def test_engine_records_are_written_only_by_their_owners_at_run_time():
+    with ownership_watch() as foreign:
+        _run_engine_workload()
+    assert not foreign, "engine attributes written outside their owners:\n" + "\n".join(
+        f"{cls}.{name} <- {writer}" for cls, name, writer in sorted(set(foreign)))
+
+
+def test_the_run_time_watch_sees_a_write_through_any_alias():
+    from torch_remat.engine.records import RegionRecord, TensorSource
+
+    with ownership_watch() as foreign:
+        record = RegionRecord("blk", "r", "r", recompute=False)  # the owner's __init__
+        source = TensorSource("output", 0, torch.ones(2))
+        assert foreign == []
+        alias = [record, source]
+        alias[0].raised = None  # planted: this test module is not the owner
+        holder = alias[1]
+        holder.keep = True
+        source.mark_needed()  # the owner's method: fine
+    assert [(c, n) for c, n, _ in foreign] == [("RegionRecord", "raised"), ("TensorSource", "keep")]
+    assert all(w == __file__ for _, _, w in foreign)
+    record.raised = None  # no watch now: nothing recorded
+    assert len(foreign) == 2

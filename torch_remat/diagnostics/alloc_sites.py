@@ -213,7 +213,7 @@ class _SiteRecorder(CheckpointObserver):
     def tensor_kept(
         self, frame: CheckpointFrame | None, saved: RegionSaved, tensor: torch.Tensor
     ) -> None:
-        saved.site = current_user_site()
+        saved.located_at(current_user_site())
 
 
 @contextlib.contextmanager

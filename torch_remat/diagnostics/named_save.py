@@ -55,7 +55,7 @@ class SaveNamer(CheckpointObserver):
             key = _tensor_key(tensor)
             names = pending.get(key)
             if names:
-                saved.name = names.pop(0)
+                saved.label(names.pop(0))
                 if not names:
                     del pending[key]
 
@@ -132,5 +132,5 @@ def link_saved_outputs(record: RegionRecord) -> None:
             except (RuntimeError, NotImplementedError):
                 continue
             if index is not None:
-                saved.output_index = index
+                saved.link_output(index)
                 break

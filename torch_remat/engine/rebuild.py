@@ -46,7 +46,7 @@ from .._compat import autograd_sequence_nr, sequence_nr, version_of, view_base
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
 from .._tensors import TensorMeta, describe_tensor
 from .placeholder import Placeholder
-from .records import RegionRecord, RegionSaved, TensorSource, region_leaves
+from .records import Refills, RegionRecord, RegionSaved, TensorSource, region_leaves
 
 tree_flatten = _compat.tree_flatten
 
@@ -96,7 +96,7 @@ class RegionRebuild:
         self.seq = autograd_sequence_nr()
 
 
-class RebuiltSave:
+class RebuiltSave(Refills):
     """Packed in place of a SAVE-region save that the replay refills.
 
     ``pending`` holds the tensor until the forward ends; then either the save is
@@ -244,11 +244,16 @@ class Rebuilds:
             modified = version_of(t) != saved.version
             kept = RegionSaved(region, f"saved.{len(region.saved)}", t, None if modified else saved.hooks)
             if kept.tensor is not None:
-                kept.version = saved.version  # an in-place change since the save is an error
-            region.saved.append(weakref.ref(kept))
+                kept.expect_version(saved.version)  # an in-place change since the save is an error
+            region.add_saved(kept)
             saved.kept = kept
             for observer in frame.observers.kept:
                 observer.tensor_kept(frame, kept, t)
+
+    def note_needed(self, seq: int) -> None:
+        """A save outside SAVE regions that the replay must refill was made when the
+        autograd sequence counter stood at ``seq``."""
+        self.last_needed_seq = seq
 
     def abandon(self) -> None:
         """The forward raised: saves still pending let go of their tensors (a save
@@ -360,15 +365,15 @@ class Rebuilds:
             for a in r.args:
                 for ref in a.saves:
                     s = ref()
-                    if s is not None and s.kept is None and (s.refills is None or key not in s.refills):
+                    if s is not None and s.kept is None and not s.has_refill(key):
                         n += 1
         return n
 
     def forget(self, key: Any) -> None:
         """Drop what the replay for ``key`` refilled and nothing unpacked."""
         for s in self.live_saves():
-            if s.refills:
-                s.refills.pop(key, None)
+            if s is not None:
+                s.drop_refill(key)
 
     def refill(self, replay: ReplayPass, pos: int, args: tuple, kwargs: dict) -> int:
         """The replay reached the SAVE region call at replay position ``pos``:
@@ -386,10 +391,7 @@ class Rebuilds:
                 s = ref()
                 if s is None or s.kept is not None:
                     continue
-                rec = s.refills
-                if rec is None:
-                    s.refills = rec = {}
-                elif key in rec:
+                if s.has_refill(key):
                     continue
                 if d is None:
                     x = leaves[arg.index] if arg.index < len(leaves) else None
@@ -403,7 +405,7 @@ class Rebuilds:
                     d = x.detach()
                 view = s.view
                 t = d if view is None else d.as_strided(*view)  # the argument, or a view of it
-                rec[key] = (t, version_of(t))
+                s.refill(key, t)
                 filled += 1
         return filled
 

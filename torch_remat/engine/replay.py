@@ -84,6 +84,11 @@ class ReplayPass:
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
 
+    def restore_modules_with(self, undo: list[tuple[Any, Any, Any]]) -> None:
+        """What puts the modules' state back when this replay ends (the replay adds
+        the attributes it sets where it skips a SAVE region)."""
+        self.module_undo = undo
+
     def pack(self, t: torch.Tensor) -> Any:
         i = self.counter
         self.counter = i + 1
@@ -98,8 +103,7 @@ class ReplayPass:
         holder = frame.holders[i]()
         if holder is None or holder.kept is not None:
             return _REPLAYED
-        rec = holder.refills
-        if rec is not None and self.key in rec:
+        if holder.has_refill(self.key):
             return _REPLAYED
         if isinstance(t, Placeholder):
             raise PlaceholderReadError(
@@ -127,10 +131,7 @@ class ReplayPass:
             )
         if frame.bitwise_check:
             check_bitwise(frame, i, t, region)
-        d = t.detach()
-        if rec is None:
-            holder.refills = rec = {}
-        rec[self.key] = (d, version_of(d))
+        holder.refill(self.key, t.detach())
         self.filled += 1
         if self.filled == self.needed and frame.early_stop and not self.run_to_end:
             self.stop()
