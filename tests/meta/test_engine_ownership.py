@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "torch_remat" / "engine"
 FRAME_MODULE = "frame.py"
 MAX_ENGINE_MODULES = 16

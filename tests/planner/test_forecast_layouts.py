@@ -21,7 +21,7 @@ from torch import nn
 from torch_remat._integration import format_bytes
 from torch_remat.integrations.planner import Layout, forecast_remat
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 
 from dist_models import MLPBlock, sequence_parallel_plan, tiny_net  # noqa: E402
