@@ -10,7 +10,7 @@ by ``torch_remat.integrations.planner`` (``plan_remat``, ``RematPlan``,
 ``forecast_remat``, ...). Importable here but not exported: ``plan_remat`` and its
 errors (the planner's), ``ddp_with_remat`` (``apply_remat`` then ``DDP(...)``),
 ``remat_layer_names`` and ``save_region_names`` (``remat_module_names`` answers
-what is wrapped; the others are views of it), ``RegionAcrossRanks`` (the rows of a
+what is wrapped; the others are views of it), ``CheckpointAcrossRanks`` (the rows of a
 ``ClusterMemoryReport``), ``default_rng_state_hooks`` and ``local_device`` (what
 ``RematConfig(rng_state_hooks=True)`` uses).
 """
@@ -24,9 +24,9 @@ from .ddp import ddp_with_remat  # noqa: F401
 from .fsdp2 import fully_shard_with_remat
 from .planner import InfeasibleBudgetError, PlanMismatchError, RematPlan, plan_remat  # noqa: F401
 from .reports import (
+    CheckpointAcrossRanks,  # noqa: F401
     ClusterMemoryReport,
     MemoryReportTimeout,
-    RegionAcrossRanks,  # noqa: F401
     gather_memory_report,
 )
 from .rng import DeviceRNGStateHook, default_rng_state_hooks, local_device, prepare_dtensor_rng  # noqa: F401

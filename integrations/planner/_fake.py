@@ -54,9 +54,9 @@ from ..apply import remove_remat
 from ._measure import (
     BASE,
     RANGE_PREFIX,
-    Config,
     LossFn,
     Measurement,
+    Placement,
     RecomputeCounter,
     _profiled,
     blocks_drawing_no_random_numbers,
@@ -498,7 +498,7 @@ def measure_fake(
     model: nn.Module,
     args: Sequence[Any],
     loss_fn: LossFn,
-    config: Config,
+    config: Placement,
     block_names: Sequence[str],
     mode: FakeTensorMode,
 ) -> FakeMeasurement:

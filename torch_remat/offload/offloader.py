@@ -32,7 +32,7 @@ import torch
 
 from .. import SavedTensorKind, current_saved_tensor_info
 from .._compat import version_of
-from .copies import CudaCopier, Layout, SyncCopier
+from .copies import CopyLayout, CudaCopier, SyncCopier
 from .pool import HostPool
 
 
@@ -94,7 +94,7 @@ class _Handle:
     )
 
     def __init__(
-        self, owner: ActivationOffloader, group: _Group, region: str | None, t: torch.Tensor, layout: Layout
+        self, owner: ActivationOffloader, group: _Group, region: str | None, t: torch.Tensor, layout: CopyLayout
     ) -> None:
         self.owner = owner
         self.group = group
@@ -193,7 +193,7 @@ class ActivationOffloader:
             return t
         if not any(fnmatch.fnmatchcase(region or "", p) for p in self.regions):
             return t
-        layout = Layout(t)
+        layout = CopyLayout(t)
         if layout.nbytes(t) < self.min_bytes:
             self.stats.resident_small += 1
             return t
