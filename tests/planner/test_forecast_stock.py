@@ -31,6 +31,9 @@ def _same_table(plan, forecast) -> None:
         assert fake == real, name
     assert fp.choices == plan.choices
     assert fp.predicted_bytes == plan.predicted_bytes == plan.measured_bytes
+    for name, options in zip(plan.blocks, plan.table):  # and remat did something
+        kept = [m.bytes for m in options]
+        assert min(kept) < max(kept), (name, kept)
 
 
 class SDPABlock(nn.Module):
