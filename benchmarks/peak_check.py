@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.gpt import GPTConfig, GPTStack  # noqa: E402
 from torch_remat.integrations import remove_remat  # noqa: E402
 from torch_remat.integrations.planner import forecast_remat  # noqa: E402
-from torch_remat.integrations.planner._measure import Config, install  # noqa: E402
+from torch_remat.integrations.planner._measure import Placement, install  # noqa: E402
 
 
 def allocator_peak(prof: Any) -> int:
@@ -44,7 +44,7 @@ def allocator_peak(prof: Any) -> int:
 
 def real_step_peak(
     model: nn.Module, args: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
-    config: Config, warmup: bool = True,
+    config: Placement, warmup: bool = True,
 ) -> int:
     """The peak of one real step of ``model`` with ``config`` installed: the step's
     own storages, forward and backward, gradients None at the start."""

@@ -22,7 +22,7 @@ OUTSIDE_REGIONS = "(outside regions)"
 
 
 @dataclass
-class RegionAcrossRanks:
+class CheckpointAcrossRanks:
     """One region (checkpoint name, or saves outside checkpoints) over all ranks."""
 
     name: str
@@ -64,7 +64,7 @@ class ClusterMemoryReport:
     """Each rank's compact record: ``{"total": bytes, "regions": [[name, bytes, calls], ...]}``."""
 
     imbalance_threshold: float = 0.10
-    regions: list[RegionAcrossRanks] = field(default_factory=list)
+    regions: list[CheckpointAcrossRanks] = field(default_factory=list)
 
     top: int = 3
     """Ranks named per region as holding the most (those above its median)."""
@@ -86,7 +86,7 @@ class ClusterMemoryReport:
         top = max(self.totals)
         return 0.0 if top == 0 else (top - min(self.totals)) / top
 
-    def imbalanced(self) -> list[RegionAcrossRanks]:
+    def imbalanced(self) -> list[CheckpointAcrossRanks]:
         """Regions whose (max - min) / max over ranks exceeds the threshold."""
         return [r for r in self.regions if r.spread > self.imbalance_threshold]
 
@@ -183,8 +183,8 @@ class ClusterMemoryReport:
         return json.dumps(self.to_dict(), **json_kwargs)
 
 
-def regions_across_ranks(rank_summaries: list[dict[str, Any]]) -> list[RegionAcrossRanks]:
-    """One :class:`RegionAcrossRanks` per region name any rank reported, in the order
+def regions_across_ranks(rank_summaries: list[dict[str, Any]]) -> list[CheckpointAcrossRanks]:
+    """One :class:`CheckpointAcrossRanks` per region name any rank reported, in the order
     first seen, ``(outside regions)`` last; a rank without the region holds 0 there."""
     names: dict[str, None] = {}
     held: list[dict[str, tuple[int, int]]] = []
@@ -194,7 +194,7 @@ def regions_across_ranks(rank_summaries: list[dict[str, Any]]) -> list[RegionAcr
         held.append(mine)
     names[OUTSIDE_REGIONS] = None
     return [
-        RegionAcrossRanks(
+        CheckpointAcrossRanks(
             name,
             [mine.get(name, (0, 0))[0] for mine in held],
             [mine.get(name, (0, 0))[1] for mine in held],

@@ -23,7 +23,7 @@ from torch_remat._integration import format_bytes
 
 from ._oom_read import RankDump, SkippedFile, is_int, read_dumps
 from ._rank_groups import rank_label, rank_ranges
-from .reports import RegionAcrossRanks
+from .reports import CheckpointAcrossRanks
 
 NO_JOB = "(no job id)"
 ORDER_ROWS = 10
@@ -64,14 +64,14 @@ class JobOOMReport:
         dumped = {d.rank for d in self.dumps}
         return [r for r in range(self.world_size) if r not in dumped]
 
-    def regions(self) -> tuple[list[int], list[RegionAcrossRanks]]:
+    def regions(self) -> tuple[list[int], list[CheckpointAcrossRanks]]:
         """Bytes per region over the ranks whose first dump has a report."""
         with_report = [d for d in self.first_per_rank if d.data.get("regions")]
         ranks = [d.rank for d in with_report]
         per_rank = [{r["name"]: r for r in d.data["regions"]} for d in with_report]
         names = list(dict.fromkeys(name for held in per_rank for name in held))
         regions = [
-            RegionAcrossRanks(
+            CheckpointAcrossRanks(
                 name,
                 [int(held[name]["bytes"]) if name in held else 0 for held in per_rank],
                 [int(held[name].get("calls", 0)) if name in held else 0 for held in per_rank],
@@ -265,7 +265,7 @@ def merge_dumps(folder: str, job_id: str | None = None, *, top: int = 10) -> OOM
     return OOMMerge(os.path.abspath(folder), jobs, skipped)
 
 
-def _min_index(region: RegionAcrossRanks) -> int:
+def _min_index(region: CheckpointAcrossRanks) -> int:
     return region.bytes_per_rank.index(region.min_bytes)
 
 

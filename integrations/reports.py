@@ -37,14 +37,14 @@ import torch.distributed as dist
 
 import torch_remat as remat
 
-from ._cluster_report import OUTSIDE_REGIONS, ClusterMemoryReport, RegionAcrossRanks
+from ._cluster_report import OUTSIDE_REGIONS, CheckpointAcrossRanks, ClusterMemoryReport
 from ._rank_groups import rank_label
 
 __all__ = [
     "ClusterMemoryReport",
     "MemoryReportTimeout",
     "OUTSIDE_REGIONS",
-    "RegionAcrossRanks",
+    "CheckpointAcrossRanks",
     "gather_memory_report",
     "gather_over_store",
     "rank_summary",

@@ -127,6 +127,29 @@ def usage_error(message: str, rank: int | None = None) -> NoReturn:
     sys.exit(2)
 
 
+def peer_left(e: BaseException) -> bool:
+    """A collective failed because another rank's process went away."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer")
+    )
+
+
+def rank_error(message: str, rank: int) -> NoReturn:
+    """Exit with status 2 after an error this rank may have met alone, where the other
+    ranks may be waiting in a collective this one left (no outcome can be exchanged):
+    rank 0 prints ``message`` at once; another rank waits a moment first, so that when
+    rank 0 failed too its message is the one printed (torchrun ends the other ranks
+    when the first exits), and then prints its own."""
+    if not dist.is_initialized():
+        usage_error(message, rank)
+    if rank != 0:
+        time.sleep(3)
+    print(f"train.py: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """Prints its help and usage errors on rank 0 only (torchrun starts every rank
     with the same arguments)."""
@@ -185,8 +208,11 @@ def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True) -
 
     Every rank plans (a sharded forward needs all of them) and installs rank 0's
     choice. A planning error on any rank ends every rank with status 2 and one
-    message, printed by rank 0: the ranks exchange their outcome in a collective
-    that all of them reach, so none is left waiting in another."""
+    message. An infeasible budget or a failed verification is decided after a
+    collective all ranks reach, and rank 0 prints it. An error while measuring may
+    hit one rank alone, partway through a run whose collectives the others are
+    waiting in: that rank prints it (``rank N:``) and exits, and torchrun ends the
+    others."""
     from torch_remat.integrations import InfeasibleBudgetError, PlanMismatchError, plan_remat
 
     budget = parse_budget(spec.removeprefix("budget="))
@@ -205,7 +231,15 @@ def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True) -
             "plan without this check (its printed bytes are then predicted, not measured)."
         )
     except (remat.RematError, ValueError, TypeError) as e:
-        error = f"--remat {spec}: planning failed: {type(e).__name__}: {e}"
+        # Raised while measuring, perhaps on this rank alone: the others may be in a
+        # collective of that measuring run, which no exchange of outcomes reaches.
+        rank_error(f"--remat {spec}: planning failed: {type(e).__name__}: {e}", rank)
+    except RuntimeError as e:
+        if not (dist.is_initialized() and peer_left(e)):
+            raise
+        # another rank left a collective of the measuring run: its error is printed
+        rank_error(f"--remat {spec}: another rank stopped while planning (its message "
+                   "says why)", rank)
     error = first_error(error)
     if error is not None:
         usage_error(error, rank)

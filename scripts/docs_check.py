@@ -16,7 +16,7 @@ Each fenced block of a page is one of:
 
       <!-- docs-check: NAME -->            the test that runs the command producing
                                             this output passes it to check(NAME, ...)
-                                            (tests/test_docs_check.py lists them)
+                                            (tests/docs/test_docs_check.py lists them)
       <!-- docs-check: fragment: WHY -->    code that does not run alone (a signature,
                                             names the page does not define); not run
       <!-- docs-check: diagram -->          a picture in text: neither code nor output

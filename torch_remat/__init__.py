@@ -5,8 +5,6 @@ source code can be marked to keep their activations
 (``remat.region(fn, name, recompute=False)``) instead of being recomputed.
 """
 
-import warnings as _warnings
-from typing import Any as _Any
 
 from . import _source_checkout
 from ._errors import (
@@ -91,25 +89,5 @@ __all__ = [
 ]
 
 # Names earlier releases exported here, and where they live now.
-_MOVED = {
-    "Trace": "torch_remat.diagnostics",
-    "SavedTensorsReport": "torch_remat.diagnostics",
-    "ActiveCheckpoint": "torch_remat.diagnostics",
-}
-
-
-def __getattr__(name: str) -> _Any:
-    where = _MOVED.get(name)
-    if where is None:
-        raise AttributeError(f"module 'torch_remat' has no attribute {name!r}")
-    _warnings.warn(
-        f"torch_remat.{name} moved to {where}.{name}; import it from there.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from . import diagnostics
-
-    return getattr(diagnostics, name)
-
 # From a source checkout, torch_remat.integrations is the sibling folder integrations/.
 _source_checkout.install(__path__[0])

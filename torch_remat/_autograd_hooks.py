@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from ._compat import version_of
 
 push_hooks = _compat.push_saved_tensors_hooks
 pop_hooks = _compat.pop_saved_tensors_hooks
@@ -65,15 +66,15 @@ class VersionedTensor:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.data = t
-        self.version = t._version
+        self.version = version_of(t)
 
     def intact(self) -> bool:
         """False once the tensor was modified in place since it was held."""
-        return self.data._version == self.version
+        return version_of(self.data) == self.version
 
     def unpack(self) -> torch.Tensor:
         t = self.data
-        if t._version != self.version:
+        if version_of(t) != self.version:
             from ._errors import CLONE_FIRST, modified_in_place
             from ._tensors import describe_tensor
 
@@ -81,7 +82,7 @@ class VersionedTensor:
                 f"a tensor saved for backward ({describe_tensor(t.shape, t.dtype)})",
                 "after it was saved",
                 CLONE_FIRST,
-                (self.version, t._version),
+                (self.version, version_of(t)),
             )
         return t
 

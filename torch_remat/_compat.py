@@ -21,6 +21,11 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._get_graph_exec_group``                      (graph task) that needs them
 ``_C._autograd._profiler_enabled``                build profiler range names only when profiling
 ``_C._DisableTorchDispatch``                      compare state snapshots below dispatch modes
+``Tensor._version``, ``Tensor._base``,           check saves, kept outputs, module state and
+``UntypedStorage._cdata``,                        arguments for in-place writes; follow views
+``Node._sequence_nr``                             to their storage root; tell storages apart
+                                                  without reading data pointers (fake tensors);
+                                                  which autograd nodes a checkpoint created
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
                                                   forward saw (saved-tensor checks compare it)
 ``_C._disabled_torch_function_impl``              a placeholder's torch_function after its in-place check
@@ -355,3 +360,15 @@ def quiet_own_context_fn_warning(own: object) -> None:
     logger = logging.getLogger("torch._higher_order_ops.wrap")
     if not any(isinstance(f, _OwnContextFnFilter) and f.own is own for f in logger.filters):
         logger.addFilter(_OwnContextFnFilter(own))
+
+# Tensor, storage and autograd-node internals, read (never written) on the hot path:
+# attrgetter objects run in C, as fast as the attribute access they name.
+version_of = operator.attrgetter("_version")
+"""A tensor's version counter (bumped by every in-place write to it or a view)."""
+view_base = operator.attrgetter("_base")
+"""The tensor a view was taken of (None for a tensor that is not a view)."""
+storage_key = operator.attrgetter("_cdata")
+"""An ``UntypedStorage``'s identity: the address of its C++ object, the same for
+every Python object of one storage while it lives (fake and meta storages too)."""
+sequence_nr = operator.methodcaller("_sequence_nr")
+"""An autograd node's sequence number (the order nodes were created in a thread)."""

@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._compat import storage_key, view_base
+
 
 class TensorMeta(NamedTuple):
     shape: tuple[int, ...]
@@ -43,7 +45,7 @@ def describe_tensor(shape: Sequence[int], dtype: torch.dtype) -> str:
 def is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one: the module holds it anyway, so reports never
     count it as saved activation memory."""
-    base = t._base
+    base = view_base(t)
     root = t if base is None else base
     # type() first: Parameter's isinstance check runs Python code
     return type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter)
@@ -53,7 +55,7 @@ def held_anyway(t: torch.Tensor) -> bool:
     """(A view of) a parameter, or of a leaf that requires grad: the module or
     autograd (its AccumulateGrad node) holds it anyway, so reports never bill it to
     a checkpoint."""
-    base = t._base
+    base = view_base(t)
     root = t if base is None else base
     if root.requires_grad and root.is_leaf:
         return True
@@ -68,7 +70,7 @@ def storage_ptr(t: object) -> int | None:
     if not isinstance(t, torch.Tensor):
         return None
     try:
-        return t.untyped_storage()._cdata or None
+        return storage_key(t.untyped_storage()) or None
     except (RuntimeError, NotImplementedError, TypeError):  # no storage (a subclass)
         return None
 
@@ -81,7 +83,7 @@ def same_storage(a: object, b: torch.Tensor) -> bool:
 
 def storage_root(t: torch.Tensor) -> torch.Tensor:
     """The tensor that owns ``t``'s storage as far as autograd views go."""
-    base = t._base
+    base = view_base(t)
     return t if base is None else base
 
 

@@ -46,6 +46,7 @@ from torch_remat._integration import (
     TorchDispatchMode,
     cpu_rng_state_reads,
     profiler_enabled,
+    storage_key,
     tree_flatten,
     tree_map,
     tree_unflatten,
@@ -56,9 +57,9 @@ from ..apply import remove_remat
 from ._measure import (
     BASE,
     RANGE_PREFIX,
-    Config,
     LossFn,
     Measurement,
+    Placement,
     RecomputeCounter,
     _profiled,
     blocks_drawing_no_random_numbers,
@@ -116,7 +117,7 @@ class StorageLedger(TorchDispatchMode):
                         self._see(inner, allocated)
             return
         st = t.untyped_storage()
-        key = st._cdata
+        key = storage_key(st)
         if key in self.known:
             return
         self.known.add(key)
@@ -182,7 +183,7 @@ class StorageLedger(TorchDispatchMode):
         """A real tensor the engine allocated outside the dispatcher (an RNG state):
         alive in the step's bytes until its storage is freed."""
         st = t.untyped_storage()
-        key = st._cdata
+        key = storage_key(st)
         if key in self.real_live:
             return
         n = st.nbytes()
@@ -209,7 +210,7 @@ class StorageLedger(TorchDispatchMode):
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
         FSDP2 allocates and frees a unit's unsharded parameters so). Grown from empty,
         it is allocated now, in the running block; shrunk to empty, freed."""
-        key = st._cdata
+        key = storage_key(st)
         if key not in self.known:
             self.known.add(key)
             weakref.finalize(st, self._forget, key)
@@ -226,10 +227,13 @@ class StorageLedger(TorchDispatchMode):
         for t in tensors:
             self._see(t, allocated=False)
 
-    def held_by_block(self) -> dict[str, int]:
+    def held_by_block(self, excluding: frozenset[int] = frozenset()) -> dict[str, int]:
+        """Bytes of the live storages each block allocated, but for the storages
+        keyed (``_cdata``) in ``excluding``."""
         held: dict[str, int] = defaultdict(int)
-        for n, block in self.live.values():
-            held[block] += n
+        for key, (n, block) in self.live.items():
+            if key not in excluding:
+                held[block] += n
         return dict(held)
 
     def reset_peak(self) -> None:
@@ -505,7 +509,7 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
         if t is None:
             continue
         st = local_tensor(t).untyped_storage()
-        seen[st._cdata] = st.nbytes()
+        seen[storage_key(st)] = st.nbytes()
     return sum(seen.values())
 
 
@@ -676,7 +680,7 @@ def measure_fake(
     model: nn.Module,
     args: Sequence[Any],
     loss_fn: LossFn,
-    config: Config,
+    config: Placement,
     block_names: Sequence[str],
     mode: FakeTensorMode,
 ) -> FakeMeasurement:
@@ -699,7 +703,7 @@ def measure_fake(
             with _profiled() as prof, _block_ranges(ledger, model, block_names):
                 loss = loss_fn(model(*args))
             real = held_bytes_by_block(prof)
-            fake = ledger.held_by_block()
+            fake = ledger.held_by_block(excluding=_parameter_storages(model))
             # Real storages of the forward the ledger did not follow (it follows the
             # engine's RNG states): alive for the whole step, at most.
             unfollowed = max(0, sum(real.values()) - sum(ledger.real_live.values()))
@@ -728,6 +732,20 @@ def measure_fake(
     result.peak_margin = unfollowed
     result.gradient_bytes = gradient_bytes
     return result
+
+
+def _parameter_storages(model: nn.Module) -> frozenset[int]:
+    """Keys of the storages the model's parameters are in now. After the forward
+    FSDP2's root keeps its parameters unsharded (in storages the forward allocated)
+    for the backward: they are the model's, not activations, and the planner's
+    accounting (``_measure.kept_storages``) never counts a parameter, so neither
+    does the forecast."""
+    keys = set()
+    for p in model.parameters():
+        t = local_tensor(p)
+        if isinstance(t, FakeTensor):
+            keys.add(storage_key(t.untyped_storage()))
+    return frozenset(keys)
 
 
 def fake_forward(model: nn.Module, args: Sequence[Any], mode: FakeTensorMode) -> None:

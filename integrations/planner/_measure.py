@@ -64,7 +64,7 @@ LossFn = Callable[[Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Config:
+class Placement:
     """Which blocks are checkpointed, and which submodules of each run as SAVE regions.
 
     ``checkpointed`` maps a block's qualified name to the paths (inside the block) of
@@ -140,7 +140,7 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def install(model: nn.Module, config: Config) -> None:
+def install(model: nn.Module, config: Placement) -> None:
     """Put ``config`` on ``model`` with :func:`apply_remat` (after removing any)."""
     remove_remat(model)
     if not config.checkpointed:
@@ -418,7 +418,7 @@ def measure(
     model: nn.Module,
     args: Sequence[Any],
     loss_fn: LossFn,
-    config: Config,
+    config: Placement,
     block_names: Sequence[str],
 ) -> Measurement:
     """Install ``config``, run one forward and backward, and measure them."""

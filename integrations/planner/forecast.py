@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_remat._integration import format_bytes
+from torch_remat._integration import format_bytes, storage_key
 
 from . import _report
 from ._fake import (
@@ -34,7 +34,7 @@ from ._fake import (
     storage_bytes,
 )
 from ._layout import Layout, sharded
-from ._measure import Config, LossFn, blocks_drawing_no_random_numbers, refuse_applied_remat
+from ._measure import LossFn, Placement, blocks_drawing_no_random_numbers, refuse_applied_remat
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
 from ._state import preserved_python_state
 from .plan import (
@@ -77,7 +77,7 @@ class PolicyForecast:
     """One policy on every block, run on fake tensors at the example's batch."""
 
     name: str
-    config: Config
+    config: Placement
     bytes_by_block: dict[str, int]
     """Bytes kept after the forward, by block (``""``: outside every block)."""
     peak_bytes: int
@@ -180,10 +180,10 @@ class Forecast:
 
 def _hand_configs(
     plan: RematPlan, groups: Sequence[Any], rng_free: frozenset[str] = frozenset()
-) -> dict[str, Config]:
+) -> dict[str, Placement]:
     """The hand policies on every block (save sets over each group's candidates);
     a policy whose save set is empty where it should name modules is left out."""
-    configs: dict[str, Config] = {}
+    configs: dict[str, Placement] = {}
     per_group = [_report.hand_save_sets(dict(zip(g.candidates, g.kinds))) for g in groups]
     for name in ("full checkpoint", "save linears", "Megatron-style"):
         sets = {b: s[name] for g, s in zip(groups, per_group) for b in g.blocks}
@@ -191,7 +191,7 @@ def _hand_configs(
             continue
         if any(c.checkpointed == sets for c in configs.values()):
             continue  # the same save sets as a policy already listed
-        configs[name] = Config({b: sets[b] for b in plan.blocks}, rng_free)
+        configs[name] = Placement({b: sets[b] for b in plan.blocks}, rng_free)
     return configs
 
 
@@ -288,7 +288,7 @@ def forecast_remat(
         plan, error = _solve_or_error(measured, budget)
         if error is not None:
             raise InfeasibleBudgetError(error)
-        configs = {"no remat": Config(), **_hand_configs(plan, groups, rng_free)}
+        configs = {"no remat": Placement(), **_hand_configs(plan, groups, rng_free)}
         policies: dict[str, PolicyForecast] = {}
         gradient_bytes = 0
         for name, config in configs.items():
@@ -357,7 +357,7 @@ def _distinct_bytes(params: Any) -> int:
     total = 0
     for p in params:
         t = local_tensor(p)
-        key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
+        key = (storage_key(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
@@ -380,10 +380,10 @@ class _Runs:
     def warm_up(self, model: nn.Module, args: Any, loss_fn: Any, names: Sequence[str]) -> None:
         """The first step (its numbers carry lazy initialisation): the table's warm-up
         then runs as an ordinary, reusable step."""
-        self.measure(model, args, loss_fn, Config(), names)
+        self.measure(model, args, loss_fn, Placement(), names)
         self.first = False
 
-    def __call__(self, model: nn.Module, args: Any, loss_fn: Any, config: Config,
+    def __call__(self, model: nn.Module, args: Any, loss_fn: Any, config: Placement,
                  names: Sequence[str]) -> FakeMeasurement:
         key = (tuple(sorted(config.checkpointed.items())), config.rng_free)
         if args is not self.args:

@@ -27,8 +27,8 @@ from torch_remat._integration import format_bytes
 from . import _distributed, _report
 from ._measure import (
     BASE,
-    Config,
     LossFn,
+    Placement,
     blocks_drawing_no_random_numbers,
     install,
     measure,
@@ -239,8 +239,8 @@ class RematPlan:
 
     # ---------------------------------------------------------------- using it
 
-    def config(self) -> Config:
-        return Config(
+    def config(self) -> Placement:
+        return Placement(
             {n: o.save for n, o in self.options.items() if o.checkpoint},
             frozenset(self.rng_free),
         )
@@ -434,8 +434,8 @@ def measure_table(
     """Run every option of every group once; ``(base bytes without checkpoints, base
     bytes with some, per-block options)``. ``measure``: how one configuration is run
     (``_measure.measure`` on real tensors, ``_fake.measure_fake`` for a forecast)."""
-    measure(model, args, loss_fn, Config(), blocks)  # warm-up: lazy state, first-call caches
-    off = measure(model, args, loss_fn, Config(), blocks)
+    measure(model, args, loss_fn, Placement(), blocks)  # warm-up: lazy state, first-call caches
+    off = measure(model, args, loss_fn, Placement(), blocks)
     table: dict[str, list[Measured]] = {
         b: [Measured(OFF, off.bytes_by_block[b], 0, 0)] for b in blocks
     }
@@ -443,7 +443,7 @@ def measure_table(
 
     def run(group: Group, option: Option) -> None:
         got = measure(
-            model, args, loss_fn, Config(dict.fromkeys(group.blocks, option.save), rng_free),
+            model, args, loss_fn, Placement(dict.fromkeys(group.blocks, option.save), rng_free),
             blocks,
         )
         bases.append(got.bytes_by_block[BASE])

@@ -5,8 +5,8 @@
 Each rank first forecasts its own rank of every layout (``forecast_remat(...,
 layout=Layout(2, ..., rank=RANK))``: a fake process group, no real one yet), then
 joins the gloo group, shards the same model for real and measures it as the planner
-measures (``plan_remat``'s option table and verifying run, ``activation_bytes``
-per policy) and as the allocator holds it (parameter shards, gradients, Adam's
+measures (``plan_remat``'s ``measure``: the option table and every policy's kept
+bytes) and as the allocator holds it (parameter shards, gradients, Adam's
 state). Every check compares forecast and measurement exactly and writes
 ``OUT_DIR/rank{N}.json`` (``{check: {"ok", "error", "data"}}``).
 """
@@ -14,12 +14,10 @@ state). Every check compares forecast and measurement exactly and writes
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import sys
 import traceback
-from collections import defaultdict, deque
 
 import torch
 import torch.distributed as dist
@@ -28,18 +26,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from torch_remat.integrations import remove_remat
 from torch_remat.integrations.planner import Layout, forecast_remat
 from torch_remat.integrations.planner._fake import storage_bytes
 from torch_remat.integrations.planner._measure import (
-    BASE,
-    RANGE_PREFIX,
-    Measurement,
-    RecomputeCounter,
-    _profiled,
     blocks_drawing_no_random_numbers,
-    install,
-    preserved_state,
+    measure,
 )
 from torch_remat.integrations.planner._space import group_blocks, select_blocks
 from torch_remat.integrations.planner.plan import measure_table
@@ -110,109 +101,20 @@ def _adam_state_bytes(model, x) -> int:
     return storage_bytes(moments)
 
 
-def _forward_allocations(prof, marker: str) -> tuple[list, int]:
-    """``([(size, block, freed_at, freed_by)], main thread)`` for every allocation the
-    main thread made before the ``marker`` range; a free pairs with the oldest live
-    allocation at its address (as ``held_bytes_by_block`` pairs them)."""
-    events = []
-    stack = [(e, BASE) for e in prof.profiler.kineto_results.experimental_event_tree()]
-    end = main = None
-    while stack:
-        e, block = stack.pop()
-        if e.name.startswith(RANGE_PREFIX):
-            block = e.name[len(RANGE_PREFIX):]
-        if e.name == marker:
-            end, main = e.start_time_ns, e.start_tid
-        stack.extend((c, block) for c in e.children)
-        f = e.extra_fields
-        if hasattr(f, "alloc_size") and hasattr(f, "ptr"):
-            events.append((e.start_time_ns, f.ptr, f.alloc_size, block, e.start_tid))
-    events.sort(key=lambda ev: ev[0])
-    live: dict[int, deque] = defaultdict(deque)
-    out = []
-    for t, ptr, size, block, tid in events:
-        if size > 0:
-            record = [size, block, None, None, t < end and tid == main]
-            live[ptr].append(record)
-            out.append(record)
-        elif live.get(ptr):
-            record = live[ptr].popleft()
-            record[2], record[3] = t, tid
-    return [r[:4] for r in out if r[4]], end, main
-
-
-def settled_measure(model, args, loss, config, block_names) -> Measurement:
-    """``_measure.measure`` with the profile running on through the backward: a
-    storage the forward allocated counts as held after it unless it was freed
-    before the forward returned, or afterwards by another thread than the one that
-    ran the step. Such a free is a gloo worker letting go of a collective's
-    buffers (until the peer has received them), which the program itself dropped
-    before the forward ended."""
-    install(model, config)
-    marker = "forecast_checks::forward_end"
-    try:
-        with preserved_state(model, args):
-            gc.collect()  # earlier steps' cycles (FSDP2 state) are not freed inside the window
-            gc.disable()
-            try:
-                with _profiled(block_names, model) as prof:
-                    out = loss(model(*args))
-                    with torch.profiler.record_function(marker):
-                        pass
-                    counter = RecomputeCounter()
-                    with counter:
-                        out.backward()
-                    del out
-                    dist.barrier()
-            finally:
-                gc.enable()
-    finally:
-        remove_remat(model)
-    allocations, end, main = _forward_allocations(prof, marker)
-    held: dict[str, int] = defaultdict(int)
-    for size, block, freed_at, freed_by in allocations:
-        if freed_at is None or (freed_at > end and freed_by == main):
-            held[block] += size
-    return Measurement(
-        bytes_by_block={n: held.get(n, 0) for n in [BASE, *block_names]},
-        flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
-        ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
-    )
-
-
-REPEATS = 5
-
-
-def fewest(model, args, loss, config, block_names) -> Measurement:
-    """``settled_measure`` ``REPEATS`` times; each block's fewest bytes. On gloo a
-    step can hold a collective's buffers a little longer than its program does (a
-    worker thread, or FSDP2's deferred free of an all-gather result, lets go of
-    them later in one run than in another): that only ever adds bytes, so the
-    fewest over the runs are the bytes the program itself holds."""
-    runs = [settled_measure(model, args, loss, config, block_names) for _ in range(REPEATS)]
-    first = runs[0]
-    assert all(r.flops_by_block == first.flops_by_block for r in runs)
-    return Measurement(
-        bytes_by_block={n: min(r.bytes_by_block[n] for r in runs) for n in first.bytes_by_block},
-        flops_by_block=first.flops_by_block,
-        ops_by_block=first.ops_by_block,
-    )
-
-
 def _compare(kind: str, forecast, model, x) -> dict:
     """The forecast of this rank against this rank's measurements of ``model``: the
     planner's option table and the bytes of every policy, measured on the real
-    group (``fewest``), and the allocator's parameter, gradient and optimizer
+    group as ``plan_remat`` measures them, and the allocator's parameter, gradient and optimizer
     bytes. Every measurement runs before any comparison, so that a failing rank
     stays in step with the other."""
     names = select_blocks(model, MLPBlock)
     groups = group_blocks(model, names, None, (x,))
     rng_free = blocks_drawing_no_random_numbers(model, (x,), names)
     base, checkpoint_base, table = measure_table(
-        model, (x,), loss_fn, names, groups, frozenset(rng_free), measure=fewest
+        model, (x,), loss_fn, names, groups, frozenset(rng_free), measure=measure
     )
     kept = {
-        name: fewest(model, (x,), loss_fn, policy.config, names).total_bytes
+        name: measure(model, (x,), loss_fn, policy.config, names).total_bytes
         for name, policy in forecast.policies.items()
     }
     params = storage_bytes(list(model.parameters()))

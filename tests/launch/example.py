@@ -10,6 +10,7 @@ starts, on the first torchrun attempt only (a crashed rank, for ``--max-restarts
 1 PiB, inside the checkpoint's forward, a request no machine grants.
 ``--plan-mismatch-on-last-rank``: ``plan_remat``'s verifying run on the last rank
 measures 4 bytes more in the first block than it predicted (a mismatch on one rank).
+``--planning-error-on-last-rank``: the last rank's third measuring run raises.
 
 Afterwards each rank prints ``process group initialized after main: BOOL``.
 """
@@ -97,13 +98,35 @@ def mismatch_on_last_rank() -> None:
     plan.measure = off_by_four
 
 
+def planning_error_on_last_rank() -> None:
+    """The last rank's planner raises a ValueError in its third measuring run, in the
+    middle of the option table: the other rank is then inside a collective of that
+    run's FSDP2 forward, which the failing rank never joins."""
+    if not is_last_rank():
+        return
+    from torch_remat.integrations.planner import _measure
+
+    install, calls = _measure.install, [0]
+
+    def failing(model, config):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ValueError("injected: the third measuring run fails on this rank only")
+        return install(model, config)
+
+    _measure.install = failing
+
+
 def main() -> None:
     name, argv = sys.argv[1], sys.argv[2:]
     faults = argparse.ArgumentParser()
     faults.add_argument("--fail-at-step", type=int, default=0)
     faults.add_argument("--oom-at-step", type=int, default=0)
     faults.add_argument("--plan-mismatch-on-last-rank", action="store_true")
+    faults.add_argument("--planning-error-on-last-rank", action="store_true")
     injected, argv = faults.parse_known_args(argv)
+    if injected.planning_error_on_last_rank:
+        planning_error_on_last_rank()
     if injected.plan_mismatch_on_last_rank:
         mismatch_on_last_rank()
     example = load(name)

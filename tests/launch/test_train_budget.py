@@ -54,6 +54,26 @@ def test_a_plan_mismatch_on_one_rank_stops_every_rank_with_one_message():
     assert "step " not in proc.stdout  # no rank trained
 
 
+def test_a_planning_error_on_one_rank_mid_measurement_ends_every_rank_with_its_message():
+    # The other rank waits in a collective of the measuring run the failing rank left:
+    # no agreement can reach it, so the failing rank prints and exits, and torchrun
+    # ends the rest (within seconds, not the process group's timeout).
+    cmd = [
+        sys.executable, str(ROOT / "launch" / "torchrun.py"), "--standalone",
+        "--nproc-per-node", "2", str(ROOT / "tests" / "launch" / "example.py"), "train",
+        "--planning-error-on-last-rank", "--parallel", "fsdp2", *SMALL,
+        "--remat", "budget=0.5", "--steps", "2",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    err = proc.stderr
+    assert proc.returncode == 2, proc.stdout[-3000:] + err[-3000:]
+    assert err.count("train.py: error: rank 1: --remat budget=0.5: planning failed: ValueError: "
+                     "injected") == 1, err[-3000:]
+    for noise in ("Traceback", "Connection closed", "ChildFailedError"):
+        assert noise not in err, err[-3000:]
+    assert "step " not in proc.stdout
+
+
 def test_no_verify_plan_installs_the_plan_unchecked():
     cmd = [
         sys.executable, str(ROOT / "launch" / "torchrun.py"), "--standalone",

@@ -22,13 +22,17 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import _compat
 from ..engine.observers import CheckpointObserver, observe
 from .storage import StorageInfo
+
+if TYPE_CHECKING:
+    from ..engine.frame import CheckpointFrame
+    from ..engine.records import RegionSaved
 
 _library_dirs: tuple[str, ...] | None = None
 
@@ -206,8 +210,10 @@ def clear_memory_snapshot_cache() -> None:
 
 
 class _SiteRecorder(CheckpointObserver):
-    def tensor_kept(self, frame: Any, saved: Any, tensor: torch.Tensor) -> None:
-        saved.site = current_user_site()
+    def tensor_kept(
+        self, frame: CheckpointFrame | None, saved: RegionSaved, tensor: torch.Tensor
+    ) -> None:
+        saved.located_at(current_user_site())
 
 
 @contextlib.contextmanager

@@ -15,13 +15,16 @@ back from offloaded memory.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._tensors import TensorMeta, storage_ptr
 from .registry import FrameEntry
 from .storage import is_parameter, tensors_in
+
+if TYPE_CHECKING:
+    from ..engine.frame import CheckpointFrame
 
 INPUTS = "(inputs)"
 STATE_SNAPSHOTS = "(state snapshots)"
@@ -100,7 +103,9 @@ def _state_items(name: str, states: Any) -> list[HeldItem]:
     return [HeldItem(name, TensorMeta.of(t), [t]) for t in tensors_in(list(states or ()))]
 
 
-def _state_group(entry_states: Any, regions: list[Any], frame: Any = None) -> HeldGroup:
+def _state_group(
+    entry_states: Any, regions: list[Any], frame: CheckpointFrame | None = None
+) -> HeldGroup:
     group = HeldGroup(STATE_SNAPSHOTS)
     group.items.extend(_state_items("entry", entry_states))
     for rec in regions:
@@ -110,7 +115,7 @@ def _state_group(entry_states: Any, regions: list[Any], frame: Any = None) -> He
     return group
 
 
-def _buffer_copies(frame: Any) -> list[HeldItem]:
+def _buffer_copies(frame: CheckpointFrame) -> list[HeldItem]:
     """The copies of module buffers the checkpoint keeps for its replay: each
     buffer's value at the checkpoint's start (a batch norm's running statistics,
     which its forward updates in place) and the values after each SAVE region that
@@ -127,7 +132,7 @@ def _buffer_copies(frame: Any) -> list[HeldItem]:
     return items
 
 
-def frame_holdings(frame: Any, serial: int = -1) -> Holdings:
+def frame_holdings(frame: CheckpointFrame, serial: int = -1) -> Holdings:
     """Holdings of a live ``CheckpointFrame`` (during or after its forward)."""
     done = frame.forward_done
     inputs = HeldGroup(INPUTS)

@@ -14,18 +14,23 @@ done once when a SAVE region returns, while its outputs are still alive.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._compat import storage_key
 from ..engine.context import current_pass
 from ..engine.observers import CheckpointObserver
 from .storage import tensors_in
 
+if TYPE_CHECKING:
+    from ..engine.frame import CheckpointFrame
+    from ..engine.records import RegionRecord, RegionSaved
+
 
 def _tensor_key(t: torch.Tensor) -> tuple:
     try:
-        st = t.untyped_storage()._cdata
+        st = storage_key(t.untyped_storage())
     except (RuntimeError, NotImplementedError):
         st = id(t)
     return (st, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -42,18 +47,20 @@ class SaveNamer(CheckpointObserver):
         for name, t in named.items():
             self.pending.setdefault(_tensor_key(t), []).append(name)
 
-    def tensor_kept(self, frame: Any, saved: Any, tensor: torch.Tensor) -> None:
+    def tensor_kept(
+        self, frame: CheckpointFrame | None, saved: RegionSaved, tensor: torch.Tensor
+    ) -> None:
         pending = self.pending
         if pending:
             key = _tensor_key(tensor)
             names = pending.get(key)
             if names:
-                saved.name = names.pop(0)
+                saved.label(names.pop(0))
                 if not names:
                     del pending[key]
 
 
-def _namer_of(frame: Any) -> SaveNamer:
+def _namer_of(frame: CheckpointFrame) -> SaveNamer:
     for observer in frame.observers.kept:
         if isinstance(observer, SaveNamer):
             return observer
@@ -97,7 +104,7 @@ def save_for_backward(
         _namer_of(active.frame).add_names(live)
 
 
-def link_saved_outputs(record: Any) -> None:
+def link_saved_outputs(record: RegionRecord) -> None:
     """Mark each tensor a SAVE region saved that shares storage with one of the
     region's outputs, so reports can say ``(output at idx i)`` after the forward.
     (Saved parameters are left out: reports do not list them.)"""
@@ -111,7 +118,7 @@ def link_saved_outputs(record: Any) -> None:
         if out is None:
             continue
         try:
-            outputs.setdefault(out.untyped_storage()._cdata, src.index)
+            outputs.setdefault(storage_key(out.untyped_storage()), src.index)
         except (RuntimeError, NotImplementedError):
             continue
     if not outputs:
@@ -121,9 +128,9 @@ def link_saved_outputs(record: Any) -> None:
         tensors = [saved.tensor] if saved.tensor is not None else tensors_in(saved.packed)
         for t in tensors:
             try:
-                index = outputs.get(t.untyped_storage()._cdata)
+                index = outputs.get(storage_key(t.untyped_storage()))
             except (RuntimeError, NotImplementedError):
                 continue
             if index is not None:
-                saved.output_index = index
+                saved.link_output(index)
                 break

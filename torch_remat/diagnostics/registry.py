@@ -14,10 +14,14 @@ from __future__ import annotations
 import itertools
 import weakref
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.observers import CheckpointObserver, add_process_observer
 from .named_save import link_saved_outputs
+
+if TYPE_CHECKING:
+    from ..engine.frame import CheckpointFrame
+    from ..engine.records import RegionRecord
 
 _serials = itertools.count()
 _entries: dict[int, FrameEntry] = {}
@@ -27,7 +31,7 @@ _PRUNE_EVERY = 512
 class FrameEntry:
     __slots__ = ("serial", "name", "ref", "regions", "dead_saved")
 
-    def __init__(self, frame: Any, serial: int) -> None:
+    def __init__(self, frame: CheckpointFrame, serial: int) -> None:
         self.serial = serial
         self.name: str = frame.name
         # The frame's own list: holding it costs nothing while the frame lives.
@@ -61,13 +65,13 @@ class _Registrar(CheckpointObserver):
     """Subscribed to every checkpoint of the process: enters it in the registry,
     and links each SAVE region's saved tensors to its outputs when it returns."""
 
-    def checkpoint_created(self, frame: Any) -> None:
+    def checkpoint_created(self, frame: CheckpointFrame | None) -> None:
         serial = next(_serials)
         _entries[serial] = FrameEntry(frame, serial)
         if serial % _PRUNE_EVERY == 0:
             prune()
 
-    def region_exited(self, frame: Any, record: Any) -> None:
+    def region_exited(self, frame: CheckpointFrame | None, record: RegionRecord) -> None:
         if record.saved and not record.recompute:
             link_saved_outputs(record)
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._compat import storage_key
 from .._tensors import is_parameter
 
 __all__ = ["StorageInfo", "is_parameter", "storages_of", "tensors_in"]
@@ -45,7 +46,7 @@ def storages_of(t: torch.Tensor) -> list[StorageInfo]:
         st = t.untyped_storage()
         if st.device.type == "meta":  # a FakeTensor (tracing): holds no memory
             return []
-        return [StorageInfo(st._cdata, st.nbytes(), st.data_ptr(), t.device)]
+        return [StorageInfo(storage_key(st), st.nbytes(), st.data_ptr(), t.device)]
     except (RuntimeError, NotImplementedError, TypeError):
         return []
 

@@ -19,10 +19,14 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.context import is_recomputing
 from ..engine.observers import CheckpointObserver, observe
+
+if TYPE_CHECKING:
+    from ..engine.frame import CheckpointFrame
+    from ..engine.records import RegionRecord
 
 
 class _TraceState(threading.local):
@@ -115,19 +119,19 @@ class Trace(CheckpointObserver):
         finally:
             self._close_node()
 
-    def forward_entered(self, frame: Any) -> None:
+    def forward_entered(self, frame: CheckpointFrame | None) -> None:
         if self.checkpoints and self._recording():
             self._open_node(TraceNode("checkpoint", frame.name))
 
-    def forward_exited(self, frame: Any) -> None:
+    def forward_exited(self, frame: CheckpointFrame | None) -> None:
         if self.checkpoints and self._recording():
             self._close_node()
 
-    def region_entered(self, frame: Any, record: Any) -> None:
+    def region_entered(self, frame: CheckpointFrame | None, record: RegionRecord) -> None:
         if self._recording():
             self._open_node(TraceNode(record.kind, record.name))
 
-    def region_exited(self, frame: Any, record: Any) -> None:
+    def region_exited(self, frame: CheckpointFrame | None, record: RegionRecord) -> None:
         if self._recording():
             self._close_node()
 

@@ -29,11 +29,14 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .._compat import profiler_enabled as _profiler_enabled
+
+if TYPE_CHECKING:
+    from .frame import CheckpointFrame
 
 
 class _ThreadState(threading.local):
@@ -55,7 +58,7 @@ class ActivePass(Protocol):
 
     phase: str
     """``"forward"`` or ``"recompute"``."""
-    frame: Any
+    frame: CheckpointFrame
     """The ``CheckpointFrame`` of the checkpoint call."""
     region_stack: list[Any]
     """RegionRecords of the regions running, outermost first."""

@@ -43,7 +43,8 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import _compat
-from .._autograd_hooks import VersionedTensor, pop_hooks, push_hooks, top_hooks, unpack_packed
+from .._autograd_hooks import pop_hooks, push_hooks, top_hooks, unpack_packed
+from .._compat import sequence_nr, version_of
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -327,7 +328,7 @@ class CheckpointFrame:
         # reach this frame through the pack hook: a cycle through autograd nodes,
         # which the garbage collector cannot see.
         for source in self.inputs + self.output_sources:  # also listed by RegionRecords
-            source.ref = source.kept_tensor = None
+            source.release()
         self.walk_roots = []
         self.inputs = []
         self.output_sources = []
@@ -352,13 +353,13 @@ class CheckpointFrame:
             # Kept tensors packed by hooks live where the hooks put them.
             if self.outer_hooks is None and not any(s.hooks or s.saved is not None for s in sources):
                 d = t.detach()
-                holder.kept = VersionedTensor(d)
+                holder.keep_value(d)
         if holder.kept is None:
-            self.rebuilds.last_needed_seq = _compat.autograd_sequence_nr()
+            self.rebuilds.note_needed(_compat.autograd_sequence_nr())
         self.holders.append(weakref.ref(holder))
         stack = self.region_stack
         self.holder_meta.append(
-            (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, t._version)
+            (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, version_of(t))
         )
         if self.bitwise_check:
             from .replay import checksum  # looked up at the call: tests count its calls
@@ -377,7 +378,7 @@ class CheckpointFrame:
             # (a view of) an argument the replay recomputes, not modified since the call
             root = storage_root(t)
             for arg in rebuild.args:
-                if arg.root is root and t.dtype is arg.layout[3] and t._version == arg.version:
+                if arg.root is root and t.dtype is arg.layout[3] and version_of(t) == arg.version:
                     a = arg.tensor
                     if t.dtype.is_complex and (t.is_conj() is not a.is_conj() or t.is_neg() is not a.is_neg()):
                         break  # a conjugate/negative view: refilled as a view it would lose the bit
@@ -387,7 +388,7 @@ class CheckpointFrame:
         region = self.region_stack[-1]
         hooks = self.kept_hooks.region_save(region.qualname, t) or self.outer_hooks
         saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks, self.unread_inputs)
-        region.saved.append(weakref.ref(saved))
+        region.add_saved(saved)
         for observer in self.observers.kept:
             observer.tensor_kept(self, saved, t)
         return saved
@@ -438,7 +439,7 @@ class CheckpointFrame:
             self.save_depth += 1
             if not in_save:
                 if self.rng_checks:
-                    record.rng_entry = position(self.state_hooks, self.rng_checks)
+                    record.entered(position(self.state_hooks, self.rng_checks))
                 rebuild = self.rebuilds.open(self, record.qualname, leaves)
         ok = False
         try:
@@ -455,10 +456,8 @@ class CheckpointFrame:
             if not recompute and not in_save:
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
-                record.raised = detached_copy(e)
-                record.exit_states = self._snapshot_after_region()
-                self._note_host_rng(record)
-                self._note_attributes(record)
+                record.returned(self._snapshot_after_region(), self._host_rng_change(),
+                                self._attributes_change(), raised=detached_copy(e))
             raise
         finally:
             self.region_stack.pop()
@@ -470,22 +469,24 @@ class CheckpointFrame:
             self._record_region_outputs(record, out)
             if written:
                 self._record_written_arguments(record, written)
-            record.exit_states = self._snapshot_after_region()
-            self._note_host_rng(record)
-            self._note_attributes(record)
+            record.returned(self._snapshot_after_region(), self._host_rng_change(),
+                            self._attributes_change())
         return out
 
-    def _note_attributes(self, record: RegionRecord) -> None:
+    def _attributes_change(self) -> list[tuple[Any, Any, Any]] | None:
         if self.module_state is not None and self.module_state.others:
-            record.attributes_exit = self.module_state.attributes_rebound()
+            return self.module_state.attributes_rebound()
+        return None
 
-    def _note_host_rng(self, record: RegionRecord) -> None:
+    def _host_rng_change(self) -> tuple[Any, ...] | None:
         # The replay skips this SAVE region: if Python's random or NumPy's generator
         # moved since the last look (in the body or before it), the replay sets the
         # state the forward had here, whatever the body drew.
         state = host_rng_state()
-        if state != self.host_last:
-            record.host_exit = self.host_last = state
+        if state == self.host_last:
+            return None
+        self.host_last = state
+        return state
 
     def _snapshot_after_region(self) -> list[Any]:
         # A state that did not change since the last snapshot (no random numbers
@@ -507,7 +508,7 @@ class CheckpointFrame:
                 # outputs the replay reads (a nested one's never reach it)
                 for record in self.region_stack:
                     if not record.recompute:
-                        record.pending_keep.append(weakref.ref(storage_root(t)))
+                        record.needs_kept(storage_root(t))
                         break
                 return True
             return False
@@ -536,7 +537,7 @@ class CheckpointFrame:
                 if s.save_consumed and s.ref.requires_grad:
                     candidates.append(s)
                 else:
-                    s.keep = True
+                    s.mark_needed()
         if candidates:
             mark_inputs_read_by_replayed_code(
                 out, candidates, self.save_output_seqs, self.start_seq, self.walk_roots
@@ -546,12 +547,12 @@ class CheckpointFrame:
             # Backward never replays this checkpoint: no input is read again (one
             # modified in place stays, so that storing it reports the modification).
             for s in self.inputs:
-                s.keep = s.ref._version != s.version
+                s.keep_if_modified()
         unread = self.unread_inputs
         for s in self.inputs:
             if unread is not None and not s.keep:
                 unread.append((s.index, s.meta, s.saved))
-                s.saved = s.witness = None
+                s.drop_saved()
             s.store(self.name)
         for s in self.output_sources:
             s.store(self.name)
@@ -570,8 +571,8 @@ class CheckpointFrame:
             if self.unread_inputs:  # (take_refill drains them for the others)
                 unpack_unread(self.unread_inputs)
             t = kept.data
-            if t._version != kept.version:
-                raise self._modified_error(holder.index, kept.version, t._version)
+            if version_of(t) != kept.version:
+                raise self._modified_error(holder.index, kept.version, version_of(t))
             return t
         return self.take_refill(holder)
 
@@ -590,8 +591,7 @@ class CheckpointFrame:
             # replay. Keyed by its id, not the group, so that the refills do not keep
             # the group alive: they are freed when it dies (see recompute).
             key = (id(group),)
-        rec = holder.refills
-        if rec is None or key not in rec:
+        if not holder.has_refill(key):
             if key in self.replayed_keys:
                 raise RematError(
                     f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
@@ -599,15 +599,14 @@ class CheckpointFrame:
                     "reads ctx.saved_tensors more than once, read it once and reuse it."
                 )
             self.replay(key)
-            rec = holder.refills
-        t, version = rec.pop(key)
+        t, version = holder.take_refill(key)
         if type(key) is object:
             self.forget(key)  # unpacked outside a backward: nothing else will use them
-        if t._version != version:
+        if version_of(t) != version:
             if isinstance(holder, Holder):
-                raise self._modified_error(holder.index, version, t._version)
+                raise self._modified_error(holder.index, version, version_of(t))
             raise modified_in_place(describe_rebuilt(holder), "after it was saved", CLONE_FIRST,
-                                    (version, t._version))
+                                    (version, version_of(t)))
         return t
 
     def forget(self, key: Any) -> None:
@@ -616,8 +615,8 @@ class CheckpointFrame:
         with ``retain_graph=True``)."""
         for ref in self.holders:
             h = ref()
-            if h is not None and h.refills:
-                h.refills.pop(key, None)
+            if h is not None:
+                h.drop_refill(key)
         if self.rebuilds.by_pos:
             self.rebuilds.forget(key)
         self.replayed_keys.discard(key)
@@ -668,7 +667,7 @@ class CheckpointFrame:
         needed = 0
         for ref in self.holders:
             h = ref()
-            if h is not None and h.kept is None and (h.refills is None or key not in h.refills):
+            if h is not None and h.kept is None and not h.has_refill(key):
                 needed += 1
         if self.rebuilds.by_pos:
             needed += self.rebuilds.count_to_refill(key)
@@ -689,7 +688,7 @@ class CheckpointFrame:
         if self.module_state is not None:
             try:
                 module_undo = self.module_state.install(self.name)
-                replay.module_undo = module_undo
+                replay.restore_modules_with(module_undo)
             except BaseException:
                 for h, s in zip(hooks, caller_states):
                     h.restore(s)
@@ -776,32 +775,32 @@ class CheckpointFrame:
                     if s.kind != INPUT or by_replayed_code:
                         s.mark_kept(x)
                     else:
-                        s.save_consumed = True
+                        s.consumed_by_save()
 
 
     def _record_region_outputs(self, record: RegionRecord, out: Any) -> None:
         """A top-level SAVE region returned: observe each output tensor as a source the
         replay may need (kept later if producer responsibility says so)."""
-        leaves, record.output_spec = flatten_region_outputs(out, record.qualname, self.name)
-        pending = [r() for r in record.pending_keep]
+        leaves, spec = flatten_region_outputs(out, record.qualname, self.name)
+        pending = record.take_pending_keep()
         hooks = self.kept_hooks.bind_outputs()
+        outputs: list[Any] = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                src = TensorSource(OUTPUT, i, leaf, record.qualname)
-                src.hooks = hooks
+                src = TensorSource(OUTPUT, i, leaf, record.qualname, hooks)
                 self.sources.add(leaf, src)
                 self.output_sources.append(src)
                 node = leaf.grad_fn
                 if node is not None:
-                    seq = node._sequence_nr()
+                    seq = sequence_nr(node)
                     self.save_output_seqs.add(seq)
                     self.rebuilds.output_edges[(seq, leaf.output_nr)] = src
                 if pending and any(p is storage_root(leaf) for p in pending):
                     src.mark_kept(leaf)
-                record.outputs.append(src)
+                outputs.append(src)
             else:
-                record.outputs.append(leaf)
-        record.pending_keep = []
+                outputs.append(leaf)
+        record.outputs_recorded(spec, outputs)
 
 
     def _record_written_arguments(self, record: RegionRecord, written: list[tuple[int, torch.Tensor]]) -> None:
@@ -821,16 +820,15 @@ class CheckpointFrame:
                     if s.kind != INPUT:
                         s.overwrite(record.qualname)
                         self.sources.drop(t, s)
-            src = TensorSource(ARGUMENT, i, t, record.qualname)
-            src.hooks = hooks
+            src = TensorSource(ARGUMENT, i, t, record.qualname, hooks)
             self.sources.add(t, src)
             self.output_sources.append(src)
             node = t.grad_fn
             if node is not None:  # the input walk does not enter the region through it
-                self.save_output_seqs.add(node._sequence_nr())
+                self.save_output_seqs.add(sequence_nr(node))
             if replay_has_it:
                 src.mark_kept(t)
-            record.written.append((i, src, t._version))
+            record.wrote_argument(i, src, version_of(t))
 
 
 _compat.mark_internal_pack_hook(CheckpointFrame, "outer_hooks")
@@ -845,7 +843,7 @@ class SaveRegionWatch:
     def __init__(self, module_state: Any, leaves: Sequence[Any]) -> None:
         self.module_state = module_state
         # (position, tensor, version) of every tensor argument
-        self.arguments = [(i, t, t._version) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self.arguments = [(i, t, version_of(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         self.buffers = (
             module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
         )
@@ -859,7 +857,7 @@ class SaveRegionWatch:
     def written_arguments(self) -> list[tuple[int, torch.Tensor]]:
         """``(position, tensor)`` of the arguments the body wrote in place
         (``nn.ReLU(inplace=True)``, a Function that marks its input dirty)."""
-        return [(i, t) for i, t, version in self.arguments if t._version != version]
+        return [(i, t) for i, t, version in self.arguments if version_of(t) != version]
 
 
 def mark_inputs_read_by_replayed_code(
@@ -883,7 +881,7 @@ def mark_inputs_read_by_replayed_code(
     for node in [*roots, *extra_roots]:
         if node is None:
             continue
-        seq = node._sequence_nr()
+        seq = sequence_nr(node)
         if id(node) not in seen and seq not in stop and seq >= start_seq:
             seen[id(node)] = node
             stack.append(node)
@@ -897,12 +895,12 @@ def mark_inputs_read_by_replayed_code(
             if hit is not None:
                 unfound -= 1
                 for s in hit:
-                    s.keep = True
+                    s.mark_needed()
             k = id(nxt)
             if k in seen:
                 continue
             seen[k] = nxt
-            seq = nxt._sequence_nr()
+            seq = sequence_nr(nxt)
             if seq >= start_seq and seq not in stop:
                 stack.append(nxt)
 

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from .._compat import version_of
 from .._errors import modified_in_place
 
 PARAMETER = "parameter"
@@ -186,14 +187,14 @@ def _module_slots(
         if not _non_tensor_types.issuperset(map(type, d.values())):
             for k, t in d.items():
                 if isinstance(t, torch.Tensor):
-                    slots.append(_Slot(d, k, t, t._version, p, ATTRIBUTE))
+                    slots.append(_Slot(d, k, t, version_of(t), p, ATTRIBUTE))
                 else:
                     _non_tensor_types.add(type(t))  # (Tensor's metaclass has no __instancecheck__)
         ps = m._parameters
         if ps:
             for k, t in ps.items():
                 if t is not None:
-                    params.append((ps, k, t, t._version, p))
+                    params.append((ps, k, t, version_of(t), p))
         buffers = m._buffers
         if buffers:
             group = []
@@ -205,7 +206,7 @@ def _module_slots(
                     copy = None
                     if copy_them:
                         copy = t.detach().clone() if t.requires_grad else t.clone()
-                    group.append(_Slot(buffers, k, t, t._version, p, BUFFER, copy))
+                    group.append(_Slot(buffers, k, t, version_of(t), p, BUFFER, copy))
             slots.extend(group)
             buffer_groups.append((m, group))
         children = m._modules
@@ -277,7 +278,7 @@ class ModuleState:
             _module_slots(prefix, module, params, slots, groups, seen, others, unwritten)
         for name, cell in cells:
             t = cell.cell_contents
-            slots.append(_Slot(_CellSlot(cell), None, t, t._version, name, CLOSURE))
+            slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
         if params or slots or others or values:
             return ModuleState(params, slots, groups, others, values)
         return None
@@ -287,10 +288,10 @@ class ModuleState:
         (and remember their modules in ``unwritten``); refuse parameters and closure
         tensors it updated in place, and buffers it updated without a copy."""
         for module, group in self.buffer_groups:
-            if any(s.tensor._version != s.version for s in group) or _updates_buffers_unseen(module):
+            if any(version_of(s.tensor) != s.version for s in group) or _updates_buffers_unseen(module):
                 unwritten.pop(id(module), None)
                 if any(s.copy is None for s in group):
-                    changed = [s for s in group if s.tensor._version != s.version] or group
+                    changed = [s for s in group if version_of(s.tensor) != s.version] or group
                     s = changed[0]
                     raise _written_without_copy(s.name, checkpoint, s.version, s.tensor)
                 for s in group:
@@ -300,7 +301,7 @@ class ModuleState:
                     s.copy = None
                 unwritten[id(module)] = weakref.ref(module)
         for _, key, t, version, prefix in self.params:
-            if t._version != version:
+            if version_of(t) != version:
                 raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
         for s in self.slots:
             t = s.tensor
@@ -308,7 +309,7 @@ class ModuleState:
                 # The forward rebinds it (self.center = 0.9 * self.center + ...): the
                 # replay starts from the tensor it held at entry, kept here.
                 continue
-            if t._version != s.version and s.kind != BUFFER:
+            if version_of(t) != s.version and s.kind != BUFFER:
                 raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
 
     def buffers_now(self) -> list[tuple[Any, int]]:
@@ -317,7 +318,7 @@ class ModuleState:
         for _, group in self.buffer_groups:
             for s in group:
                 t = s.owner.get(s.key)
-                out.append((t, -1 if t is None else t._version))
+                out.append((t, -1 if t is None else version_of(t)))
         return out
 
     def updated_in_region(self, before: list[tuple[Any, int]]) -> list[tuple[_Slot, Any, int]]:
@@ -333,13 +334,13 @@ class ModuleState:
                 i += 1
                 t = s.owner.get(s.key)
                 now.append(t)
-                if t is not t0 or (t is not None and t._version != v):
+                if t is not t0 or (t is not None and version_of(t) != v):
                     changed = True
             if not changed:
                 continue
             with torch.no_grad():
                 for s, t in zip(group, now):
-                    out.append((s, None if t is None else t.detach().clone(), 0 if t is None else t._version))
+                    out.append((s, None if t is None else t.detach().clone(), 0 if t is None else version_of(t)))
         return out
 
     @staticmethod
@@ -415,7 +416,7 @@ class ModuleState:
                     else:
                         slot[None] = value
             for owner, key, t, version, prefix in self.params:
-                if t._version != version:
+                if version_of(t) != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
                 current = owner.get(key)
                 if current is not t:
@@ -431,7 +432,7 @@ class ModuleState:
                     s.owner[s.key] = replayed
                     continue
                 t = s.tensor
-                if t._version != s.version:
+                if version_of(t) != s.version:
                     raise _modified_before_replay(s.kind, s.name, checkpoint, s.version, t)
                 if current is not t:
                     undo.append((s.owner, s.key, current))
@@ -470,7 +471,7 @@ def _modified_in_forward(kind: str, name: str, checkpoint: str, version: int, t)
         "it outside the checkpoint, or register it as a buffer of the "
         "checkpointed module (buffers updated in forward are replayed "
         "from a copy).",
-        (version, t._version),
+        (version, version_of(t)),
     )
 
 
@@ -482,7 +483,7 @@ def _written_without_copy(name: str, checkpoint: str, version: int, t) -> Except
         "This step cannot be replayed exactly; the next call copies the buffer again. "
         "If the forward updates it only on some steps, assign the new value instead "
         "(self.buf = new, which needs no copy) or update it outside the checkpoint.",
-        (version, t._version),
+        (version, version_of(t)),
     )
 
 
@@ -494,7 +495,7 @@ def _modified_before_replay(kind: str, name: str, checkpoint: str, version: int,
         "The recompute would read the new value and the gradients "
         "would be wrong. Run backward before updating it (e.g. "
         "optimizer.step() after loss.backward()), or update a clone.",
-        (version, t._version),
+        (version, version_of(t)),
     )
 
 

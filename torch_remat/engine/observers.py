@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
+    from .records import RegionRecord, RegionSaved
 
 
 class CheckpointObserver:
@@ -47,13 +48,13 @@ class CheckpointObserver:
     def forward_exited(self, frame: CheckpointFrame | None) -> None:
         """The checkpointed function returned or raised."""
 
-    def region_entered(self, frame: CheckpointFrame | None, record: Any) -> None:
+    def region_entered(self, frame: CheckpointFrame | None, record: RegionRecord) -> None:
         """A ``remat.region`` body is about to run in a forward."""
 
-    def region_exited(self, frame: CheckpointFrame | None, record: Any) -> None:
+    def region_exited(self, frame: CheckpointFrame | None, record: RegionRecord) -> None:
         """A region body returned or raised; a SAVE region's outputs are recorded."""
 
-    def tensor_kept(self, frame: CheckpointFrame | None, saved: Any, tensor: Any) -> None:
+    def tensor_kept(self, frame: CheckpointFrame | None, saved: RegionSaved, tensor: Any) -> None:
         """A SAVE region kept ``tensor`` for backward as ``saved`` (a RegionSaved)."""
 
     def replay_started(self, frame: CheckpointFrame | None) -> None:

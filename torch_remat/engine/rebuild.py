@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
-from .._compat import autograd_sequence_nr
+from .._compat import autograd_sequence_nr, sequence_nr, version_of, view_base
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
 from .._tensors import TensorMeta, describe_tensor
 from .placeholder import Placeholder
-from .records import RegionRecord, RegionSaved, TensorSource, region_leaves
+from .records import Refills, RegionRecord, RegionSaved, TensorSource, region_leaves
 
 tree_flatten = _compat.tree_flatten
 
@@ -70,7 +70,7 @@ class RebuildArg:
         self.layout = (
             t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, t.untyped_storage().nbytes()
         )
-        self.version = t._version
+        self.version = version_of(t)
         self.checksum: Any = None
         self.saves: list[weakref.ref] = []
 
@@ -96,7 +96,7 @@ class RegionRebuild:
         self.seq = autograd_sequence_nr()
 
 
-class RebuiltSave:
+class RebuiltSave(Refills):
     """Packed in place of a SAVE-region save that the replay refills.
 
     ``pending`` holds the tensor until the forward ends; then either the save is
@@ -120,7 +120,7 @@ class RebuiltSave:
         else:
             self.view = (shape, stride, offset)
         self.requires_grad = t.requires_grad
-        self.version = t._version
+        self.version = version_of(t)
         self.pending: torch.Tensor | None = t
         self.kept: RegionSaved | None = None
         # the hooks a kept save would get, as of the save (if it is kept after all)
@@ -191,13 +191,13 @@ class Rebuilds:
             if not isinstance(x, torch.Tensor):
                 continue
             node = x.grad_fn  # None for parameters and other leaves
-            if node is None or node._sequence_nr() < start:
+            if node is None or sequence_nr(node) < start:
                 continue
             if x.layout is not torch.strided:
                 continue  # sparse, jagged nested: no storage view to rebuild from; kept
             if type(x) is not torch.Tensor and hasattr(type(x), "__tensor_flatten__"):
                 continue  # a wrapper of other tensors (DTensor): no storage of its own; kept
-            base = x._base
+            base = view_base(x)
             root = x if base is None else base
             if type(root) is not torch.Tensor and isinstance(root, torch.nn.Parameter):
                 continue  # (a view of) a parameter: is_parameter(x)
@@ -241,14 +241,19 @@ class Rebuilds:
             # Modified in place since the save: hooks would pack the new value now and
             # backward would use it. Held as it is instead, with the version of the
             # save, so that backward raises as autograd does without remat.
-            modified = t._version != saved.version
+            modified = version_of(t) != saved.version
             kept = RegionSaved(region, f"saved.{len(region.saved)}", t, None if modified else saved.hooks)
             if kept.tensor is not None:
-                kept.version = saved.version  # an in-place change since the save is an error
-            region.saved.append(weakref.ref(kept))
+                kept.expect_version(saved.version)  # an in-place change since the save is an error
+            region.add_saved(kept)
             saved.kept = kept
             for observer in frame.observers.kept:
                 observer.tensor_kept(frame, kept, t)
+
+    def note_needed(self, seq: int) -> None:
+        """A save outside SAVE regions that the replay must refill was made when the
+        autograd sequence counter stood at ``seq``."""
+        self.last_needed_seq = seq
 
     def abandon(self) -> None:
         """The forward raised: saves still pending let go of their tensors (a save
@@ -291,12 +296,12 @@ class Rebuilds:
                 node, arg.node = arg.node, None
                 keep = rebuild.seq > limit or (
                     floor is not None
-                    and node._sequence_nr() >= floor
+                    and sequence_nr(node) >= floor
                     and _reaches_unkept_output(node, output_edges, floor, clean)
                 )
                 if not keep:
                     for s in saves:
-                        if s.pending._version != s.version:
+                        if version_of(s.pending) != s.version:
                             keep = True
                             break
                 if keep:
@@ -360,15 +365,15 @@ class Rebuilds:
             for a in r.args:
                 for ref in a.saves:
                     s = ref()
-                    if s is not None and s.kept is None and (s.refills is None or key not in s.refills):
+                    if s is not None and s.kept is None and not s.has_refill(key):
                         n += 1
         return n
 
     def forget(self, key: Any) -> None:
         """Drop what the replay for ``key`` refilled and nothing unpacked."""
         for s in self.live_saves():
-            if s.refills:
-                s.refills.pop(key, None)
+            if s is not None:
+                s.drop_refill(key)
 
     def refill(self, replay: ReplayPass, pos: int, args: tuple, kwargs: dict) -> int:
         """The replay reached the SAVE region call at replay position ``pos``:
@@ -386,16 +391,13 @@ class Rebuilds:
                 s = ref()
                 if s is None or s.kept is not None:
                     continue
-                rec = s.refills
-                if rec is None:
-                    s.refills = rec = {}
-                elif key in rec:
+                if s.has_refill(key):
                     continue
                 if d is None:
                     x = leaves[arg.index] if arg.index < len(leaves) else None
                     if not (
                         type(x) is torch.Tensor
-                        and x._version == arg.version
+                        and version_of(x) == arg.version
                         and arg.checksum is None
                         and _same_layout(x, arg.layout)
                     ):
@@ -403,7 +405,7 @@ class Rebuilds:
                     d = x.detach()
                 view = s.view
                 t = d if view is None else d.as_strided(*view)  # the argument, or a view of it
-                rec[key] = (t, t._version)
+                s.refill(key, t)
                 filled += 1
         return filled
 
@@ -444,10 +446,10 @@ def _check_argument(frame: CheckpointFrame, rebuild: RegionRebuild, arg: Rebuild
             "that argument are rebuilt from the replay's value, which must be laid out "
             "as in the forward: the replay must compute the same tensors as the forward."
         )
-    if x._version != arg.version:
+    if version_of(x) != arg.version:
         raise modified_in_place(
             _where(frame, rebuild, arg), "after the forward passed it to the region", CLONE_FIRST,
-            (arg.version, x._version),
+            (arg.version, version_of(x)),
         )
     if arg.checksum is not None:
         from .replay import checksum
@@ -482,7 +484,7 @@ def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> 
         for nxt, nr in n.next_functions:
             if nxt is None:
                 continue
-            src = outputs.get((nxt._sequence_nr(), nr))
+            src = outputs.get((sequence_nr(nxt), nr))
             if src is not None:
                 if not src.keep:
                     return True
@@ -491,7 +493,7 @@ def _reaches_unkept_output(node: Any, outputs: dict, start: int, clean: set) -> 
             if k in seen or k in clean:
                 continue
             seen.add(k)
-            if nxt._sequence_nr() >= start:
+            if sequence_nr(nxt) >= start:
                 stack.append(nxt)
                 visited.append(nxt)
     clean.update(id(v) for v in visited)
@@ -524,7 +526,7 @@ def _first_flop_node(roots: Iterable[Any], stop: set[int], lo: int) -> int:
         if id(n) in seen:
             continue
         seen.add(id(n))
-        seq = n._sequence_nr()
+        seq = sequence_nr(n)
         if seq < lo or seq in stop:
             continue
         if seq < first and _has_flops(n):

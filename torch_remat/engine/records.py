@@ -31,7 +31,7 @@ import torch
 
 from .. import _compat
 from .._autograd_hooks import VersionedTensor
-from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks
+from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks, version_of
 from .._errors import RematError, modified_in_place
 from .._tensors import (
     TensorMeta,
@@ -46,7 +46,35 @@ from .placeholder import PlaceholderOrigin, make_placeholder
 from .saved_hooks import DeferredPack, PackedVersion, SavedTensorKind
 
 
-class Holder:
+class Refills:
+    """What the replays recreated of one saved tensor, one entry per backward (graph
+    task key) until that backward unpacks it. Its methods are the only writers of
+    ``refills``, for :class:`Holder` and ``rebuild.RebuiltSave`` alike."""
+
+    __slots__ = ()
+    refills: dict[Any, tuple[torch.Tensor, int]] | None
+
+    def has_refill(self, key: Any) -> bool:
+        return self.refills is not None and key in self.refills
+
+    def refill(self, key: Any, t: torch.Tensor) -> None:
+        """Hold ``t`` (detached by the caller) for the backward ``key``, with its
+        version now, which the unpack checks."""
+        if self.refills is None:
+            self.refills = {}
+        self.refills[key] = (t, version_of(t))
+
+    def take_refill(self, key: Any) -> tuple[torch.Tensor, int]:
+        """The tensor refilled for ``key`` and its version then, no longer held."""
+        assert self.refills is not None
+        return self.refills.pop(key)
+
+    def drop_refill(self, key: Any) -> None:
+        if self.refills:
+            self.refills.pop(key, None)
+
+
+class Holder(Refills):
     """Packed in place of a tensor saved outside SAVE regions.
 
     The tensor itself is not kept: the replay refills ``refills[gid]`` for the
@@ -66,6 +94,10 @@ class Holder:
 
     def unpack(self) -> torch.Tensor:
         return self.frame.unpack_holder(self)
+
+    def keep_value(self, d: torch.Tensor) -> None:
+        """Hold ``d``, a tensor the checkpoint keeps anyway: no replay needs to refill it."""
+        self.kept = VersionedTensor(d)
 
 tree_flatten = _compat.tree_flatten
 
@@ -110,7 +142,7 @@ class RegionSaved:
         if outer_hooks is None:
             d = t.detach()
             self.tensor = d
-            self.version = d._version
+            self.version = version_of(d)
             self.packed = None
             self.unpack_fn = None
         else:
@@ -121,7 +153,7 @@ class RegionSaved:
             # (an nn.Parameter reaches remat's hooks as itself, as autograd saves it)
             d = t.detach() if len(outer_hooks) > 2 and not isinstance(t, torch.nn.Parameter) else t
             self.tensor = None
-            self.version = t._version
+            self.version = version_of(t)
             self.packed = pack_fn(d)
             self.witness = PackedVersion(self.version, t) if d is t else PackedVersion(self.version, t, d)
         # a leaf's copy made by pack hooks (save_on_cpu) is memory of its own
@@ -129,6 +161,22 @@ class RegionSaved:
             held_anyway(t) and (self.packed is None or same_storage(self.packed, t))
         )
 
+
+    def label(self, name: str) -> None:
+        """Name this save (``save_for_backward`` naming a tensor)."""
+        self.name = name
+
+    def located_at(self, site: str | None) -> None:
+        """The user's source line that made this save (``record_save_sites``)."""
+        self.site = site
+
+    def link_output(self, index: int) -> None:
+        """This save shares its storage with output ``index`` of its region."""
+        self.output_index = index
+
+    def expect_version(self, version: int) -> None:
+        """The version the save had when made (a rebuilt save kept after all)."""
+        self.version = version
     def unpack(self) -> torch.Tensor:
         if self.unpack_fn is not None:
             if self.unread:
@@ -139,8 +187,8 @@ class RegionSaved:
                 raise self._modified(moved)
             return t
         t = self.tensor
-        if t._version != self.version:
-            raise self._modified(t._version)
+        if version_of(t) != self.version:
+            raise self._modified(version_of(t))
         return t
 
     def _modified(self, version: int) -> Exception:
@@ -280,6 +328,46 @@ class RegionRecord:
     def kind(self) -> str:
         return "recompute" if self.recompute else "save"
 
+    def entered(self, rng_entry: list[Any] | None) -> None:
+        """A SAVE region's body starts: the generators' fingerprints then."""
+        self.rng_entry = rng_entry
+
+    def returned(
+        self,
+        exit_states: list[Any],
+        host_exit: tuple[Any, ...] | None,
+        attributes_exit: list[tuple[Any, Any, Any]] | None,
+        raised: BaseException | None = None,
+    ) -> None:
+        """A SAVE region's body returned (or raised ``raised``): the state the
+        replay sets where it skips the body."""
+        self.raised = raised
+        self.exit_states = exit_states
+        self.host_exit = host_exit
+        self.attributes_exit = attributes_exit
+
+    def add_saved(self, saved: RegionSaved) -> None:
+        self.saved.append(weakref.ref(saved))
+
+    def needs_kept(self, root: torch.Tensor) -> None:
+        """``recompute_needs_tensor(root)`` was called inside this SAVE region."""
+        self.pending_keep.append(weakref.ref(root))
+
+    def take_pending_keep(self) -> list[torch.Tensor | None]:
+        """The roots :meth:`needs_kept` named (None for one freed since), forgotten."""
+        pending = [r() for r in self.pending_keep]
+        self.pending_keep = []
+        return pending
+
+    def outputs_recorded(self, spec: Any, outputs: list[Any]) -> None:
+        """The region returned ``outputs`` (a TensorSource per tensor) in the
+        container ``spec`` describes."""
+        self.output_spec = spec
+        self.outputs.extend(outputs)
+
+    def wrote_argument(self, position: int, source: TensorSource, version: int) -> None:
+        self.written.append((position, source, version))
+
     def live_saved(self) -> list[RegionSaved]:
         out = []
         for ref in self.saved:
@@ -326,7 +414,9 @@ class TensorSource:
         "written_by",
     )
 
-    def __init__(self, kind: str, index: int, t: torch.Tensor, region: str | None = None) -> None:
+    def __init__(
+        self, kind: str, index: int, t: torch.Tensor, region: str | None = None, hooks: Any = None
+    ) -> None:
         self.kind = kind
         # an input the module or autograd holds anyway (where its storage is): reports
         # do not bill what the checkpoint keeps of it in that storage
@@ -341,11 +431,11 @@ class TensorSource:
         self.ref = t if kind == INPUT else weakref.ref(t)
         self.kept_tensor: torch.Tensor | None = None
         self.kept_is_root = False
-        self.version = t._version
+        self.version = version_of(t)
         self.keep = False
         self.save_consumed = False
         self.saved = None
-        self.hooks = None  # a saved_hooks.DeferredPack bound to this source, or None
+        self.hooks = hooks  # a saved_hooks.DeferredPack bound to this source, or None
         self.witness: PackedVersion | None = None  # set when hooks pack it
         # complex outputs: (is_conj, is_neg), which a storage root held in their place
         # lacks (public ops give a real tensor a negative bit only as the .imag of a
@@ -358,6 +448,27 @@ class TensorSource:
 
     def origin(self, checkpoint: str) -> PlaceholderOrigin:
         return PlaceholderOrigin(checkpoint, self.kind, self.index, self.region, self.written_by)
+
+    def release(self) -> None:
+        """The forward raised: let go of the tensor."""
+        self.ref = self.kept_tensor = None
+
+    def mark_needed(self) -> None:
+        """An input the replay reads: kept."""
+        self.keep = True
+
+    def keep_if_modified(self) -> None:
+        """No replay will read this input: kept only if it was modified in place
+        (storing it then reports the modification)."""
+        self.keep = version_of(self.ref) != self.version
+
+    def consumed_by_save(self) -> None:
+        """An input handed to a SAVE region (kept only if replayed code reads it)."""
+        self.save_consumed = True
+
+    def drop_saved(self) -> None:
+        """An unread input: its packed copy is unpacked elsewhere (unread_inputs)."""
+        self.saved = self.witness = None
 
     def mark_kept(self, alias: torch.Tensor) -> None:
         """Keep this source; ``alias`` is any tensor sharing its storage."""
@@ -401,7 +512,7 @@ class TensorSource:
             t, self.kept_tensor, self.ref = self.kept_tensor, None, None
         if not self.keep:
             return
-        if t._version != self.version:
+        if version_of(t) != self.version:
             raise self._modified_error(checkpoint)
         if self.saved is not None:
             return  # an input packed when the checkpoint started
@@ -485,7 +596,7 @@ class TensorSource:
                 t = neg_view(t)
         # A copy made by the user's own hooks (offloading) starts at version 0; give
         # it the version the forward saw, which the replay's in-place check expects.
-        for _ in range(self.version - t._version):
+        for _ in range(self.version - version_of(t)):
             torch.autograd.graph.increment_version(t)
         if meta.requires_grad:
             t.requires_grad_()

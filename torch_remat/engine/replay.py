@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _compat
+from .._compat import version_of
 from .._errors import (
     CLONE_FIRST,
     PlaceholderReadError,
@@ -83,6 +84,11 @@ class ReplayPass:
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
 
+    def restore_modules_with(self, undo: list[tuple[Any, Any, Any]]) -> None:
+        """What puts the modules' state back when this replay ends (the replay adds
+        the attributes it sets where it skips a SAVE region)."""
+        self.module_undo = undo
+
     def pack(self, t: torch.Tensor) -> Any:
         i = self.counter
         self.counter = i + 1
@@ -97,22 +103,21 @@ class ReplayPass:
         holder = frame.holders[i]()
         if holder is None or holder.kept is not None:
             return _REPLAYED
-        rec = holder.refills
-        if rec is not None and self.key in rec:
+        if holder.has_refill(self.key):
             return _REPLAYED
         if isinstance(t, Placeholder):
             raise PlaceholderReadError(
                 read_error_message(t._origin, "code outside SAVE regions saved for backward a tensor that")
             )
         shape, dtype, device, region, version = frame.holder_meta[i]
-        if t._version != version:
+        if version_of(t) != version:
             # The replay recreates fresh tensors with the versions the forward saw;
             # a differing version means a tensor both passes share (a closure tensor,
             # a buffer) was modified in place after the forward saved it.
             raise modified_in_place(
                 frame.describe_holder(i),
                 f"after the forward saved it: it was at version {version} when the "
-                f"forward saved it and is at version {t._version} in the recompute",
+                f"forward saved it and is at version {version_of(t)} in the recompute",
                 CLONE_FIRST,
             )
         if frame.check_metadata and (t.shape != shape or t.dtype != dtype or t.device != device):
@@ -126,10 +131,7 @@ class ReplayPass:
             )
         if frame.bitwise_check:
             check_bitwise(frame, i, t, region)
-        d = t.detach()
-        if rec is None:
-            holder.refills = rec = {}
-        rec[self.key] = (d, d._version)
+        holder.refill(self.key, t.detach())
         self.filled += 1
         if self.filled == self.needed and frame.early_stop and not self.run_to_end:
             self.stop()

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from .._autograd_hooks import PackedPayload, pop_hooks, push_hooks, top_hooks
+from .._compat import version_of
 from .._tensors import is_parameter
 from .context import _tls as _engine_tls
 
@@ -315,9 +316,9 @@ class PackedVersion:
         since the pack, else None."""
         for ref in self.refs:
             t = ref()
-            if t is not None and t._version != self.version:
+            if t is not None and version_of(t) != self.version:
                 if unpacked is t or _same_storage(unpacked, t):
-                    return t._version
+                    return version_of(t)
         return None
 
 

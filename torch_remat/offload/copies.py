@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 
-class Layout:
+class CopyLayout:
     """What moves of a tensor ``t`` and how it comes back.
 
     A tensor whose elements fill its storage span without gaps (dense, a permuted
@@ -69,12 +69,12 @@ class SyncCopier:
     A copy back is a new tensor made by ``to(copy=True)``, at version 0 like the
     tensor that was saved (``copy_`` into an empty one would leave it at 1)."""
 
-    def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: Layout) -> Any:
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: CopyLayout) -> Any:
         src, shape = layout.source(t)
         (host if shape is None else host.view(shape)).copy_(src)
         return None
 
-    def to_device(self, host: torch.Tensor, device: torch.device, layout: Layout) -> tuple[torch.Tensor, Any]:
+    def to_device(self, host: torch.Tensor, device: torch.device, layout: CopyLayout) -> tuple[torch.Tensor, Any]:
         return layout.rebuild(host.to(device, copy=True)), None
 
     def wait(self, ready: Any, t: torch.Tensor) -> None:
@@ -89,7 +89,7 @@ class CudaCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: Layout) -> Any:
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: CopyLayout) -> Any:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             src, shape = layout.source(t)
@@ -100,7 +100,7 @@ class CudaCopier:
             done.record(self.stream)
         return done
 
-    def to_device(self, host: torch.Tensor, device: torch.device, layout: Layout) -> tuple[torch.Tensor, Any]:
+    def to_device(self, host: torch.Tensor, device: torch.device, layout: CopyLayout) -> tuple[torch.Tensor, Any]:
         with torch.cuda.stream(self.stream):
             out = layout.rebuild(host.to(device, copy=True, non_blocking=True))
             done = torch.cuda.Event()

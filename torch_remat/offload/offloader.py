@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from .. import SavedTensorKind, current_saved_tensor_info
-from .copies import CudaCopier, Layout, SyncCopier
+from .._compat import version_of
+from .copies import CopyLayout, CudaCopier, SyncCopier
 from .pool import HostPool
 
 
@@ -93,7 +94,7 @@ class _Handle:
     )
 
     def __init__(
-        self, owner: ActivationOffloader, group: _Group, region: str | None, t: torch.Tensor, layout: Layout
+        self, owner: ActivationOffloader, group: _Group, region: str | None, t: torch.Tensor, layout: CopyLayout
     ) -> None:
         self.owner = owner
         self.group = group
@@ -101,7 +102,7 @@ class _Handle:
         self.device = t.device
         self.layout = layout
         self.nbytes = layout.nbytes(t)  # what moves: the storage a broadcast view spans
-        self.version = t._version
+        self.version = version_of(t)
         self.tensor: torch.Tensor | None = t  # on the device: before offload, or prefetched
         self.host: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
@@ -192,7 +193,7 @@ class ActivationOffloader:
             return t
         if not any(fnmatch.fnmatchcase(region or "", p) for p in self.regions):
             return t
-        layout = Layout(t)
+        layout = CopyLayout(t)
         if layout.nbytes(t) < self.min_bytes:
             self.stats.resident_small += 1
             return t
@@ -250,7 +251,7 @@ class ActivationOffloader:
 
     def _offload(self, handle: _Handle) -> None:
         t = handle.tensor
-        if t._version != handle.version:
+        if version_of(t) != handle.version:
             # Updated in place since it was saved: a copy would hide that from
             # backward, which must refuse it; it stays on the device as it is.
             return

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from .._errors import RematError
 
 
@@ -41,13 +42,13 @@ def paused_recording():
 
 
 def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return _compat.storage_key(t.untyped_storage())
 
 
 def version_of(t: torch.Tensor) -> int | None:
     # Inference tensors have no version counter (and cannot be modified outside
     # inference mode): None means "nothing to check".
-    return None if t.is_inference() else t._version
+    return None if t.is_inference() else _compat.version_of(t)
 
 
 class View:

@@ -18,7 +18,7 @@ import torch
 
 from .. import _compat
 from .._autograd_hooks import graph_task_key as _graph_task_key
-from .._compat import tree_flatten, tree_unflatten
+from .._compat import tree_flatten, tree_unflatten, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
 from .._tensors import describe_tensor
 from ..engine.context import profiler_range
@@ -180,13 +180,13 @@ def _run_op(op: Op, env: dict[int, torch.Tensor]) -> None:
             leaves.append(view_of(env[leaf.sid], leaf))
         elif isinstance(leaf, Ext):
             t = leaf.tensor
-            if leaf.version is not None and t._version != leaf.version:
+            if leaf.version is not None and version_of(t) != leaf.version:
                 raise modified_in_place(
                     "a tensor read inside gradient_checkpoint_scope "
                     f"({describe_tensor(t.shape, t.dtype)})",
                     "after the scope read it, so the scope's ops cannot be replayed for backward",
                     "Clone it before modifying it, or modify it before the scope.",
-                    (leaf.version, t._version),
+                    (leaf.version, version_of(t)),
                 )
             leaves.append(t)
         else:

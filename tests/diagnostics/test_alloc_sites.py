@@ -111,7 +111,7 @@ def test_cuda_lookup_failure_is_swallowed(monkeypatch):
 def test_current_user_site_skips_library_frames():
     line = current_line() + 1
     site = (lambda: _alloc_sites.current_user_site())()
-    assert site == f"test_diagnostics_alloc_sites.py:{line} <lambda>"
+    assert site == f"test_alloc_sites.py:{line} <lambda>"
 
 
 def current_line():
@@ -134,6 +134,6 @@ def test_sites_are_recorded_only_inside_the_block_and_reach_the_saved_report():
     assert (
         "sited::exp: 16 B\n"
         "  16 B  saved.0 (output at idx 0)  (4,)  float32  "
-        f"@ test_diagnostics_alloc_sites.py:{line[0]} block\n"
+        f"@ test_alloc_sites.py:{line[0]} block\n"
     ) in text
     assert text.endswith("plain::exp: 16 B\n  16 B  saved.0 (output at idx 0)  (4,)  float32")

@@ -15,7 +15,7 @@ from benchmarks.peak_check import Autocast, real_step_peak
 from torch_remat.integrations import plan_remat, remove_remat
 from torch_remat.integrations.planner import activation_bytes, forecast_remat
 from torch_remat.integrations.planner._fake import faked, measure_fake, resized
-from torch_remat.integrations.planner._measure import Config, install
+from torch_remat.integrations.planner._measure import Placement, install
 from torch_remat.integrations.planner.forecast import _largest, parse_bytes
 
 TINY = GPTConfig(d_model=32, n_heads=4, seq_len=32, batch=2, n_layers=2, attention_dropout=0.1)
@@ -175,7 +175,7 @@ def test_kept_bytes_equal_w1s_allocator_ledger_for_each_policy(gpt):
         try:
             real = step_bytes(lambda: stack(x).sum())
         finally:
-            install(stack, Config())
+            install(stack, Placement())
             for p in stack.parameters():
                 p.grad = None
         assert policy.kept_bytes == real.live_after_forward, name

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "torch_remat"
 
 
@@ -175,6 +175,68 @@ def test_private_torch_api_is_used_only_through_compat():
     assert not offending, "private torch names outside torch_remat/_compat.py:\n" + "\n".join(
         offending
     )
+
+
+# Private attributes of tensors, storages and autograd nodes: no import names them,
+# so the check above cannot see them; _compat.py holds an accessor for each.
+PRIVATE_TENSOR_ATTRIBUTES = frozenset({"_version", "_base", "_cdata", "_sequence_nr"})
+
+
+def private_tensor_attributes(source: str) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in PRIVATE_TENSOR_ATTRIBUTES:
+            found.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in PRIVATE_TENSOR_ATTRIBUTES):
+            found.append((node.lineno, node.args[1].value))
+    return found
+
+
+def test_private_tensor_attributes_are_found():
+    source = "t._version\nx.grad_fn._sequence_nr()\ngetattr(t, '_base', None)\nst._cdata\nt.version"
+    assert sorted(private_tensor_attributes(source)) == [
+        (1, "_version"), (2, "_sequence_nr"), (3, "_base"), (4, "_cdata")]
+
+
+def test_private_tensor_attributes_are_read_only_through_compat():
+    offending = []
+    shipped = [PACKAGE, ROOT / "integrations", ROOT / "launch"]
+    for path in sorted(p for folder in shipped for p in folder.rglob("*.py")):
+        if path == PACKAGE / "_compat.py":
+            continue
+        for line, name in private_tensor_attributes(path.read_text()):
+            offending.append(f"{path.relative_to(ROOT).as_posix()}:{line} {name}")
+    assert not offending, "private tensor attributes outside torch_remat/_compat.py:\n" + "\n".join(
+        offending)
+
+
+def _untyped_frames(source: str) -> list[int]:
+    """Lines where a parameter or field named ``frame`` is annotated ``Any``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.arg) and node.arg == "frame" and node.annotation is not None:
+            annotation = node.annotation
+        elif (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+              and node.target.id == "frame"):
+            annotation = node.annotation
+        else:
+            continue
+        if "Any" in ast.unparse(annotation):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_the_checkpoint_record_is_typed_wherever_it_is_handed_on():
+    assert _untyped_frames("def f(frame: Any): ...\nclass C:\n    frame: Any | None") == [1, 3]
+    offending = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in _untyped_frames(path.read_text())
+    ]
+    assert not offending, "frame: Any in:\n" + "\n".join(offending)
 
 
 # The integrations reach private torch names and the core's shared helpers through

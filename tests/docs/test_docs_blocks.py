@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-_path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "docs_check.py"
+_path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "docs_check.py"
 _spec = importlib.util.spec_from_file_location("docs_check_pages", _path)
 docs_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(docs_check)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "benchmarks" / "run.py"
 WORKLOADS = ["W1", "W1-long", "W2", "W3", "W4", "W5", "W6", "W7"]
 QUICK_TIMEOUT_S = 720  # W5 compiles five modes, W7 simulates 64 ranks

@@ -21,7 +21,7 @@ from torch import nn
 from torch_remat._integration import format_bytes
 from torch_remat.integrations.planner import Layout, forecast_remat
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 
 from dist_models import MLPBlock, sequence_parallel_plan, tiny_net  # noqa: E402
@@ -70,6 +70,23 @@ def test_fsdp2_rank_holds_padded_shards_and_their_gradients_and_adam_state():
     assert {n: p for n, p in model.named_parameters()} == before
     assert all(type(p) is nn.Parameter for p in model.parameters())
     assert not dist.is_initialized()
+
+
+def test_fsdp2_kept_bytes_are_the_unsharded_models_not_the_roots_unsharded_parameters():
+    # The root keeps its parameters unsharded from its forward to its backward (in
+    # storages its all-gather allocated in the forward): parameters, which the
+    # planner's accounting never counts as kept. Each rank's forward keeps what the
+    # unsharded model's keeps at that rank's micro-batch, for every option and policy.
+    model = tiny_net(dim=16, hidden=48, depth=2)
+    x = torch.randn(64, 16, dtype=torch.float64)
+    alone = forecast_remat(model, x, loss_fn, 0.8, blocks=MLPBlock)
+    sharded = forecast_remat(model, x, loss_fn, 0.8, blocks=MLPBlock, layout=Layout(2))
+    assert (sharded.plan.base_bytes, sharded.plan.checkpoint_base_bytes) == (
+        alone.plan.base_bytes, alone.plan.checkpoint_base_bytes)
+    assert sharded.plan.table == alone.plan.table
+    assert {n: p.kept_bytes for n, p in sharded.policies.items()} == {
+        n: p.kept_bytes for n, p in alone.policies.items()}
+    assert any(not n.startswith("layers.") for n, _ in model.named_parameters())  # the root's own
 
 
 def test_the_last_fsdp2_rank_holds_the_remainder_of_uneven_shards():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "frameworks.md"
 # Marked as fragments for the page runner (scripts/docs_check.py), which runs a
 # page's blocks in one process without the frameworks; each is a whole script.

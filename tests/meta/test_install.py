@@ -11,7 +11,7 @@ import subprocess
 import sys
 import sysconfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "scripts" / "smoke_install.py"
 
 

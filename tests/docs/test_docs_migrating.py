@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "migrating.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 
 

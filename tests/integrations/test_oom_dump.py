@@ -125,7 +125,7 @@ def test_a_cpu_allocator_failure_in_a_region_writes_one_dump_and_is_reraised(tmp
     }
     assert before <= dump["time"] <= after
     assert dump["error"]["type"] == "RuntimeError"
-    assert dump["site"].startswith("test_integrations_oom.py:") and dump["site"].endswith(
+    assert dump["site"].startswith("test_oom_dump.py:") and dump["site"].endswith(
         " impossible_allocation"
     )
     # what was held: proj's saved input, 200 x 8 float32. The output kept for the
@@ -371,7 +371,7 @@ def test_record_sites_labels_saved_tensors_in_guarded_steps(tmp_path):
         line = next(i for i, text in enumerate(f, 1) if 'remat.region(lin, "proj"' in text)
     rows = [t for t in read(dumps.written[0])["largest_tensors"] if t["region"] == "oomtest.sites::proj"]
     assert [(t["tensor"], t["site"]) for t in rows] == [
-        ("saved.0", f"test_integrations_oom.py:{line} block")]
+        ("saved.0", f"test_oom_dump.py:{line} block")]
 
 
 def test_the_size_bound_holds_for_any_content():

@@ -15,7 +15,7 @@ import torch_remat as remat
 
 transformers = pytest.importorskip("transformers", reason="needs the 'transformers' extra")
 
-from tests.test_integrations_transformers import tiny_llama  # noqa: E402
+from tests.integrations.test_transformers import tiny_llama  # noqa: E402
 from torch_remat.integrations import enable_remat  # noqa: E402
 
 

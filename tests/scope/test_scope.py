@@ -2,7 +2,7 @@
 of the original (RETURNN) design, one test each.
 
 Gradients are compared bitwise (float64, CPU) with the same code run without the
-scope. Memory is measured in tests/test_scope_memory.py.
+scope. Memory is measured in tests/scope/test_scope_memory.py.
 """
 
 import contextlib

@@ -220,7 +220,7 @@ def test_record_save_sites_labels_rows_with_the_innermost_user_frame():
     )
     assert text.splitlines()[-1] == (
         f"  8 B  saved.0 (output at idx 0)  (2,)  float32  "
-        f"@ test_diagnostics_memory_report.py:{line} <lambda>"
+        f"@ test_memory_report.py:{line} <lambda>"
     )
     assert "@" not in plain
 
