@@ -174,7 +174,7 @@ class StorageLedger(TorchDispatchMode):
         if key not in _TRANSIENT and key not in self.pending:
             # The arguments' layouts, not the tensors (kept, they would not be freed)
             flat, spec = tree_flatten((args, kwargs))
-            layouts = [_Layout(a) if isinstance(a, torch.Tensor) else a for a in flat]
+            layouts = [_ArgumentLayout(a) if isinstance(a, torch.Tensor) else a for a in flat]
             self.pending[key] = (func, layouts, spec, torch.is_grad_enabled())
         if before > self.spikes.get(key, -1):
             self.spikes[key] = before
@@ -298,7 +298,7 @@ def _transient_key(func: Any, args: tuple, kwargs: dict) -> Any:
     return (func, torch.is_grad_enabled(), torch.get_num_threads(), tuple(meta))
 
 
-class _Layout:
+class _ArgumentLayout:
     """A tensor argument's storage size, shape, strides, offset and dtype."""
 
     __slots__ = ("nbytes", "shape", "stride", "offset", "dtype")
@@ -330,7 +330,7 @@ def learn_transients(pending: dict[Any, tuple]) -> None:
         with _disable_current_modes():
             for key, (func, flat, spec, grad) in todo:
                 try:
-                    real = [a.zeros() if isinstance(a, _Layout) else a for a in flat]
+                    real = [a.zeros() if isinstance(a, _ArgumentLayout) else a for a in flat]
                     rargs, rkwargs = tree_unflatten(real, spec)
                     with torch.profiler.profile(
                         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
@@ -355,9 +355,8 @@ def learn_transients(pending: dict[Any, tuple]) -> None:
 
 
 def _zeros_like(t: torch.Tensor) -> torch.Tensor:
-    """Real zeros of ``t``'s shape, strides and dtype (expanded strides included)."""
-    span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    return torch.zeros(span, dtype=t.dtype).as_strided(t.shape, t.stride())
+    """Real zeros of ``t``'s storage size, shape, strides, offset and dtype."""
+    return _ArgumentLayout(t).zeros()
 
 
 def _as_run(func: Any, args: tuple, kwargs: dict, out: Any, learned: dict) -> Any:
