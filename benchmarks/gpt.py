@@ -152,7 +152,7 @@ class Block(nn.Module):
         h = site("ln2", self.ln2)(x)
         h = kept("fc1", site("fc1", self.fc1)(h))
         h = kept("gelu", site("gelu", self.gelu)(h))
-        return x + site("fc2", self.fc2)(h)
+        return x + kept("fc2", site("fc2", self.fc2)(h))
 
 
 class GPTStack(nn.Module):
