@@ -7,6 +7,8 @@ tensors by the backward that needs them, and unpack outside Dynamo.
 from __future__ import annotations
 
 import sys
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,16 +22,41 @@ top_hooks = _compat.top_saved_tensors_hooks
 disabled_message = _compat.saved_tensors_hooks_disabled_message
 
 
+_graph_exec_group = _compat.get_graph_exec_group
+_graph_task_id = _compat.current_graph_task_id
+
+
 def graph_task_key() -> Any:
-    """Which backward is unpacking: its graph-exec group or graph task id; a fresh
-    key of its own for an unpack outside any backward (``grad_fn._saved_self``)."""
-    group = _compat.get_graph_exec_group()
+    """Which backward is unpacking: the one answer the engine and the scope API key
+    recreated tensors by.
+
+    * an ``int``: the graph task id of a plain backward;
+    * ``(id(group),)``: a ``torch.utils.checkpoint.GraphExecGroup``, whose
+      backwards share one replay (its id, not the group, so that what is recreated
+      for it does not keep the group alive);
+    * a fresh ``object()``: an unpack outside any backward (``grad_fn._saved_self``),
+      which nothing else will share."""
+    group = _graph_exec_group()
     if group is not None:
-        return group
-    gid = _compat.current_graph_task_id()
+        return (id(group),)
+    gid = _graph_task_id()
     if gid == -1:
         return object()
     return gid
+
+
+def when_backward_ends(key: Any, forget: Callable[[], None]) -> None:
+    """Call ``forget`` when the backward ``key`` (:func:`graph_task_key`) is over, to
+    free what was recreated for it and not unpacked (a backward that reached only
+    part of the graph): at the end of a graph task; when a graph-exec group dies
+    (its backwards may come one after the other). Nothing for an ``object()`` key:
+    its unpack is the only one."""
+    if type(key) is int:
+        _compat.queue_backward_callback(forget)
+    elif type(key) is tuple:
+        group = _graph_exec_group()
+        if group is not None:
+            weakref.finalize(group, forget)
 
 
 def in_backward() -> bool:

@@ -21,7 +21,8 @@ class Frames(CheckpointObserver):
         self.frames.append(frame)
 
     def refilled(self) -> list:
-        return [h for f in self.frames for r in f.holders if (h := r()) is not None and h.refills]
+        """Recreated tensors the frames still hold for some backward."""
+        return [t for f in self.frames for store in f.recreated.values() for t in store.tensors.values()]
 
 
 def test_refills_a_group_did_not_use_are_freed_when_the_group_dies():
@@ -56,3 +57,40 @@ def test_the_backwards_of_one_group_share_one_replay():
     assert len(runs) == 1
     rx, ry = torch.autograd.grad((block(x) + block(y)).sum(), [x, y])
     assert torch.equal(gx, rx) and torch.equal(gy, ry)
+
+
+def test_a_scope_replays_once_for_a_group_and_its_recreated_tensors_die_with_the_group(monkeypatch):
+    # The scope API keys what it recreates by the same backward key as checkpoints
+    # (_autograd_hooks.graph_task_key): a group shares one replay, and what the
+    # group's backwards did not unpack is freed when the group dies.
+    import gc
+
+    import torch_remat.scope.replay as scope_replay
+
+    targets = []
+    real = scope_replay.replay
+
+    def spy(record, recipes, key):
+        targets.extend(recipes)
+        return real(record, recipes, key)
+
+    monkeypatch.setattr(scope_replay, "replay", spy)
+    x = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
+    with remat.gradient_checkpoint_scope():
+        a, b, c = block(x), block(y), block(z)
+    loss = a.sum() + b.sum() + c.sum()  # the backwards below overlap in no saved tensor
+    group = GraphExecGroup()
+    with group:
+        (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+        n = len(targets)
+        (gy,) = torch.autograd.grad(loss, [y], retain_graph=True)
+    assert n > 0 and len(targets) == n  # the second backward of the group replayed nothing
+    rx, ry = torch.autograd.grad((block(x) + block(y)).sum(), [x, y])
+    assert torch.equal(gx, rx) and torch.equal(gy, ry)
+    # block(z)'s tensors were recreated by that replay and never unpacked
+    assert any(r.values for r in targets)
+    del group
+    gc.collect()
+    assert not any(r.values for r in targets)

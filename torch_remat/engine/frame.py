@@ -43,7 +43,14 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .. import _compat
-from .._autograd_hooks import pop_hooks, push_hooks, top_hooks, unpack_packed
+from .._autograd_hooks import (
+    graph_task_key,
+    pop_hooks,
+    push_hooks,
+    top_hooks,
+    unpack_packed,
+    when_backward_ends,
+)
 from .._compat import sequence_nr, version_of
 from .._errors import (
     CLONE_FIRST,
@@ -71,6 +78,7 @@ from .records import (
     OUTPUT,
     Constant,
     Holder,
+    Recreated,
     RegionRecord,
     RegionSaved,
     SourceIndex,
@@ -101,9 +109,6 @@ if TYPE_CHECKING:
 
 tree_flatten = _compat.tree_flatten
 tree_unflatten = _compat.tree_unflatten
-
-_graph_exec_group = _compat.get_graph_exec_group
-_graph_task_id = _compat.current_graph_task_id
 
 
 def _forget(frame_ref: weakref.ref, key: Any) -> None:
@@ -196,7 +201,9 @@ class CheckpointFrame:
         self.name_prefixes = current_prefixes()  # remat.name_scope; the replay reuses them
         self.start_seq = 0
         self.forward_done = False
-        self.replayed_keys: set[Any] = set()
+        # backward (graph_task_key) -> what its replay recreated and it has not
+        # unpacked yet; dropped when that backward ends
+        self.recreated: dict[Any, Recreated] = {}
         self.arg_aliases: list[tuple[int, int]] = []  # (i, j): argument i is argument j
         self.module_state: ModuleState | None = None
         # replay_regions index of a SAVE region -> copies of the buffers it updated
@@ -577,49 +584,35 @@ class CheckpointFrame:
         return self.take_refill(holder)
 
     def take_refill(self, holder: Holder | RebuiltSave) -> torch.Tensor:
-        """The tensor the recompute refilled for this backward, recomputing first."""
+        """The tensor the replay recreated for this backward, replaying first."""
         if self.unread_inputs:  # (a rebuilt save's unpack comes here directly)
             unpack_unread(self.unread_inputs)
-        # graph_task_key(), inlined: this runs for every tensor backward unpacks
-        group = _graph_exec_group()
-        if group is None:
-            key = _graph_task_id()
-            if key == -1:
-                key = object()
-        else:
-            # A torch.utils.checkpoint.GraphExecGroup: several backwards share one
-            # replay. Keyed by its id, not the group, so that the refills do not keep
-            # the group alive: they are freed when it dies (see recompute).
-            key = (id(group),)
-        if not holder.has_refill(key):
-            if key in self.replayed_keys:
-                raise RematError(
-                    f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
-                    "unpacked twice in the same backward. If a custom autograd Function "
-                    "reads ctx.saved_tensors more than once, read it once and reuse it."
-                )
-            self.replay(key)
-        t, version = holder.take_refill(key)
+        key = graph_task_key()
+        slot = holder.index if type(holder) is Holder else holder.slot
+        store = self.recreated.get(key)
+        if store is None:
+            store = self.replay(key)
+        elif slot not in store:
+            raise RematError(
+                f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
+                "unpacked twice in the same backward. If a custom autograd Function "
+                "reads ctx.saved_tensors more than once, read it once and reuse it."
+            )
+        t, version = store.take(slot)
         if type(key) is object:
             self.forget(key)  # unpacked outside a backward: nothing else will use them
         if version_of(t) != version:
-            if isinstance(holder, Holder):
+            if type(holder) is Holder:
                 raise self._modified_error(holder.index, version, version_of(t))
             raise modified_in_place(describe_rebuilt(holder), "after it was saved", CLONE_FIRST,
                                     (version, version_of(t)))
         return t
 
     def forget(self, key: Any) -> None:
-        """Drop the tensors refilled for ``key`` that nothing unpacked (a backward
-        that reached only part of the graph, e.g. ``autograd.grad(..., inputs=...)``
-        with ``retain_graph=True``)."""
-        for ref in self.holders:
-            h = ref()
-            if h is not None:
-                h.drop_refill(key)
-        if self.rebuilds.by_pos:
-            self.rebuilds.forget(key)
-        self.replayed_keys.discard(key)
+        """Drop what the replay recreated for the backward ``key`` and it did not
+        unpack (a backward that reached only part of the graph, e.g.
+        ``autograd.grad(..., inputs=...)`` with ``retain_graph=True``)."""
+        self.recreated.pop(key, None)
 
     def _modified_error(self, index: int, old: int, new: int) -> RematError:
         return modified_in_place(
@@ -656,7 +649,9 @@ class CheckpointFrame:
                 )
         return stack
 
-    def replay(self, key: Any) -> None:
+    def replay(self, key: Any) -> Recreated:
+        """Replay the function for the backward ``key``: returns the store of what it
+        recreated, which the frame holds until that backward ends."""
         if not self.forward_done:
             raise RematError(
                 f"torch_remat: backward reached tensors saved inside checkpoint "
@@ -664,14 +659,15 @@ class CheckpointFrame:
                 "backward called inside the checkpointed function). This is not "
                 "supported; compute such gradients outside remat.checkpoint."
             )
+        store = Recreated()
         needed = 0
         for ref in self.holders:
             h = ref()
-            if h is not None and h.kept is None and not h.has_refill(key):
+            if h is not None and h.kept is None:
                 needed += 1
         if self.rebuilds.by_pos:
-            needed += self.rebuilds.count_to_refill(key)
-        replay = ReplayPass(self, key, needed)
+            needed += self.rebuilds.count_to_refill(store)
+        replay = ReplayPass(self, store, needed)
         args, kwargs = self.replay_args()
         hooks = self.state_hooks
         rng = self.rng_use
@@ -743,17 +739,10 @@ class CheckpointFrame:
                 + replay.region_sequences()
                 + " The replay must take the same path as the forward."
             )
+        self.recreated[key] = store
         if type(key) is not object:
-            self.replayed_keys.add(key)
-        if type(key) is int:
-            # At the end of this backward, free what it refilled but did not use.
-            _compat.queue_backward_callback(functools.partial(_forget, weakref.ref(self), key))
-        elif type(key) is tuple:
-            # The backwards of a GraphExecGroup may come one after the other: free
-            # what they refilled and did not use when the group object dies.
-            group = _graph_exec_group()
-            if group is not None:
-                weakref.finalize(group, _forget, weakref.ref(self), key)
+            when_backward_ends(key, functools.partial(_forget, weakref.ref(self), key))
+        return store
 
     # ------------------------------------------- a SAVE region's arguments and outputs
 

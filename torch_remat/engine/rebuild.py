@@ -46,7 +46,7 @@ from .._compat import autograd_sequence_nr, sequence_nr, version_of, view_base
 from .._errors import CLONE_FIRST, RecomputeMismatchError, modified_in_place
 from .._tensors import TensorMeta, describe_tensor
 from .placeholder import Placeholder
-from .records import Refills, RegionRecord, RegionSaved, TensorSource, region_leaves
+from .records import Recreated, RegionRecord, RegionSaved, TensorSource, region_leaves
 
 tree_flatten = _compat.tree_flatten
 
@@ -96,16 +96,17 @@ class RegionRebuild:
         self.seq = autograd_sequence_nr()
 
 
-class RebuiltSave(Refills):
+class RebuiltSave:
     """Packed in place of a SAVE-region save that the replay refills.
 
     ``pending`` holds the tensor until the forward ends; then either the save is
-    rebuilt (``refills[gid]`` is refilled per backward, like a ``Holder``) or it
-    is kept after all as ``kept`` (a ``RegionSaved``).
+    rebuilt (each backward's replay puts it in the frame's store for that backward,
+    slot ``slot``, like a ``Holder``) or it is kept after all as ``kept`` (a
+    ``RegionSaved``).
     """
 
     __slots__ = ("frame", "arg", "region", "view", "requires_grad", "version", "pending",
-                 "kept", "hooks", "refills", "__weakref__")
+                 "kept", "hooks", "slot", "__weakref__")
 
     def __init__(self, frame: CheckpointFrame, arg: RebuildArg, region: RegionRecord, t: torch.Tensor) -> None:
         self.frame = frame
@@ -125,7 +126,7 @@ class RebuiltSave(Refills):
         self.kept: RegionSaved | None = None
         # the hooks a kept save would get, as of the save (if it is kept after all)
         self.hooks = frame.kept_hooks.region_save(region.qualname, t) or frame.outer_hooks
-        self.refills: dict[Any, tuple[torch.Tensor, int]] | None = None
+        self.slot = frame.rebuilds.new_slot()  # in the frame's stores (records.Recreated)
 
     @property
     def meta(self) -> TensorMeta:
@@ -148,7 +149,7 @@ class Rebuilds:
     """The rebuilt saves of one checkpoint call, from the SAVE region calls of its
     forward to the refills of each backward's replay."""
 
-    __slots__ = ("policy", "running", "by_pos", "last_needed_seq", "output_edges", "flop_memo")
+    __slots__ = ("policy", "running", "by_pos", "last_needed_seq", "output_edges", "flop_memo", "slots")
 
     def __init__(self, policy: str, flop_memo: dict | None) -> None:
         self.policy = policy  # "free", "always" or "never"
@@ -165,9 +166,16 @@ class Rebuilds:
         # FLOP-walk results per forward shape, shared by the calls of one
         # checkpointed function (see _flop_limit)
         self.flop_memo = flop_memo
+        self.slots = 0  # rebuilt saves made, for their slots in the frame's stores
 
     def __bool__(self) -> bool:
         return bool(self.by_pos)
+
+    def new_slot(self) -> int:
+        """A slot for a new rebuilt save in the frame's stores (``records.Recreated``):
+        negative, apart from the holders' indices."""
+        self.slots += 1
+        return -self.slots
 
     # ------------------------------------------------------------------ forward
 
@@ -357,23 +365,17 @@ class Rebuilds:
                 out.extend(a.live_saves())
         return out
 
-    def count_to_refill(self, key: Any) -> int:
-        """How many rebuilt saves the replay for ``key`` must refill (the count of
-        :meth:`live_saves` not refilled yet, without building the list)."""
+    def count_to_refill(self, store: Recreated) -> int:
+        """How many rebuilt saves a replay must put in ``store`` (the count of
+        :meth:`live_saves` not in it yet, without building the list)."""
         n = 0
         for r in self.by_pos.values():
             for a in r.args:
                 for ref in a.saves:
                     s = ref()
-                    if s is not None and s.kept is None and not s.has_refill(key):
+                    if s is not None and s.kept is None and s.slot not in store:
                         n += 1
         return n
-
-    def forget(self, key: Any) -> None:
-        """Drop what the replay for ``key`` refilled and nothing unpacked."""
-        for s in self.live_saves():
-            if s is not None:
-                s.drop_refill(key)
 
     def refill(self, replay: ReplayPass, pos: int, args: tuple, kwargs: dict) -> int:
         """The replay reached the SAVE region call at replay position ``pos``:
@@ -382,7 +384,7 @@ class Rebuilds:
         rebuild = self.by_pos.get(pos)
         if rebuild is None:
             return 0
-        frame, key = replay.frame, replay.key
+        frame, store = replay.frame, replay.store
         leaves = region_leaves(args, kwargs)
         filled = 0
         for arg in rebuild.args:
@@ -391,7 +393,7 @@ class Rebuilds:
                 s = ref()
                 if s is None or s.kept is not None:
                     continue
-                if s.has_refill(key):
+                if s.slot in store:
                     continue
                 if d is None:
                     x = leaves[arg.index] if arg.index < len(leaves) else None
@@ -405,7 +407,7 @@ class Rebuilds:
                     d = x.detach()
                 view = s.view
                 t = d if view is None else d.as_strided(*view)  # the argument, or a view of it
-                s.refill(key, t)
+                store.put(s.slot, t)
                 filled += 1
         return filled
 

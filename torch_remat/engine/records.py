@@ -46,51 +46,48 @@ from .placeholder import PlaceholderOrigin, make_placeholder
 from .saved_hooks import DeferredPack, PackedVersion, SavedTensorKind
 
 
-class Refills:
-    """What the replays recreated of one saved tensor, one entry per backward (graph
-    task key) until that backward unpacks it. Its methods are the only writers of
-    ``refills``, for :class:`Holder` and ``rebuild.RebuiltSave`` alike."""
+class Recreated:
+    """What the replays of one checkpoint call recreated for one backward: the one
+    store of recreated tensors, per backward (graph task key, see
+    :func:`~torch_remat._autograd_hooks.graph_task_key`), until that backward unpacks
+    them. Slots: a :class:`Holder`'s index, a ``rebuild.RebuiltSave``'s (negative)
+    slot. Its methods are the only writers of ``tensors``; the frame owns the stores
+    (``CheckpointFrame.recreated``) and drops a backward's store when it ends."""
 
-    __slots__ = ()
-    refills: dict[Any, tuple[torch.Tensor, int]] | None
+    __slots__ = ("tensors",)
 
-    def has_refill(self, key: Any) -> bool:
-        return self.refills is not None and key in self.refills
+    def __init__(self) -> None:
+        self.tensors: dict[int, tuple[torch.Tensor, int]] = {}
 
-    def refill(self, key: Any, t: torch.Tensor) -> None:
-        """Hold ``t`` (detached by the caller) for the backward ``key``, with its
-        version now, which the unpack checks."""
-        if self.refills is None:
-            self.refills = {}
-        self.refills[key] = (t, version_of(t))
+    def __contains__(self, slot: int) -> bool:
+        return slot in self.tensors
 
-    def take_refill(self, key: Any) -> tuple[torch.Tensor, int]:
-        """The tensor refilled for ``key`` and its version then, no longer held."""
-        assert self.refills is not None
-        return self.refills.pop(key)
+    def put(self, slot: int, t: torch.Tensor) -> None:
+        """Hold ``t`` (detached by the caller) with its version now, which the
+        unpack checks."""
+        self.tensors[slot] = (t, version_of(t))
 
-    def drop_refill(self, key: Any) -> None:
-        if self.refills:
-            self.refills.pop(key, None)
+    def take(self, slot: int) -> tuple[torch.Tensor, int]:
+        """The tensor recreated for ``slot`` and its version then, no longer held."""
+        return self.tensors.pop(slot)
 
 
-class Holder(Refills):
+class Holder:
     """Packed in place of a tensor saved outside SAVE regions.
 
-    The tensor itself is not kept: the replay refills ``refills[gid]`` for the
-    backward (graph task) ``gid`` that needs it, and unpacking removes it again so
-    recomputed tensors die as soon as backward has used them. A holder is *kept*
+    The tensor itself is not kept: the replay puts it in the frame's store for the
+    backward that needs it (:class:`Recreated`, slot ``index``), and unpacking
+    takes it out again so recomputed tensors die as soon as backward has used them. A holder is *kept*
     when the saved tensor is one the checkpoint keeps anyway (an input or a kept
     SAVE output); then it holds that tensor and never triggers a recompute.
     """
 
-    __slots__ = ("frame", "index", "kept", "refills", "__weakref__")
+    __slots__ = ("frame", "index", "kept", "__weakref__")
 
     def __init__(self, frame: CheckpointFrame, index: int) -> None:
         self.frame = frame
         self.index = index
         self.kept: VersionedTensor | None = None
-        self.refills: dict[Any, tuple[torch.Tensor, int]] | None = None
 
     def unpack(self) -> torch.Tensor:
         return self.frame.unpack_holder(self)

@@ -34,6 +34,7 @@ from .._tensors import format_dtype
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
 from .records import (
+    Recreated,
     RegionRecord,
     TensorSource,
     describe_region,
@@ -63,7 +64,8 @@ def replay_unpack(packed: Any) -> torch.Tensor:
 
 
 class ReplayPass:
-    """Refills a frame's holders for one backward (graph task) ``key``.
+    """Recreates a frame's saved tensors for one backward, into that backward's store
+    (``store``, a :class:`~torch_remat.engine.records.Recreated`).
 
     While it runs it is the active pass (see :class:`~torch_remat.engine.context.ActivePass`).
     """
@@ -71,9 +73,9 @@ class ReplayPass:
     phase = RECOMPUTE
     in_save_region = False
 
-    def __init__(self, frame: CheckpointFrame, key: Any, needed: int) -> None:
+    def __init__(self, frame: CheckpointFrame, store: Recreated, needed: int) -> None:
         self.frame = frame
-        self.key = key
+        self.store = store
         self.needed = needed
         self.counter = 0
         self.filled = 0
@@ -103,7 +105,7 @@ class ReplayPass:
         holder = frame.holders[i]()
         if holder is None or holder.kept is not None:
             return _REPLAYED
-        if holder.has_refill(self.key):
+        if i in self.store:
             return _REPLAYED
         if isinstance(t, Placeholder):
             raise PlaceholderReadError(
@@ -131,7 +133,7 @@ class ReplayPass:
             )
         if frame.bitwise_check:
             check_bitwise(frame, i, t, region)
-        holder.refill(self.key, t.detach())
+        self.store.put(i, t.detach())
         self.filled += 1
         if self.filled == self.needed and frame.early_stop and not self.run_to_end:
             self.stop()

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat
 from .._autograd_hooks import graph_task_key as _graph_task_key
+from .._autograd_hooks import when_backward_ends
 from .._compat import tree_flatten, tree_unflatten, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
 from .._tensors import describe_tensor
@@ -82,10 +82,9 @@ def unpack_recipe(record: Any, recipe: ScopeRecipe) -> torch.Tensor:
     replay(record, targets, key)
     if type(key) is not object:
         recipe.consumed.add(key)
-        if type(key) is int:
-            # At the end of this backward, free what the replay recreated for it but
-            # it did not unpack (autograd.grad(..., inputs=subset, retain_graph=True)).
-            _compat.queue_backward_callback(functools.partial(_forget, targets, key))
+        # When this backward ends, free what the replay recreated for it but it did
+        # not unpack (autograd.grad(..., inputs=subset, retain_graph=True)).
+        when_backward_ends(key, functools.partial(_forget, targets, key))
     return recipe.values.pop(key)
 
 
