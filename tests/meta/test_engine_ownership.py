@@ -278,3 +278,28 @@ def test_the_run_time_watch_sees_a_write_through_any_alias():
     assert all(w == __file__ for _, _, w in foreign)
     record.raised = None  # no watch now: nothing recorded
     assert len(foreign) == 2
+
+
+def test_the_forward_scratch_is_apart_from_the_record_and_gone_when_the_forward_ends():
+    # What only the running forward needs lives in frame.scratch; the replay and the
+    # reports read the frame alone, so backward runs with no scratch at all.
+    from torch_remat.engine.context import current_pass
+    from torch_remat.engine.frame import CheckpointFrame, ForwardScratch
+
+    seen = []
+
+    def block(x):
+        seen.append(current_pass().frame)
+        h = remat.region(torch.tanh, "t", recompute=False)(x * 2)
+        return (h.sin() * x).sum()
+
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    loss = remat.checkpoint(region_name="blk")(block)(x)
+    (frame,) = {id(f): f for f in seen}.values()
+    assert isinstance(frame, CheckpointFrame) and frame.scratch is None and frame.forward_done
+    record = set(vars(frame))
+    assert not record & set(ForwardScratch.__slots__), record & set(ForwardScratch.__slots__)
+    loss.backward()  # the replay runs on the record alone
+    assert len(seen) == 2  # the forward and the replay
+    (ref,) = torch.autograd.grad((torch.tanh(x * 2).sin() * x).sum(), [x])
+    assert torch.equal(x.grad, ref)

@@ -149,6 +149,39 @@ def autocast_state(leaves: Sequence[Any]) -> list[tuple[str, bool, torch.dtype]]
     ]
 
 
+class ForwardScratch:
+    """What the forward of one checkpoint call needs only while it runs: the region
+    stack, the tensors producer responsibility tracks, the state last snapshotted.
+    ``CheckpointFrame.scratch`` holds it from the call until the forward ends (or
+    raises); the record the replays and the reports read is the frame itself."""
+
+    __slots__ = (
+        "region_stack", "save_depth", "region_names", "sources", "walk_roots",
+        "save_output_seqs", "last_states", "host_last", "start_seq", "rng_start",
+        "rng_entry", "outer_hooks", "kept_hooks", "output_sources",
+    )
+
+    def __init__(self) -> None:
+        self.region_stack: list[RegionRecord] = []
+        self.save_depth = 0
+        self.region_names: set[str] = set()
+        self.sources = SourceIndex()  # checkpoint inputs and SAVE outputs, by storage
+        # where replayed code starts reading, besides the checkpoint's outputs
+        self.walk_roots: list[Any] = []
+        # sequence numbers of the SAVE outputs' autograd nodes (not the nodes: a SAVE
+        # output that dies inside the forward frees its region's saves at once)
+        self.save_output_seqs: set[int] = set()
+        self.last_states: list[Any] = []  # the state hooks' last snapshots
+        self.host_last: tuple[Any, ...] | None = None  # Python's/NumPy's RNG, last read
+        self.start_seq = 0  # autograd's sequence number at entry
+        self.rng_start: list[Any] | None = None  # generator fingerprints at entry
+        self.rng_entry: list[Any] | None = None  # hooked generators' positions at entry
+        self.outer_hooks: Any = None  # the user's torch hooks around the checkpoint
+        # saved-tensor hooks for what this call keeps, resolved in run_forward
+        self.kept_hooks: KeptTensorHooks | None = None
+        self.output_sources: list[TensorSource] = []  # SAVE outputs it tracks
+
+
 class CheckpointFrame:
     """State of one checkpointed call, from its forward until its graph dies."""
 
@@ -161,15 +194,14 @@ class CheckpointFrame:
         self.early_stop = options.early_stop
         self.check_metadata = options.check_metadata
         self.bitwise_check = options.bitwise_check
+        # What the forward needs only while it runs; None once it has ended.
+        self.scratch: ForwardScratch | None = ForwardScratch()
+        # Everything below is the record the replays and the reports read.
         self.holders: list[weakref.ref] = []
         self.holder_meta: list[tuple] = []
         self.holder_checksums: list[Any] = []
         self.regions: list[RegionRecord] = []
         self.replay_regions: list[RegionRecord] = []
-        self.region_names: set[str] = set()
-        self.region_stack: list[RegionRecord] = []
-        self.save_depth = 0
-        self.sources = SourceIndex()
         # indices of the hooks that replay a default generator: their position is
         # checked in the replay (rng.check_position) at each top-level SAVE region
         # call, where the replay stops early, and where the forward ended
@@ -178,28 +210,17 @@ class CheckpointFrame:
             if self.state_hooks else None
         )
         self.rng_end: list[Any] | None = None
-        self.rng_entry: list[Any] | None = None
         self.inputs: list[TensorSource] = []
-        self.output_sources: list[TensorSource] = []
-        # sequence numbers of the SAVE outputs' autograd nodes (not the nodes: a SAVE
-        # output that dies inside the forward frees its region's saves at once)
-        self.save_output_seqs: set[int] = set()
-        self.walk_roots: list[Any] = []
         self.leaves: list[Any] = []
         self.spec = None
         self.entry_states: list[Any] = []
-        self.last_states: list[Any] = []
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
-        self.outer_hooks = None
         # (index, meta, payload) of the inputs packed at entry that the replay does
         # not read (records.unpack_unread); None when nothing was packed at entry
         self.unread_inputs: list | None = None
-        # saved-tensor hooks for what this call keeps, resolved in run_forward
-        self.kept_hooks: KeptTensorHooks | None = None
         self.call = next_call_serial()
         self.name_prefixes = current_prefixes()  # remat.name_scope; the replay reuses them
-        self.start_seq = 0
         self.forward_done = False
         # backward (graph_task_key) -> what its replay recreated and it has not
         # unpacked yet; dropped when that backward ends
@@ -208,11 +229,9 @@ class CheckpointFrame:
         self.module_state: ModuleState | None = None
         # replay_regions index of a SAVE region -> copies of the buffers it updated
         self.region_buffers: dict[int, list[Any]] = {}
-        self.rng_start: list[Any] | None = None  # generator fingerprints at entry
-        # Python's random and NumPy's generator (rng.host_rng_state): at entry, kept
-        # only if the forward drew; and the last state read in forward
+        # Python's random and NumPy's generator (rng.host_rng_state) at entry, kept
+        # only if the forward drew
         self.host_entry: tuple[Any, ...] | None = None
-        self.host_last: tuple[Any, ...] | None = None
         self.rng_use: RNGUse | None = None
         self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
@@ -229,7 +248,14 @@ class CheckpointFrame:
 
     @property
     def in_save_region(self) -> bool:
-        return self.save_depth > 0
+        scratch = self.scratch
+        return scratch is not None and scratch.save_depth > 0
+
+    @property
+    def region_stack(self) -> list[RegionRecord]:
+        """The regions the forward is in, outermost first (none once it has ended)."""
+        scratch = self.scratch
+        return scratch.region_stack if scratch is not None else []
 
     def subscribe(self, observer: Any) -> None:
         """Send this checkpoint's remaining events to ``observer`` too."""
@@ -255,11 +281,11 @@ class CheckpointFrame:
                     continue
                 src = TensorSource(INPUT, i, x)
                 self.inputs.append(src)
-                self.sources.add(x, src)
-        self.entry_states = self.last_states = [h.snapshot() for h in self.state_hooks]
+                self.scratch.sources.add(x, src)
+        self.entry_states = self.scratch.last_states = [h.snapshot() for h in self.state_hooks]
         # where the generators the stock hooks restore stand at entry (the RNG guard
         # does not watch them): the replay's positions are checked only if they moved
-        self.rng_entry = position(self.state_hooks, self.rng_checks) if self.rng_checks else None
+        self.scratch.rng_entry = position(self.state_hooks, self.rng_checks) if self.rng_checks else None
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
         around = top_hooks(False)
@@ -272,22 +298,22 @@ class CheckpointFrame:
                 "activation checkpointing) is applied after apply_remat. Apply only one: "
                 "turn the framework's activation checkpointing off, or do not apply remat."
             )
-        self.outer_hooks = torch_hooks_around(around)
-        self.kept_hooks = KeptTensorHooks(
-            self.name, self.call, *self.checkpointed.options.kept_hooks, self.outer_hooks
+        self.scratch.outer_hooks = torch_hooks_around(around)
+        self.scratch.kept_hooks = KeptTensorHooks(
+            self.name, self.call, *self.checkpointed.options.kept_hooks, self.scratch.outer_hooks
         )
-        kept_hooks = self.kept_hooks
+        kept_hooks = self.scratch.kept_hooks
         if kept_hooks.inputs is not None or (
-            self.outer_hooks is not None and not kept_hooks.nested and not remat_machinery(self.outer_hooks)
+            self.scratch.outer_hooks is not None and not kept_hooks.nested and not remat_machinery(self.scratch.outer_hooks)
         ):
             # under saved-tensor hooks every input is packed now (records.pack_at_entry)
             for src in self.inputs:
                 src.pack_at_entry(kept_hooks.inputs)
             self.unread_inputs = []
-        self.start_seq = _compat.autograd_sequence_nr()
+        self.scratch.start_seq = _compat.autograd_sequence_nr()
         self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers)
-        self.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
-        self.host_entry = self.host_last = host_rng_state()
+        self.scratch.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
+        self.host_entry = self.scratch.host_last = host_rng_state()
         try:
             push_hooks(self, unpack_packed)
         except RuntimeError as e:
@@ -334,37 +360,36 @@ class CheckpointFrame:
         # sources and the SAVE output nodes reach the graph, whose saved tensors
         # reach this frame through the pack hook: a cycle through autograd nodes,
         # which the garbage collector cannot see.
-        for source in self.inputs + self.output_sources:  # also listed by RegionRecords
-            source.release()
-        self.walk_roots = []
+        scratch = self.scratch
+        for source in self.inputs + (scratch.output_sources if scratch else []):
+            source.release()  # (also listed by RegionRecords)
+        self.scratch = None
         self.inputs = []
-        self.output_sources = []
-        self.save_output_seqs = set()
         self.rebuilds.abandon()
-        self.sources = SourceIndex()
         self.leaves = []
-        self.module_state = self.rng_start = self.host_entry = self.host_last = None
+        self.module_state = self.host_entry = None
 
     def pack(self, t: torch.Tensor) -> Any:
         """The pack hook of the forward (the frame itself is pushed, see ``__call__``)."""
-        if self.save_depth:
+        scratch = self.scratch
+        if scratch.save_depth:
             return self._pack_in_save_region(t)
         holder = Holder(self, len(self.holders))
         # A tensor the checkpoint keeps anyway fills its holder now, unless the
         # user's own hooks (offloading) were active around the checkpoint: then the
         # kept copy lives where those hooks put it, and the replay refills the holder.
-        sources = self.sources.lookup(t)
+        sources = scratch.sources.lookup(t)
         if sources is not None:
             for s in sources:
                 s.mark_kept(t)
             # Kept tensors packed by hooks live where the hooks put them.
-            if self.outer_hooks is None and not any(s.hooks or s.saved is not None for s in sources):
+            if scratch.outer_hooks is None and not any(s.hooks or s.saved is not None for s in sources):
                 d = t.detach()
                 holder.keep_value(d)
         if holder.kept is None:
             self.rebuilds.note_needed(_compat.autograd_sequence_nr())
         self.holders.append(weakref.ref(holder))
-        stack = self.region_stack
+        stack = scratch.region_stack
         self.holder_meta.append(
             (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, version_of(t))
         )
@@ -389,11 +414,11 @@ class CheckpointFrame:
                     a = arg.tensor
                     if t.dtype.is_complex and (t.is_conj() is not a.is_conj() or t.is_neg() is not a.is_neg()):
                         break  # a conjugate/negative view: refilled as a view it would lose the bit
-                    saved = RebuiltSave(self, arg, self.region_stack[-1], t)
+                    saved = RebuiltSave(self, arg, self.scratch.region_stack[-1], t)
                     arg.saves.append(weakref.ref(saved))
                     return saved
-        region = self.region_stack[-1]
-        hooks = self.kept_hooks.region_save(region.qualname, t) or self.outer_hooks
+        region = self.scratch.region_stack[-1]
+        hooks = self.scratch.kept_hooks.region_save(region.qualname, t) or self.scratch.outer_hooks
         saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks, self.unread_inputs)
         region.add_saved(saved)
         for observer in self.observers.kept:
@@ -401,30 +426,30 @@ class CheckpointFrame:
         return saved
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
-        qualname = qualified_name(self.region_stack, name)
-        if qualname in self.region_names:
+        qualname = qualified_name(self.scratch.region_stack, name)
+        if qualname in self.scratch.region_names:
             raise ValueError(
                 f"torch_remat: region name '{qualname}' is used twice in one forward of "
                 f"checkpoint '{self.name}'. Region names identify regions between the "
                 "forward and the recompute; give each call its own name (for example "
                 "f'expert.{i}' inside a loop)."
             )
-        in_save = self.save_depth > 0
+        in_save = self.scratch.save_depth > 0
         if in_save and recompute:
-            raise refuse_recompute_inside_save(qualname, self.region_stack[-1].qualname)
-        self.region_names.add(qualname)
+            raise refuse_recompute_inside_save(qualname, self.scratch.region_stack[-1].qualname)
+        self.scratch.region_names.add(qualname)
         record = RegionRecord(self.name, name, qualname, recompute)
         self.regions.append(record)
         if not in_save:
             self.replay_regions.append(record)
         leaves = region_leaves(args, kwargs)
-        if self.sources.by_root:
+        if self.scratch.sources.by_root:
             self._consume_region_args(leaves, recompute and not in_save, not in_save)
         for outer in _tls.stack[:-1]:
             # A checkpoint nested in the replayed code of an outer one is re-run whole
             # (SAVE bodies included) by the outer replay: for the outer frame, this
             # region reads its arguments in replayed code.
-            if outer.phase == FORWARD and not outer.in_save_region and outer.sources:
+            if outer.phase == FORWARD and not outer.in_save_region and outer.scratch.sources:
                 outer._consume_region_args(leaves, True, False)
         observers = self.observers.regions
         for observer in observers:
@@ -440,10 +465,10 @@ class CheckpointFrame:
         recompute = record.recompute
         watch = None if recompute or in_save else SaveRegionWatch(self.module_state, leaves)
         written: list[tuple[int, torch.Tensor]] = []
-        self.region_stack.append(record)
+        self.scratch.region_stack.append(record)
         rebuild = None
         if not recompute:
-            self.save_depth += 1
+            self.scratch.save_depth += 1
             if not in_save:
                 if self.rng_checks:
                     record.entered(position(self.state_hooks, self.rng_checks))
@@ -467,9 +492,9 @@ class CheckpointFrame:
                                 self._attributes_change(), raised=detached_copy(e))
             raise
         finally:
-            self.region_stack.pop()
+            self.scratch.region_stack.pop()
             if not recompute:
-                self.save_depth -= 1
+                self.scratch.save_depth -= 1
             if rebuild is not None:
                 self.rebuilds.close(self, rebuild, ok)
         if not recompute and not in_save:
@@ -490,9 +515,9 @@ class CheckpointFrame:
         # moved since the last look (in the body or before it), the replay sets the
         # state the forward had here, whatever the body drew.
         state = host_rng_state()
-        if state == self.host_last:
+        if state == self.scratch.host_last:
             return None
-        self.host_last = state
+        self.scratch.host_last = state
         return state
 
     def _snapshot_after_region(self) -> list[Any]:
@@ -500,20 +525,20 @@ class CheckpointFrame:
         # drawn in between) is shared rather than stored again: a CPU generator
         # state is 5 KB per snapshot.
         states = []
-        for hook, previous in zip(self.state_hooks, self.last_states):
+        for hook, previous in zip(self.state_hooks, self.scratch.last_states):
             state = hook.snapshot()
             states.append(previous if same_state(previous, state) else state)
-        self.last_states = states
+        self.scratch.last_states = states
         return states
 
     def keep(self, t: torch.Tensor) -> bool:
         """``recompute_needs_tensor`` during the forward. False if ``t`` is unknown."""
-        sources = self.sources.lookup(t) if self.sources.by_root else None
+        sources = self.scratch.sources.lookup(t) if self.scratch.sources.by_root else None
         if sources is None:
-            if self.save_depth:
+            if self.scratch.save_depth:
                 # recorded on the outermost SAVE region of the stack: the one whose
                 # outputs the replay reads (a nested one's never reach it)
-                for record in self.region_stack:
+                for record in self.scratch.region_stack:
                     if not record.recompute:
                         record.needs_kept(storage_root(t))
                         break
@@ -524,15 +549,15 @@ class CheckpointFrame:
         return True
 
     def _finish(self, out: Any) -> None:
+        scratch = self.scratch
         for record in self.replay_regions:
             release_traceback(record.raised)
-        self.rng_use, self.rng_start = RNGUse.of_forward(self.rng_start), None
-        if self.host_last == self.host_entry and host_rng_state() == self.host_entry:
+        self.rng_use = RNGUse.of_forward(scratch.rng_start)
+        if scratch.host_last == self.host_entry and host_rng_state() == self.host_entry:
             self.host_entry = None  # nothing drawn from Python's or NumPy's generator
-        self.host_last = None
         if self.rng_checks:
             end = position(self.state_hooks, self.rng_checks)
-            if end == self.rng_entry:
+            if end == scratch.rng_entry:
                 self.rng_checks = None  # nothing drew from the hooked generators: nothing to check
             else:
                 self.rng_end = end
@@ -547,7 +572,7 @@ class CheckpointFrame:
                     s.mark_needed()
         if candidates:
             mark_inputs_read_by_replayed_code(
-                out, candidates, self.save_output_seqs, self.start_seq, self.walk_roots
+                out, candidates, scratch.save_output_seqs, scratch.start_seq, scratch.walk_roots
             )
         self.rebuilds.settle(self, out)
         if not self.rebuilds.by_pos and all(r() is None or r().kept is not None for r in self.holders):
@@ -561,11 +586,9 @@ class CheckpointFrame:
                 unread.append((s.index, s.meta, s.saved))
                 s.drop_saved()
             s.store(self.name)
-        for s in self.output_sources:
+        for s in scratch.output_sources:
             s.store(self.name)
-        self.sources = SourceIndex()
-        self.save_output_seqs = set()
-        self.walk_roots = []
+        self.scratch = None
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
 
@@ -753,12 +776,12 @@ class CheckpointFrame:
         region (the input walk decides)."""
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                sources = self.sources.lookup(x)
+                sources = self.scratch.sources.lookup(x)
                 if sources is None:
                     # Computed by replayed code and handed to a region: where the
                     # input walk starts too, besides the checkpoint's outputs.
                     if replay_level and x.grad_fn is not None:
-                        self.walk_roots.append(x.grad_fn)
+                        self.scratch.walk_roots.append(x.grad_fn)
                     continue
                 for s in sources:
                     if s.kind != INPUT or by_replayed_code:
@@ -772,17 +795,17 @@ class CheckpointFrame:
         replay may need (kept later if producer responsibility says so)."""
         leaves, spec = flatten_region_outputs(out, record.qualname, self.name)
         pending = record.take_pending_keep()
-        hooks = self.kept_hooks.bind_outputs()
+        hooks = self.scratch.kept_hooks.bind_outputs()
         outputs: list[Any] = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 src = TensorSource(OUTPUT, i, leaf, record.qualname, hooks)
-                self.sources.add(leaf, src)
-                self.output_sources.append(src)
+                self.scratch.sources.add(leaf, src)
+                self.scratch.output_sources.append(src)
                 node = leaf.grad_fn
                 if node is not None:
                     seq = sequence_nr(node)
-                    self.save_output_seqs.add(seq)
+                    self.scratch.save_output_seqs.add(seq)
                     self.rebuilds.output_edges[(seq, leaf.output_nr)] = src
                 if pending and any(p is storage_root(leaf) for p in pending):
                     src.mark_kept(leaf)
@@ -799,22 +822,22 @@ class CheckpointFrame:
         (kept: replayed code may read the argument after the region, which no save
         shows). An earlier SAVE output written this way has no value left to hand
         back as it was before: the replay gets a placeholder for it."""
-        hooks = self.kept_hooks.bind_outputs()
+        hooks = self.scratch.kept_hooks.bind_outputs()
         for i, t in written:
             replay_has_it = True
-            earlier = [s for s in self.sources.lookup(t) or () if s.region != record.qualname]
+            earlier = [s for s in self.scratch.sources.lookup(t) or () if s.region != record.qualname]
             if earlier:
                 replay_has_it = any(s.kind == INPUT for s in earlier)
                 for s in earlier:
                     if s.kind != INPUT:
                         s.overwrite(record.qualname)
-                        self.sources.drop(t, s)
+                        self.scratch.sources.drop(t, s)
             src = TensorSource(ARGUMENT, i, t, record.qualname, hooks)
-            self.sources.add(t, src)
-            self.output_sources.append(src)
+            self.scratch.sources.add(t, src)
+            self.scratch.output_sources.append(src)
             node = t.grad_fn
             if node is not None:  # the input walk does not enter the region through it
-                self.save_output_seqs.add(sequence_nr(node))
+                self.scratch.save_output_seqs.add(sequence_nr(node))
             if replay_has_it:
                 src.mark_kept(t)
             record.wrote_argument(i, src, version_of(t))

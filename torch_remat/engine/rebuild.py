@@ -125,7 +125,7 @@ class RebuiltSave:
         self.pending: torch.Tensor | None = t
         self.kept: RegionSaved | None = None
         # the hooks a kept save would get, as of the save (if it is kept after all)
-        self.hooks = frame.kept_hooks.region_save(region.qualname, t) or frame.outer_hooks
+        self.hooks = frame.scratch.kept_hooks.region_save(region.qualname, t) or frame.scratch.outer_hooks
         self.slot = frame.rebuilds.new_slot()  # in the frame's stores (records.Recreated)
 
     @property
@@ -192,7 +192,7 @@ class Rebuilds:
         if self.policy == "never":
             return None
         found = None
-        by_root, start = frame.sources.by_root, frame.start_seq
+        by_root, start = frame.scratch.sources.by_root, frame.scratch.start_seq
         i = -1
         for x in leaves:
             i += 1
@@ -283,7 +283,7 @@ class Rebuilds:
         # Where early stop would end the replay without rebuilds (the node of the op
         # that saved the last tensor to recreate), and the first op with FLOPs after it.
         # (Nodes before the checkpoint's start are not replayed.)
-        lo = max(self.last_needed_seq - 1, frame.start_seq)
+        lo = max(self.last_needed_seq - 1, frame.scratch.start_seq)
         # Without early stop the replay runs every op anyway: any rebuild is free. So is
         # one the replay reaches before the last tensor it recreates anyway.
         limit = 2**63
@@ -296,7 +296,7 @@ class Rebuilds:
         if output_edges:
             unkept = [k[0] for k, src in output_edges.items() if not src.keep]
             if unkept:  # (keys are (sequence number, output_nr))
-                floor = max(min(unkept), frame.start_seq)
+                floor = max(min(unkept), frame.scratch.start_seq)
         for rebuild in list(self.by_pos.values()):
             rebuilt = []
             for arg in rebuild.args:
@@ -331,7 +331,7 @@ class Rebuilds:
         A forward of another graph with the same shape could reuse a wrong answer;
         that only keeps a save or replays a matmul it need not (bytes or FLOPs, never
         a gradient), so it is worth the walk per step it saves."""
-        s0 = frame.start_seq
+        s0 = frame.scratch.start_seq
         parts: list[Any] = [lo - s0, autograd_sequence_nr() - s0, len(frame.holders)]
         for r in self.by_pos.values():
             parts.append(r.seq - s0)
@@ -344,7 +344,7 @@ class Rebuilds:
             return s0 + memo[key]
         roots = [t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         arg_nodes = [a.node for r in self.by_pos.values() for a in r.args]
-        limit = _first_flop_node([*roots, *frame.walk_roots, *arg_nodes], frame.save_output_seqs, lo)
+        limit = _first_flop_node([*roots, *frame.scratch.walk_roots, *arg_nodes], frame.scratch.save_output_seqs, lo)
         if memo is not None:
             if len(memo) >= 32:  # forwards of ever new shapes: start over
                 memo.clear()

@@ -13,7 +13,7 @@ Which pair packs a kept tensor, highest first:
    ``saved_tensors_hooks``);
 2. the innermost :class:`saved_tensors_hooks` context active when the pair is bound,
    unless torch hooks entered inside it are active around the checkpoint
-   (``frame.outer_hooks``): then those, unless the context was entered inside the
+   (``ForwardScratch.outer_hooks``): then those, unless the context was entered inside the
    checkpoint;
 3. none: the tensor stays resident.
 
