@@ -233,11 +233,9 @@ def cuda_memory_snapshot_available() -> bool:
     return torch.cuda.is_available() and hasattr(torch._C, "_cuda_memorySnapshot")
 
 
-def _queue_callback_before_2_15(callback) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-queue_backward_callback = getattr(torch.autograd.graph, "queue_callback", _queue_callback_before_2_15)
+queue_backward_callback = getattr(
+    torch.autograd.graph, "queue_callback", torch.autograd.Variable._execution_engine.queue_callback
+)
 """Run ``callback`` when the current backward (graph task) finishes (public from
 torch 2.15 as ``torch.autograd.graph.queue_callback``)."""
 

@@ -45,6 +45,8 @@ class _ThreadState(threading.local):
         # replay pass during its replay.
         self.stack: list[Any] = []
         self.recompute_depth = 0
+        # remat.name_scope prefixes active now (a replay runs under its forward's)
+        self.prefixes: tuple[str, ...] = ()
 
 
 _tls = _ThreadState()
@@ -176,14 +178,6 @@ def forget_exception_site(exception: BaseException) -> None:
 
 
 
-class _Prefixes(threading.local):
-    def __init__(self) -> None:
-        self.active: tuple[str, ...] = ()
-
-
-_prefixes = _Prefixes()
-
-
 @contextlib.contextmanager
 def name_scope(prefix: str) -> Iterator[None]:
     """Name the regions called inside the block ``prefix/name``.
@@ -203,43 +197,32 @@ def name_scope(prefix: str) -> Iterator[None]:
         raise TypeError(f"remat.name_scope: prefix must be a string, got {type(prefix).__name__}.")
     if not prefix:
         raise ValueError(f"remat.name_scope: prefix must be a non-empty string, got {prefix!r}.")
-    previous = _prefixes.active
-    _prefixes.active = (*previous, prefix)
+    previous = _tls.prefixes
+    _tls.prefixes = (*previous, prefix)
     try:
         yield
     finally:
-        _prefixes.active = previous
+        _tls.prefixes = previous
 
 
 def current_prefixes() -> tuple[str, ...]:
-    return _prefixes.active
+    return _tls.prefixes
 
 
 def prefixed_name(name: str, prefixes: tuple[str, ...]) -> str:
     return "/".join((*prefixes, name))
 
 
-@contextlib.contextmanager
-def prefixes_set_to(prefixes: tuple[str, ...]) -> Iterator[None]:
-    """Run the block under ``prefixes`` (a replay under its forward's prefixes)."""
-    previous = _prefixes.active
-    _prefixes.active = prefixes
-    try:
-        yield
-    finally:
-        _prefixes.active = previous
-
-
 def without_prefixes(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run with no prefixes active (a region body)."""
 
     def body(*args: Any, **kwargs: Any) -> Any:
-        previous = _prefixes.active
-        _prefixes.active = ()
+        previous = _tls.prefixes
+        _tls.prefixes = ()
         try:
             return fn(*args, **kwargs)
         finally:
-            _prefixes.active = previous
+            _tls.prefixes = previous
 
     return body
 

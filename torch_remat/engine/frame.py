@@ -51,7 +51,7 @@ from .._autograd_hooks import (
     unpack_packed,
     when_backward_ends,
 )
-from .._compat import sequence_nr, version_of
+from .._compat import profiler_enabled, sequence_nr, version_of
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -65,7 +65,6 @@ from .context import (
     _tls,
     current_prefixes,
     note_exception,
-    prefixes_set_to,
     profiler_range,
 )
 from .module_state import ModuleState
@@ -109,6 +108,7 @@ if TYPE_CHECKING:
 
 tree_flatten = _compat.tree_flatten
 tree_unflatten = _compat.tree_unflatten
+_NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def _forget(frame_ref: weakref.ref, key: Any) -> None:
@@ -718,15 +718,17 @@ class CheckpointFrame:
         tls = _tls
         tls.stack.append(replay)
         tls.recompute_depth += 1
+        caller_prefixes, tls.prefixes = tls.prefixes, self.name_prefixes  # remat.name_scope
         observers = self.observers.replay
         for observer in observers:
             observer.replay_started(self)
         try:
             push_hooks(replay, replay_unpack)
             try:
-                with torch.enable_grad(), self._autocast_context(), profiler_range(
-                    "remat.recompute:", self.name
-                ), prefixes_set_to(self.name_prefixes):
+                with torch.enable_grad(), self._autocast_context(), (
+                    torch.profiler.record_function(f"remat.recompute:{self.name}")
+                    if profiler_enabled() else _NO_RANGE
+                ):
                     self.fn(*args, **kwargs)
                 if self.rng_checks:
                     check_position(self.name, hooks, self.rng_checks, self.rng_end, "the end of its function")
@@ -740,7 +742,9 @@ class CheckpointFrame:
         finally:
             tls.stack.pop()
             tls.recompute_depth -= 1
-            restore_module_state(module_undo)
+            tls.prefixes = caller_prefixes
+            if module_undo:
+                restore_module_state(module_undo)
             for record in self.replay_regions:
                 release_traceback(record.raised)
             for h, s in zip(hooks, caller_states):
