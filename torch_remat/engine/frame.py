@@ -847,7 +847,7 @@ class CheckpointFrame:
             record.wrote_argument(i, src, version_of(t))
 
 
-_compat.mark_internal_pack_hook(CheckpointFrame, "outer_hooks")
+_compat.mark_internal_pack_hook(CheckpointFrame, "scratch.outer_hooks")  # pushed only while the forward runs
 
 
 class SaveRegionWatch:
