@@ -211,3 +211,58 @@ def test_a_memory_budget_is_refused_eagerly_naming_the_checkpoint_and_the_option
 def test_a_memory_budget_outside_0_1_is_refused_when_the_checkpoint_is_built(bad):
     with pytest.raises((TypeError, ValueError), match="memory_budget must"):
         remat.checkpoint(region_name="layers.0", memory_budget=bad)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_an_offloaded_region_with_gradients_close_and_the_report_naming_it():
+    torch.manual_seed(0)
+    block = AttnThenMlp()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    params = list(block.parameters())
+    ckpt = remat.checkpoint(region_name="layers.0", saved_tensors_hooks=offloader())(block)
+    step = torch.compile(ckpt, backend="inductor", fullgraph=True)
+    loss = step(x)
+    (checkpoint,) = remat.saved_tensors_report(loss).checkpoints
+    rows = {region.label: [row.name for row in region.rows] for region in checkpoint.regions}
+    assert rows["layers.0::attn"] == ["tanh (compiled, offloaded to host)"]
+    loss.backward()
+    actual = [loss.detach(), *(t.grad.clone() for t in (*params, x))]
+    expected_loss, expected = grads(params, [x], block)
+    # Inductor fuses and reorders float arithmetic: close, not bitwise.
+    for a, e in zip(actual, [expected_loss, *expected], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 64, dtype=DTYPE)
+        self.b = torch.nn.Linear(64, 16, dtype=DTYPE)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).sin())
+
+
+def test_apply_remat_with_a_memory_budget_compiles_each_block_under_it_and_refuses_eager_calls():
+    from torch_remat.integrations import RematConfig, apply_remat
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Layer(), Layer())
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    params = list(model.parameters())
+    expected = grads(params, [x], lambda x: model(x).sum())
+    apply_remat(model, check_fn=lambda m: isinstance(m, Layer), remat=RematConfig(memory_budget=0.5))
+    with pytest.raises(remat.RematError, match=r"'0'.*memory_budget=0.5"):
+        model(x)
+    backend, graphs = graph_capture()
+    for block in model:
+        block.compile(backend=backend, fullgraph=True)
+    actual = grads(params, [x], lambda x: model(x).sum())
+    assert_bitwise_equal(actual, expected, replays=0)
+    budgets = {
+        (n.meta.get("custom") or {}).get(torch.fx.traceback.MEMORY_BUDGET_ANNOTATION_KEY)
+        for forward in graphs["forward"]
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+    }
+    assert len(graphs["forward"]) == 2 and budgets == {0.5}
