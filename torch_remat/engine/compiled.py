@@ -35,7 +35,14 @@ What the eager engine does in Python has no run time of its own here: the
 * Saved-tensor hooks (``saved_tensors_hooks=``, ``input_saved_tensors_hooks=``, a
   ``remat.saved_tensors_hooks`` context) would pack what remat keeps; the compiled
   graph saves its tensors itself, so they are refused with
-  :class:`~torch_remat.RematCompileError` rather than ignored.
+  :class:`~torch_remat.RematCompileError` rather than ignored. The exception is an
+  ``ActivationOffloader`` as ``saved_tensors_hooks=``: the SAVE regions its
+  ``regions=`` patterns match are marked (:data:`OFFLOAD_KEY`) and their ops tagged
+  ``MUST_CPU_OFFLOAD``, which ``_compat.offload_tagged_saves_when_partitioning``
+  makes AOTAutograd honour (the forward graph saves host copies of them).
+* ``memory_budget=`` traces the body under
+  ``torch.autograd.graph.region_activation_memory_budget`` and tags the ops outside
+  SAVE regions ``PREFER_SAVE``, so that the partitioner chooses within the budget.
 * The reports name a compiled graph's saved tensors after their checkpoint and
   region from what AOTAutograd's partition of the graph records (below).
 
