@@ -45,6 +45,9 @@ _partition_joint_graph_into_fw_bw``,              checkpoint into the marks torc
 ``_functorch.config.enable_activation_            offloading pass reads (2.13 tags such ops but
 offloading``, node meta ``should_offload`` /      neither keeps nor offloads them), and see
 ``saved_for_offloading``                          which saves went to the host (reports)
+``_functorch.partitioners.choose_saved_values_    under a memory budget below 1, save the
+set``                                             tensors of a MUST_SAVE multi-output op
+                                                  (layer norm, dropout), not its tuple
 ``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
 _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a compiled node
 ``utils._pytree.tree_flatten/tree_unflatten/      find the tensors in a region's arguments and
@@ -355,6 +358,51 @@ def offload_tagged_saves_when_partitioning() -> None:
 
     partition.torch_remat_offload = True  # type: ignore[attr-defined]
     graph_compile._partition_joint_graph_into_fw_bw = partition
+
+
+def save_tensors_of_multi_output_must_saves() -> None:
+    """Under an activation memory budget below 1, torch 2.13's partitioner adds every
+    ``MUST_SAVE`` node to what the forward saves, a multi-output op's too (a
+    ``native_layer_norm`` in a SAVE region, a ``native_dropout`` kept under a
+    budget): the forward would then hand backward a tuple, which AOTAutograd refuses
+    at run time. Its other paths save such an op's ``getitem`` outputs instead; so
+    does this wrapper of its choice of saved values, for exactly the nodes whose
+    value is not a tensor and whose users are ``getitem`` s. A choice without such a
+    node is returned as is. Installed once; does nothing on a torch without that
+    step."""
+    try:
+        from torch._functorch import partitioners
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        original = partitioners.choose_saved_values_set
+    except (ImportError, AttributeError):
+        return
+    if getattr(original, "torch_remat_multi_output", False):
+        return
+    import operator
+
+    def multi_output(node) -> bool:
+        return (
+            node.op == "call_function"
+            and isinstance(node.meta.get("val"), (tuple, list))
+            and node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+            and bool(node.users)
+            and all(user.target is operator.getitem for user in node.users)
+        )
+
+    def choose(*args, **kwargs):
+        saved = original(*args, **kwargs)
+        if not any(multi_output(n) for n in saved):
+            return saved
+        chosen: list = []
+        for node in saved:
+            for n in sorted(node.users, key=lambda u: u.args[1]) if multi_output(node) else (node,):
+                if n not in chosen:
+                    chosen.append(n)
+        return chosen
+
+    choose.torch_remat_multi_output = True  # type: ignore[attr-defined]
+    partitioners.choose_saved_values_set = choose
 
 
 def host_copy_source(node):

@@ -198,6 +198,28 @@ def test_a_checkpoints_memory_budget_changes_what_the_compiled_forward_saves_and
     assert budgets == {0.5}
 
 
+def test_under_a_small_budget_dropout_keeps_its_forward_mask_and_a_save_region_is_kept():
+    # A budget below 1 lets torch's knapsack recompute ops it otherwise bans, random
+    # ones too: the dropout must stay saved, as must the SAVE region.
+    lin = torch.nn.Linear(16, 16, dtype=DTYPE)
+
+    def f(x):
+        h = remat.region(lambda t: torch.tanh(lin(t)), "attn", recompute=False)(x)
+        return torch.nn.functional.dropout(h.sin(), 0.5, training=True).cos().sum()
+
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    params = list(lin.parameters())
+    ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.1)(f)
+    backend, graphs = graph_capture()
+    actual = grads(params, [x], torch.compile(ckpt, backend=backend, fullgraph=True), seed=3)
+    # The same compiled code without the checkpoint draws the same mask from seed 3.
+    expected = grads(params, [x], torch.compile(f, backend="aot_eager", fullgraph=True), seed=3)
+    assert_bitwise_equal(actual, expected, replays=0)
+    forward = graphs["forward"][0]
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    assert "attn" in {region_of(n) for n in outputs[1:] if isinstance(n, torch.fx.Node)}
+
+
 def test_a_memory_budget_is_refused_eagerly_naming_the_checkpoint_and_the_option():
     ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.5)(torch.sin)
     x = torch.randn(4, dtype=DTYPE, requires_grad=True)
@@ -207,7 +229,7 @@ def test_a_memory_budget_is_refused_eagerly_naming_the_checkpoint_and_the_option
         assert torch.equal(ckpt(x), torch.sin(x))
 
 
-@pytest.mark.parametrize("bad", [1.5, -0.1, True, "0.5"])
+@pytest.mark.parametrize("bad", [1.5, -0.1, 0.0, True, "0.5"])
 def test_a_memory_budget_outside_0_1_is_refused_when_the_checkpoint_is_built(bad):
     with pytest.raises((TypeError, ValueError), match="memory_budget must"):
         remat.checkpoint(region_name="layers.0", memory_budget=bad)

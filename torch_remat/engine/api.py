@@ -95,11 +95,12 @@ def checkpoint(
             ``"always"``: refilled even then (the replay may run further matmuls: as
             Megatron's attention-core recompute, fewer bytes for more FLOPs).
             ``"never"``: kept, as a region body's own activations are.
-        memory_budget: under ``torch.compile`` only: a ratio in ``[0, 1]`` for the
+        memory_budget: under ``torch.compile`` only: a ratio in ``(0, 1]`` for the
             partitioner, which then chooses what the code outside SAVE regions keeps
-            (``torch.autograd.graph.region_activation_memory_budget``: 0 recomputes
-            as much as it can, 1 is its runtime-optimized choice); SAVE regions are
-            kept and offloaded as without it. torch applies one budget per compiled
+            (``torch.autograd.graph.region_activation_memory_budget``: smaller
+            recomputes more, 1 is its runtime-optimized choice); SAVE regions and
+            random ops are kept (SAVE regions offloaded) as without it. 0 is refused:
+            torch's partitioner then ignores the tags that keep them. torch applies one budget per compiled
             graph and wants it on every forward op of the graph: compile the
             checkpointed block itself (``block.compile()`` after ``apply_remat``).
             An eager call with gradients enabled raises :class:`RematError` (the
@@ -153,13 +154,17 @@ def checkpoint(
     if memory_budget is not None:
         if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
             raise TypeError(
-                f"remat.checkpoint: memory_budget must be a float in [0, 1] or None, got "
+                f"remat.checkpoint: memory_budget must be a float in (0, 1] or None, got "
                 f"{memory_budget!r} ({type(memory_budget).__name__})."
             )
-        if not 0.0 <= memory_budget <= 1.0:
+        if not 0.0 < memory_budget <= 1.0:
             raise ValueError(
-                f"remat.checkpoint: memory_budget must be in [0, 1] (a ratio of the "
-                f"partitioner's default activation memory), got {memory_budget!r}."
+                f"remat.checkpoint: memory_budget must be in (0, 1] (a ratio of the "
+                f"partitioner's default activation memory), got {memory_budget!r}. "
+                "Exactly 0 is refused: torch's partitioner then keeps only the graph "
+                "inputs, ignoring the tags that keep SAVE regions and random ops (a "
+                "recomputed dropout would draw a new mask); pass a small positive "
+                "budget instead."
             )
         memory_budget = float(memory_budget)
     hooks = validate_state_hooks(recompute_state_hooks)

@@ -143,6 +143,11 @@ def region_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
                 return CheckpointPolicy.MUST_CPU_OFFLOAD
         return CheckpointPolicy.MUST_SAVE
     if custom.get(BUDGET_KEY) is not None:
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            # Under a budget below 1 the partitioner's knapsack may recompute an op
+            # it otherwise bans from recompute, a random one too: backward would
+            # draw a new dropout mask. MUST_SAVE is the one tag it never overrides.
+            return CheckpointPolicy.MUST_SAVE
         # Under a memory budget the partitioner chooses what bare code keeps:
         # PREFER_SAVE is no constraint to it (only *_RECOMPUTE and MUST_SAVE are).
         return CheckpointPolicy.PREFER_SAVE
@@ -312,6 +317,7 @@ def _observe_partitions() -> bool:
     # and honour the CPU-offload tags of offloaded regions.
     observe_compiled_partitions()
     _compat.offload_tagged_saves_when_partitioning()
+    _compat.save_tensors_of_multi_output_must_saves()
     return True
 
 
