@@ -315,7 +315,7 @@ def observe_saved_tensor_partition(callback) -> None:
     graph_compile._categorize_saved_tensors_for_backward = categorize
 
 
-def offload_tagged_saves_when_partitioning() -> None:
+def offload_tagged_saves_when_partitioning(refine_error=None) -> None:
     """Make AOTAutograd's partitioners honour ``CheckpointPolicy.MUST_CPU_OFFLOAD``
     and ``PREFER_CPU_OFFLOAD``. torch records these tags in ``node.meta["recompute"]``
     of the joint graph, but its partitioner treats such a node as untagged (it may
@@ -327,8 +327,10 @@ def offload_tagged_saves_when_partitioning() -> None:
     partition: the forward graph then hands backward a ``prims.device_put(node,
     cpu)`` of each such save (named ``cpu_offload_<node>``) and the backward graph
     copies it back before first use. Graphs without the tags are partitioned as
-    before. Installed once; does nothing on a torch without that step (the tags
-    then reach torch's partitioner unchanged)."""
+    before. ``refine_error(joint_graph_module, error)``, if given, may return an
+    exception to raise instead of a ``RuntimeError`` of the partitioner (None: the
+    error as is). Installed once; does nothing on a torch without that step (the
+    tags then reach torch's partitioner unchanged)."""
     try:
         from torch._functorch import config as functorch_config
         from torch._functorch._aot_autograd import graph_compile
@@ -346,7 +348,7 @@ def offload_tagged_saves_when_partitioning() -> None:
         CheckpointPolicy.PREFER_CPU_OFFLOAD: CheckpointPolicy.PREFER_SAVE,
     }
 
-    def partition(fx_g, *args, **kwargs):
+    def tagged_partition(fx_g, *args, **kwargs):
         tagged = [n for n in fx_g.graph.nodes if n.meta.get("recompute") in as_saved]
         if not tagged:
             return original(fx_g, *args, **kwargs)
@@ -355,6 +357,15 @@ def offload_tagged_saves_when_partitioning() -> None:
             node.meta["should_offload"] = True
         with functorch_config.patch(enable_activation_offloading=True):
             return original(fx_g, *args, **kwargs)
+
+    def partition(fx_g, *args, **kwargs):
+        try:
+            return tagged_partition(fx_g, *args, **kwargs)
+        except RuntimeError as error:
+            better = None if refine_error is None else refine_error(fx_g, error)
+            if better is None:
+                raise
+            raise better from error
 
     partition.torch_remat_offload = True  # type: ignore[attr-defined]
     graph_compile._partition_joint_graph_into_fw_bw = partition

@@ -220,6 +220,17 @@ def test_under_a_small_budget_dropout_keeps_its_forward_mask_and_a_save_region_i
     assert "attn" in {region_of(n) for n in outputs[1:] if isinstance(n, torch.fx.Node)}
 
 
+def test_a_budget_that_does_not_cover_the_compiled_graph_is_refused_naming_the_checkpoint():
+    lin = torch.nn.Linear(16, 16, dtype=DTYPE)
+    ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.5)(lambda t: lin(t).tanh())
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    # sin and sum run in the same graph, outside the checkpoint
+    step = torch.compile(lambda x: ckpt(x.sin()).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"checkpoint 'layers.0' \(memory_budget=0.5\).*block.compile") as raised:
+        step(x)
+    assert "RematCompileError" in str(raised.value)
+
+
 def test_a_memory_budget_is_refused_eagerly_naming_the_checkpoint_and_the_option():
     ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.5)(torch.sin)
     x = torch.randn(4, dtype=DTYPE, requires_grad=True)

@@ -310,13 +310,37 @@ def option_refusal(
     return None
 
 
+def _budget_error(joint: Any, error: RuntimeError) -> Exception | None:
+    """The partitioner's refusal of a budget that does not cover its whole graph (or
+    of two budgets in one), said in terms of the checkpoints given ``memory_budget``."""
+    if "region_activation_memory_budget" not in str(error):
+        return None
+    budgets: dict[str, float] = {}
+    for node in joint.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if custom.get(BUDGET_KEY) is not None:
+            budgets.setdefault(str(custom.get(CHECKPOINT_KEY)), custom[BUDGET_KEY])
+    if not budgets:
+        return None
+    named = ", ".join(f"'{name}' (memory_budget={b})" for name, b in budgets.items())
+    return RematCompileError(
+        f"torch_remat: checkpoint {named} runs under torch.compile in a graph torch's "
+        "partitioner cannot budget: it applies one activation memory budget to a whole "
+        "compiled graph, which must cover every forward op of the graph and be the "
+        "same everywhere. Compile the checkpointed block by itself (block.compile() "
+        "after apply_remat) so that the checkpoint is the whole graph, move the other "
+        "code into the checkpoint, or separate it with torch._dynamo.graph_break(). "
+        f"torch said: {error}"
+    )
+
+
 @torch.compiler.assume_constant_result
 def _observe_partitions() -> bool:
     # Runs once per trace, outside the graph: from now on AOTAutograd's partitions
     # record which checkpoint and region each saved tensor comes from (reports),
     # and honour the CPU-offload tags of offloaded regions.
     observe_compiled_partitions()
-    _compat.offload_tagged_saves_when_partitioning()
+    _compat.offload_tagged_saves_when_partitioning(_budget_error)
     _compat.save_tensors_of_multi_output_must_saves()
     return True
 
