@@ -80,7 +80,13 @@ class RematConfig:
 
     saved_tensors_hooks: Any = None
     """Forwarded to ``remat.checkpoint``: hooks for what each checkpoint keeps, e.g.
-    a ``torch_remat.offload.ActivationOffloader``."""
+    a ``torch_remat.offload.ActivationOffloader`` (under ``torch.compile`` it turns
+    into CPU-offload tags for the SAVE regions its ``regions=`` patterns match)."""
+
+    memory_budget: float | None = None
+    """Forwarded to ``remat.checkpoint``: the partitioner's activation memory budget
+    for each checkpoint under ``torch.compile`` (an eager call raises; see
+    docs/compilation.md)."""
 
     def checkpoint_options(self) -> dict[str, Any]:
         """The ``remat.checkpoint`` keywords these fields set."""
@@ -93,6 +99,8 @@ class RematConfig:
             options["saved_tensors_hooks"] = self.saved_tensors_hooks
         if self.rebuild is not None:
             options["rebuild"] = self.rebuild
+        if self.memory_budget is not None:
+            options["memory_budget"] = self.memory_budget
         return options
 
     def save_matcher(self, where: str) -> Callable[[nn.Module], bool] | None:

@@ -40,6 +40,14 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
 ``_functorch._aot_autograd.graph_compile.         see which forward-graph node each tensor a
 _categorize_saved_tensors_for_backward``          compiled graph saves comes from (reports)
+``_functorch._aot_autograd.graph_compile.         turn the CPU-offload tags of a compiled
+_partition_joint_graph_into_fw_bw``,              checkpoint into the marks torch's activation
+``_functorch.config.enable_activation_            offloading pass reads (2.13 tags such ops but
+offloading``, node meta ``should_offload`` /      neither keeps nor offloads them), and see
+``saved_for_offloading``                          which saves went to the host (reports)
+``_functorch.partitioners.choose_saved_values_    under a memory budget below 1, save the
+set``                                             tensors of a MUST_SAVE multi-output op
+                                                  (layer norm, dropout), not its tuple
 ``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
 _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a compiled node
 ``utils._pytree.tree_flatten/tree_unflatten/      find the tensors in a region's arguments and
@@ -303,6 +311,118 @@ def observe_saved_tensor_partition(callback) -> None:
 
     categorize.torch_remat_observer = callback  # type: ignore[attr-defined]
     graph_compile._categorize_saved_tensors_for_backward = categorize
+
+
+def offload_tagged_saves_when_partitioning(refine_error=None) -> None:
+    """Make AOTAutograd's partitioners honour ``CheckpointPolicy.MUST_CPU_OFFLOAD``
+    and ``PREFER_CPU_OFFLOAD``. torch records these tags in ``node.meta["recompute"]``
+    of the joint graph, but its partitioner treats such a node as untagged (it may
+    recompute it or keep it on the device), and its activation-offloading pass
+    (behind ``_functorch.config.enable_activation_offloading``) moves only saved
+    forward outputs marked ``should_offload``. Before a joint graph is partitioned,
+    a ``MUST_CPU_OFFLOAD`` node becomes ``MUST_SAVE`` and ``PREFER_CPU_OFFLOAD``
+    ``PREFER_SAVE``, both marked ``should_offload``, and the pass runs for that
+    partition: the forward graph then hands backward a ``prims.device_put(node,
+    cpu)`` of each such save (named ``cpu_offload_<node>``) and the backward graph
+    copies it back before first use. Graphs without the tags are partitioned as
+    before. ``refine_error(joint_graph_module, error)``, if given, may return an
+    exception to raise instead of a ``RuntimeError`` of the partitioner (None: the
+    error as is). Installed once; does nothing on a torch without that step (the
+    tags then reach torch's partitioner unchanged)."""
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._functorch._aot_autograd import graph_compile
+
+        original = graph_compile._partition_joint_graph_into_fw_bw
+        functorch_config.enable_activation_offloading  # noqa: B018 (present on this torch)
+    except (ImportError, AttributeError):
+        return
+    if getattr(original, "torch_remat_offload", False):
+        return
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    as_saved = {
+        CheckpointPolicy.MUST_CPU_OFFLOAD: CheckpointPolicy.MUST_SAVE,
+        CheckpointPolicy.PREFER_CPU_OFFLOAD: CheckpointPolicy.PREFER_SAVE,
+    }
+
+    def tagged_partition(fx_g, *args, **kwargs):
+        tagged = [n for n in fx_g.graph.nodes if n.meta.get("recompute") in as_saved]
+        if not tagged:
+            return original(fx_g, *args, **kwargs)
+        for node in tagged:
+            node.meta["recompute"] = as_saved[node.meta["recompute"]]
+            node.meta["should_offload"] = True
+        with functorch_config.patch(enable_activation_offloading=True):
+            return original(fx_g, *args, **kwargs)
+
+    def partition(fx_g, *args, **kwargs):
+        try:
+            return tagged_partition(fx_g, *args, **kwargs)
+        except RuntimeError as error:
+            better = None if refine_error is None else refine_error(fx_g, error)
+            if better is None:
+                raise
+            raise better from error
+
+    partition.torch_remat_offload = True  # type: ignore[attr-defined]
+    graph_compile._partition_joint_graph_into_fw_bw = partition
+
+
+def save_tensors_of_multi_output_must_saves() -> None:
+    """Under an activation memory budget below 1, torch 2.13's partitioner adds every
+    ``MUST_SAVE`` node to what the forward saves, a multi-output op's too (a
+    ``native_layer_norm`` in a SAVE region, a ``native_dropout`` kept under a
+    budget): the forward would then hand backward a tuple, which AOTAutograd refuses
+    at run time. Its other paths save such an op's ``getitem`` outputs instead; so
+    does this wrapper of its choice of saved values, for exactly the nodes whose
+    value is not a tensor and whose users are ``getitem`` s. A choice without such a
+    node is returned as is. Installed once; does nothing on a torch without that
+    step."""
+    try:
+        from torch._functorch import partitioners
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        original = partitioners.choose_saved_values_set
+    except (ImportError, AttributeError):
+        return
+    if getattr(original, "torch_remat_multi_output", False):
+        return
+    import operator
+
+    def multi_output(node) -> bool:
+        return (
+            node.op == "call_function"
+            and isinstance(node.meta.get("val"), (tuple, list))
+            and node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+            and bool(node.users)
+            and all(user.target is operator.getitem for user in node.users)
+        )
+
+    def choose(*args, **kwargs):
+        saved = original(*args, **kwargs)
+        if not any(multi_output(n) for n in saved):
+            return saved
+        chosen: list = []
+        for node in saved:
+            for n in sorted(node.users, key=lambda u: u.args[1]) if multi_output(node) else (node,):
+                if n not in chosen:
+                    chosen.append(n)
+        return chosen
+
+    choose.torch_remat_multi_output = True  # type: ignore[attr-defined]
+    partitioners.choose_saved_values_set = choose
+
+
+def host_copy_source(node):
+    """The forward-graph node whose saved output ``node`` copies to the host, when
+    ``node`` is the activation-offloading pass's ``cpu_offload_*`` copy; else None."""
+    if getattr(node, "target", None) is not torch.ops.prims.device_put.default or not node.args:
+        return None
+    source = node.args[0]
+    if not getattr(source, "meta", {}).get("saved_for_offloading", False):
+        return None
+    return source
 
 
 def compiled_function_metadata(node) -> object | None:

@@ -38,6 +38,22 @@ def test_input_saved_tensors_hooks_under_compile_raise_naming_the_checkpoint():
         compiled_sin(input_saved_tensors_hooks=identity_hooks())(x)
 
 
+def test_an_offloader_compiles_only_as_saved_tensors_hooks_and_only_for_what_regions_keep():
+    from torch_remat.offload import ActivationOffloader
+
+    x = torch.randn(4, dtype=DTYPE, requires_grad=True)
+    offloader = ActivationOffloader(1 << 20, min_bytes=0)
+    # a compiled graph does not offload its inputs
+    with pytest.raises(remat.RematCompileError, match=r"'layers.2'.*input_saved_tensors_hooks"):
+        compiled_sin(input_saved_tensors_hooks=offloader)(x)
+    torch._dynamo.reset()
+    inputs_only = ActivationOffloader(1 << 20, kinds=(remat.SavedTensorKind.CHECKPOINT_INPUT,))
+    with pytest.raises(remat.RematCompileError, match=r"'layers.2'.*saved_tensors_hooks"):
+        compiled_sin(saved_tensors_hooks=inputs_only)(x)
+    torch._dynamo.reset()
+    assert torch.equal(compiled_sin(saved_tensors_hooks=offloader)(x), torch.sin(x))
+
+
 def test_saved_tensors_hooks_none_compiles_as_torchtitan_passes_it():
     x = torch.randn(4, dtype=DTYPE, requires_grad=True)
     out = compiled_sin(saved_tensors_hooks=None, input_saved_tensors_hooks=None)(x)

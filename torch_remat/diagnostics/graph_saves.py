@@ -55,6 +55,7 @@ class CompiledHeld:
     is_input: bool  # traced before the checkpoint, read only by its backward
     node: str  # the forward graph node it is the output of
     data: Any  # what autograd holds: the tensor, or what an outer pack hook returned
+    offloaded: bool = False  # the graph copied it to the host (an offloaded region's)
 
 
 @dataclass
@@ -198,7 +199,9 @@ def _compiled_saves(node: Any, result: GraphSaves) -> None:
             continue
         if entry is not None and entry.checkpoint is not None:
             result.compiled.append(
-                CompiledHeld(entry.checkpoint, entry.region, entry.is_input, entry.node, data)
+                CompiledHeld(
+                    entry.checkpoint, entry.region, entry.is_input, entry.node, data, entry.offloaded
+                )
             )
         else:
             outside.extend(tensors)

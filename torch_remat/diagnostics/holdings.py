@@ -185,7 +185,8 @@ def compiled_holdings(saves: list[Any]) -> list[Holdings]:
     """Holdings of compiled checkpoints, one per checkpoint name, from a graph
     walk's ``CompiledHeld`` items (in the order the walk found them): one group per
     region (and ``(inputs)``), one item per saved forward-graph output, named
-    ``node (compiled)``."""
+    ``node (compiled)``, or ``node (compiled, offloaded to host)`` for the host copy
+    the graph saves instead of ``node`` in an offloaded region."""
     by_name: dict[str, dict[str, HeldGroup]] = {}
     for save in saves:
         groups = by_name.setdefault(save.checkpoint, {})
@@ -193,5 +194,6 @@ def compiled_holdings(saves: list[Any]) -> list[Holdings]:
         group = groups.setdefault(region, HeldGroup(region))
         tensors = tensors_in(save.data)  # what an outer pack hook returned, if any
         meta = TensorMeta.of(tensors[0]) if len(tensors) == 1 else None
-        group.items.append(HeldItem(f"{save.node} (compiled)", meta, tensors))
+        how = "compiled, offloaded to host" if save.offloaded else "compiled"
+        group.items.append(HeldItem(f"{save.node} ({how})", meta, tensors))
     return [Holdings(name, -1, list(groups.values())) for name, groups in by_name.items()]

@@ -51,6 +51,7 @@ def checkpoint(
     saved_tensors_hooks: Any = None,
     input_saved_tensors_hooks: Any = None,
     rebuild: str = "free",
+    memory_budget: float | None = None,
 ) -> CheckpointOptions:
     """Return a decorator that runs a function as a non-reentrant checkpoint.
 
@@ -94,6 +95,17 @@ def checkpoint(
             ``"always"``: refilled even then (the replay may run further matmuls: as
             Megatron's attention-core recompute, fewer bytes for more FLOPs).
             ``"never"``: kept, as a region body's own activations are.
+        memory_budget: under ``torch.compile`` only: a ratio in ``(0, 1]`` for the
+            partitioner, which then chooses what the code outside SAVE regions keeps
+            (``torch.autograd.graph.region_activation_memory_budget``: smaller
+            recomputes more, 1 is its runtime-optimized choice); SAVE regions and
+            random ops are kept (SAVE regions offloaded) as without it. 0 is refused:
+            torch's partitioner then ignores the tags that keep them. torch applies one budget per compiled
+            graph and wants it on every forward op of the graph: compile the
+            checkpointed block itself (``block.compile()`` after ``apply_remat``).
+            An eager call with gradients enabled raises :class:`RematError` (the
+            eager engine recomputes all code outside SAVE regions; there is no
+            partitioner to give a budget). None (default): no budget.
 
     Under ``torch.no_grad()`` or ``torch.inference_mode()`` the function simply runs
     once. Errors: ``TypeError`` for a positional argument (``remat.checkpoint(fn)``)
@@ -139,12 +151,30 @@ def checkpoint(
         raise ValueError(
             f"remat.checkpoint: rebuild must be one of {_REBUILD_CHOICES}, got {rebuild!r}."
         )
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)):
+            raise TypeError(
+                f"remat.checkpoint: memory_budget must be a float in (0, 1] or None, got "
+                f"{memory_budget!r} ({type(memory_budget).__name__})."
+            )
+        if not 0.0 < memory_budget <= 1.0:
+            raise ValueError(
+                f"remat.checkpoint: memory_budget must be in (0, 1] (a ratio of the "
+                f"partitioner's default activation memory), got {memory_budget!r}. "
+                "Exactly 0 is refused: torch's partitioner then keeps only the graph "
+                "inputs, ignoring the tags that keep SAVE regions and random ops (a "
+                "recomputed dropout would draw a new mask); pass a small positive "
+                "budget instead."
+            )
+        memory_budget = float(memory_budget)
     hooks = validate_state_hooks(recompute_state_hooks)
     kept = (
         as_hook_pair(saved_tensors_hooks, "remat.checkpoint: saved_tensors_hooks"),
         as_hook_pair(input_saved_tensors_hooks, "remat.checkpoint: input_saved_tensors_hooks"),
     )
-    return CheckpointOptions(region_name, hooks, early_stop, determinism_check, kept, rebuild)
+    return CheckpointOptions(
+        region_name, hooks, early_stop, determinism_check, kept, rebuild, memory_budget
+    )
 
 
 class CheckpointOptions:
@@ -163,6 +193,7 @@ class CheckpointOptions:
         "kept_hooks",
         "rebuild",
         "guarded_generators",
+        "memory_budget",
     )
 
     def __init__(
@@ -173,6 +204,7 @@ class CheckpointOptions:
         determinism_check: str,
         kept_hooks: tuple[Any, Any],
         rebuild: str,
+        memory_budget: float | None = None,
     ) -> None:
         self.region_name = region_name
         self.state_hooks = state_hooks
@@ -184,6 +216,7 @@ class CheckpointOptions:
         self.rebuild = rebuild  # "free", "always" or "never" (rebuild.py)
         # the default generators no state hook restores: the RNG guard watches these
         self.guarded_generators = unhooked_generators(state_hooks)
+        self.memory_budget = memory_budget  # under torch.compile only (compiled.py)
 
     def __call__(self, fn: F) -> F:
         if not callable(fn):
@@ -225,11 +258,16 @@ class CheckpointedFunction:
         self.unwritten_buffers: BufferMemo = {}
         # Built here, not while Dynamo traces (see compiled.option_refusal).
         self.compile_refusal = compiled.option_refusal(name, options.state_hooks, options.kept_hooks)
+        # An ActivationOffloader as saved_tensors_hooks: what compiled regions offload.
+        self.compile_offload = compiled.offload_spec(options.kept_hooks[0])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             if not compiled.eager_checkpoint_running():
-                return compiled.run_checkpoint(self.__wrapped__, self.name, self.compile_refusal, args, kwargs)
+                return compiled.run_checkpoint(
+                    self.__wrapped__, self.name, self.compile_refusal, args, kwargs,
+                    self.compile_offload, self.options.memory_budget,
+                )
             return _run_eagerly(self, args, kwargs)
         return _run(self, args, kwargs)
 
@@ -244,6 +282,15 @@ def _run(checkpointed: CheckpointedFunction, args: tuple, kwargs: dict) -> Any:
     fn = checkpointed.__wrapped__
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if checkpointed.options.memory_budget is not None:
+        raise RematError(
+            f"torch_remat: checkpoint '{checkpointed.name}' was given memory_budget="
+            f"{checkpointed.options.memory_budget}, which only applies under "
+            "torch.compile: it is a budget for AOTAutograd's partitioner, and the "
+            "eager engine has none (it keeps the SAVE regions and recomputes the "
+            "rest). Compile around the checkpoint (block.compile(), torch.compile(model)), "
+            "or drop memory_budget to run it eagerly."
+        )
     frame = CheckpointFrame(fn, checkpointed)
     try:
         return frame.run_forward(args, kwargs)

@@ -35,7 +35,14 @@ What the eager engine does in Python has no run time of its own here: the
 * Saved-tensor hooks (``saved_tensors_hooks=``, ``input_saved_tensors_hooks=``, a
   ``remat.saved_tensors_hooks`` context) would pack what remat keeps; the compiled
   graph saves its tensors itself, so they are refused with
-  :class:`~torch_remat.RematCompileError` rather than ignored.
+  :class:`~torch_remat.RematCompileError` rather than ignored. The exception is an
+  ``ActivationOffloader`` as ``saved_tensors_hooks=``: the SAVE regions its
+  ``regions=`` patterns match are marked (:data:`OFFLOAD_KEY`) and their ops tagged
+  ``MUST_CPU_OFFLOAD``, which ``_compat.offload_tagged_saves_when_partitioning``
+  makes AOTAutograd honour (the forward graph saves host copies of them).
+* ``memory_budget=`` traces the body under
+  ``torch.autograd.graph.region_activation_memory_budget`` and tags the ops outside
+  SAVE regions ``PREFER_SAVE``, so that the partitioner chooses within the budget.
 * The reports name a compiled graph's saved tensors after their checkpoint and
   region from what AOTAutograd's partition of the graph records (below).
 
@@ -64,6 +71,7 @@ position, and a mismatch in count, dtype or a static size makes the lookup say
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import weakref
 from collections.abc import Callable
@@ -87,21 +95,62 @@ REGION_KEY = "remat_region"
 """``node.meta["custom"]`` key: the qualified name of the innermost region of a node."""
 SAVE_KEY = "remat_save"
 """``node.meta["custom"]`` key: True inside a SAVE region (``recompute=False``)."""
+OFFLOAD_REGIONS_KEY = "remat_offload_regions"
+"""``node.meta["custom"]`` key: the ``regions=`` patterns of the checkpoint's
+:class:`~torch_remat.offload.ActivationOffloader` (a tuple), set on the nodes of a
+checkpoint given one as ``saved_tensors_hooks=``."""
+OFFLOAD_MIN_BYTES_KEY = "remat_offload_min_bytes"
+"""``node.meta["custom"]`` key: that offloader's ``min_bytes``."""
+OFFLOAD_KEY = "remat_offload"
+"""``node.meta["custom"]`` key: True on the nodes of a SAVE region whose qualified
+name the checkpoint's offloader matches: their saved outputs go to the host."""
+BUDGET_KEY = "remat_memory_budget"
+"""``node.meta["custom"]`` key: the ``memory_budget=`` of the checkpoint."""
 
 
 def _custom_meta() -> dict[str, Any]:
     return fx_traceback.get_current_meta().get("custom") or {}
 
 
+def _output_bytes(out: Any) -> int | None:
+    """Bytes of the tensors an op returned; None when a size is symbolic."""
+    total = 0
+    for t in _compat.tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            numel = t.numel()
+            if not isinstance(numel, int):
+                return None
+            total += numel * t.element_size()
+    return total
+
+
 def region_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The selective-checkpoint policy of a compiled checkpoint: called for every
     ATen op AOTAutograd traces in its body, while the Dynamo node it comes from is
     the current node."""
-    if _custom_meta().get(SAVE_KEY) or not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         # Not traced: a backend without AOTAutograd (Dynamo's "eager") runs torch's
         # checkpoint as is, with preserve_rng_state=False, so a recomputed dropout
         # would draw a new mask. Keeping every op is the safe reading there.
         return CheckpointPolicy.MUST_SAVE
+    custom = _custom_meta()
+    if custom.get(SAVE_KEY):
+        if custom.get(OFFLOAD_KEY):
+            # The offloader's min_bytes, as eagerly: a smaller output stays on the
+            # device. A symbolic size is taken as large enough.
+            nbytes = _output_bytes(getattr(ctx, "op_output", None))
+            if nbytes is None or nbytes >= custom.get(OFFLOAD_MIN_BYTES_KEY, 0):
+                return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.MUST_SAVE
+    if custom.get(BUDGET_KEY) is not None:
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            # Under a budget below 1 the partitioner's knapsack may recompute an op
+            # it otherwise bans from recompute, a random one too: backward would
+            # draw a new dropout mask. MUST_SAVE is the one tag it never overrides.
+            return CheckpointPolicy.MUST_SAVE
+        # Under a memory budget the partitioner chooses what bare code keeps:
+        # PREFER_SAVE is no constraint to it (only *_RECOMPUTE and MUST_SAVE are).
+        return CheckpointPolicy.PREFER_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -122,6 +171,14 @@ def _enclosing_region() -> tuple[str, bool]:
     # current then) and baked into the graph as a constant, so no guard is needed.
     custom = _custom_meta()
     return custom.get(REGION_KEY, ""), bool(custom.get(SAVE_KEY, False))
+
+
+@torch.compiler.assume_constant_result
+def _offloads(qualname: str) -> bool:
+    # Whether the offloader of the enclosing checkpoint moves what region
+    # ``qualname`` keeps: its patterns match the name as the eager pack hook's do.
+    patterns = _custom_meta().get(OFFLOAD_REGIONS_KEY)
+    return bool(patterns) and any(fnmatch.fnmatchcase(qualname, p) for p in patterns)
 
 
 @torch.compiler.assume_constant_result
@@ -192,12 +249,14 @@ def _pack_hooks_message(name: str, options: list[str]) -> str:
     return (
         f"torch_remat: checkpoint '{name}' was given {given}, which cannot run under "
         "torch.compile: the compiled graph saves its tensors for backward itself and "
-        "calls no remat pack or unpack hook, so an offloader would silently keep "
-        "everything on the device. Run this block eagerly (leave it out of "
-        "torch.compile, e.g. with torch.compiler.disable), or drop the option and "
-        "offload what the compiled graph saves with torch's own hooks around the "
-        "compiled call (torch.autograd.graph.save_on_cpu() or "
-        "torch.autograd.graph.saved_tensors_hooks)."
+        "calls no remat pack or unpack hook, so these hooks would never be called. "
+        "An ActivationOffloader as saved_tensors_hooks= is the exception: it compiles "
+        "to torch's CPU-offload tags for the SAVE regions its regions= patterns match "
+        "(a compiled graph cannot offload its inputs, so input_saved_tensors_hooks= "
+        "stays refused). Run this block eagerly (leave it out of torch.compile, e.g. "
+        "with torch.compiler.disable), or drop the option and offload what the "
+        "compiled graph saves with torch's own hooks around the compiled call "
+        "(torch.autograd.graph.save_on_cpu() or torch.autograd.graph.saved_tensors_hooks)."
     )
 
 
@@ -208,8 +267,30 @@ def _ambient_hooks_message(name: str) -> str:
         "graph saves its tensors for backward itself and calls no remat pack or unpack "
         "hook. Leave the context out around compiled code, run this block eagerly, or "
         "use torch's own hooks around the compiled call "
-        "(torch.autograd.graph.save_on_cpu() or torch.autograd.graph.saved_tensors_hooks)."
+        "(torch.autograd.graph.save_on_cpu() or torch.autograd.graph.saved_tensors_hooks). "
+        "To offload SAVE regions of a compiled checkpoint, pass the ActivationOffloader "
+        "as the checkpoint's saved_tensors_hooks= instead."
     )
+
+
+OffloadSpec = tuple[tuple[str, ...], int]
+"""What a compiled checkpoint takes from its offloader: ``(regions patterns, min_bytes)``."""
+
+
+def offload_spec(pair: Any) -> OffloadSpec | None:
+    """The offload a compiled checkpoint does for its ``saved_tensors_hooks=``
+    option: for an :class:`~torch_remat.offload.ActivationOffloader` that moves what
+    SAVE regions keep (``kinds`` holding ``BACKWARD`` or ``SAVE_OUTPUT``), its
+    ``regions=`` patterns and ``min_bytes``; None for any other hooks."""
+    from .. import SavedTensorKind
+    from ..offload.offloader import ActivationOffloader
+
+    owner = getattr(getattr(pair, "pack", None), "__self__", None)
+    if not isinstance(owner, ActivationOffloader) or pair.unpack != owner.unpack_hook:
+        return None
+    if not owner.kinds & {SavedTensorKind.BACKWARD, SavedTensorKind.SAVE_OUTPUT}:
+        return None  # it moves only checkpoint inputs, which a compiled graph cannot
+    return tuple(owner.regions), int(owner.min_bytes)
 
 
 def option_refusal(
@@ -222,24 +303,60 @@ def option_refusal(
     options = [
         option
         for option, pair in zip(("saved_tensors_hooks", "input_saved_tensors_hooks"), kept)
-        if pair is not None
+        if pair is not None and not (option == "saved_tensors_hooks" and offload_spec(pair) is not None)
     ]
     if options:
         return _refusal(_pack_hooks_message(name, options))
     return None
 
 
+def _budget_error(joint: Any, error: RuntimeError) -> Exception | None:
+    """The partitioner's refusal of a budget that does not cover its whole graph (or
+    of two budgets in one), said in terms of the checkpoints given ``memory_budget``."""
+    if "region_activation_memory_budget" not in str(error):
+        return None
+    budgets: dict[str, float] = {}
+    for node in joint.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if custom.get(BUDGET_KEY) is not None:
+            budgets.setdefault(str(custom.get(CHECKPOINT_KEY)), custom[BUDGET_KEY])
+    if not budgets:
+        return None
+    named = ", ".join(f"'{name}' (memory_budget={b})" for name, b in budgets.items())
+    return RematCompileError(
+        f"torch_remat: checkpoint {named} runs under torch.compile in a graph torch's "
+        "partitioner cannot budget: it applies one activation memory budget to a whole "
+        "compiled graph, which must cover every forward op of the graph and be the "
+        "same everywhere. Compile the checkpointed block by itself (block.compile() "
+        "after apply_remat) so that the checkpoint is the whole graph, move the other "
+        "code into the checkpoint, or separate it with torch._dynamo.graph_break(). "
+        f"torch said: {error}"
+    )
+
+
 @torch.compiler.assume_constant_result
 def _observe_partitions() -> bool:
     # Runs once per trace, outside the graph: from now on AOTAutograd's partitions
-    # record which checkpoint and region each saved tensor comes from (reports).
+    # record which checkpoint and region each saved tensor comes from (reports),
+    # and honour the CPU-offload tags of offloaded regions.
     observe_compiled_partitions()
+    _compat.offload_tagged_saves_when_partitioning(_budget_error)
+    _compat.save_tensors_of_multi_output_must_saves()
     return True
 
 
-def run_checkpoint(fn: Callable[..., Any], name: str, refusal, args, kwargs):
+def run_checkpoint(
+    fn: Callable[..., Any],
+    name: str,
+    refusal,
+    args,
+    kwargs,
+    offload: OffloadSpec | None = None,
+    memory_budget: float | None = None,
+):
     """``remat.checkpoint(region_name=name)(fn)(*args, **kwargs)`` while Dynamo
-    traces; ``refusal`` is :func:`option_refusal`'s."""
+    traces; ``refusal`` is :func:`option_refusal`'s, ``offload`` :func:`offload_spec`'s
+    and ``memory_budget`` the checkpoint's option."""
     if refusal is not None:
         refusal()
     if hooks_context_active():  # Dynamo guards on it: entering one retraces
@@ -253,10 +370,22 @@ def run_checkpoint(fn: Callable[..., Any], name: str, refusal, args, kwargs):
     def body(*body_args: Any) -> Any:
         return fn(*body_args, **kwargs)
 
-    with fx_traceback.annotate({CHECKPOINT_KEY: name}):
-        return torch.utils.checkpoint.checkpoint(
-            body, *args, use_reentrant=False, context_fn=_REGION_CONTEXT_FN
-        )
+    annotation: dict[str, Any] = {CHECKPOINT_KEY: name, BUDGET_KEY: memory_budget}
+    if offload is not None:
+        # Regions inside read the patterns (_offloads); a nested checkpoint without
+        # an offloader of its own stays under this one's, as eagerly under a context.
+        annotation[OFFLOAD_REGIONS_KEY], annotation[OFFLOAD_MIN_BYTES_KEY] = offload
+    with fx_traceback.annotate(annotation):
+        if memory_budget is None:
+            return torch.utils.checkpoint.checkpoint(
+                body, *args, use_reentrant=False, context_fn=_REGION_CONTEXT_FN
+            )
+        # torch's annotation of the body's nodes, read by the partitioner (which
+        # wants it on every forward op of the graph).
+        with torch.autograd.graph.region_activation_memory_budget(memory_budget):
+            return torch.utils.checkpoint.checkpoint(
+                body, *args, use_reentrant=False, context_fn=_REGION_CONTEXT_FN
+            )
 
 
 def run_region(fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
@@ -268,7 +397,9 @@ def run_region(fn: Callable[..., Any], name: str, recompute: bool, args, kwargs)
     qualname = nested_name(outer, name)
     if outer_saves and recompute:
         raise refuse_recompute_inside_save(qualname, outer)
-    with fx_traceback.annotate({REGION_KEY: qualname, SAVE_KEY: not recompute}):
+    annotation: dict[str, Any] = {REGION_KEY: qualname, SAVE_KEY: not recompute}
+    annotation[OFFLOAD_KEY] = not recompute and _offloads(qualname)
+    with fx_traceback.annotate(annotation):
         return fn(*args, **kwargs)
 
 
@@ -293,6 +424,7 @@ class CompiledSave:
     dtype: torch.dtype | None
     shape: tuple[int | None, ...] | None  # None for a symbolic size
     is_input: bool = False  # traced outside ``checkpoint``, read only by its backward
+    offloaded: bool = False  # a host copy of ``node``'s output (an offloaded region's)
 
     def matches(self, t: torch.Tensor) -> bool:
         if self.dtype is not None and t.dtype != self.dtype:
@@ -338,6 +470,17 @@ def _describe(node: Any, backward_inputs: dict[str, Any]) -> CompiledSave | None
     val = getattr(node, "meta", {}).get("val")
     if not isinstance(val, torch.Tensor):
         return None
+    source = _compat.host_copy_source(node)
+    if source is not None:
+        # The host copy of an offloaded save: named and placed after what it copies.
+        return CompiledSave(
+            source.name,
+            _checkpoint_of(source),
+            (source.meta.get("custom") or {}).get(REGION_KEY),
+            val.dtype,
+            tuple(_static(s) for s in val.shape),
+            offloaded=True,
+        )
     checkpoint = _checkpoint_of(node)
     is_input = False
     if checkpoint is None:

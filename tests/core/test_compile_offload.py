@@ -1,0 +1,301 @@
+"""Offload regions and a checkpoint's memory budget under torch.compile.
+
+A checkpoint given an ``ActivationOffloader`` as ``saved_tensors_hooks=`` compiles:
+the ops of the SAVE regions its ``regions=`` patterns match are tagged
+``MUST_CPU_OFFLOAD``, and the partitioned forward graph copies their saved outputs
+to the host (``prims.device_put(..., cpu)``), the backward graph copies them back.
+``remat.checkpoint(memory_budget=b)`` traces its body under torch's
+``region_activation_memory_budget(b)``. Models are tiny: compiling is slow here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SavedBytes, assert_bitwise_equal, grads
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+import torch_remat as remat
+from torch_remat.offload import ActivationOffloader
+
+DTYPE = torch.float64
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class AttnThenMlp(torch.nn.Module):
+    """x -> [attn: SAVE] tanh(linear) -> sin -> [mlp: SAVE] tanh(linear) -> cos -> sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32, dtype=DTYPE)
+        self.b = torch.nn.Linear(32, 16, dtype=DTYPE)
+
+    def forward(self, x):
+        h = remat.region(lambda t: torch.tanh(self.a(t)), "attn", recompute=False)(x)
+        y = remat.region(lambda t: torch.tanh(self.b(t)), "mlp", recompute=False)(h.sin())
+        return y.cos().sum()
+
+
+def graph_capture():
+    """aot_eager (its partitioner, no compiler) keeping the partitioned forward and
+    backward graphs."""
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+
+    def keeper(kind):
+        def keep(gm, _example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm)
+
+        return keep
+
+    backend = aot_autograd(
+        fw_compiler=keeper("forward"),
+        bw_compiler=keeper("backward"),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return backend, graphs
+
+
+def region_of(node: torch.fx.Node) -> str | None:
+    return (node.meta.get("custom") or {}).get("remat_region")
+
+
+def host_copies(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [
+        n
+        for n in graph.graph.nodes
+        if n.target is torch.ops.prims.device_put.default and n.args[1] == CPU
+    ]
+
+
+def offloader() -> ActivationOffloader:
+    return ActivationOffloader(1 << 20, prefetch=0, min_bytes=0, regions=["attn"])
+
+
+@pytest.fixture(scope="module")
+def offload_run():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = AttnThenMlp()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    params = list(block.parameters())
+    ckpt = remat.checkpoint(region_name="layers.0", saved_tensors_hooks=offloader())(block)
+    backend, graphs = graph_capture()
+    step = torch.compile(ckpt, backend=backend, fullgraph=True)
+    compiled = grads(params, [x], step)
+    loss = step(x)
+    report = remat.saved_tensors_report(loss)
+    loss.backward()
+    eager_offloader = offloader()
+    eager = grads(
+        params, [x], remat.checkpoint(region_name="layers.0", saved_tensors_hooks=eager_offloader)(block)
+    )
+    plain = grads(params, [x], block)
+    yield dict(
+        compiled=compiled, eager=eager, plain=plain, graphs=graphs, report=report,
+        eager_offloaded=dict(eager_offloader.stats.offloaded_bytes),
+    )
+    torch._dynamo.reset()
+
+
+def test_an_offloaded_save_region_compiles_fullgraph_with_gradients_bitwise_equal_to_eager(offload_run):
+    # the eager offloader did move region attn's saves: the two runs agree on a real offload
+    assert set(offload_run["eager_offloaded"]) == {"attn"}
+    assert_bitwise_equal(offload_run["eager"], offload_run["compiled"], replays=1)
+    assert_bitwise_equal(offload_run["plain"], offload_run["compiled"], replays=0)
+
+
+def test_the_forward_graph_copies_the_offloaded_regions_saves_to_the_host_and_backward_copies_them_back(
+    offload_run,
+):
+    forward = offload_run["graphs"]["forward"][0]
+    copies = host_copies(forward)
+    # the saved output of region attn (its tanh) goes to the host; mlp's stays put
+    assert [(region_of(n.args[0]), n.args[0].target) for n in copies] == [
+        ("attn", torch.ops.aten.tanh.default)
+    ]
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    assert copies[0] in outputs  # what the forward hands its backward is the host copy
+    saved_mlp = [n for n in outputs[1:] if isinstance(n, torch.fx.Node) and region_of(n) == "mlp"]
+    assert torch.ops.aten.tanh.default in {n.target for n in saved_mlp}
+    (backward,) = offload_run["graphs"]["backward"]
+    reloads = [n for n in backward.graph.nodes if n.target is torch.ops.prims.device_put.default]
+    assert [n.args[0].name for n in reloads] == [copies[0].name]
+
+
+def test_the_compiled_report_names_the_offloaded_region(offload_run):
+    (block,) = offload_run["report"].checkpoints
+    rows = {region.label: [row.name for row in region.rows] for region in block.regions}
+    assert rows["layers.0::attn"] == ["tanh (compiled, offloaded to host)"]
+    assert rows["layers.0::mlp"] == ["tanh_1 (compiled)"]
+
+
+def test_an_offloader_below_min_bytes_keeps_the_region_on_the_device():
+    block = AttnThenMlp()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    keeps = ActivationOffloader(1 << 20, prefetch=0, min_bytes=4 * 32 * 8 + 1, regions=["attn"])
+    backend, graphs = graph_capture()
+    ckpt = remat.checkpoint(region_name="layers.0", saved_tensors_hooks=keeps)(block)
+    torch.compile(ckpt, backend=backend, fullgraph=True)(x).backward()
+    assert host_copies(graphs["forward"][0]) == []
+
+
+# ---------------------------------------------------------------- memory budget
+
+
+class Chain(torch.nn.Module):
+    """Bare code (no region): what the partitioner keeps is the budget's to decide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 64, dtype=DTYPE)
+        self.b = torch.nn.Linear(64, 64, dtype=DTYPE)
+        self.c = torch.nn.Linear(64, 16, dtype=DTYPE)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h.sin()))
+        return self.c(h.cos()).sum()
+
+
+def budget_run(budget: float) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = Chain()
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    params = list(block.parameters())
+    ckpt = remat.checkpoint(region_name="layers.0", memory_budget=budget)(block)
+    backend, graphs = graph_capture()
+    step = torch.compile(ckpt, backend=backend, fullgraph=True)
+    saved = SavedBytes(block)
+
+    def run(x):
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            return step(x)
+
+    actual = grads(params, [x], run)
+    return dict(saved=saved.total, graphs=graphs, actual=actual, expected=grads(params, [x], block))
+
+
+def test_a_checkpoints_memory_budget_changes_what_the_compiled_forward_saves_and_stays_bitwise():
+    runs = {budget: budget_run(budget) for budget in (0.5, 1.0)}
+    for run in runs.values():
+        assert_bitwise_equal(run["actual"], run["expected"], replays=0)
+    # 1: the partitioner's runtime-optimized choice; 0.5 makes it recompute more
+    # (without the budget reaching it, both would save the same)
+    assert runs[0.5]["saved"] < runs[1.0]["saved"]
+    # torch's budget annotation is on the traced body's nodes
+    forward = runs[0.5]["graphs"]["forward"][0]
+    budgets = {
+        (n.meta.get("custom") or {}).get(torch.fx.traceback.MEMORY_BUDGET_ANNOTATION_KEY)
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+    }
+    assert budgets == {0.5}
+
+
+def test_under_a_small_budget_dropout_keeps_its_forward_mask_and_a_save_region_is_kept():
+    # A budget below 1 lets torch's knapsack recompute ops it otherwise bans, random
+    # ones too: the dropout must stay saved, as must the SAVE region.
+    lin = torch.nn.Linear(16, 16, dtype=DTYPE)
+
+    def f(x):
+        h = remat.region(lambda t: torch.tanh(lin(t)), "attn", recompute=False)(x)
+        return torch.nn.functional.dropout(h.sin(), 0.5, training=True).cos().sum()
+
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    params = list(lin.parameters())
+    ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.1)(f)
+    backend, graphs = graph_capture()
+    actual = grads(params, [x], torch.compile(ckpt, backend=backend, fullgraph=True), seed=3)
+    # The same compiled code without the checkpoint draws the same mask from seed 3.
+    expected = grads(params, [x], torch.compile(f, backend="aot_eager", fullgraph=True), seed=3)
+    assert_bitwise_equal(actual, expected, replays=0)
+    forward = graphs["forward"][0]
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    assert "attn" in {region_of(n) for n in outputs[1:] if isinstance(n, torch.fx.Node)}
+
+
+def test_a_budget_that_does_not_cover_the_compiled_graph_is_refused_naming_the_checkpoint():
+    lin = torch.nn.Linear(16, 16, dtype=DTYPE)
+    ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.5)(lambda t: lin(t).tanh())
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    # sin and sum run in the same graph, outside the checkpoint
+    step = torch.compile(lambda x: ckpt(x.sin()).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"checkpoint 'layers.0' \(memory_budget=0.5\).*block.compile") as raised:
+        step(x)
+    assert "RematCompileError" in str(raised.value)
+
+
+def test_a_memory_budget_is_refused_eagerly_naming_the_checkpoint_and_the_option():
+    ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.5)(torch.sin)
+    x = torch.randn(4, dtype=DTYPE, requires_grad=True)
+    with pytest.raises(remat.RematError, match=r"'layers.0'.*memory_budget"):
+        ckpt(x)
+    with torch.no_grad():  # nothing is saved: nothing to budget
+        assert torch.equal(ckpt(x), torch.sin(x))
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, 0.0, True, "0.5"])
+def test_a_memory_budget_outside_0_1_is_refused_when_the_checkpoint_is_built(bad):
+    with pytest.raises((TypeError, ValueError), match="memory_budget must"):
+        remat.checkpoint(region_name="layers.0", memory_budget=bad)
+
+
+@pytest.mark.slow
+def test_inductor_compiles_an_offloaded_region_with_gradients_close_and_the_report_naming_it():
+    torch.manual_seed(0)
+    block = AttnThenMlp()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+    params = list(block.parameters())
+    ckpt = remat.checkpoint(region_name="layers.0", saved_tensors_hooks=offloader())(block)
+    step = torch.compile(ckpt, backend="inductor", fullgraph=True)
+    loss = step(x)
+    (checkpoint,) = remat.saved_tensors_report(loss).checkpoints
+    rows = {region.label: [row.name for row in region.rows] for region in checkpoint.regions}
+    assert rows["layers.0::attn"] == ["tanh (compiled, offloaded to host)"]
+    loss.backward()
+    actual = [loss.detach(), *(t.grad.clone() for t in (*params, x))]
+    expected_loss, expected = grads(params, [x], block)
+    # Inductor fuses and reorders float arithmetic: close, not bitwise.
+    for a, e in zip(actual, [expected_loss, *expected], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 64, dtype=DTYPE)
+        self.b = torch.nn.Linear(64, 16, dtype=DTYPE)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).sin())
+
+
+def test_apply_remat_with_a_memory_budget_compiles_each_block_under_it_and_refuses_eager_calls():
+    from torch_remat.integrations import RematConfig, apply_remat
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Layer(), Layer())
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    params = list(model.parameters())
+    expected = grads(params, [x], lambda x: model(x).sum())
+    apply_remat(model, check_fn=lambda m: isinstance(m, Layer), remat=RematConfig(memory_budget=0.5))
+    with pytest.raises(remat.RematError, match=r"'0'.*memory_budget=0.5"):
+        model(x)
+    backend, graphs = graph_capture()
+    for block in model:
+        block.compile(backend=backend, fullgraph=True)
+    actual = grads(params, [x], lambda x: model(x).sum())
+    assert_bitwise_equal(actual, expected, replays=0)
+    budgets = {
+        (n.meta.get("custom") or {}).get(torch.fx.traceback.MEMORY_BUDGET_ANNOTATION_KEY)
+        for forward in graphs["forward"]
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+    }
+    assert len(graphs["forward"]) == 2 and budgets == {0.5}
