@@ -109,6 +109,7 @@ if TYPE_CHECKING:
 tree_flatten = _compat.tree_flatten
 tree_unflatten = _compat.tree_unflatten
 _NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state
+_NO_STATES: list[Any] = []  # the snapshots of a checkpoint without state hooks (never written)
 
 
 def _forget(frame_ref: weakref.ref, key: Any) -> None:
@@ -426,32 +427,37 @@ class CheckpointFrame:
         return saved
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
-        qualname = qualified_name(self.scratch.region_stack, name)
-        if qualname in self.scratch.region_names:
+        scratch = self.scratch
+        qualname = qualified_name(scratch.region_stack, name)
+        if qualname in scratch.region_names:
             raise ValueError(
                 f"torch_remat: region name '{qualname}' is used twice in one forward of "
                 f"checkpoint '{self.name}'. Region names identify regions between the "
                 "forward and the recompute; give each call its own name (for example "
                 "f'expert.{i}' inside a loop)."
             )
-        in_save = self.scratch.save_depth > 0
+        in_save = scratch.save_depth > 0
         if in_save and recompute:
-            raise refuse_recompute_inside_save(qualname, self.scratch.region_stack[-1].qualname)
-        self.scratch.region_names.add(qualname)
+            raise refuse_recompute_inside_save(qualname, scratch.region_stack[-1].qualname)
+        scratch.region_names.add(qualname)
         record = RegionRecord(self.name, name, qualname, recompute)
         self.regions.append(record)
         if not in_save:
             self.replay_regions.append(record)
         leaves = region_leaves(args, kwargs)
-        if self.scratch.sources.by_root:
+        if scratch.sources.by_root:
             self._consume_region_args(leaves, recompute and not in_save, not in_save)
-        for outer in _tls.stack[:-1]:
-            # A checkpoint nested in the replayed code of an outer one is re-run whole
-            # (SAVE bodies included) by the outer replay: for the outer frame, this
-            # region reads its arguments in replayed code.
-            if outer.phase == FORWARD and not outer.in_save_region and outer.scratch.sources:
-                outer._consume_region_args(leaves, True, False)
+        stack = _tls.stack
+        if len(stack) > 1:
+            for outer in stack[:-1]:
+                # A checkpoint nested in the replayed code of an outer one is re-run
+                # whole (SAVE bodies included) by the outer replay: for the outer
+                # frame, this region reads its arguments in replayed code.
+                if outer.phase == FORWARD and not outer.in_save_region and outer.scratch.sources:
+                    outer._consume_region_args(leaves, True, False)
         observers = self.observers.regions
+        if not observers:
+            return self._run_region_body(fn, record, in_save, args, kwargs, leaves)
         for observer in observers:
             observer.region_entered(self, record)
         try:
@@ -462,20 +468,25 @@ class CheckpointFrame:
         return out
 
     def _run_region_body(self, fn, record: RegionRecord, in_save: bool, args, kwargs, leaves) -> Any:
+        scratch = self.scratch
         recompute = record.recompute
-        watch = None if recompute or in_save else SaveRegionWatch(self.module_state, leaves)
+        top_save = not recompute and not in_save
+        watch = SaveRegionWatch(self.module_state, leaves) if top_save else None
         written: list[tuple[int, torch.Tensor]] = []
-        self.scratch.region_stack.append(record)
+        scratch.region_stack.append(record)
         rebuild = None
         if not recompute:
-            self.scratch.save_depth += 1
+            scratch.save_depth += 1
             if not in_save:
                 if self.rng_checks:
                     record.entered(position(self.state_hooks, self.rng_checks))
                 rebuild = self.rebuilds.open(self, record.qualname, leaves)
         ok = False
         try:
-            with profiler_range("remat.region:", self.name, "::", record.qualname):
+            if profiler_enabled():
+                with torch.profiler.record_function(f"remat.region:{self.name}::{record.qualname}"):
+                    out = fn(*args, **kwargs)
+            else:
                 out = fn(*args, **kwargs)
             if watch is not None:
                 updated = watch.updated_buffers()
@@ -485,19 +496,19 @@ class CheckpointFrame:
             ok = True
         except Exception as e:
             note_exception(e)
-            if not recompute and not in_save:
+            if top_save:
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
                 record.returned(self._snapshot_after_region(), self._host_rng_change(),
                                 self._attributes_change(), raised=detached_copy(e))
             raise
         finally:
-            self.scratch.region_stack.pop()
+            scratch.region_stack.pop()
             if not recompute:
-                self.scratch.save_depth -= 1
+                scratch.save_depth -= 1
             if rebuild is not None:
                 self.rebuilds.close(self, rebuild, ok)
-        if not recompute and not in_save:
+        if top_save:
             self._record_region_outputs(record, out)
             if written:
                 self._record_written_arguments(record, written)
@@ -524,6 +535,8 @@ class CheckpointFrame:
         # A state that did not change since the last snapshot (no random numbers
         # drawn in between) is shared rather than stored again: a CPU generator
         # state is 5 KB per snapshot.
+        if not self.state_hooks:
+            return _NO_STATES
         states = []
         for hook, previous in zip(self.state_hooks, self.scratch.last_states):
             state = hook.snapshot()
