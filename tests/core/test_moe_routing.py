@@ -313,6 +313,7 @@ def test_apply_remat_with_the_router_as_save_module_is_exact_and_does_not_rerun_
         assert _same(layer.moe.routing[0], layer.moe.routing[2])
 
 
+@pytest.mark.slow  # about 8 s: one measured run per candidate option
 def test_plan_remat_measures_the_moe_on_real_tensors_and_its_plan_is_exact():
     torch.manual_seed(9)
     net = Net()
