@@ -144,7 +144,8 @@ class StorageLedger(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
-            raise DataDependentOpError(_data_dependent_message(func, self.modules)) from e
+            block = self.blocks[-1] if self.blocks else None
+            raise DataDependentOpError(_data_dependent_message(func, self.modules, block)) from e
         if func.overloadpacket.__name__ in REAL_LAYOUT_OPS and self.fake_mode is not None:
             out = _as_run(func, args, kwargs, out, self.learned)
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
@@ -400,26 +401,41 @@ class DataDependentOpError(remat.RematError):
     shapes and no values."""
 
 
-def _data_dependent_message(func: Any, modules: dict[int, str]) -> str:
-    """Names the op, the innermost module of the model whose ``forward`` ran it
-    (found on the Python stack) and the ways out."""
+def _data_dependent_message(func: Any, modules: dict[int, str], block: str | None) -> str:
+    """Names the op, the block being run and the innermost module of the model whose
+    ``forward`` ran it (found on the Python stack), and the ways out."""
     where = "outside the model's modules (in loss_fn, say)"
+    chain: list[str] = []  # innermost first: the module, then the modules around it
     frame = sys._getframe()
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in modules:
-            name = modules[id(owner)] or "the model itself"
-            where = f"in {name!r} ({type(owner).__name__})" if modules[id(owner)] else (
-                f"in {name} ({type(owner).__name__})"
+            name = modules[id(owner)]
+            text = f"{name!r} ({type(owner).__name__})" if name else (
+                f"the model itself ({type(owner).__name__})"
             )
-            break
+            if text not in chain:
+                chain.append(text)
         frame = frame.f_back
+    if chain:
+        where = "in " + chain[0]
+        outer = [c for c in chain[1:] if not c.startswith("the model itself")]
+        if outer:
+            where += ", inside " + ", ".join(outer)
+    if block is not None and f"{block!r}" not in where:
+        where += f", of block {block!r}"
     return (
         f"forecast_remat: {func} ran {where} on fake tensors, which have shapes and no "
         "values, and its result depends on the values (a data-dependent output shape, "
         "or a value read into Python: .item(), nonzero, a boolean mask, a branch on a "
-        "tensor). Plan on real tensors with plan_remat if the model fits this machine, "
-        "or compute the value outside the forward and pass it in as a Python number."
+        "tensor). Mixture-of-experts routing is the usual case: which tokens go to "
+        "which expert, and so the shapes each expert runs on, depend on the router's "
+        "values. No forecast is made rather than one with invented shapes. Plan on "
+        "real tensors with plan_remat if the model fits this machine (it measures "
+        "real runs, so any routing is fine), or make the shapes static: dispatch a "
+        "fixed capacity of tokens per expert (topk over each expert's scores, padding "
+        "or dropping the rest) instead of nonzero/boolean masks/bincount, or compute "
+        "the value outside the forward and pass it in as a Python number."
     )
 
 
