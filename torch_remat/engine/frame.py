@@ -96,8 +96,10 @@ from .rng import (
     RNGUse,
     check_position,
     fingerprints,
+    generator_states,
     host_rng_state,
     position,
+    restore_generator_states,
     restore_host_rng_state,
     same_state,
 )
@@ -233,6 +235,9 @@ class CheckpointFrame:
         # Python's random and NumPy's generator (rng.host_rng_state) at entry, kept
         # only if the forward drew
         self.host_entry: tuple[Any, ...] | None = None
+        # torch.Generator objects the module state holds (ModuleState.generators):
+        # their states are part of host_state()
+        self.generators: tuple[torch.Generator, ...] = ()
         self.rng_use: RNGUse | None = None
         self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
@@ -314,7 +319,9 @@ class CheckpointFrame:
         self.scratch.start_seq = _compat.autograd_sequence_nr()
         self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers)
         self.scratch.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
-        self.host_entry = self.scratch.host_last = host_rng_state()
+        if self.module_state is not None:
+            self.generators = self.module_state.generators
+        self.host_entry = self.scratch.host_last = self.host_state()
         try:
             push_hooks(self, unpack_packed)
         except RuntimeError as e:
@@ -525,11 +532,25 @@ class CheckpointFrame:
         # The replay skips this SAVE region: if Python's random or NumPy's generator
         # moved since the last look (in the body or before it), the replay sets the
         # state the forward had here, whatever the body drew.
-        state = host_rng_state()
+        state = self.host_state()
         if state == self.scratch.host_last:
             return None
         self.scratch.host_last = state
         return state
+
+    def host_state(self) -> tuple[Any, ...]:
+        """Python's random, NumPy's generator and the torch.Generator objects the
+        module state holds, now: compare two with ``==``."""
+        state = host_rng_state()
+        return (state, generator_states(self.generators)) if self.generators else state
+
+    def set_host_state(self, state: tuple[Any, ...]) -> None:
+        """Make ``state`` (from :meth:`host_state`) current again."""
+        if self.generators:
+            restore_host_rng_state(state[0])
+            restore_generator_states(self.generators, state[1])
+        else:
+            restore_host_rng_state(state)
 
     def _snapshot_after_region(self) -> list[Any]:
         # A state that did not change since the last snapshot (no random numbers
@@ -566,8 +587,8 @@ class CheckpointFrame:
         for record in self.replay_regions:
             release_traceback(record.raised)
         self.rng_use = RNGUse.of_forward(scratch.rng_start)
-        if scratch.host_last == self.host_entry and host_rng_state() == self.host_entry:
-            self.host_entry = None  # nothing drawn from Python's or NumPy's generator
+        if scratch.host_last == self.host_entry and self.host_state() == self.host_entry:
+            self.host_entry = None  # nothing drawn from Python's, NumPy's or a held generator
         if self.rng_checks:
             end = position(self.state_hooks, self.rng_checks)
             if end == scratch.rng_entry:
@@ -713,8 +734,8 @@ class CheckpointFrame:
             h.restore(s)
         host_caller = None
         if self.host_entry is not None:  # the forward drew from Python's random or NumPy's
-            host_caller = host_rng_state()
-            restore_host_rng_state(self.host_entry)
+            host_caller = self.host_state()
+            self.set_host_state(self.host_entry)
         unrestored = rng.unrestored() if rng is not None else []
         module_undo = []
         if self.module_state is not None:
@@ -725,7 +746,7 @@ class CheckpointFrame:
                 for h, s in zip(hooks, caller_states):
                     h.restore(s)
                 if host_caller is not None:
-                    restore_host_rng_state(host_caller)
+                    self.set_host_state(host_caller)
                 raise
         rng_error = None
         tls = _tls
@@ -763,7 +784,7 @@ class CheckpointFrame:
             for h, s in zip(hooks, caller_states):
                 h.restore(s)
             if host_caller is not None:
-                restore_host_rng_state(host_caller)
+                self.set_host_state(host_caller)
             if rng is not None:
                 rng_error = rng.finish(self.name, unrestored, caller_rng)
             for observer in observers:

@@ -54,6 +54,7 @@ from torch import nn
 from .. import _compat
 from .._compat import version_of
 from .._errors import modified_in_place
+from .rng import default_generators
 
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -170,6 +171,7 @@ def _module_slots(
     seen: set[int],
     others: list[tuple],
     unwritten: BufferMemo,
+    generators: list[torch.Generator],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -188,6 +190,8 @@ def _module_slots(
             for k, t in d.items():
                 if isinstance(t, torch.Tensor):
                     slots.append(_Slot(d, k, t, version_of(t), p, ATTRIBUTE))
+                elif type(t) is torch.Generator:
+                    generators.append(t)  # (never in _non_tensor_types: always looked at)
                 else:
                     _non_tensor_types.add(type(t))  # (Tensor's metaclass has no __instancecheck__)
         ps = m._parameters
@@ -238,7 +242,7 @@ of one checkpointed function did not write (``CheckpointedFunction`` holds it)."
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen")
+    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators")
 
     def __init__(
         self,
@@ -261,6 +265,9 @@ class ModuleState:
         # per module in ``others``: its attributes as the last SAVE region left them
         # (the entry copy until one rebinds any)
         self.seen: list[dict] | None = None
+        # torch.Generator objects in module attributes and closure cells (not torch's
+        # default ones): forked around the replay like Python's random (rng.py)
+        self.generators: tuple[torch.Generator, ...] = ()
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
@@ -271,16 +278,23 @@ class ModuleState:
             return None
         params: list[tuple] = []
         slots: list[_Slot] = []
+        generators: list[torch.Generator] = [v for _, v in values if type(v) is torch.Generator]
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
         others: list[tuple] = []
         for prefix, module in modules:
-            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten)
+            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten, generators)
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
         if params or slots or others or values:
-            return ModuleState(params, slots, groups, others, values)
+            state = ModuleState(params, slots, groups, others, values)
+            if generators:
+                defaults = default_generators()
+                state.generators = tuple(
+                    {id(g): g for g in generators if id(g) not in defaults}.values()
+                )
+            return state
         return None
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:

@@ -42,7 +42,7 @@ from .records import (
     qualified_name,
     region_leaves,
 )
-from .rng import check_position, position, restore_host_rng_state
+from .rng import check_position, position
 
 if TYPE_CHECKING:
     from .frame import CheckpointFrame
@@ -183,7 +183,7 @@ class ReplayPass:
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
             if expected.host_exit is not None and frame.host_entry is not None:
-                restore_host_rng_state(expected.host_exit)
+                frame.set_host_state(expected.host_exit)
             if expected.attributes_exit:
                 frame.module_state.skip_attributes(expected.attributes_exit, self.module_undo)
             updated = frame.region_buffers.get(pos)

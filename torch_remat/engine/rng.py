@@ -500,3 +500,32 @@ def restore_host_rng_state(state: tuple[Any, ...]) -> None:
     for (read, restore), saved in zip(_readers(), state):
         if read() != saved:
             restore(saved)
+
+
+# --------------------------------------- torch.Generator objects the model holds
+#
+# A generator a module keeps as an attribute, or a closure variable, and passes to
+# random ops (``torch.rand(..., generator=self.generator)``) is not a default
+# generator, so no state hook restores it. It is forked as Python's random is: its
+# state at the checkpoint's entry and where each SAVE region returned is read, and
+# a replay sets those states, then gives the caller's back.
+
+
+def default_generators() -> set[int]:
+    """ids of torch's default generators (the stock state hooks' business)."""
+    ids = {id(torch.default_generator)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        ids.update(id(g) for g in torch.cuda.default_generators)
+    return ids
+
+
+def generator_states(generators: tuple[torch.Generator, ...]) -> tuple[bytes, ...]:
+    """The states of ``generators`` now, comparable with ``==``."""
+    return tuple([g.get_state().numpy().tobytes() for g in generators])
+
+
+def restore_generator_states(generators: tuple[torch.Generator, ...], states: tuple[bytes, ...]) -> None:
+    """Make ``states`` (from :func:`generator_states`) current again."""
+    for g, saved in zip(generators, states):
+        if g.get_state().numpy().tobytes() != saved:
+            g.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
