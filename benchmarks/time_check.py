@@ -10,6 +10,8 @@ SAVE-region policies, and SAVE policies whose kept tensors the
   ``_time.exposed_copy_seconds`` with the offloader's prefetch);
 * **measured** added step time = step time minus the no-remat step time, median
   over interleaved rounds of the per-round difference (quartiles as the spread).
+  On CPU both clocks are the step thread's CPU time (``time.thread_time``, one
+  intra-op thread), so other processes on the shared cores do not enter.
 
 Prints per size a table with the ratio predicted/measured and both rankings.
 
@@ -19,8 +21,10 @@ Prints per size a table with the ratio predicted/measured and both rankings.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +33,7 @@ import torch
 import torch_remat as remat
 from benchmarks import modes as M
 from benchmarks.gpt import GPTConfig, GPTStack
-from benchmarks.measure import preallocate_grads, time_samples
+from benchmarks.measure import preallocate_grads
 from integrations.planner import _time
 from torch_remat.offload import ActivationOffloader
 
@@ -93,6 +97,31 @@ def _offloaded_bytes_per_call(offloader: ActivationOffloader, n_calls: int) -> l
     return [per.get(first + n, 0) for n in range(n_calls)]
 
 
+def thread_samples(
+    steps: dict[str, Callable[[], None]], *, rounds: int, setup: Callable[[str], None]
+) -> dict[str, list[float]]:
+    """CPU seconds of this thread per step, per option, options interleaved in an
+    order rotated every round. The thread's CPU time, not wall time: other
+    processes on the shared cores then stretch a step's wall time but not what the
+    step itself computes (one intra-op thread: ``main`` sets it)."""
+    names = list(steps)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(rounds):
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                setup(name)
+                t0 = time.thread_time()
+                steps[name]()
+                out[name].append(time.thread_time() - t0)
+            gc.collect()
+    finally:
+        gc.enable()
+    return out
+
+
 @dataclass
 class Row:
     name: str
@@ -146,7 +175,7 @@ def check_size(cfg: GPTConfig, profile: _time.DeviceProfile, rounds: int) -> lis
             b.set_policy(by_name[name].mode.policy)
         stack.block_calls = installed[name]
 
-    samples = time_samples({o.name: step for o in OPTIONS}, rounds=rounds, setup=setup)
+    samples = thread_samples({o.name: step for o in OPTIONS}, rounds=rounds, setup=setup)
     base = samples["no remat"]
     rows = []
     for option in OPTIONS:

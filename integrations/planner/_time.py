@@ -19,7 +19,6 @@ source; :func:`calibrate` measures a profile for the machine present.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -244,11 +243,14 @@ def exposed_copy_seconds(
 class _RecomputeTimer(TorchDispatchMode):
     """Times every aten op run while a remat checkpoint recomputes, by checkpoint."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, clock: Callable[[], float]) -> None:
         super().__init__()
         self.device = device
+        self.clock = clock
         self.seconds: dict[str, float] = defaultdict(float)
         self.ops: dict[str, int] = defaultdict(int)
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -257,46 +259,55 @@ class _RecomputeTimer(TorchDispatchMode):
         active = remat.active_checkpoint()
         name = active.checkpoint if active is not None else "?"
         _sync(self.device)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out = func(*args, **kwargs)
         _sync(self.device)
-        self.seconds[name] += time.perf_counter() - t0
+        t1 = self.clock()
+        self.seconds[name] += t1 - t0
         self.ops[name] += 1
+        self.first.setdefault(name, t0)
+        self.last[name] = t1
         return out
 
 
 def recompute_seconds(
-    step: Callable[[], object], *, repeats: int = 3, device: torch.device | str = "cpu"
+    step: Callable[[], object],
+    *,
+    repeats: int = 3,
+    device: torch.device | str = "cpu",
+    clock: Callable[[], float] | None = None,
+    span: bool = True,
 ) -> dict[str, float]:
     """Seconds each remat checkpoint's recompute takes in one run of ``step`` (a
     forward and backward), measured on the device present: the sum of the times of
     the aten ops it replays, by checkpoint name; per op the minimum over
-    ``repeats`` runs is not separable, so the run with the smallest total counts."""
+    ``repeats`` runs is not separable, so the run with the smallest total counts.
+
+    ``clock``: default the thread's CPU time on CPU (what the step's own thread
+    spends, whatever else shares the cores; the ops then run on one intra-op
+    thread), wall time on CUDA. ``span``: a checkpoint's time is from the start of
+    its first replayed op to the end of its last (the replay runs in one burst, so
+    this includes the engine's own work between the ops); else the ops' sum."""
     device = torch.device(device)
+    if clock is None:
+        clock = time.thread_time if device.type == "cpu" else time.perf_counter
     best: dict[str, float] | None = None
+    best_ops = math.inf
     for _ in range(repeats):
-        timer = _RecomputeTimer(device)
+        timer = _RecomputeTimer(device, clock)
         with timer:
             step()
-        if best is None or sum(timer.seconds.values()) < sum(best.values()):
-            best = dict(timer.seconds)
+        if best is None or sum(timer.seconds.values()) < best_ops:
+            best_ops = sum(timer.seconds.values())
+            best = (
+                {n: timer.last[n] - timer.first[n] for n in timer.seconds} if span else dict(timer.seconds)
+            )
     return best or {}
 
 
 # ------------------------------------------------------------------ ranking
 
 
-def ranking(seconds: Mapping[str, float], *, tie: float = 0.0) -> list[str]:
-    """Names ordered from the least added time to the most. ``tie``: a relative
-    gap below which two neighbours are equal, ordered by name (for stable tables)."""
-    names = sorted(seconds, key=lambda n: (seconds[n], n))
-    if tie <= 0:
-        return names
-    out: list[str] = []
-    for n in names:
-        out.append(n)
-    return out
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
+def ranking(seconds: Mapping[str, float]) -> list[str]:
+    """Names ordered from the least added time to the most (ties by name)."""
+    return sorted(seconds, key=lambda n: (seconds[n], n))
