@@ -158,7 +158,7 @@ def calibrate(
     for dtype in dtypes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        s = _best_seconds(lambda: a @ b, device, repeats)
+        s = _best_seconds(lambda a=a, b=b: a @ b, device, repeats)
         flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / s
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     src.fill_(1)
