@@ -94,3 +94,28 @@ def test_recompute_time_is_attributed_to_each_checkpoint_and_nothing_without_rem
     assert set(timed) == {"layers.0", "layers.1"}
     assert all(s > 0 for s in timed.values())
     assert _time.recompute_seconds(_stack(False), repeats=1) == {}
+
+
+def test_the_forecast_table_shows_each_policys_predicted_added_time_on_a_profile():
+    from benchmarks.gpt import GPTConfig, GPTStack
+    from integrations.planner import forecast_remat
+
+    torch.manual_seed(0)
+    stack = GPTStack(GPTConfig(d_model=32, n_heads=4, seq_len=32, batch=2, n_layers=2))
+    x = stack.example_input()
+    forecast = forecast_remat(stack, x, budget=0.3, candidates=["qkv", "fc1", "fc2"], profile="H100 SXM")
+    h100 = _time.PROFILES["H100 SXM"]
+    assert forecast.profile is h100 and forecast.dtype == torch.float32
+    table = forecast.format(by_block=False)
+    assert "predicted added time (H100 SXM)" in table
+    # the hand policies stay in the table, each with its predicted time
+    assert {"no remat", "full checkpoint", "save linears", "plan"} <= set(forecast.policies)
+    for p in forecast.policies.values():
+        seconds = p.predicted_seconds(h100, torch.float32)
+        assert seconds == p.flops / h100.flops["float32"]
+        line = next(line for line in table.splitlines() if line.strip().startswith(p.name + " "))
+        assert f"{seconds * 1e3:,.3f} ms" in line
+    assert forecast.policies["no remat"].predicted_seconds(h100, "float32") == 0
+    assert forecast.policies["full checkpoint"].predicted_seconds(h100, "float32") > 0
+    with pytest.raises(ValueError, match="no device profile 'H1000'"):
+        forecast_remat(stack, x, budget=0.3, profile="H1000")
