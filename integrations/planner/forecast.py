@@ -36,8 +36,8 @@ from ._fake import (
 from ._layout import Layout, sharded
 from ._measure import LossFn, Placement, blocks_drawing_no_random_numbers, refuse_applied_remat
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
-from ._time import PROFILES, DeviceProfile
 from ._state import preserved_python_state
+from ._time import PROFILES, DeviceProfile
 from .plan import (
     Budget,
     InfeasibleBudgetError,
