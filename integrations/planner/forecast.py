@@ -225,6 +225,7 @@ def forecast_remat(
     max_batch: int = 1 << 16,
     layout: Layout | None = None,
     profile: DeviceProfile | str | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Forecast:
     """Plan as :func:`plan_remat` does, with every run on fake tensors: no parameter
     or activation memory is allocated, so the model may be larger than this
@@ -251,6 +252,9 @@ def forecast_remat(
         profile: a :class:`~integrations.planner._time.DeviceProfile` or the name of
             one in ``PROFILES`` (``"H100 SXM"``): the table then shows each
             policy's predicted added step time on that device.
+        compute_dtype: the dtype the recompute runs in, for ``profile``'s peak
+            FLOP/s (default: the model's first floating parameter's; pass
+            ``torch.bfloat16`` where mixed precision computes in bf16).
     """
     if isinstance(profile, str):
         if profile not in PROFILES:
@@ -360,7 +364,7 @@ def forecast_remat(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
         max_batch_limit=max_batch if memory is not None else None,
-        profile=profile, dtype=_compute_dtype(model),
+        profile=profile, dtype=compute_dtype or _compute_dtype(model),
     )
 
 
