@@ -3,8 +3,7 @@
 An option's added step time is its recompute time plus its exposed copy time:
 
 * **recompute time**: measured per checkpoint on the device present
-  (:func:`recompute_seconds` times every aten op a checkpoint's recompute runs in
-  the backward), or predicted from a :class:`DeviceProfile` as the roofline
+  (:func:`recompute_seconds` times each checkpoint's replay in the backward), or predicted from a :class:`DeviceProfile` as the roofline
   ``max(FLOPs / peak FLOP/s, bytes / memory bandwidth)``;
 * **exposed copy time**: the offloaded bytes over the host link, overlapped with
   the compute between a copy's issue and its use (:func:`exposed_copy_seconds`,
@@ -279,9 +278,9 @@ def recompute_seconds(
     span: bool = True,
 ) -> dict[str, float]:
     """Seconds each remat checkpoint's recompute takes in one run of ``step`` (a
-    forward and backward), measured on the device present: the sum of the times of
-    the aten ops it replays, by checkpoint name; per op the minimum over
-    ``repeats`` runs is not separable, so the run with the smallest total counts.
+    forward and backward), measured on the device present while it replays its
+    aten ops, by checkpoint name. Of ``repeats`` runs, the one whose replayed ops
+    took the least time in all counts.
 
     ``clock``: default the thread's CPU time on CPU (what the step's own thread
     spends, whatever else shares the cores; the ops then run on one intra-op
