@@ -121,14 +121,17 @@ def _sync(device: torch.device) -> None:
 
 
 def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    # On CPU the thread's CPU time, as recompute_seconds and the time check use (on
+    # one intra-op thread): other work on shared cores does not enter.
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
     fn()
     _sync(device)
     best = math.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -145,7 +148,8 @@ def calibrate(
     A square matmul per dtype (FLOP/s), a device-to-device copy (memory bandwidth,
     read plus write), and a copy into a host buffer (host link: pinned memory on
     CUDA; on CPU a memcpy into a pool-like buffer, which is what the offloader
-    does there). Best of ``repeats``.
+    does there). Best of ``repeats``; on CPU timed on the thread's CPU clock, so
+    run it with the intra-op threads the workload uses (the time check: one).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
