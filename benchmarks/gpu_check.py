@@ -9,6 +9,10 @@ suite cannot, and exercises every CUDA-only path of the project:
   allocated memory of each, whether gradients are bitwise equal, and from the
   profiler how much of the device-to-host and host-to-device copy time overlaps
   compute kernels on another stream.
+* ``calibrate``: the planner's time model measures this GPU's profile
+  (``integrations.planner._time.calibrate``: matmul FLOP/s in bfloat16 and
+  float32, memory bandwidth, pinned host-link bandwidth) and sets it beside the
+  published profile of the same device, where the table has one.
 * ``rng``: ``DeviceRNGStateHook("cuda")`` replays dropout inside a checkpoint
   exactly (bitwise gradients against the uncheckpointed run).
 * ``sites``: with the allocator's memory history on, the memory report names this
@@ -40,7 +44,7 @@ import torch  # noqa: E402
 
 import torch_remat as remat  # noqa: E402
 
-CHECKS = ("offload", "rng", "sites", "oom")
+CHECKS = ("calibrate", "offload", "rng", "sites", "oom")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -225,6 +229,29 @@ def check_sites(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     }
 
 
+def check_calibrate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from integrations.planner import _time
+
+    profile = _time.calibrate(device, dtypes=(torch.bfloat16, torch.float32))
+    measured = {
+        "flops_bf16_tflops": profile.flops["bfloat16"] / 1e12,
+        "flops_fp32_tflops": profile.flops["float32"] / 1e12,
+        "memory_bandwidth_gbs": profile.memory_bandwidth / 1e9,
+        "host_link_gbs": profile.host_link_bandwidth / 1e9,
+    }
+    name = torch.cuda.get_device_name(device)
+    published = next((p for key, p in _time.PROFILES.items() if key.split()[0] in name), None)
+    result: dict[str, Any] = {"ok": all(v > 0 for v in measured.values()), "measured": measured}
+    if published is not None:
+        result["published"] = published.name
+        result["fraction_of_published"] = {
+            "flops_bf16": profile.flops["bfloat16"] / published.flops["bfloat16"],
+            "memory_bandwidth": profile.memory_bandwidth / published.memory_bandwidth,
+            "host_link": profile.host_link_bandwidth / published.host_link_bandwidth,
+        }
+    return result
+
+
 def check_oom(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     out = io.StringIO()
 
@@ -242,7 +269,13 @@ def check_oom(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return {"attached": attached, "raised": raised, "printed": printed, "ok": attached and raised and printed}
 
 
-RUNNERS = {"offload": check_offload, "rng": check_rng, "sites": check_sites, "oom": check_oom}
+RUNNERS = {
+    "calibrate": check_calibrate,
+    "offload": check_offload,
+    "rng": check_rng,
+    "sites": check_sites,
+    "oom": check_oom,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ The model is built on the meta device and forecast with
 so nothing of the model is allocated. Each layout's plan is chosen for an 80 GiB
 device (the budget: what is left of 80 GiB after the rank's parameters,
 gradients and optimizer state and a 25% margin for the step's transients);
-``--max-batch`` also searches each policy's largest micro-batch. Printed per layout: the
+``--max-batch`` also searches each policy's largest micro-batch; the table also predicts
+each policy's added step time on an H100 SXM profile. Printed per layout: the
 forecast, its wall time and the process's peak RSS (``--tracemalloc``: also the
 peak of Python's traced allocations, which slows the run).
 """
@@ -45,6 +46,9 @@ from torch_remat.integrations.planner import Layout, forecast_remat  # noqa: E40
 D, HEADS, KV_HEADS, FFN, SEQ, LAYERS = 4096, 32, 8, 14336, 8192, 32
 HEAD_DIM = D // HEADS
 DEVICE_MEMORY = 80 * 2**30
+PROFILE = "H100 SXM"
+"""The 80 GiB device profile of the "predicted added time" column (published
+figures, ``integrations.planner._time.PROFILES``; activations are bf16)."""
 MARGIN = 0.25
 
 
@@ -170,6 +174,7 @@ def run(name: str, max_batch: bool, trace: bool) -> None:
         model, x, loss_fn, budget_for(lay), blocks=Block,
         candidates=[Attention, FeedForward], layout=lay,
         device_memory=DEVICE_MEMORY if max_batch else None,
+        profile=PROFILE, compute_dtype=torch.bfloat16,
     )
     wall = time.perf_counter() - t0
     traced = ""

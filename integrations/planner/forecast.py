@@ -37,6 +37,7 @@ from ._layout import Layout, sharded
 from ._measure import LossFn, Placement, blocks_drawing_no_random_numbers, refuse_applied_remat
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
 from ._state import preserved_python_state
+from ._time import PROFILES, DeviceProfile
 from .plan import (
     Budget,
     InfeasibleBudgetError,
@@ -97,6 +98,12 @@ class PolicyForecast:
     def kept_bytes(self) -> int:
         return sum(self.bytes_by_block.values())
 
+    def predicted_seconds(self, profile: DeviceProfile, dtype: torch.dtype | str) -> float:
+        """Added step time on ``profile``: the recompute FLOPs at its peak FLOP/s
+        for ``dtype`` (the forecast counts FLOPs, not the bytes the recompute moves,
+        so this is the compute-bound side of the roofline; nothing is offloaded)."""
+        return self.flops / profile.peak_flops(dtype)
+
 
 @dataclass
 class Forecast:
@@ -120,6 +127,10 @@ class Forecast:
     and tensor parallelism); part of the step peak."""
     bucket_bytes: int = 0
     """DDP's gradient buckets, held for the whole run (0 in other layouts)."""
+    profile: DeviceProfile | None = None
+    """The device profile the table's predicted added time is for (None: no column)."""
+    dtype: torch.dtype = torch.float32
+    """The dtype the recompute runs in (the model's first floating parameter's)."""
     max_batch_limit: int | None = None
     """Where the largest-micro-batch search stopped (``max_batch``): a policy whose
     answer is this fits at least this batch, maybe more."""
@@ -147,11 +158,15 @@ class Forecast:
             "",
         ]
         head = ["policy", "kept after forward", "step peak", "recompute FLOPs"]
+        if self.profile is not None:
+            head.append(f"predicted added time ({self.profile.name})")
         if self.device_memory is not None:
             head.append("largest micro-batch")
         rows = [head]
         for p in self.policies.values():
             row = [p.name, f"{p.kept_bytes:,}", f"{p.peak_bytes:,}", f"{p.flops:,}"]
+            if self.profile is not None:
+                row.append(f"{p.predicted_seconds(self.profile, self.dtype) * 1e3:,.3f} ms")
             if self.device_memory is not None:
                 capped = p.max_batch is not None and p.max_batch == self.max_batch_limit
                 # The search stops at its cap: a larger batch may fit too.
@@ -209,6 +224,8 @@ def forecast_remat(
     batch_dim: int = 0,
     max_batch: int = 1 << 16,
     layout: Layout | None = None,
+    profile: DeviceProfile | str | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Forecast:
     """Plan as :func:`plan_remat` does, with every run on fake tensors: no parameter
     or activation memory is allocated, so the model may be larger than this
@@ -232,7 +249,20 @@ def forecast_remat(
             the rank's: its parameter shards, gradients and optimizer state, its
             activations (DTensor shards, FSDP2's unsharded parameters while a unit
             runs). Needs no process group initialized in this process.
+        profile: a :class:`~integrations.planner._time.DeviceProfile` or the name of
+            one in ``PROFILES`` (``"H100 SXM"``): the table then shows each
+            policy's predicted added step time on that device.
+        compute_dtype: the dtype the recompute runs in, for ``profile``'s peak
+            FLOP/s (default: the model's first floating parameter's; pass
+            ``torch.bfloat16`` where mixed precision computes in bf16).
     """
+    if isinstance(profile, str):
+        if profile not in PROFILES:
+            raise ValueError(
+                f"forecast_remat: no device profile {profile!r}; known: {sorted(PROFILES)} "
+                "(or pass a DeviceProfile, e.g. from calibrate())."
+            )
+        profile = PROFILES[profile]
     if budget == "auto":
         raise ValueError(
             "forecast_remat: budget='auto' reads the free memory of a device this "
@@ -334,7 +364,13 @@ def forecast_remat(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
         max_batch_limit=max_batch if memory is not None else None,
+        profile=profile, dtype=compute_dtype or _compute_dtype(model),
     )
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating parameter (float32 without one)."""
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
 def _mismatch_message(plan: RematPlan) -> str:

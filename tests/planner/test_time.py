@@ -1,0 +1,121 @@
+"""The time model's logic: copy overlap arithmetic, rankings, the profile table,
+calibration and per-checkpoint recompute timing (no timed assertions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torch_remat as remat
+from integrations.planner import _time
+
+
+def test_synchronous_copies_are_all_exposed_except_the_last_k_calls():
+    # three calls, prefetch 1: calls 0 and 1 move, out and back
+    assert _time.exposed_copy_seconds(
+        [1, 1, 1], [2, 2, 2], [3, 3, 3], prefetch=1, overlap=False
+    ) == pytest.approx(12)
+    assert _time.exposed_copy_seconds(
+        [1, 1, 1], [2, 2, 2], [3, 3, 3], prefetch=3, overlap=False
+    ) == 0
+
+
+def test_overlapped_copies_are_exposed_only_beyond_the_compute_they_hide_behind():
+    # copies shorter than the compute between issue and use: all hidden
+    assert _time.exposed_copy_seconds([1, 1, 1], [2, 2, 2], [0.5] * 3, prefetch=1) == 0
+    # copies of 3 s behind 1 s forward and 2 s backward calls, one copy stream:
+    # out 1..4, 4..7; back 7..10 (call 1, needed at 5), 10..13 (call 0, needed at 12)
+    assert _time.exposed_copy_seconds([1, 1, 1], [2, 2, 2], [3, 3, 3], prefetch=1) == pytest.approx(6)
+
+
+def test_a_longer_prefetch_distance_hides_more():
+    fwd, bwd, copy = [1.0] * 6, [2.0] * 6, [2.5] * 6
+    exposed = [_time.exposed_copy_seconds(fwd, bwd, copy, prefetch=k) for k in (0, 1, 2)]
+    assert exposed[0] > exposed[1] > exposed[2]
+
+
+def test_copy_lists_must_match_the_calls():
+    with pytest.raises(ValueError, match="one entry per checkpoint call"):
+        _time.exposed_copy_seconds([1, 1], [1], [1, 1], prefetch=1)
+
+
+def test_ranking_orders_by_added_time():
+    assert _time.ranking({"full": 3.0, "none": 0.0, "save": 1.5}) == ["none", "save", "full"]
+
+
+@pytest.mark.parametrize("name", sorted(_time.PROFILES))
+def test_published_profiles_are_consistent_and_cite_their_sources(name):
+    p = _time.PROFILES[name]
+    assert p.name == name
+    for key in ("flops", "memory_bandwidth", "host_link_bandwidth", "memory_bytes"):
+        assert p.sources[key].startswith("https://"), key
+    assert p.peak_flops(torch.bfloat16) > p.peak_flops(torch.float32) > 0
+    assert p.memory_bandwidth > p.host_link_bandwidth > 0
+    assert p.memory_bytes >= 24e9 and p.overlap_copies
+    # roofline: a matmul-heavy op is compute bound, a copy memory bound
+    assert p.compute_seconds(1e12, 1e6, "bfloat16") == pytest.approx(1e12 / p.flops["bfloat16"])
+    assert p.compute_seconds(1, 1e9, "bfloat16") == pytest.approx(1e9 / p.memory_bandwidth)
+
+
+def test_a_profile_without_the_dtype_says_which_it_has():
+    with pytest.raises(KeyError, match="float64.*bfloat16"):
+        _time.PROFILES["H100 SXM"].peak_flops(torch.float64)
+
+
+def test_calibration_returns_positive_finite_figures():
+    p = _time.calibrate("cpu", matmul_size=64, copy_bytes=1 << 16, repeats=2)
+    figures = [p.flops["float32"], p.memory_bandwidth, p.host_link_bandwidth]
+    assert all(math.isfinite(f) and f > 0 for f in figures)
+    assert not p.overlap_copies  # CPU copies into the pool are synchronous
+    assert set(p.sources) == {"flops", "memory_bandwidth", "host_link_bandwidth"}
+
+
+def _stack(checkpointed: bool):
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
+    calls = [
+        remat.checkpoint(region_name=f"layers.{i}")(m) if checkpointed else m for i, m in enumerate(layers)
+    ]
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step():
+        h = x
+        for c in calls:
+            h = c(h)
+        h.sum().backward()
+
+    return step
+
+
+def test_recompute_time_is_attributed_to_each_checkpoint_and_nothing_without_remat():
+    timed = _time.recompute_seconds(_stack(True), repeats=1)
+    assert set(timed) == {"layers.0", "layers.1"}
+    assert all(s > 0 for s in timed.values())
+    assert _time.recompute_seconds(_stack(False), repeats=1) == {}
+
+
+def test_the_forecast_table_shows_each_policys_predicted_added_time_on_a_profile():
+    from benchmarks.gpt import GPTConfig, GPTStack
+    from integrations.planner import forecast_remat
+
+    torch.manual_seed(0)
+    stack = GPTStack(GPTConfig(d_model=32, n_heads=4, seq_len=32, batch=2, n_layers=2))
+    x = stack.example_input()
+    forecast = forecast_remat(stack, x, budget=0.3, candidates=["qkv", "fc1", "fc2"], profile="H100 SXM")
+    h100 = _time.PROFILES["H100 SXM"]
+    assert forecast.profile is h100 and forecast.dtype == torch.float32
+    table = forecast.format(by_block=False)
+    assert "predicted added time (H100 SXM)" in table
+    # the hand policies stay in the table, each with its predicted time
+    assert {"no remat", "full checkpoint", "save linears", "plan"} <= set(forecast.policies)
+    for p in forecast.policies.values():
+        seconds = p.predicted_seconds(h100, torch.float32)
+        assert seconds == p.flops / h100.flops["float32"]
+        line = next(line for line in table.splitlines() if line.strip().startswith(p.name + " "))
+        assert f"{seconds * 1e3:,.3f} ms" in line
+    assert forecast.policies["no remat"].predicted_seconds(h100, "float32") == 0
+    assert forecast.policies["full checkpoint"].predicted_seconds(h100, "float32") > 0
+    with pytest.raises(ValueError, match="no device profile 'H1000'"):
+        forecast_remat(stack, x, budget=0.3, profile="H1000")
