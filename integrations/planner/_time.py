@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_remat as remat
+from torch_remat._integration import TorchDispatchMode
 
 GB = 1e9
 TFLOPS = 1e12

@@ -9,7 +9,7 @@ from benchmarks import gpu_check
 
 def test_defaults_run_every_check():
     args = gpu_check.parse_args([])
-    assert args.only == ["offload", "rng", "sites", "oom"]
+    assert args.only == ["calibrate", "offload", "rng", "sites", "oom"]
     assert (args.layers, args.prefetch, args.steps) == (8, 2, 10)
 
 
