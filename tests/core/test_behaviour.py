@@ -63,15 +63,18 @@ def test_no_grad_and_inference_mode_run_the_function_once():
 
     def fn(x):
         calls.append(1)
-        return remat.region(torch.sin, "s", recompute=False)(x)
+        return remat.region(torch.sin, "s", recompute=False)(x).cos().cos()
 
     ckpt = remat.checkpoint(region_name="c")(fn)
     x = torch.randn(3)
     with torch.no_grad():
-        assert torch.equal(ckpt(x), x.sin())
+        assert torch.equal(ckpt(x), x.sin().cos().cos())
     with torch.inference_mode():
-        assert torch.equal(ckpt(x), x.sin())
+        assert torch.equal(ckpt(x), x.sin().cos().cos())
     assert calls == [1, 1]
+    # with gradients on, the same checkpoint runs it again in backward (for the second cos)
+    ckpt(x.requires_grad_()).sum().backward()
+    assert calls == [1, 1, 1, 1]
 
 
 class CounterHook:
