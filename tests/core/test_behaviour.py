@@ -440,9 +440,12 @@ def test_unchanged_state_snapshots_are_stored_once(memory_probe):
 def test_a_forward_that_raises_after_a_save_region_frees_everything(memory_probe):
     x = torch.randn(400, dtype=torch.float64, requires_grad=True)
 
+    running = []
+
     def fn(x):
         h = remat.region(torch.exp, "exp", recompute=False)(x)  # saves its output
         remat.recompute_needs_tensor(h)
+        running.append(remat.active_checkpoint().checkpoint)
         raise KeyError("boom")
 
     gc.disable()
@@ -454,4 +457,5 @@ def test_a_forward_that_raises_after_a_save_region_frees_everything(memory_probe
                 pass
     finally:
         gc.enable()
+    assert running == ["c"]  # it raised inside the checkpoint, after its save was kept
     assert probe.bytes == 0
