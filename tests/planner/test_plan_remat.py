@@ -262,6 +262,8 @@ def test_candidates_by_glob_and_class_restrict_the_options():
     assert by_class.candidates == {"layers.0": {"ln": "LayerNorm"}}
     # no checkpoint, then the subsets: {}, {fc1}, {fc2}, {fc1, fc2}
     assert [m.option.save for m in by_glob.table[0]] == [(), (), ("fc1",), ("fc2",), ("fc1", "fc2")]
+    # each option was measured with its checkpoint: saving fc1 spares the replay's flops
+    assert [m.flops for m in by_glob.table[0]] == [0, 2048, 0, 2048, 0]
 
 
 def test_the_table_shows_every_block_and_the_totals(planned):
