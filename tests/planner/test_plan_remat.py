@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import recorded_replays
 from torch_remat.integrations import (
     InfeasibleBudgetError,
     RematPlan,
@@ -191,7 +192,10 @@ def test_planning_leaves_gradients_buffers_and_rng_as_they_were():
         t.grad = torch.full_like(t, 3.0)
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
-    plan_remat(model, x, loss_fn, budget=1.0)
+    with recorded_replays() as replayed:
+        plan_remat(model, x, loss_fn, budget=1.0)
+    # its measurements replayed the blocks, whose backward writes gradients too
+    assert sorted(set(replayed)) == ["layers.0", "layers.1"]
     assert all(torch.equal(t.grad, torch.full_like(t, 3.0)) for t in [*model.parameters(), x])
     assert all(map(torch.equal, model.buffers(), buffers))
     assert torch.equal(torch.get_rng_state(), rng)
