@@ -63,15 +63,18 @@ def test_no_grad_and_inference_mode_run_the_function_once():
 
     def fn(x):
         calls.append(1)
-        return remat.region(torch.sin, "s", recompute=False)(x)
+        return remat.region(torch.sin, "s", recompute=False)(x).cos().cos()
 
     ckpt = remat.checkpoint(region_name="c")(fn)
     x = torch.randn(3)
     with torch.no_grad():
-        assert torch.equal(ckpt(x), x.sin())
+        assert torch.equal(ckpt(x), x.sin().cos().cos())
     with torch.inference_mode():
-        assert torch.equal(ckpt(x), x.sin())
+        assert torch.equal(ckpt(x), x.sin().cos().cos())
     assert calls == [1, 1]
+    # with gradients on, the same checkpoint runs it again in backward (for the second cos)
+    ckpt(x.requires_grad_()).sum().backward()
+    assert calls == [1, 1, 1, 1]
 
 
 class CounterHook:
@@ -437,9 +440,12 @@ def test_unchanged_state_snapshots_are_stored_once(memory_probe):
 def test_a_forward_that_raises_after_a_save_region_frees_everything(memory_probe):
     x = torch.randn(400, dtype=torch.float64, requires_grad=True)
 
+    running = []
+
     def fn(x):
         h = remat.region(torch.exp, "exp", recompute=False)(x)  # saves its output
         remat.recompute_needs_tensor(h)
+        running.append(remat.active_checkpoint().checkpoint)
         raise KeyError("boom")
 
     gc.disable()
@@ -451,4 +457,5 @@ def test_a_forward_that_raises_after_a_save_region_frees_everything(memory_probe
                 pass
     finally:
         gc.enable()
+    assert running == ["c"]  # it raised inside the checkpoint, after its save was kept
     assert probe.bytes == 0

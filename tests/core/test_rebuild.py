@@ -399,12 +399,14 @@ def test_forward_raising_after_a_save_region_frees_its_rebuilt_saves_without_gc(
         h = x * 2
         out = save(lambda a: _SaveOutputAliasingArgument.apply(a) * 1, "f")(h)
         seen.append(weakref.ref(out.grad_fn.next_functions[0][0]))
+        seen.append(remat.active_checkpoint().checkpoint)
         raise ValueError("after the region")
 
     gc.disable()
     try:
         with pytest.raises(ValueError, match="after the region"):
             remat.checkpoint(region_name="c")(fn)(base_input())
+        assert seen[1] == "c"  # the save region ran inside the checkpoint
         # no reference cycle through autograd nodes: plain refcounting frees it
         assert seen[0]() is None
     finally:

@@ -94,6 +94,10 @@ def test_nothing_is_recorded_outside_the_block_or_in_other_threads():
         t.join()
     remat.checkpoint(region_name="after")(sin_cos)(x)
     assert other and trace.format() == "torch_remat trace"
+    # while the same call in the block's thread is recorded
+    with remat.collect_trace() as here:
+        remat.checkpoint(region_name="here")(sin_cos)(x)
+    assert here.format() == "torch_remat trace\nsin: save\ncos: recompute"
 
 
 def test_empty_trace_and_scope_without_trace_are_plain():

@@ -7,7 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from dist_models import MLPBlock, TinyNet
+from helpers import recorded_replays
 from torch import nn
 
 pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
@@ -45,9 +47,19 @@ class Net(TinyNet):
     _no_split_modules = ["MLPBlock"]
 
 
+def replayed(model):
+    """The checkpoints one training step of ``model`` replays in backward, sorted."""
+    with recorded_replays() as names:
+        model(torch.randn(4, 16)).pow(2).sum().backward()
+    return sorted(names)
+
+
 def test_without_a_plugin_blocks_come_from_no_split_modules_or_the_argument():
-    assert apply_remat_for_accelerator(accelerator(), Net()) == ["layers.0", "layers.1"]
-    assert apply_remat_for_accelerator(accelerator(), TinyNet(), nn.Linear) == [
+    net = Net()
+    assert apply_remat_for_accelerator(accelerator(), net) == ["layers.0", "layers.1"]
+    assert replayed(net) == ["layers.0", "layers.1"]
+    tiny = TinyNet()
+    assert apply_remat_for_accelerator(accelerator(), tiny, nn.Linear) == [
         "embed",
         "layers.0.up",
         "layers.0.down",
@@ -55,12 +67,16 @@ def test_without_a_plugin_blocks_come_from_no_split_modules_or_the_argument():
         "layers.1.down",
         "head",
     ]
+    # the input needs no gradient: the embedding keeps nothing to replay for
+    assert replayed(tiny) == ["head", "layers.0.down", "layers.0.up", "layers.1.down", "layers.1.up"]
 
 
 def test_an_fsdp2_plugin_without_auto_wrap_policy_falls_back_to_no_split_modules():
     acc, plugin = fsdp(fsdp_version=2, activation_checkpointing=True)
-    assert apply_remat_for_accelerator(acc, Net()) == ["layers.0", "layers.1"]
+    model = Net()
+    assert apply_remat_for_accelerator(acc, model) == ["layers.0", "layers.1"]
     assert plugin.activation_checkpointing is False
+    assert replayed(model) == ["layers.0", "layers.1"]
 
 
 def test_remat_applied_by_the_caller_is_kept():
@@ -68,6 +84,7 @@ def test_remat_applied_by_the_caller_is_kept():
     apply_remat(model, check_fn=lambda m: m is model.layers[1])
     assert apply_remat_for_accelerator(accelerator(), model) == ["layers.1"]
     assert remat_module_names(model) == ["layers.1"]
+    assert replayed(model) == ["layers.1"]
 
 
 def test_disabled_config_applies_nothing_and_leaves_the_plugin_alone():
@@ -106,3 +123,4 @@ def test_an_fsdp2_plugin_selects_the_modules_its_auto_wrap_policy_shards():
     model = TinyNet()
     assert apply_remat_for_accelerator(acc, model) == ["layers.0", "layers.1"]
     assert all(isinstance(model.get_submodule(n), MLPBlock) for n in remat_module_names(model))
+    assert replayed(model) == ["layers.0", "layers.1"]

@@ -101,6 +101,9 @@ def test_a_state_dict_saved_without_remat_loads_strictly():
     apply_remat(model, check_fn=IS_BLOCK)
     model.load_state_dict(torch.load(buffer), strict=True)
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+    # the checkpointed blocks replay with the loaded weights: the plain model's gradients
+    x = _input()
+    assert_grads_equal(_run(model, x)[1], _run(plain, x)[1])
 
 
 def test_gradients_with_dropout_equal_the_model_without_remat():
@@ -214,7 +217,13 @@ def test_selection_matches_torch(kwargs):
     model = tiny_net()
     expected = _torch_wrapped_names(model, **kwargs)
     assert expected, "the case must select something"
-    assert sorted(apply_remat(model, **kwargs)) == sorted(expected)
+    names = apply_remat(model, **kwargs)
+    assert sorted(names) == sorted(expected)
+    # the selected modules are checkpoints: backward replays them and nothing else
+    with recorded_replays() as replayed:
+        model(_input()).pow(2).sum().backward()
+    assert replayed and set(replayed) <= set(names), replayed
+    assert {"layers.0", "layers.1"} & set(names) <= set(replayed)
 
 
 def test_nested_selection_gives_equal_gradients():
@@ -233,7 +242,13 @@ def test_applying_twice_is_refused_and_remove_remat_undoes_it():
         apply_remat(model, check_fn=IS_BLOCK)
     assert remove_remat(model) == ["layers.0", "layers.1"]
     assert all("forward" not in m.__dict__ for m in model.modules())
+    with recorded_replays() as replayed:
+        model(_input()).pow(2).sum().backward()
+    assert replayed == []
     assert apply_remat(model, check_fn=lambda m: m is model.layers[1]) == ["layers.1"]
+    with recorded_replays() as replayed:
+        model(_input()).pow(2).sum().backward()
+    assert replayed == ["layers.1"]
 
 
 def test_remove_remat_restores_a_forward_set_on_the_instance_before():

@@ -96,11 +96,13 @@ def test_second_backward_with_retain_graph_replays_dropout_identically():
 class CountingHook:
     def __init__(self):
         self.value = 0
+        self.restored = []
 
     def snapshot(self):
         return self.value
 
     def restore(self, state):
+        self.restored.append(state)
         self.value = state
 
 
@@ -110,3 +112,8 @@ def test_extra_state_hooks_follow_the_rng_hook():
     apply_remat(model, check_fn=_is_block, remat=RematConfig(recompute_state_hooks=(extra,)))
     hooks = model.layers[0].forward.state_hooks
     assert isinstance(hooks[0], DeviceRNGStateHook) and hooks[1] is extra
+    # the replays restore the extra state too
+    with recorded_replays() as replayed:
+        _step(model, torch.randn(4, 16, dtype=torch.float64))
+    assert sorted(replayed) == ["layers.0", "layers.1"]
+    assert len(extra.restored) == 4  # per replay: the forward's state, then the caller's

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from tests.helpers import assert_bitwise_equal, grads
+from tests.helpers import assert_bitwise_equal, grads, recorded_replays
 from torch_remat.integrations import apply_remat, remove_remat
 
 
@@ -66,6 +66,11 @@ def test_a_collection_of_classes_selects_what_module_wrap_policy_selects(form):
     got = apply_remat(model, auto_wrap_policy=form([Layer, MLP]))
     assert got == want
     assert "layers.0" in got and "layers.0.mlp" in got and "layers.0.attn" not in got
+    # what is selected is checkpointed: backward replays each selected module
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    with recorded_replays() as replayed:
+        model(x).sum().backward()
+    assert sorted(replayed) == sorted(got)
 
 
 def test_a_set_of_classes_checkpoints_exactly():

@@ -345,12 +345,17 @@ def test_checkpointing_enabled_again_after_enable_remat_raises_before_the_layers
 def test_disable_remat_after_the_replacement_reports_the_layers_and_switches_all_off():
     model = tiny_llama()
     enable_remat(model, remat=RematConfig(save_modules=LlamaAttention))
+    ids = input_ids()
+    with recorded_replays() as replayed:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert sorted(replayed) == LAYERS  # the layers are checkpoints until disabled
     transformers_checkpointing(model)
     with pytest.warns(UserWarning, match=r"model.layers.0.self_attn', 'model.layers.1.self_attn'"):
         assert disable_remat(model) == LAYERS
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    ids = input_ids()
-    model(input_ids=ids, labels=ids).loss.backward()  # trains again, with no checkpointing
+    with recorded_replays() as replayed:
+        model(input_ids=ids, labels=ids).loss.backward()  # trains again, with no checkpointing
+    assert replayed == []
 
 
 def test_apply_remat_layers_under_transformers_checkpointing_raise_and_remove_remat_warns():

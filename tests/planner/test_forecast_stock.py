@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import recorded_replays
 from torch_remat.integrations import plan_remat
 from torch_remat.integrations.planner import forecast_remat
 
@@ -258,7 +259,9 @@ def test_planning_leaves_python_attributes_hooks_and_generators_as_found(planner
     model[1].register_forward_pre_hook(counting_pre_hook)
     gen_state = model[0].gen.get_state()
     seen = model[1].seen
-    planner(model, torch.randn(4, 8), budget=1.0)
+    with recorded_replays() as replayed:
+        planner(model, torch.randn(4, 8), budget=1.0)
+    assert replayed == ["1"]  # a measured checkpoint ran its block again, yet:
     assert [m.steps for m in model] == [0, 0]
     assert model[1].seen is seen and seen == []
     assert hook.calls == 0 and closure_calls == 0

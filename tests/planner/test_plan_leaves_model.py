@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import recorded_replays
 from torch_remat.integrations import RematPlan, plan_remat
 
 D = torch.float64
@@ -64,7 +65,10 @@ def test_buffers_the_forward_rebinds_are_back_after_planning():
     model = Net()
     model(_x()).sum().backward()  # gradients and a non-zero running average to keep
     before = _state(model)
-    plan_remat(model, _x(), budget=1.0)
+    with recorded_replays() as replayed:
+        plan_remat(model, _x(), budget=1.0)
+    # its measurements checkpointed the blocks: backward ran their forwards again
+    assert sorted(set(replayed)) == ["layers.0", "layers.1"]
     _assert_same_state(before, _state(model))
 
 
@@ -79,7 +83,10 @@ def test_an_optimizer_step_fused_into_backward_leaves_no_trace():
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(sgd_step)
     before = _state(model)
-    plan_remat(model, _x(), budget=1.0)
+    with recorded_replays() as replayed:
+        plan_remat(model, _x(), budget=1.0)
+    # its measurements checkpointed the blocks: backward ran their forwards again
+    assert sorted(set(replayed)) == ["layers.0", "layers.1"]
     _assert_same_state(before, _state(model))
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.helpers import recorded_replays
 from torch_remat.integrations import (
     InfeasibleBudgetError,
     RematPlan,
@@ -191,7 +192,10 @@ def test_planning_leaves_gradients_buffers_and_rng_as_they_were():
         t.grad = torch.full_like(t, 3.0)
     buffers = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
-    plan_remat(model, x, loss_fn, budget=1.0)
+    with recorded_replays() as replayed:
+        plan_remat(model, x, loss_fn, budget=1.0)
+    # its measurements replayed the blocks, whose backward writes gradients too
+    assert sorted(set(replayed)) == ["layers.0", "layers.1"]
     assert all(torch.equal(t.grad, torch.full_like(t, 3.0)) for t in [*model.parameters(), x])
     assert all(map(torch.equal, model.buffers(), buffers))
     assert torch.equal(torch.get_rng_state(), rng)
@@ -262,6 +266,8 @@ def test_candidates_by_glob_and_class_restrict_the_options():
     assert by_class.candidates == {"layers.0": {"ln": "LayerNorm"}}
     # no checkpoint, then the subsets: {}, {fc1}, {fc2}, {fc1, fc2}
     assert [m.option.save for m in by_glob.table[0]] == [(), (), ("fc1",), ("fc2",), ("fc1", "fc2")]
+    # each option was measured with its checkpoint: saving fc1 spares the replay's flops
+    assert [m.flops for m in by_glob.table[0]] == [0, 2048, 0, 2048, 0]
 
 
 def test_the_table_shows_every_block_and_the_totals(planned):
