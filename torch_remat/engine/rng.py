@@ -520,12 +520,21 @@ def default_generators() -> set[int]:
 
 
 def generator_states(generators: tuple[torch.Generator, ...]) -> tuple[bytes, ...]:
-    """The states of ``generators`` now, comparable with ``==``."""
-    return tuple([g.get_state().numpy().tobytes() for g in generators])
+    """The states of ``generators`` now, comparable with ``==``: their bytes, read
+    without an aten op (``get_state()`` dispatches nothing), so no dispatch mode (a
+    forecast's fake tensors, a scope's recording) sees them."""
+    out = []
+    for g in generators:
+        state = g.get_state()  # a fresh contiguous uint8 tensor
+        out.append(ctypes.string_at(state.data_ptr(), state.nbytes))
+    return tuple(out)
 
 
 def restore_generator_states(generators: tuple[torch.Generator, ...], states: tuple[bytes, ...]) -> None:
-    """Make ``states`` (from :func:`generator_states`) current again."""
-    for g, saved in zip(generators, states):
-        if g.get_state().numpy().tobytes() != saved:
-            g.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+    """Make ``states`` (from :func:`generator_states`) current again, below any
+    dispatch mode (the state tensor must be a real one)."""
+    now = generator_states(generators)
+    with _compat.DisableTorchDispatch():
+        for g, saved, current in zip(generators, states, now):
+            if current != saved:
+                g.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
