@@ -90,11 +90,20 @@ class CounterHook:
         self.value = state
 
 
-def _counter_fn(counter, seen):
+def _counter_fn(counter, seen, body_runs=None):
+    """``body_runs``, if given, lists for each run of the SAVE body whether backward
+    was replaying it."""
+
+    def body(t):
+        if body_runs is not None:
+            body_runs.append(remat.is_recomputing())
+        counter.value += 10
+        return t.exp()
+
     def fn(x):
         seen.append(counter.value)
         counter.value += 1
-        h = remat.region(lambda t: (counter.__setattr__("value", counter.value + 10), t.exp())[1], "s", recompute=False)(x)
+        h = remat.region(body, "s", recompute=False)(x)
         seen.append(counter.value)
         counter.value += 1
         return (h * x).sin()
@@ -103,14 +112,27 @@ def _counter_fn(counter, seen):
 
 
 def test_state_hook_makes_recompute_see_forward_values():
-    counter, seen = CounterHook(), []
+    counter, seen, body_runs = CounterHook(), [], []
+    fn = _counter_fn(counter, seen, body_runs)
     x = torch.randn(3, requires_grad=True)
-    out = remat.checkpoint(region_name="c", recompute_state_hooks=(counter,))(_counter_fn(counter, seen))(x)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c", recompute_state_hooks=(counter,))(fn)(x)
     counter.value = 100  # the caller moves on
     out.sum().backward()
-    # forward saw 0 then 11 (the SAVE body added 10); the replay sees the same
+    assert replayed == ["c"]
+    # forward saw 0 then 11 (the SAVE body added 10); the replay sees the same, the
+    # 11 restored by the hook where the replay skips the SAVE body
     assert seen == [0, 11, 0, 11]
+    assert body_runs == [False]
     assert counter.value == 100  # caller's state restored after the recompute
+
+    # Without the hook the same replay starts from the caller's 100 instead.
+    seen.clear()
+    counter.value = 0
+    out = remat.checkpoint(region_name="c")(fn)(x)
+    counter.value = 100
+    out.sum().backward()
+    assert seen == [0, 11, 100, 101]
 
 
 def test_without_state_hook_recompute_sees_other_values():
@@ -155,20 +177,28 @@ def test_several_state_hooks_are_independent():
 
 
 def test_early_stop_skips_trailing_ops_that_save_nothing():
-    leading, trailing = [], []
+    def runs(**opts):
+        leading, trailing = [], []
 
-    def fn(x):
-        leading.append(remat.is_recomputing())
-        h = x.sin()  # saves x (static: an input) — no replay needed for it
-        h = h.exp()  # saves its result: needs the replay
-        trailing.append(remat.is_recomputing())
-        return h + 1  # saves nothing
+        def fn(x):
+            leading.append(remat.is_recomputing())
+            h = x.sin()  # saves x (static: an input) — no replay needed for it
+            h = h.exp()  # saves its result: needs the replay
+            trailing.append(remat.is_recomputing())
+            return h + 1  # saves nothing
 
-    x = torch.randn(3, requires_grad=True)
-    out = remat.checkpoint(region_name="c")(fn)(x)
-    out.sum().backward()
+        x = torch.randn(3, requires_grad=True)
+        with recorded_replays() as replayed:
+            out = remat.checkpoint(region_name="c", **opts)(fn)(x)
+        out.sum().backward()
+        assert replayed == ["c"]
+        return leading, trailing
+
+    leading, trailing = runs()
     assert leading == [False, True]  # the replay ran ...
     assert trailing == [False]  # ... and stopped inside exp
+    # without early stop the replay of the same function runs the trailing ops
+    assert runs(early_stop=False) == ([False, True], [False, True])
 
 
 def test_early_stop_false_replays_everything():
@@ -180,9 +210,18 @@ def test_early_stop_false_replays_everything():
         return h + 1
 
     x = torch.randn(3, requires_grad=True)
-    out = remat.checkpoint(region_name="c", early_stop=False)(fn)(x)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c", early_stop=False)(fn)(x)
     out.sum().backward()
+    assert replayed == ["c"]
     assert trailing == [False, True]
+    # with early stop (the default) the replay of the same function stops before them
+    trailing.clear()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c")(fn)(x)
+    out.sum().backward()
+    assert replayed == ["c"]
+    assert trailing == [False]
 
 
 def test_all_saves_kept_means_no_recompute():

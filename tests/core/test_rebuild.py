@@ -30,6 +30,17 @@ def base_input():
     return torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
 
 
+def logged(fn, runs):
+    """``fn``, appending to ``runs`` at each call whether backward is replaying it: a
+    SAVE region's body runs in the forward only, a recomputed one in the replay too."""
+
+    def body(*args):
+        runs.append(remat.is_recomputing())
+        return fn(*args)
+
+    return body
+
+
 def resident_bytes(memory_probe, fn, base, **opts):
     """Bytes the checkpoint holds after its forward, with a non-leaf input only the
     checkpoint can keep alive; returns (bytes, output, the list that will name the
@@ -69,15 +80,20 @@ def test_save_of_an_argument_computed_by_replayed_code_is_rebuilt_not_kept(memor
 
 def test_view_of_an_argument_saved_by_the_region_is_rebuilt(memory_probe):
     lin = linear()
+    runs = []
 
     def fn(x):
         h = x.exp()  # (8, 32) -> the region reshapes it to (64, 4)... and back
-        return save(lambda t: lin(t.view(4, 2, 32)).view(8, 32), "proj")(h)
+        return save(logged(lambda t: lin(t.view(4, 2, 32)).view(8, 32), runs), "proj")(h)
 
     base = base_input()
+    # The same checkpoint keeping its SAVE region's saves: the view keeps all of h.
+    kept = resident_bytes(memory_probe, fn, base, rebuild="never")[0]
     held, out, replayed = resident_bytes(memory_probe, fn, base)
     assert held == 2 * ROW  # x and the output; the saved (4*2, 32) view of h is rebuilt
+    assert kept == held + ROW  # ... where keeping the save holds h's storage too
     assert_same_gradients(fn, base, out, replayed)
+    assert True not in runs  # the replay refilled the view without running the body
 
 
 def test_matmul_before_the_checkpoint_does_not_stop_a_rebuild(memory_probe):
@@ -157,11 +173,14 @@ def test_replay_stops_exactly_at_the_last_region_whose_saves_it_rebuilds():
     def fn(x):
         a = x.exp()  # saves its result: the last tensor the replay must recreate
         b = mark("b", a * 3)  # saves nothing; the region saves b
-        y = save(lin, "proj")(b)
+        y = save(lambda t: lin(mark("proj", t)), "proj")(b)  # its body: never replayed
         return mark("after", y + 1)  # saves nothing: never replayed
 
     x = base_input()
-    remat.checkpoint(region_name="c")(fn)(x).sum().backward()
+    with recorded_replays() as replayed:
+        remat.checkpoint(region_name="c")(fn)(x).sum().backward()
+    assert replayed == ["c"]
+    # b rebuilt for the region's save; the region's body and what follows not run
     assert log == ["b"]
 
 
@@ -241,29 +260,37 @@ def test_argument_whose_replay_needs_a_matmul_is_kept(memory_probe):
 def test_without_early_stop_an_argument_whose_replay_needs_a_matmul_is_rebuilt(memory_probe):
     w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
     lin = linear()
+    runs = []
 
     def fn(x):
         h = x.exp() @ w  # the full replay runs the mm anyway: rebuilding h is free
-        return save(lin, "proj")(h)
+        return save(logged(lin, runs), "proj")(h)
 
     base = base_input()
+    with_early_stop = resident_bytes(memory_probe, fn, base)[0]
     held, out, replayed = resident_bytes(memory_probe, fn, base, early_stop=False)
     assert held == 2 * ROW  # x and the output
+    assert with_early_stop == held + ROW  # h, kept when early stop would skip the mm
     assert_same_gradients(fn, base, out, replayed)
+    assert True not in runs  # the replay refilled h without running the body
 
 
 def test_rebuild_always_rebuilds_an_argument_whose_replay_needs_a_matmul(memory_probe):
     w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
     lin = linear()
+    runs = []
 
     def fn(x):
         h = x.exp() @ w  # the replay now runs the mm, which early stop would skip
-        return save(lin, "proj")(h)
+        return save(logged(lin, runs), "proj")(h)
 
     base = base_input()
+    free = resident_bytes(memory_probe, fn, base)[0]  # the default, rebuild="free"
     held, out, replayed = resident_bytes(memory_probe, fn, base, rebuild="always")
     assert held == 2 * ROW  # x and the output
+    assert free == held + ROW  # h, which the default keeps rather than replay the mm
     assert_same_gradients(fn, base, out, replayed)
+    assert True not in runs  # the replay refilled h without running the body
 
 
 def test_rebuild_never_keeps_the_saves_of_replayed_arguments(memory_probe):
@@ -322,21 +349,30 @@ def test_input_read_only_by_code_backward_never_replays_is_not_kept(memory_probe
     assert_same_gradients(fn, base, out, replayed, replays=0)
 
 
-def test_rebuilt_saves_are_refilled_again_for_a_second_backward():
+def test_rebuilt_saves_are_refilled_again_for_a_second_backward(memory_probe):
     lin = linear()
+    runs = []
 
     def fn(x):
-        return save(lin, "proj")(x.tanh())
+        return save(logged(lin, runs), "proj")(x.tanh())
 
-    x = base_input()
-    with recorded_replays() as replayed:
-        out = remat.checkpoint(region_name="c")(fn)(x).sum()
-    out.backward(retain_graph=True)
-    first = x.grad.clone()
-    x.grad = None
-    out.backward()
+    base = base_input()
+    kept = resident_bytes(memory_probe, fn, base, rebuild="never")[0]
+    held, out, replayed = resident_bytes(memory_probe, fn, base)
+    assert held == kept - ROW  # tanh(x) is rebuilt, not kept
+    loss = out.sum()
+    loss.backward(retain_graph=True)
+    first = base.grad.clone()
+    base.grad = None
+    loss.backward()
     assert replayed == ["c", "c"]  # each backward rebuilds tanh(x) for itself
-    assert torch.equal(x.grad, first)
+    assert torch.equal(base.grad, first)
+    expected = base.detach().clone().requires_grad_()
+    fn(expected.clone()).sum().backward()
+    assert torch.equal(base.grad, expected.grad)
+    # the two forwards and the plain call: neither replay ran the SAVE body, each
+    # refilled its save from the recomputed tanh(x)
+    assert runs == [False, False, False]
 
 
 def _mlp_block(ln, fc1, fc2, x):
@@ -393,11 +429,23 @@ def test_forward_raising_after_a_save_region_frees_its_rebuilt_saves_without_gc(
     import gc
     import weakref
 
-    seen = []
+    seen, runs = [], []
+
+    def body(x):
+        h = x * 2
+        return save(logged(lambda a: _SaveOutputAliasingArgument.apply(a) * 1, runs), "f")(h)
+
+    # The same forward without the raise: the region's save (its output, a view of h)
+    # is rebuilt. Backward replays the checkpoint only to refill it (keeping the save,
+    # rebuild="never", needs no replay), and the replay does not run the region's body.
+    for rebuild, replays in (("never", []), ("free", ["c"])):
+        with recorded_replays() as replayed:
+            remat.checkpoint(region_name="c", rebuild=rebuild)(body)(base_input()).sum().backward()
+        assert replayed == replays, rebuild
+    assert runs == [False, False]
 
     def fn(x):
-        h = x * 2
-        out = save(lambda a: _SaveOutputAliasingArgument.apply(a) * 1, "f")(h)
+        out = body(x)
         seen.append(weakref.ref(out.grad_fn.next_functions[0][0]))
         seen.append(remat.active_checkpoint().checkpoint)
         raise ValueError("after the region")
