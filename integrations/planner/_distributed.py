@@ -27,9 +27,12 @@ def agree(
     """Rank 0's ``(plan, error)`` on every rank (unchanged without a process group)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return plan, error
-    message = [(list(plan.choices), plan.budget_bytes, error) if dist.get_rank() == 0 else None]
+    message = [
+        (list(plan.choices), plan.budget_bytes, plan.peak_budget_bytes, error)
+        if dist.get_rank() == 0 else None
+    ]
     dist.broadcast_object_list(message, src=0)
-    choices, budget_bytes, error = message[0]
+    choices, budget_bytes, peak_budget_bytes, error = message[0]
     if error is not None:
         return measured, f"rank 0: {error}"
     if len(choices) != len(measured.table):
@@ -38,7 +41,9 @@ def agree(
             f"{dist.get_rank()} has {len(measured.table)}; every rank must plan the same "
             "model (pass per_rank=True to plan each rank for itself)."
         )
-    return dataclasses.replace(measured, choices=choices, budget_bytes=budget_bytes), None
+    return dataclasses.replace(
+        measured, choices=choices, budget_bytes=budget_bytes, peak_budget_bytes=peak_budget_bytes
+    ), None
 
 
 def in_group() -> bool:

@@ -74,6 +74,12 @@ class Placement:
     rng_free: frozenset[str] = frozenset()
     """Blocks checkpointed without the RNG state hooks: they drew no random numbers
     (see :func:`blocks_drawing_no_random_numbers`), so there is no state to replay."""
+    offloaded: frozenset[str] = frozenset()
+    """Checkpointed blocks whose kept tensors an offloader moves to host memory."""
+    offload: Any = None
+    """The ``_offload.OffloadOptions`` those blocks' offloader runs with."""
+    pool_bytes: int = 0
+    """The offloader's pool capacity when the options leave it to the plan."""
 
 
 @dataclass
@@ -85,6 +91,15 @@ class Measurement:
     (``BASE``: outside every block)."""
     flops_by_block: dict[str, int]
     ops_by_block: dict[str, int]
+    host_by_block: dict[str, int] = field(default_factory=dict)
+    """Bytes of host buffers an offloader holds for the backward, by block (not in
+    :attr:`bytes_by_block`, which counts device memory)."""
+    staying_by_block: dict[str, int] = field(default_factory=dict)
+    """Per offloaded block, the device bytes its checkpoint call keeps when the
+    offloader leaves it on the device (one of the forward's last ``prefetch``)."""
+    peak_bytes: int | None = None
+    """The most device bytes the step's own storages held at once, from just before
+    the forward to the end of the backward (None: not measured)."""
 
     @property
     def total_bytes(self) -> int:
@@ -140,11 +155,20 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def install(model: nn.Module, config: Placement) -> None:
-    """Put ``config`` on ``model`` with :func:`apply_remat` (after removing any)."""
+def install(model: nn.Module, config: Placement, *, measuring: bool = False) -> Any:
+    """Put ``config`` on ``model`` with :func:`apply_remat` (after removing any).
+    Returns the offloader installed for ``config.offloaded`` (None: none);
+    ``measuring``: the one a measurement runs (see ``_offload``)."""
     remove_remat(model)
     if not config.checkpointed:
-        return
+        return None
+    offloader = None
+    if config.offloaded:
+        from ._offload import offloader_for
+
+        offloader = offloader_for(
+            sorted(config.offloaded), config.offload, measuring=measuring, pool_bytes=config.pool_bytes
+        )
     blocks = {model.get_submodule(name): name for name in config.checkpointed}
     saves = {
         model.get_submodule(f"{name}.{path}")
@@ -162,8 +186,11 @@ def install(model: nn.Module, config: Placement) -> None:
     apply_remat(
         model,
         auto_wrap_policy=CustomPolicy(select),
-        remat=RematConfig(save_modules=(lambda m: m in saves) if saves else None),
+        remat=RematConfig(
+            save_modules=(lambda m: m in saves) if saves else None, saved_tensors_hooks=offloader
+        ),
     )
+    return offloader
 
 
 def blocks_drawing_no_random_numbers(
@@ -347,16 +374,30 @@ def kept_storages(loss: Any) -> dict[int, int]:
     return out
 
 
-def kept_bytes_by_block(prof: Any, loss: Any) -> dict[str, int]:
+def kept_bytes_by_block(prof: Any, loss: Any, kept: dict[int, int] | None = None) -> dict[str, int]:
     """Bytes the forward profiled by ``prof`` (inside :data:`FORWARD_RANGE`)
-    allocated and the step keeps for the backward of ``loss``, by block."""
+    allocated and the step keeps for the backward of ``loss``, by block (``kept``:
+    the storages to count, default :func:`kept_storages` of ``loss``)."""
     allocated = _forward_allocations(prof)
     held: dict[str, int] = defaultdict(int)
-    for ptr, nbytes in kept_storages(loss).items():
+    for ptr, nbytes in (kept_storages(loss) if kept is None else kept).items():
         block = allocated.get(ptr)
         if block is not None:
             held[block] += nbytes
     return dict(held)
+
+
+def step_peak(prof: Any, leave_out: frozenset[int] = frozenset()) -> int:
+    """The most bytes allocated under ``prof`` and alive at once, its allocations
+    and frees in time order (from 0 when it started); storages at the addresses
+    ``leave_out`` (an offloader's host buffers) are not counted."""
+    live = peak = 0
+    for _, ptr, size, _ in _allocation_events(prof):
+        if ptr in leave_out:
+            continue
+        live += size
+        peak = max(peak, live)
+    return peak
 
 
 @contextlib.contextmanager
@@ -420,25 +461,48 @@ def measure(
     loss_fn: LossFn,
     config: Placement,
     block_names: Sequence[str],
+    *,
+    peak: bool = False,
+    measuring: bool = True,
 ) -> Measurement:
-    """Install ``config``, run one forward and backward, and measure them."""
-    install(model, config)
+    """Install ``config``, run one forward and backward, and measure them.
+    ``peak``: profile the backward too, for the step's peak (slower).
+    ``measuring``: an offloaded placement runs the measuring offloader (every
+    tensor moves as it is packed); False: the offloader a plan installs."""
+    offloader = install(model, config, measuring=measuring)
+    host: dict[str, int] = {}
+    staying: dict[str, int] = {}
     try:
         with preserved_state(model, args):
+            counter = RecomputeCounter()
             with _profiled(block_names, model) as prof:
                 with torch.profiler.record_function(FORWARD_RANGE):
                     loss = loss_fn(model(*args))
-            held = kept_bytes_by_block(prof, loss)
-            counter = RecomputeCounter()
-            with counter:
-                loss.backward()
-            del loss
+                kept = kept_storages(loss)
+                if offloader is not None and hasattr(offloader, "freed_bytes"):
+                    staying = offloader.freed_bytes()
+                if peak:
+                    with counter:
+                        loss.backward()
+                    del loss
+            pooled = offloader.pool.addresses() if offloader is not None else frozenset()
+            held = kept_bytes_by_block(prof, None, {p: n for p, n in kept.items() if p not in pooled})
+            if pooled:
+                host = kept_bytes_by_block(prof, None, {p: n for p, n in kept.items() if p in pooled})
+            if not peak:
+                with counter:
+                    loss.backward()
+                del loss
+            peak_bytes = step_peak(prof, pooled) if peak else None
     finally:
         remove_remat(model)
     return Measurement(
         bytes_by_block={n: held.get(n, 0) for n in [BASE, *block_names]},
         flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
+        host_by_block={n: host.get(n, 0) for n in block_names},
+        staying_by_block={n: staying.get(n, 0) for n in block_names},
+        peak_bytes=peak_bytes,
     )
 
 

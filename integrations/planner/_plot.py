@@ -28,7 +28,7 @@ def plot_pareto(plan: RematPlan, path: Path) -> Path:
             xs.append(p.bytes / full)
             ys.append(ys[-1])
         xs.append(p.bytes / full)
-        ys.append(p.cost[0] / 1e6)
+        ys.append(p.cost[1] / 1e6)
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     ax.plot(xs, ys, "-o", markersize=3, label="planner (Pareto frontier)", color="tab:blue")
     markers = iter("sD^v<>")

@@ -29,7 +29,8 @@ def _regions(option, candidates: dict[str, str]) -> str:
         return "no checkpoint (everything kept)"
     save = ", ".join(option.save) or "-"
     recompute = ", ".join(p for p in candidates if p not in option.save and not _inside(p, option.save))
-    return f"SAVE: {save} | RECOMPUTE: " + (f"{recompute} and the rest" if recompute else "the rest")
+    text = f"SAVE: {save} | RECOMPUTE: " + (f"{recompute} and the rest" if recompute else "the rest")
+    return text + " | OFFLOAD: what it keeps" if getattr(option, "offload", False) else text
 
 
 def _inside(path: str, outer: Sequence[str]) -> bool:
@@ -63,6 +64,22 @@ def format_plan(plan: RematPlan) -> str:
             + (" (equal)" if plan.measured_bytes == plan.predicted_bytes else " (DIFFERENT)")
         ),
     ]
+    if plan.peak_budget_bytes is not None or plan.predicted_peak is not None:
+        pb = plan.peak_budget_bytes
+        lines.append(
+            f"  step peak: predicted {plan.predicted_peak:,} B"
+            + ("" if plan.measured_peak is None else f", measured {plan.measured_peak:,} B")
+            + ("" if pb is None else f"; peak budget {fb(pb)} ({pb:,} B"
+               + (f", {pb / plan.no_remat_peak:.3f} of {plan.no_remat_peak:,} B without remat)"
+                  if plan.no_remat_peak else ")"))
+        )
+    if plan.time_profile is not None:
+        offloaded = [n for n, o in plan.options.items() if o.offload]
+        lines.append(
+            f"  predicted added time on {plan.time_profile}: {plan.predicted_seconds * 1e3:.3f} ms per step"
+            + (f"; offloaded to host: {', '.join(offloaded)} ({plan.host_bytes:,} B, prefetch "
+               f"{plan.offload.prefetch})" if offloaded else "; nothing offloaded")
+        )
     if plan.replaced is not None:
         r = plan.replaced
         lines.append(
@@ -76,11 +93,21 @@ def format_plan(plan: RematPlan) -> str:
     for name, m in zip(plan.blocks, plan.chosen):
         rows.append([name, _regions(m.option, _candidates_of(plan, name)), f"{m.bytes:,}",
                      f"{m.flops:,}", f"{m.ops:,}"])
+    staying = plan._staying()
+    if staying:
+        rows.append([f"(the last {plan.offload.prefetch} offloaded, left on the device)", "",
+                     f"{staying:,}", "0", "0"])
     rows.append(["(outside blocks)", "", f"{plan.base_for(plan.choices):,}", "0", "0"])
     rows.append(["total", "", f"{plan.predicted_bytes:,}", f"{plan.recompute_flops:,}",
                  f"{plan.recompute_ops:,}"])
     lines += ["  " + r for r in _rows(rows, {2, 3, 4})]
-    lines.append("  (time is not predicted: recompute cost is measured as FLOPs and aten ops)")
+    if plan.time_profile is None:
+        lines.append("  (time is not predicted: recompute cost is measured as FLOPs and aten ops)")
+    else:
+        lines.append(
+            f"  (time predicted on {plan.time_profile}: recompute FLOPs at its peak FLOP/s, plus "
+            "the offloaded copies' exposed time; the solver minimizes it, then FLOPs, then ops)"
+        )
     return "\n".join(lines)
 
 
@@ -126,7 +153,7 @@ def pareto_table(plan: RematPlan, budgets: Sequence[float] | None) -> ParetoTabl
         rows.append(
             ParetoRow(f, budget_bytes, None, None, None)
             if p is None
-            else ParetoRow(f, budget_bytes, p.bytes, p.cost[0], p.cost[1])
+            else ParetoRow(f, budget_bytes, p.bytes, p.cost[1], p.cost[2])
         )
     return ParetoTable(rows, full)
 

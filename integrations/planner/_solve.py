@@ -5,8 +5,10 @@ Each block offers measured options ``(bytes, cost)``; a plan takes one option pe
 block; its bytes and cost are the sums. The frontier after ``k`` blocks holds every
 plan of the first ``k`` blocks that no other plan beats on both bytes and cost; a
 plan for all blocks that is optimal for some budget extends an optimal prefix, so
-the last frontier holds the optimum for every budget at once. Costs compare as
-``(FLOPs, ops)``: FLOPs first, then the aten ops that FLOPs do not count.
+the last frontier holds the optimum for every budget at once. Costs are tuples of
+ints compared in order and summed element by element: the planner's are
+``(predicted nanoseconds, FLOPs, ops)`` (nanoseconds 0 throughout when no time is
+predicted), so FLOPs then aten ops decide where time does not.
 
 Frontier entries point back to the entry they extend instead of carrying their
 choice sequence, so a step costs (frontier size x options), not x depth too. Ties
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-Cost = tuple[int, int]
+Cost = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -42,15 +44,21 @@ def _pareto(entries: list[tuple]) -> list[tuple]:
     return kept
 
 
-def frontier(options: Sequence[Sequence[tuple[int, Cost]]]) -> list[Point]:
-    """The Pareto frontier of plans for blocks whose options are ``options[i]``."""
+def _add(a: Cost, b: Cost) -> Cost:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def frontier(options: Sequence[Sequence[tuple[int, Cost] | None]]) -> list[Point]:
+    """The Pareto frontier of plans for blocks whose options are ``options[i]``
+    (an entry None: that option may not be chosen)."""
     layers: list[list[tuple]] = []
-    current: list[tuple] = [(0, (0, 0), -1, -1)]
+    width = next((len(o[1]) for opts in options for o in opts if o is not None), 2)
+    current: list[tuple] = [(0, (0,) * width, -1, -1)]
     for block_options in options:
-        useful = _pareto([(b, c, i) for i, (b, c) in enumerate(block_options)])
+        useful = _pareto([(o[0], o[1], i) for i, o in enumerate(block_options) if o is not None])
         current = _pareto(
             [
-                (pb + ob, (pc[0] + oc[0], pc[1] + oc[1]), k, i)
+                (pb + ob, _add(pc, oc), k, i)
                 for k, (pb, pc, _, _) in enumerate(current)
                 for ob, oc, i in useful
             ]

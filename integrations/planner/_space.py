@@ -49,23 +49,42 @@ _BLOCK_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 @dataclass(frozen=True)
 class Option:
-    """One way to run a block: ``checkpoint`` off, or on with ``save`` as SAVE regions."""
+    """One way to run a block: ``checkpoint`` off, or on with ``save`` as SAVE
+    regions; ``offload``: what the checkpoint keeps moves to host memory (see
+    ``_offload``)."""
 
     checkpoint: bool
     save: tuple[str, ...] = ()
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload and not self.checkpoint:
+            raise ValueError("Option: only a checkpoint's kept tensors can be offloaded.")
 
     @property
     def label(self) -> str:
         if not self.checkpoint:
             return "no checkpoint"
-        return "checkpoint, save " + ", ".join(self.save) if self.save else "full checkpoint"
+        label = "checkpoint, save " + ", ".join(self.save) if self.save else "full checkpoint"
+        return label + ", offloaded" if self.offload else label
+
+    @property
+    def resident(self) -> Option:
+        """The same checkpoint with nothing offloaded."""
+        return Option(self.checkpoint, self.save)
+
+    def offloaded(self) -> Option:
+        return Option(self.checkpoint, self.save, True)
 
     def to_json(self) -> dict:
-        return {"checkpoint": self.checkpoint, "save": list(self.save)}
+        out = {"checkpoint": self.checkpoint, "save": list(self.save)}
+        if self.offload:
+            out["offload"] = True
+        return out
 
     @staticmethod
     def from_json(data: dict) -> Option:
-        return Option(bool(data["checkpoint"]), tuple(data["save"]))
+        return Option(bool(data["checkpoint"]), tuple(data["save"]), bool(data.get("offload", False)))
 
 
 OFF = Option(False)

@@ -11,6 +11,7 @@ buffers, so one run of an option is its measurement on every run.
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from collections.abc import Sequence
@@ -35,7 +36,9 @@ from ._measure import (
     refuse_applied_remat,
     settle,
 )
-from ._solve import Point, cheapest_within, frontier
+from ._offload import OffloadOptions, resolve_profile, timed
+from ._offload import resolve as resolve_offload
+from ._solve import Point, frontier
 from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
 
 Budget = float | int | str
@@ -61,15 +64,39 @@ class Measured:
 
     option: Option
     bytes: int
+    """Device bytes held after the forward (an offloaded option: what stays)."""
     flops: int
     ops: int
+    host_bytes: int = 0
+    """Host bytes an offloaded option's tensors occupy until the backward."""
+    transient: int = 0
+    """The step peak less the bytes held after the forward, in the run that
+    measured this option (0: the peak was not measured)."""
+    seconds: float = 0.0
+    """Predicted added step time (recompute, plus exposed copies when offloaded;
+    0 when no time is predicted)."""
+    staying: int = 0
+    """Offloaded: the device bytes the block's checkpoint call keeps when it is one
+    of the forward's last ``prefetch`` offloaded calls (left on the device)."""
+
+    @property
+    def cost(self) -> tuple[int, int, int]:
+        """What the solver minimizes: (nanoseconds, FLOPs, ops)."""
+        return (round(self.seconds * 1e9), self.flops, self.ops)
 
     def to_json(self) -> dict:
-        return {**self.option.to_json(), "bytes": self.bytes, "flops": self.flops, "ops": self.ops}
+        out = {**self.option.to_json(), "bytes": self.bytes, "flops": self.flops, "ops": self.ops}
+        for key in ("host_bytes", "transient", "seconds", "staying"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
+        return out
 
     @staticmethod
     def from_json(d: dict) -> Measured:
-        return Measured(Option.from_json(d), d["bytes"], d["flops"], d["ops"])
+        return Measured(
+            Option.from_json(d), d["bytes"], d["flops"], d["ops"],
+            d.get("host_bytes", 0), d.get("transient", 0), d.get("seconds", 0.0), d.get("staying", 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -112,6 +139,18 @@ class RematPlan:
     replaced: Replaced | None = field(default=None, compare=False)
     """The cheaper plan the budget first chose, when its whole run held other bytes
     than its blocks' options add up to (see :func:`verified_plan`)."""
+    offload: OffloadOptions | None = None
+    """How offloaded options move their tensors (None: offload was not an option)."""
+    peak_budget_bytes: int | None = None
+    """The budget on the step peak (None: only the bytes after the forward count)."""
+    measured_peak: int | None = None
+    """The step peak measured with the plan installed (None: not measured)."""
+    time_profile: str | None = None
+    """Name of the device profile the added times were predicted for (None: no time
+    predicted; the solver then minimizes FLOPs, then ops)."""
+    offloader: Any = field(default=None, repr=False, compare=False)
+    """The ``ActivationOffloader`` :meth:`apply` installed (None: the plan offloads
+    nothing, or was not applied)."""
 
     # ---------------------------------------------------------------- numbers
 
@@ -127,13 +166,53 @@ class RematPlan:
 
     @property
     def predicted_bytes(self) -> int:
-        """Activation bytes held after the forward with the plan applied."""
-        return self.base_for(self.choices) + sum(m.bytes for m in self.chosen)
+        """Activation bytes held after the forward with the plan applied (device
+        bytes: what offloaded blocks move to host memory is not in them, except
+        for the last ``prefetch`` offloaded blocks, which stay)."""
+        return self.base_for(self.choices) + sum(m.bytes for m in self.chosen) + self._staying()
+
+    def _staying(self) -> int:
+        """Device bytes the last ``prefetch`` offloaded blocks keep over what their
+        offloaded option was measured holding (see ``_offload``)."""
+        if self.offload is None or self.offload.prefetch == 0:
+            return 0
+        offloaded = [m for m in self.chosen if m.option.offload]
+        return sum(m.staying for m in offloaded[max(0, len(offloaded) - self.offload.prefetch):])
+
+    @property
+    def predicted_peak(self) -> int | None:
+        """The step's peak with the plan applied: its bytes after the forward plus
+        the largest transient of its options (None: peaks were not measured)."""
+        if not any(m.transient for opts in self.table for m in opts):
+            return None
+        return self.predicted_bytes + max(m.transient for m in self.chosen)
+
+    @property
+    def no_remat_peak(self) -> int | None:
+        """The step peak without any checkpoint (what a fraction peak budget scales)."""
+        if not any(m.transient for opts in self.table for m in opts):
+            return None
+        return self.no_remat_bytes + max(opts[0].transient for opts in self.table)
+
+    @property
+    def predicted_seconds(self) -> float:
+        """Predicted added step time of the plan (0.0: no time predicted)."""
+        return sum(m.seconds for m in self.chosen)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the plan's offloaded blocks occupy until the backward."""
+        return sum(m.host_bytes for m in self.chosen)
 
     @property
     def recompute_flops(self) -> int:
         """FLOPs the plan's recomputes add to every step."""
         return sum(m.flops for m in self.chosen)
+
+    @property
+    def cost(self) -> tuple[int, int, int]:
+        """What the solver minimizes, summed over the blocks: (ns, FLOPs, ops)."""
+        return tuple(sum(m.cost[i] for m in self.chosen) for i in range(3))
 
     @property
     def recompute_ops(self) -> int:
@@ -154,7 +233,7 @@ class RematPlan:
         """Every plan that no other beats on both bytes and recompute cost; bytes
         include the base."""
         if self._frontier is None:
-            points = frontier([[(m.bytes, (m.flops, m.ops)) for m in opts] for opts in self.table])
+            points = frontier([[(m.bytes, m.cost) for m in opts] for opts in self.table])
             # Shared by the plans for_budget derives: they have the same table.
             based = sorted(
                 (Point(p.bytes + self.base_for(p.choices), p.cost, p.choices) for p in points),
@@ -173,25 +252,85 @@ class RematPlan:
 
     # ---------------------------------------------------------------- re-solving
 
-    def for_budget(self, budget: Budget) -> RematPlan:
-        """The cheapest plan for another budget, from the same measurements (no run)."""
-        budget_bytes = resolve_budget(budget, self.no_remat_bytes)
-        point = cheapest_within(self.frontier(), budget_bytes)
-        if point is None:
-            raise InfeasibleBudgetError(_infeasible(budget, budget_bytes, self))
-        return RematPlan(
-            self.blocks, self.table, list(point.choices), self.base_bytes, budget_bytes,
-            self.candidates, None, self._model, self.frontier(), list(self.rng_free),
-            self.checkpoint_base_bytes,
+    def for_budget(self, budget: Budget | None, peak_budget: Budget | None = None) -> RematPlan:
+        """The cheapest plan for another budget, from the same measurements (no run).
+        ``peak_budget``: a budget on the step peak too (a fraction of the step peak
+        without remat, bytes or ``"auto"``; needs a table measured with peaks)."""
+        budget_bytes = self._unlimited() if budget is None else resolve_budget(budget, self.no_remat_bytes)
+        peak_bytes = None
+        if peak_budget is not None:
+            if self.no_remat_peak is None:
+                raise ValueError(
+                    "RematPlan.for_budget: this plan's options were measured without the step "
+                    "peak; plan with plan_remat(..., peak_budget=...) to choose under one."
+                )
+            peak_bytes = resolve_budget(peak_budget, self.no_remat_peak)
+        shaped = self.with_choices(self.choices)
+        shaped.budget_bytes, shaped.peak_budget_bytes = budget_bytes, peak_bytes
+        fitting = shaped.fitting()
+        if not fitting:
+            if peak_bytes is None or self.cheapest_choices(budget_bytes, None) is None:
+                raise InfeasibleBudgetError(_infeasible(budget, budget_bytes, self))
+            raise InfeasibleBudgetError(_infeasible_peak(peak_budget, peak_bytes, budget_bytes, self))
+        shaped.choices = list(fitting[0])
+        return shaped
+
+    def _unlimited(self) -> int:
+        """A bytes budget no plan reaches (``budget=None``: only the peak counts)."""
+        return self.base_bytes + (self.checkpoint_base_bytes or 0) + 2 * sum(
+            max(m.bytes for m in opts) for opts in self.table
         )
 
     def with_choices(self, choices: Sequence[int]) -> RematPlan:
-        """This plan with other options chosen (same table and budget)."""
+        """This plan with other options chosen (same table and budgets)."""
         return RematPlan(
             self.blocks, self.table, list(choices), self.base_bytes, self.budget_bytes,
             self.candidates, None, self._model, self._frontier, list(self.rng_free),
-            self.checkpoint_base_bytes,
+            self.checkpoint_base_bytes, offload=self.offload,
+            peak_budget_bytes=self.peak_budget_bytes, time_profile=self.time_profile,
         )
+
+    def cheapest_choices(self, budget_bytes: int, peak_bytes: int | None) -> list[int] | None:
+        """The choices of the cheapest plan within both budgets (None: none fits)."""
+        probe = self.with_choices(self.choices)
+        probe.budget_bytes, probe.peak_budget_bytes = budget_bytes, peak_bytes
+        fitting = probe.fitting()
+        return list(fitting[0]) if fitting else None
+
+    def fitting(self) -> list[tuple[int, ...]]:
+        """The choices of the frontier's plans within this plan's budgets, cheapest
+        first. Without offload and a peak budget these are the frontier's points
+        within the bytes budget. With them, one frontier per transient level ``e``
+        (options whose transient exceeds ``e`` left out) is searched, and each
+        point's bytes are the plan's, the last offloaded blocks' staying bytes
+        included, and its peak is checked (the peak is the bytes plus the largest
+        transient of the chosen options, so every plan is on the frontier of its
+        own level)."""
+        has_offload = any(m.option.offload for opts in self.table for m in opts)
+        if self.peak_budget_bytes is None and not has_offload:
+            fitting = [p for p in self.frontier() if p.bytes <= self.budget_bytes]
+            return [p.choices for p in reversed(fitting)]
+        levels: list[int | None] = [None]
+        if self.peak_budget_bytes is not None:
+            levels = sorted({m.transient for opts in self.table for m in opts})
+        found: dict[tuple[int, ...], tuple] = {}
+        for level in levels:
+            points = frontier([
+                [(m.bytes, m.cost) if level is None or m.transient <= level else None for m in opts]
+                for opts in self.table
+            ])
+            for p in points:
+                if p.choices in found:
+                    continue
+                candidate = self.with_choices(p.choices)
+                kept = candidate.predicted_bytes
+                if kept > self.budget_bytes:
+                    continue
+                peak = candidate.predicted_peak
+                if self.peak_budget_bytes is not None and peak is not None and peak > self.peak_budget_bytes:
+                    continue
+                found[p.choices] = (p.cost, kept, p.choices)
+        return [key[2] for key in sorted(found.values())]
 
     def next_plans(self, groups: Sequence[Sequence[int]]) -> list[RematPlan]:
         """Plans to try when this one, run whole, does not hold what its blocks'
@@ -199,15 +338,13 @@ class RematPlan:
         cheapest within it whose blocks of each group (``groups``: block indices)
         share one option -- each group's options were measured with all its blocks
         at that option, so such a plan holds what its table says."""
-        fitting = [p for p in self.frontier() if p.bytes <= self.budget_bytes]
         out = [
-            self.with_choices(p.choices) for p in reversed(fitting)
-            if list(p.choices) != self.choices
+            self.with_choices(c) for c in self.fitting() if list(c) != self.choices
         ][: MAX_PLAN_RUNS - 2]
         per_group = frontier([
             [
                 (sum(self.table[b][k].bytes for b in g),
-                 (sum(self.table[b][k].flops for b in g), sum(self.table[b][k].ops for b in g)))
+                 tuple(sum(self.table[b][k].cost[i] for b in g) for i in range(3)))
                 for k in range(len(self.table[g[0]]))
             ]
             for g in groups
@@ -219,9 +356,11 @@ class RematPlan:
                 for b in g:
                     choices[b] = k
             candidate = self.with_choices(choices)
-            if candidate.predicted_bytes <= self.budget_bytes and (
-                uniform is None or (candidate.recompute_flops, candidate.recompute_ops)
-                < (uniform.recompute_flops, uniform.recompute_ops)
+            peak = candidate.predicted_peak
+            if (
+                candidate.predicted_bytes <= self.budget_bytes
+                and (self.peak_budget_bytes is None or peak is None or peak <= self.peak_budget_bytes)
+                and (uniform is None or candidate.cost < uniform.cost)
             ):
                 uniform = candidate
         if uniform is not None and uniform.choices not in [self.choices, *(q.choices for q in out)]:
@@ -243,6 +382,9 @@ class RematPlan:
         return Placement(
             {n: o.save for n, o in self.options.items() if o.checkpoint},
             frozenset(self.rng_free),
+            frozenset(n for n, o in self.options.items() if o.offload),
+            self.offload,
+            self.host_bytes,
         )
 
     def apply(self, model: nn.Module | None = None) -> list[str]:
@@ -253,7 +395,7 @@ class RematPlan:
         model = self._resolve_model(model)
         refuse_applied_remat(model)
         self._check_blocks(model)
-        install(model, self.config())
+        self.offloader = install(model, self.config())
         return [n for n, o in self.options.items() if o.checkpoint]
 
     def _check_blocks(self, model: nn.Module) -> None:
@@ -305,6 +447,10 @@ class RematPlan:
             "measured_bytes": self.measured_bytes,
             "rng_free": self.rng_free,
             "checkpoint_base_bytes": self.checkpoint_base_bytes,
+            "offload": None if self.offload is None else self.offload.to_json(),
+            "peak_budget_bytes": self.peak_budget_bytes,
+            "measured_peak": self.measured_peak,
+            "time_profile": self.time_profile,
         }
 
     def save(self, path: str | Path) -> None:
@@ -328,6 +474,10 @@ class RematPlan:
             data["measured_bytes"],
             rng_free=list(data.get("rng_free", [])),
             checkpoint_base_bytes=data.get("checkpoint_base_bytes"),
+            offload=OffloadOptions.from_json(data.get("offload")),
+            peak_budget_bytes=data.get("peak_budget_bytes"),
+            measured_peak=data.get("measured_peak"),
+            time_profile=data.get("time_profile"),
         )
 
     @staticmethod
@@ -375,6 +525,19 @@ def resolve_budget(budget: Budget, no_remat_bytes: int) -> int:
         return max(0, free - int(AUTO_MARGIN * total))
     raise TypeError(
         f"plan_remat: budget must be a fraction (float), bytes (int) or 'auto', got {budget!r}."
+    )
+
+
+def _infeasible_peak(budget: Budget, budget_bytes: int, kept_budget: int, plan: RematPlan) -> str:
+    probe = plan.with_choices(plan.choices)
+    probe.budget_bytes, probe.peak_budget_bytes = kept_budget, 1 << 62
+    low = min(plan.with_choices(c).predicted_peak or 0 for c in probe.fitting())
+    full = plan.no_remat_peak or 1
+    return (
+        f"plan_remat: peak_budget {budget!r} ({budget_bytes:,} B) is below the lowest step "
+        f"peak a plan is predicted to reach, {low:,} B ({format_bytes(low)}, {low / full:.3f} of "
+        f"the {full:,} B step peak without remat). Raise peak_budget to at least {low:,} B "
+        f"(or {low / full:.3f}), offer offload (offload=True), or add candidates/blocks."
     )
 
 
@@ -430,26 +593,41 @@ def measure_table(
     groups: list[Group],
     rng_free: frozenset[str] = frozenset(),
     measure: Any = measure,
+    offload: OffloadOptions | None = None,
+    peaks: bool = False,
 ) -> tuple[int, int, list[list[Measured]]]:
     """Run every option of every group once; ``(base bytes without checkpoints, base
     bytes with some, per-block options)``. ``measure``: how one configuration is run
-    (``_measure.measure`` on real tensors, ``_fake.measure_fake`` for a forecast)."""
+    (``_measure.measure`` on real tensors, ``_fake.measure_fake`` for a forecast).
+    ``offload``: each checkpoint option of a group is measured offloaded too (its
+    twins follow the group's resident options in the table). ``peaks``: record each
+    run's transient (its ``peak_bytes`` less its bytes after the forward)."""
+
+    def _transient(got: Any) -> int:
+        peak = getattr(got, "peak_bytes", None) if peaks else None
+        return 0 if peak is None else max(0, peak - sum(got.bytes_by_block.values()))
+
     measure(model, args, loss_fn, Placement(), blocks)  # warm-up: lazy state, first-call caches
     off = measure(model, args, loss_fn, Placement(), blocks)
     table: dict[str, list[Measured]] = {
-        b: [Measured(OFF, off.bytes_by_block[b], 0, 0)] for b in blocks
+        b: [Measured(OFF, off.bytes_by_block[b], 0, 0, transient=_transient(off))] for b in blocks
     }
     bases: list[int] = []
 
     def run(group: Group, option: Option) -> None:
+        offloaded = frozenset(group.blocks) if option.offload else frozenset()
         got = measure(
-            model, args, loss_fn, Placement(dict.fromkeys(group.blocks, option.save), rng_free),
+            model, args, loss_fn,
+            Placement(dict.fromkeys(group.blocks, option.save), rng_free, offloaded, offload),
             blocks,
         )
         bases.append(got.bytes_by_block[BASE])
+        host = getattr(got, "host_by_block", {})
+        staying = getattr(got, "staying_by_block", {})
         for b in group.blocks:
             table[b].append(
-                Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b])
+                Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b],
+                         host.get(b, 0), _transient(got), staying=staying.get(b, 0))
             )
 
     for group in groups:
@@ -469,6 +647,10 @@ def measure_table(
         single = [summed(2 + u) for u in range(len(group.units))]
         for option in group.predicted_options(single, summed(1)):
             run(group, option)
+    if offload is not None:
+        for group in groups:
+            for m in list(table[group.blocks[0]][1:]):
+                run(group, m.option.offloaded())
     base = off.bytes_by_block[BASE]
     return base, max(bases, default=base), [table[b] for b in blocks]
 
@@ -483,6 +665,9 @@ def plan_remat(
     candidates: Candidates = None,
     per_rank: bool = False,
     verify: bool = True,
+    peak_budget: Budget | None = None,
+    offload: bool | OffloadOptions | None = None,
+    profile: Any = None,
 ) -> RematPlan:
     """Choose, per block, no checkpoint or a checkpoint with some candidate
     submodules as SAVE regions, so that the activation bytes held after the forward
@@ -519,6 +704,26 @@ def plan_remat(
             process group the chosen plan alone is verified (runs are collective),
             on every rank; without ``per_rank`` a mismatch on any rank raises the
             same error on every rank.
+        peak_budget: a budget on the step peak as well: the most device bytes the
+            step's own storages hold at once, forward and backward (a fraction of
+            the step peak without remat, bytes, or ``"auto"``). Every option's run
+            then measures its peak; a plan's predicted peak is its bytes after the
+            forward plus the largest transient (peak less bytes after the forward)
+            of its options, and the verifying run measures the real one: a plan
+            whose measured peak exceeds the budget is replaced by the cheapest
+            plan predicted to fit with that excess taken off the budget (at most
+            ``MAX_PLAN_RUNS`` runs). ``budget=None``: only the peak is bounded.
+        offload: True (or an :class:`OffloadOptions`): each checkpoint option is
+            also measured with what its checkpoint keeps (SAVE-region saves and
+            outputs, the checkpoint's inputs) moved to host memory by an
+            :class:`~torch_remat.offload.ActivationOffloader`; ``plan.apply()``
+            installs one for the blocks the plan offloads. The options are then
+            compared by predicted added time (recompute plus exposed copies, see
+            ``profile``), and peaks are measured.
+        profile: the device profile times are predicted for: a
+            ``_time.DeviceProfile``, the name of a published one (``"H100 SXM"``),
+            or None: calibrated on the model's device when ``offload`` asks for
+            times. Given, the solver minimizes predicted time (then FLOPs, ops).
 
     Raises :class:`InfeasibleBudgetError` (naming the minimum achievable bytes) when
     no policy fits. The model is returned unchanged; ``plan.apply()`` installs it.
@@ -529,25 +734,41 @@ def plan_remat(
     groups = group_blocks(model, names, candidates, args)
     settle(model, args, loss_fn)
     rng_free = blocks_drawing_no_random_numbers(model, args, names)
+    offload_options = resolve_offload(offload)
+    peaks = peak_budget is not None or offload_options is not None
     base, checkpoint_base, table = measure_table(
-        model, args, loss_fn, names, groups, frozenset(rng_free)
+        model, args, loss_fn, names, groups, frozenset(rng_free),
+        measure=functools.partial(measure, peak=True) if peaks else measure,
+        offload=offload_options, peaks=peaks,
     )
+    time_profile = None
+    if profile is not None or offload_options is not None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+        timing = resolve_profile(profile, device, dtype)
+        table = timed(table, block_groups(names, groups), timing, dtype, offload_options)
+        time_profile = timing.name
     measured = RematPlan(
         names, table, [0] * len(names), base, 0,
         {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None, weakref.ref(model),
-        rng_free=rng_free, checkpoint_base_bytes=checkpoint_base,
+        rng_free=rng_free, checkpoint_base_bytes=checkpoint_base, offload=offload_options,
+        time_profile=time_profile,
     )
-    plan, error = _solve_or_error(measured, budget)
+    plan, error = _solve_or_error(measured, budget, peak_budget)
     if not per_rank:
         plan, error = _distributed.agree(measured, plan, error)
     if error is not None:
         raise InfeasibleBudgetError(error)
     if verify:
         def run(candidate: RematPlan) -> dict[str, int]:
-            return measure(model, args, loss_fn, candidate.config(), names).bytes_by_block
+            got = measure(model, args, loss_fn, candidate.config(), names, peak=peaks, measuring=False)
+            candidate.measured_peak = got.peak_bytes
+            return got.bytes_by_block
 
         if not _distributed.in_group():
             plan, mismatch = verified_plan(plan, block_groups(names, groups), run)
+            if mismatch is None and plan.peak_budget_bytes is not None:
+                plan, mismatch = _within_peak(measured, plan, budget, block_groups(names, groups), run)
         else:
             # Verified as chosen: a run of another plan on one rank alone would
             # wait forever in a collective of the sharded forward.
@@ -568,9 +789,45 @@ def block_groups(names: Sequence[str], groups: Sequence[Group]) -> list[list[int
     return [[names.index(b) for b in g.blocks] for g in groups]
 
 
-def _solve_or_error(measured: RematPlan, budget: Budget) -> tuple[RematPlan, str | None]:
+def _solve_or_error(
+    measured: RematPlan, budget: Budget | None, peak_budget: Budget | None = None
+) -> tuple[RematPlan, str | None]:
     try:
-        return measured.for_budget(budget), None
+        return measured.for_budget(budget, peak_budget), None
     except InfeasibleBudgetError as e:
         return measured, str(e)
+
+
+def _within_peak(
+    measured: RematPlan, plan: RematPlan, budget: Budget | None, groups: Sequence[Sequence[int]], run: Any
+) -> tuple[RematPlan, str | None]:
+    """``plan`` if its measured step peak is within its peak budget; else the
+    cheapest plan predicted to fit once the measured excess over the prediction is
+    taken off the peak budget, verified in turn (at most ``MAX_PLAN_RUNS`` tries)."""
+    limit = plan.peak_budget_bytes
+    target = limit
+    for _ in range(MAX_PLAN_RUNS):
+        if plan.measured_peak is None or plan.measured_peak <= limit:
+            return plan, None
+        excess = plan.measured_peak - (plan.predicted_peak or plan.measured_peak)
+        target -= max(excess, plan.measured_peak - limit, 1)
+        try:
+            candidate = measured.for_budget(budget, target)
+        except InfeasibleBudgetError:
+            break
+        candidate.peak_budget_bytes = limit
+        candidate, mismatch = verified_plan(candidate, groups, run)
+        if mismatch is not None:
+            return candidate, mismatch
+        plan = candidate
+    if plan.measured_peak is not None and plan.measured_peak <= limit:
+        return plan, None
+    return plan, (
+        f"plan_remat: the chosen plan, installed and run, peaked at {plan.measured_peak:,} B, "
+        f"over the peak budget of {limit:,} B (predicted {plan.predicted_peak:,} B), and no "
+        "plan tried fits it: "
+        + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
+        + ". Raise peak_budget, offer offload (offload=True), or pass verify=False to accept "
+        "the prediction."
+    )
 

@@ -148,6 +148,10 @@ class ActivationOffloader:
             tensor moves only if its region matches one.
         kinds: which kept tensors move (default: SAVE-region saves only; add
             ``SavedTensorKind.SAVE_OUTPUT``/``CHECKPOINT_INPUT`` for the others).
+        checkpoints: glob patterns on the checkpoint's ``region_name`` (under
+            ``apply_remat``, the block's qualified name); a tensor moves only if
+            its checkpoint matches one (a planner's offload plan moves the tensors
+            of some blocks and not of others).
         record_events: keep an event log (:attr:`events`), for tests and tuning.
 
     Parameters (and views of them) are never moved. Without CUDA the same path
@@ -162,6 +166,7 @@ class ActivationOffloader:
         min_bytes: int = 1 << 20,
         regions: Iterable[str] = ("*",),
         kinds: Iterable[SavedTensorKind] = (SavedTensorKind.BACKWARD,),
+        checkpoints: Iterable[str] = ("*",),
         pin_memory: bool | None = None,
         record_events: bool = False,
     ) -> None:
@@ -170,6 +175,9 @@ class ActivationOffloader:
         if isinstance(regions, str):
             regions = (regions,)
         self.regions = tuple(regions)
+        if isinstance(checkpoints, str):
+            checkpoints = (checkpoints,)
+        self.checkpoints = tuple(checkpoints)
         self.kinds = frozenset(kinds)
         self.prefetch = prefetch
         self.min_bytes = min_bytes
@@ -192,6 +200,11 @@ class ActivationOffloader:
         if kind not in self.kinds or (info is not None and info.is_parameter):
             return t
         if not any(fnmatch.fnmatchcase(region or "", p) for p in self.regions):
+            return t
+        if self.checkpoints != ("*",) and not any(
+            fnmatch.fnmatchcase((info.checkpoint if info is not None else None) or "", p)
+            for p in self.checkpoints
+        ):
             return t
         layout = CopyLayout(t)
         if layout.nbytes(t) < self.min_bytes:

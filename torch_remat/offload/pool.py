@@ -33,6 +33,7 @@ class HostPool:
         """The largest ``allocated_bytes`` ever reached (never above the capacity)."""
         self.buffers_created = 0
         self._idle: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._addresses: set[int] = set()
         self._lock = threading.RLock()  # a handle freed by gc may give a buffer back mid-acquire
 
     @staticmethod
@@ -54,6 +55,7 @@ class HostPool:
                 if self.allocated_bytes + size > self.capacity_bytes:
                     return None
                 buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+                self._addresses.add(buffer.data_ptr())
                 self.buffers_created += 1
                 self.allocated_bytes += size
                 self.high_water_bytes = max(self.high_water_bytes, self.allocated_bytes)
@@ -72,15 +74,23 @@ class HostPool:
         for size in sorted(self._idle, reverse=True):
             idle = self._idle[size]
             while idle and needed > 0:
-                _, ready = idle.pop()
+                buffer, ready = idle.pop()
                 if ready is not None:
                     ready.synchronize()
+                self._addresses.discard(buffer.data_ptr())
                 self.allocated_bytes -= size
                 needed -= size
             if not idle:
                 del self._idle[size]
             if needed <= 0:
                 return
+
+    def addresses(self) -> frozenset[int]:
+        """Data pointers of the buffers the pool holds now (idle or in use): host
+        memory, which an account of device memory leaves out (on CPU both are the
+        same allocator)."""
+        with self._lock:
+            return frozenset(self._addresses)
 
     def clear(self) -> None:
         """Free every idle buffer (buffers in use are freed when given back)."""

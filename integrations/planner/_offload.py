@@ -1,0 +1,186 @@
+"""Offload as a planner option: a checkpoint whose kept tensors move to host memory.
+
+An offloaded option is a checkpoint option (a save set) whose kept tensors -- the
+SAVE regions' saves and outputs and the checkpoint's inputs -- an
+:class:`~torch_remat.offload.ActivationOffloader` copies to host buffers during the
+forward and back before the backward needs them. It recomputes what its twin
+(the same save set, resident) recomputes and holds fewer device bytes; what it adds
+is the copies' exposed time.
+
+Measuring it: the offloader runs with ``prefetch=0``, so every tensor it accepts
+moves as it is packed and each block's device bytes do not depend on its position.
+A plan installs it with ``prefetch=k``: the last ``k`` offloaded checkpoint calls
+of the forward stay on the device until their backward (nothing would hide their
+copies). What such a call keeps on the device then is measured too: the storages
+its tensors had on the device that the measuring run freed by moving them (a
+storage something else still holds was counted already). The plan's prediction
+adds those back for its last ``k`` offloaded blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from torch_remat import SavedTensorKind, current_saved_tensor_info
+from torch_remat.offload import ActivationOffloader
+
+from ._space import Option
+from ._time import PROFILES, DeviceProfile, calibrate, exposed_copy_seconds
+
+ALL_KINDS = (SavedTensorKind.BACKWARD, SavedTensorKind.SAVE_OUTPUT, SavedTensorKind.CHECKPOINT_INPUT)
+
+UNBOUNDED_POOL = 1 << 62
+"""Pool capacity while measuring: no tensor stays resident for want of room."""
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """How an offloaded option moves its checkpoint's kept tensors
+    (``plan_remat(offload=OffloadOptions(...))``; ``offload=True`` is the default)."""
+
+    prefetch: int = 1
+    """The offloader's ``prefetch``: how many checkpoint calls ahead the backward
+    copies back (and how many of the forward's last offloaded calls stay)."""
+    min_bytes: int = 1 << 20
+    """Tensors smaller than this stay resident (the offloader's ``min_bytes``)."""
+    pool_bytes: int | None = None
+    """Host pool capacity; None: what the plan's offloaded blocks were measured
+    to move (the pool then never refuses a tensor of the planned step)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"OffloadOptions: prefetch must be an int >= 0, got {self.prefetch!r}.")
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"OffloadOptions: min_bytes must be an int >= 0, got {self.min_bytes!r}.")
+
+    def to_json(self) -> dict:
+        return {"prefetch": self.prefetch, "min_bytes": self.min_bytes, "pool_bytes": self.pool_bytes}
+
+    @staticmethod
+    def from_json(data: dict | None) -> OffloadOptions | None:
+        return None if data is None else OffloadOptions(**data)
+
+
+def resolve(offload: bool | OffloadOptions | None) -> OffloadOptions | None:
+    """``plan_remat``'s ``offload=`` as options (None: offload is not an option)."""
+    if offload is None or offload is False:
+        return None
+    if offload is True:
+        return OffloadOptions()
+    if isinstance(offload, OffloadOptions):
+        return offload
+    raise TypeError(
+        f"plan_remat: offload must be True, False or an OffloadOptions, got {offload!r}."
+    )
+
+
+class MeasuringOffloader(ActivationOffloader):
+    """The offloader of a measuring run: also notes, per checkpoint, the device
+    storages of the tensors it moved."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.moved: dict[str, dict[int, tuple[StorageWeakRef, int]]] = {}
+
+    def pack_hook(self, t: torch.Tensor) -> Any:
+        packed = super().pack_hook(t)
+        if packed is not t:
+            info = current_saved_tensor_info()
+            storage = t.untyped_storage()
+            self.moved.setdefault(info.checkpoint or "", {})[storage.data_ptr()] = (
+                StorageWeakRef(storage), storage.nbytes()
+            )
+        return packed
+
+    def freed_bytes(self) -> dict[str, int]:
+        """Per checkpoint, the device bytes its moved tensors no longer hold: what
+        the call would keep on the device were its tensors not moved."""
+        return {
+            name: sum(n for ref, n in storages.values() if ref.expired())
+            for name, storages in self.moved.items()
+        }
+
+
+def offloader_for(
+    blocks: Iterable[str], options: OffloadOptions, *, measuring: bool, pool_bytes: int | None = None
+) -> ActivationOffloader:
+    """The offloader that moves what the checkpoints of ``blocks`` keep: every kind
+    of kept tensor, of those checkpoints only (by name, which ``apply_remat`` sets to
+    the block's qualified name). ``measuring``: ``prefetch=0`` and a pool with
+    room for everything (see the module's docstring)."""
+    if measuring:
+        pool, prefetch = UNBOUNDED_POOL, 0
+    else:
+        pool = options.pool_bytes if options.pool_bytes is not None else (pool_bytes or 0)
+        prefetch = options.prefetch
+    return (MeasuringOffloader if measuring else ActivationOffloader)(
+        pool,
+        prefetch=prefetch,
+        min_bytes=options.min_bytes,
+        kinds=ALL_KINDS,
+        checkpoints=[glob.escape(b) for b in blocks],
+    )
+
+
+def resolve_profile(profile: Any, device: torch.device, dtype: torch.dtype) -> DeviceProfile:
+    """``plan_remat``'s ``profile=``: a :class:`DeviceProfile`, the name of one in
+    ``_time.PROFILES``, or None (:func:`_time.calibrate` on ``device``)."""
+    if isinstance(profile, DeviceProfile):
+        return profile
+    if isinstance(profile, str):
+        if profile not in PROFILES:
+            raise ValueError(
+                f"plan_remat: no device profile named {profile!r}; the published ones are "
+                f"{sorted(PROFILES)}, or pass a DeviceProfile (e.g. from _time.calibrate())."
+            )
+        return PROFILES[profile]
+    if profile is None:
+        return calibrate(device, dtypes=(dtype,))
+    raise TypeError(f"plan_remat: profile must be a DeviceProfile, a profile name or None, got {profile!r}.")
+
+
+def timed(
+    table: list[list[Any]],
+    groups: Sequence[Sequence[int]],
+    profile: DeviceProfile,
+    dtype: torch.dtype,
+    options: OffloadOptions | None,
+) -> list[list[Any]]:
+    """``table`` with each option's predicted added seconds: its recompute FLOPs at
+    the profile's peak, plus, offloaded, its copies' exposed time. The exposed time
+    of a block is its share of what a stack of its group's blocks, all at that
+    option, exposes on the offloader's timeline (:func:`_time.exposed_copy_seconds`):
+    each block's forward is its full checkpoint's recompute (the whole forward
+    again), its backward twice that plus its own recompute."""
+    out = [list(opts) for opts in table]
+    for group in groups:
+        first = table[group[0]]
+        for k, m0 in enumerate(first):
+            if not m0.option.checkpoint:
+                continue
+            recompute = [profile.compute_seconds(table[b][k].flops, 0, dtype) for b in group]
+            exposed = [0.0] * len(group)
+            if m0.option.offload and options is not None:
+                forward = [
+                    profile.compute_seconds(
+                        next(m for m in table[b] if m.option == Option(True)).flops, 0, dtype
+                    )
+                    for b in group
+                ]
+                backward = [2 * f + r for f, r in zip(forward, recompute)]
+                copies = [profile.copy_seconds(table[b][k].host_bytes) for b in group]
+                total = exposed_copy_seconds(
+                    forward, backward, copies, prefetch=options.prefetch, overlap=profile.overlap_copies
+                )
+                exposed = [total / len(group)] * len(group)
+            for i, b in enumerate(group):
+                out[b][k] = dataclasses.replace(table[b][k], seconds=recompute[i] + exposed[i])
+    return out
