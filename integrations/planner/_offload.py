@@ -1,11 +1,17 @@
 """Offload as a planner option: a checkpoint whose kept tensors move to host memory.
 
-An offloaded option is a checkpoint option (a save set) whose kept tensors -- the
-SAVE regions' saves and outputs and the checkpoint's inputs -- an
+An offloaded option is a checkpoint option with SAVE regions whose kept tensors --
+what the SAVE regions save for backward and the outputs the replay reads -- an
 :class:`~torch_remat.offload.ActivationOffloader` copies to host buffers during the
 forward and back before the backward needs them. It recomputes what its twin
 (the same save set, resident) recomputes and holds fewer device bytes; what it adds
 is the copies' exposed time.
+
+The checkpoint's inputs stay on the device: a block's input was allocated by the
+block before it, whose bytes it is counted in, so moving it would make one block's
+bytes depend on its neighbour's option; what a block's SAVE regions keep was
+allocated by the block itself, so each block's offloaded bytes are its own and
+options still add up (a full checkpoint has nothing to move and no offloaded twin).
 
 Measuring it: the offloader runs with ``prefetch=0``, so every tensor it accepts
 moves as it is packed and each block's device bytes do not depend on its position.
@@ -26,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from torch_remat import SavedTensorKind, current_saved_tensor_info
@@ -35,7 +40,7 @@ from torch_remat.offload import ActivationOffloader
 from ._space import Option
 from ._time import PROFILES, DeviceProfile, calibrate, exposed_copy_seconds
 
-ALL_KINDS = (SavedTensorKind.BACKWARD, SavedTensorKind.SAVE_OUTPUT, SavedTensorKind.CHECKPOINT_INPUT)
+MOVED_KINDS = (SavedTensorKind.BACKWARD, SavedTensorKind.SAVE_OUTPUT)
 
 UNBOUNDED_POOL = 1 << 62
 """Pool capacity while measuring: no tensor stays resident for want of room."""
@@ -112,9 +117,9 @@ class MeasuringOffloader(ActivationOffloader):
 def offloader_for(
     blocks: Iterable[str], options: OffloadOptions, *, measuring: bool, pool_bytes: int | None = None
 ) -> ActivationOffloader:
-    """The offloader that moves what the checkpoints of ``blocks`` keep: every kind
-    of kept tensor, of those checkpoints only (by name, which ``apply_remat`` sets to
-    the block's qualified name). ``measuring``: ``prefetch=0`` and a pool with
+    """The offloader that moves what the SAVE regions of the checkpoints of
+    ``blocks`` keep (by checkpoint name, which ``apply_remat`` sets to the block's
+    qualified name). ``measuring``: ``prefetch=0`` and a pool with
     room for everything (see the module's docstring)."""
     if measuring:
         pool, prefetch = UNBOUNDED_POOL, 0
@@ -125,7 +130,7 @@ def offloader_for(
         pool,
         prefetch=prefetch,
         min_bytes=options.min_bytes,
-        kinds=ALL_KINDS,
+        kinds=MOVED_KINDS,
         checkpoints=[glob.escape(b) for b in blocks],
     )
 

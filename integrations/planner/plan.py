@@ -650,7 +650,8 @@ def measure_table(
     if offload is not None:
         for group in groups:
             for m in list(table[group.blocks[0]][1:]):
-                run(group, m.option.offloaded())
+                if m.option.save:  # a full checkpoint keeps nothing that moves
+                    run(group, m.option.offloaded())
     base = off.bytes_by_block[BASE]
     return base, max(bases, default=base), [table[b] for b in blocks]
 
@@ -713,9 +714,9 @@ def plan_remat(
             whose measured peak exceeds the budget is replaced by the cheapest
             plan predicted to fit with that excess taken off the budget (at most
             ``MAX_PLAN_RUNS`` runs). ``budget=None``: only the peak is bounded.
-        offload: True (or an :class:`OffloadOptions`): each checkpoint option is
-            also measured with what its checkpoint keeps (SAVE-region saves and
-            outputs, the checkpoint's inputs) moved to host memory by an
+        offload: True (or an :class:`OffloadOptions`): each checkpoint option with
+            SAVE regions is also measured with what they keep (their saves for
+            backward and the outputs the replay reads) moved to host memory by an
             :class:`~torch_remat.offload.ActivationOffloader`; ``plan.apply()``
             installs one for the blocks the plan offloads. The options are then
             compared by predicted added time (recompute plus exposed copies, see

@@ -1,0 +1,248 @@
+"""Offload as a planner option, the budget on the step peak, and the time
+objective: plans that offload are exact, hold the device bytes they predict, stay
+within the peak budget as an independent allocator count measures it, and are
+chosen by predicted time."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import torch_remat as remat
+from torch_remat.integrations import remove_remat
+from torch_remat.integrations.planner import (
+    InfeasibleBudgetError,
+    RematPlan,
+    activation_bytes,
+    plan_remat,
+)
+from torch_remat.integrations.planner._measure import _allocation_events
+from torch_remat.integrations.planner._offload import OffloadOptions, timed
+from torch_remat.integrations.planner._space import Option
+from torch_remat.integrations.planner._time import DeviceProfile, exposed_copy_seconds
+from torch_remat.integrations.planner.plan import Measured
+from torch_remat.offload import ActivationOffloader
+
+# Compute so slow that moving a tensor costs less than recomputing a matmul, and
+# so fast that it never does: the time model, not the bytes, decides.
+SLOW_COMPUTE = DeviceProfile("slow compute", {"float32": 1e8}, 1e10, 1e10, overlap_copies=False)
+SLOW_LINK = DeviceProfile("slow link", {"float32": 1e15}, 1e12, 1e3, overlap_copies=False)
+EVERY_TENSOR = OffloadOptions(min_bytes=0)
+UP = ["up"]  # one candidate: few options to measure
+
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(d) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _model_and_input(seed: int = 0) -> tuple[Stack, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Stack(), torch.randn(8, 16, 32, requires_grad=True)
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    model(x).sum().backward()
+    return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def _independent_step_peak(model: nn.Module, x: torch.Tensor, host: frozenset[int]) -> int:
+    """The step's own peak from the allocator events (the planner's helper only
+    reads the profiler's event tree), leaving out the host buffers at ``host``."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = model(x).sum()
+            loss.backward()
+            del loss
+    finally:
+        gc.enable()
+    live = peak = 0
+    for _, ptr, size, _ in _allocation_events(prof):
+        if ptr in host:
+            continue
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def test_an_offload_plan_is_exact_and_holds_the_device_bytes_it_predicts():
+    model, x = _model_and_input()
+    reference = _grads(model, x)
+    plan = plan_remat(model, (x,), budget=0.3, offload=EVERY_TENSOR, profile=SLOW_COMPUTE, candidates=UP)
+    offloaded = [n for n, o in plan.options.items() if o.offload]
+    assert offloaded, plan
+    assert plan.measured_bytes == plan.predicted_bytes <= plan.budget_bytes
+    # the offloaded blocks' tensors are in host memory, not in the device bytes
+    assert plan.host_bytes > 0
+    assert all(m.bytes < next(t for t in opts if t.option == m.option.resident).bytes
+               for m, opts in zip(plan.chosen, plan.table) if m.option.offload and m.host_bytes)
+    plan.apply()
+    try:
+        got = _grads(model, x)
+        stats = plan.offloader.stats
+        # it moved tensors of the offloaded blocks only, and brought them all back
+        assert sum(stats.offloaded_bytes.values()) > 0
+        assert stats.offloaded_bytes == stats.fetched_bytes
+        assert stats.resident_pool_full == 0
+    finally:
+        remove_remat(model)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+
+
+def test_the_offloader_a_plan_installs_moves_only_the_offloaded_blocks_tensors():
+    model, x = _model_and_input()
+    every_call = OffloadOptions(prefetch=0, min_bytes=0)  # no call left on the device
+    plan = plan_remat(model, (x,), budget=0.3, offload=every_call, profile=SLOW_COMPUTE, candidates=UP)
+    table = plan.table
+    # block 0's SAVE region offloaded, the other blocks' left resident
+    up = next(i for i, m in enumerate(table[0]) if m.option == Option(True, ("up",)))
+    up_off = next(i for i, m in enumerate(table[0]) if m.option == Option(True, ("up",), True))
+    mixed = plan.with_choices([up_off] + [up] * (len(plan.blocks) - 1))
+    resident = plan.with_choices([up] * len(plan.blocks))
+    kept = {}
+    for name, candidate in (("mixed", mixed), ("resident", resident)):
+        candidate.apply(model)
+        try:
+            kept[name] = activation_bytes(model, (x,), lambda out: out.sum())
+            if candidate is mixed:
+                assert mixed.offloader.checkpoints == ("blocks.0",)
+                moved = sum(mixed.offloader.stats.offloaded_bytes.values())
+                # the count includes the host buffers the forward made: take them out
+                kept[name] -= mixed.offloader.pool.allocated_bytes
+        finally:
+            remove_remat(model)
+    # what block 0's SAVE region keeps moved, and nothing else did: the device
+    # holds exactly that much less, as the plan predicts
+    assert moved == table[0][up_off].host_bytes > 0
+    assert kept["resident"] - kept["mixed"] == table[0][up_off].staying > 0
+    assert kept["mixed"] == mixed.predicted_bytes
+    assert kept["resident"] == resident.predicted_bytes
+
+
+def test_offload_is_chosen_by_predicted_time():
+    model, x = _model_and_input()
+    # copies far cheaper than recompute: the tight budget is met by moving tensors
+    cheap_copies = plan_remat(model, (x,), budget=0.3, offload=EVERY_TENSOR, profile=SLOW_COMPUTE, candidates=UP)
+    assert any(o.offload for o in cheap_copies.options.values())
+    assert cheap_copies.recompute_flops == 0
+    # copies far dearer than recompute: the same budget is met by recomputing
+    dear_copies = plan_remat(model, (x,), budget=0.3, offload=EVERY_TENSOR, profile=SLOW_LINK, candidates=UP)
+    assert not any(o.offload for o in dear_copies.options.values())
+    assert dear_copies.recompute_flops > 0
+    # and the predicted time is what decided: each is the cheaper on its profile
+    assert cheap_copies.predicted_seconds < SLOW_COMPUTE.compute_seconds(dear_copies.recompute_flops, 0, "float32")
+
+
+def test_a_plan_keeps_the_step_peak_within_the_peak_budget_as_measured():
+    model, x = _model_and_input()
+    reference = _grads(model, x)
+    for offload in (None, EVERY_TENSOR):
+        plan = plan_remat(model, (x,), budget=None, peak_budget=0.6, offload=offload, profile=SLOW_COMPUTE, candidates=UP)
+        assert plan.peak_budget_bytes == int(0.6 * plan.no_remat_peak)
+        assert plan.measured_peak is not None and plan.measured_peak <= plan.peak_budget_bytes
+        plan.apply()
+        try:
+            host = plan.offloader.pool.addresses() if plan.offloader is not None else frozenset()
+            _grads(model, x)  # first step: the pool's buffers are made
+            if plan.offloader is not None:
+                host = plan.offloader.pool.addresses()
+            independent = _independent_step_peak(model, x, host)
+            got = _grads(model, x)
+        finally:
+            remove_remat(model)
+        assert independent <= plan.peak_budget_bytes, (offload, independent, plan)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    # without a checkpoint the step peaks higher than the budget allowed
+    remove_remat(model)
+    assert _independent_step_peak(model, x, frozenset()) > plan.peak_budget_bytes
+
+
+def test_a_peak_budget_no_plan_reaches_is_refused_naming_the_lowest_peak():
+    model, x = _model_and_input()
+    with pytest.raises(InfeasibleBudgetError, match=r"peak_budget 0\.01 .* lowest step peak"):
+        plan_remat(model, (x,), budget=None, peak_budget=0.01, candidates=UP)
+
+
+def test_an_offload_plan_round_trips_through_json_and_applies_to_a_fresh_model(tmp_path):
+    model, x = _model_and_input()
+    plan = plan_remat(model, (x,), budget=0.3, offload=EVERY_TENSOR, profile=SLOW_COMPUTE, candidates=UP)
+    plan.save(tmp_path / "plan.json")
+    loaded = RematPlan.load(tmp_path / "plan.json")
+    assert loaded.options == plan.options and loaded.offload == plan.offload
+    assert loaded.predicted_bytes == plan.predicted_bytes
+    assert loaded.predicted_seconds == plan.predicted_seconds
+    fresh, _ = _model_and_input()
+    reference = _grads(fresh, x)
+    loaded.apply(fresh)
+    try:
+        got = _grads(fresh, x)
+        assert sum(loaded.offloader.stats.offloaded_bytes.values()) > 0
+    finally:
+        remove_remat(fresh)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+
+
+def test_the_time_of_an_offloaded_option_is_its_recompute_and_its_exposed_copies():
+    def m(option, flops, host):
+        return Measured(option, 0, flops, 1, host_bytes=host)
+
+    full, full_off = Option(True), Option(True, (), True)
+    table = [[m(Option(False), 0, 0), m(full, 1000, 0), m(full_off, 1000, 500)] for _ in range(3)]
+    out = timed(table, [[0, 1, 2]], SLOW_COMPUTE, torch.float32, OffloadOptions(prefetch=1))
+    recompute = 1000 / 1e8
+    assert out[0][1].seconds == pytest.approx(recompute)
+    forward, backward, copy = [recompute] * 3, [3 * recompute] * 3, [500 / 1e10] * 3
+    exposed = exposed_copy_seconds(forward, backward, copy, prefetch=1, overlap=False)
+    assert exposed == pytest.approx(4 * 500 / 1e10)  # two calls move, out and back
+    assert [row[2].seconds for row in out] == pytest.approx([recompute + exposed / 3] * 3)
+
+
+def test_only_a_checkpoint_can_be_offloaded_and_options_say_so():
+    with pytest.raises(ValueError, match="only a checkpoint"):
+        Option(False, (), True)
+    assert Option(True, ("up",), True).label == "checkpoint, save up, offloaded"
+    assert Option.from_json(Option(True, (), True).to_json()) == Option(True, (), True)
+    with pytest.raises(TypeError, match="offload must be"):
+        plan_remat(Stack(), torch.randn(2, 4, 32), budget=0.5, offload="yes")
+
+
+def test_an_offloader_moves_only_the_checkpoints_it_is_given():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    offloader = ActivationOffloader(1 << 20, prefetch=0, min_bytes=0, kinds=tuple(remat.SavedTensorKind),
+                                    checkpoints=["moved"])
+
+    def body(t):
+        return remat.region(lambda u: lin(u).relu(), "lin", recompute=False)(t)
+
+    a = remat.checkpoint(region_name="moved", saved_tensors_hooks=offloader)(body)
+    b = remat.checkpoint(region_name="kept", saved_tensors_hooks=offloader)(body)
+    b(a(x)).sum().backward()
+    assert sum(offloader.stats.offloaded_bytes.values()) > 0
+    moved_before = dict(offloader.stats.offloaded_bytes)
+    b(x).sum().backward()
+    assert offloader.stats.offloaded_bytes == moved_before
