@@ -4,6 +4,7 @@ docs/planning.md)."""
 
 from ._layout import Layout
 from ._measure import activation_bytes
+from ._offload import OffloadOptions
 from ._report import ParetoRow, ParetoTable
 from ._space import Option
 from .forecast import Forecast, PolicyForecast, forecast_remat
@@ -17,6 +18,7 @@ __all__ = [
     "Layout",
     "RematPlan",
     "Option",
+    "OffloadOptions",
     "Measured",
     "ParetoTable",
     "ParetoRow",

@@ -66,6 +66,7 @@ from ._measure import (
     held_bytes_by_block,
     install,
 )
+from ._offload import allocating_host_memory
 
 
 class StorageLedger(TorchDispatchMode):
@@ -82,6 +83,8 @@ class StorageLedger(TorchDispatchMode):
         self.blocks: list[str] = []
         """The stack of blocks whose forward is running (innermost last)."""
         self.live: dict[int, tuple[int, str]] = {}
+        self.host: dict[int, tuple[int, str]] = {}
+        """An offloader's host buffers: key -> (bytes, block); not device memory."""
         self.known: set[int] = set()
         self.current = 0
         self.peak = 0
@@ -124,7 +127,12 @@ class StorageLedger(TorchDispatchMode):
         weakref.finalize(st, self._forget, key)
         if allocated:
             n = st.nbytes()
-            self.live[key] = (n, self.blocks[-1] if self.blocks else BASE)
+            block = self.blocks[-1] if self.blocks else BASE
+            if allocating_host_memory():  # an offloader's host buffer: not device memory
+                self.host[key] = (n, block)
+                weakref.finalize(st, self.host.pop, key, None)
+                return
+            self.live[key] = (n, block)
             self.current += n
             self.peak = max(self.peak, self.current)
 
@@ -161,7 +169,7 @@ class StorageLedger(TorchDispatchMode):
         kernel's transient peak (outputs and internal temporaries), learned after
         the step. Not for outputs over ``LEARN_CAP`` (a small input expanded, a
         ``new_zeros`` of any size)."""
-        if self.fake_mode is None:
+        if self.fake_mode is None or allocating_host_memory():
             return
         key = _transient_key(func, args, kwargs)
         if key is None:
@@ -227,6 +235,13 @@ class StorageLedger(TorchDispatchMode):
     def see_existing(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             self._see(t, allocated=False)
+
+    def host_by_block(self) -> dict[str, int]:
+        """Bytes of the live host buffers (an offloader's) each block allocated."""
+        held: dict[str, int] = defaultdict(int)
+        for n, block in self.host.values():
+            held[block] += n
+        return dict(held)
 
     def held_by_block(self, excluding: frozenset[int] = frozenset()) -> dict[str, int]:
         """Bytes of the live storages each block allocated, but for the storages
@@ -698,9 +713,13 @@ def measure_fake(
     config: Placement,
     block_names: Sequence[str],
     mode: FakeTensorMode,
+    *,
+    measuring: bool = True,
 ) -> FakeMeasurement:
-    """``_measure.measure`` for a model and arguments that are fake already."""
-    install(model, config)
+    """``_measure.measure`` for a model and arguments that are fake already
+    (``measuring``: as there, which offloader an offloaded placement runs)."""
+    offloader = install(model, config, measuring=measuring)
+    staying: dict[str, int] = {}
     leaves = [p for p in model.parameters()] + [
         a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
     ]
@@ -719,6 +738,9 @@ def measure_fake(
                 loss = loss_fn(model(*args))
             real = held_bytes_by_block(prof)
             fake = ledger.held_by_block(excluding=_parameter_storages(model))
+            host = ledger.host_by_block()
+            if offloader is not None and hasattr(offloader, "freed_bytes"):
+                staying = offloader.freed_bytes()
             # Real storages of the forward the ledger did not follow (it follows the
             # engine's RNG states): alive for the whole step, at most.
             unfollowed = max(0, sum(real.values()) - sum(ledger.real_live.values()))
@@ -742,6 +764,8 @@ def measure_fake(
         },
         flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
+        host_by_block={n: host.get(n, 0) for n in block_names},
+        staying_by_block={n: staying.get(n, 0) for n in block_names},
     )
     result.peak_bytes = peak
     result.peak_margin = unfollowed

@@ -25,8 +25,10 @@ adds those back for its last ``k`` offloaded blocks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +37,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from torch_remat import SavedTensorKind, current_saved_tensor_info
-from torch_remat.offload import ActivationOffloader
+from torch_remat.offload import ActivationOffloader, HostPool
 
 from ._space import Option
 from ._time import PROFILES, DeviceProfile, calibrate, exposed_copy_seconds
@@ -87,6 +89,33 @@ def resolve(offload: bool | OffloadOptions | None) -> OffloadOptions | None:
     )
 
 
+_HOST = threading.local()
+
+
+def allocating_host_memory() -> bool:
+    """Whether a planner offloader's pool is making a host buffer now (a forecast's
+    storage ledger does not count it as device memory)."""
+    return getattr(_HOST, "active", False)
+
+
+@contextlib.contextmanager
+def _host_allocation() -> Any:
+    was = allocating_host_memory()
+    _HOST.active = True
+    try:
+        yield
+    finally:
+        _HOST.active = was
+
+
+class _MarkedPool(HostPool):
+    """A pool whose buffers are made under :func:`allocating_host_memory`."""
+
+    def acquire(self, nbytes: int) -> torch.Tensor | None:
+        with _host_allocation():
+            return super().acquire(nbytes)
+
+
 class MeasuringOffloader(ActivationOffloader):
     """The offloader of a measuring run: also notes, per checkpoint, the device
     storages of the tensors it moved."""
@@ -100,7 +129,8 @@ class MeasuringOffloader(ActivationOffloader):
         if packed is not t:
             info = current_saved_tensor_info()
             storage = t.untyped_storage()
-            self.moved.setdefault(info.checkpoint or "", {})[storage.data_ptr()] = (
+            # keyed by the storage object (a fake tensor's has no address)
+            self.moved.setdefault(info.checkpoint or "", {})[storage._cdata] = (
                 StorageWeakRef(storage), storage.nbytes()
             )
         return packed
@@ -126,13 +156,15 @@ def offloader_for(
     else:
         pool = options.pool_bytes if options.pool_bytes is not None else (pool_bytes or 0)
         prefetch = options.prefetch
-    return (MeasuringOffloader if measuring else ActivationOffloader)(
+    offloader = (MeasuringOffloader if measuring else ActivationOffloader)(
         pool,
         prefetch=prefetch,
         min_bytes=options.min_bytes,
         kinds=MOVED_KINDS,
         checkpoints=[glob.escape(b) for b in blocks],
     )
+    offloader.pool = _MarkedPool(pool, offloader.pool.pin_memory)
+    return offloader
 
 
 def resolve_profile(profile: Any, device: torch.device, dtype: torch.dtype) -> DeviceProfile:

@@ -35,6 +35,8 @@ from ._fake import (
 )
 from ._layout import Layout, sharded
 from ._measure import LossFn, Placement, blocks_drawing_no_random_numbers, refuse_applied_remat
+from ._offload import OffloadOptions, timed
+from ._offload import resolve as resolve_offload
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
 from ._state import preserved_python_state
 from ._time import PROFILES, DeviceProfile
@@ -93,6 +95,9 @@ class PolicyForecast:
     """``peak_bytes`` is at most this many bytes above the real step's peak (and
     never below it): real storages the forward keeps outside the dispatcher (a
     Python number saved for backward, 8 B each), counted for the whole step."""
+    added_seconds: float | None = None
+    """The plan's predicted added time where it offloads (recompute and exposed
+    copies, from the plan's time model); None: recompute FLOPs alone."""
 
     @property
     def kept_bytes(self) -> int:
@@ -101,7 +106,10 @@ class PolicyForecast:
     def predicted_seconds(self, profile: DeviceProfile, dtype: torch.dtype | str) -> float:
         """Added step time on ``profile``: the recompute FLOPs at its peak FLOP/s
         for ``dtype`` (the forecast counts FLOPs, not the bytes the recompute moves,
-        so this is the compute-bound side of the roofline; nothing is offloaded)."""
+        so this is the compute-bound side of the roofline), plus, for a plan that
+        offloads, its copies' exposed time (:attr:`added_seconds`)."""
+        if self.added_seconds is not None:
+            return self.added_seconds
         return self.flops / profile.peak_flops(dtype)
 
 
@@ -226,6 +234,8 @@ def forecast_remat(
     layout: Layout | None = None,
     profile: DeviceProfile | str | None = None,
     compute_dtype: torch.dtype | None = None,
+    offload: bool | OffloadOptions | None = None,
+    peak_budget: Budget | None = None,
 ) -> Forecast:
     """Plan as :func:`plan_remat` does, with every run on fake tensors: no parameter
     or activation memory is allocated, so the model may be larger than this
@@ -255,6 +265,10 @@ def forecast_remat(
         compute_dtype: the dtype the recompute runs in, for ``profile``'s peak
             FLOP/s (default: the model's first floating parameter's; pass
             ``torch.bfloat16`` where mixed precision computes in bf16).
+        offload: as for ``plan_remat``: offloaded options join the table (their
+            host buffers are followed apart from device memory), and the plan is
+            chosen by predicted time on ``profile``, which is then required.
+        peak_budget: as for ``plan_remat``, on the forecast's step peak.
     """
     if isinstance(profile, str):
         if profile not in PROFILES:
@@ -269,6 +283,14 @@ def forecast_remat(
             "forecast does not run on; pass a fraction or bytes (device_memory= finds "
             "the largest micro-batch that fits a device)."
         )
+    offload_options = resolve_offload(offload)
+    if offload_options is not None and profile is None:
+        raise ValueError(
+            "forecast_remat: offload needs a device profile to weigh copies against "
+            "recompute; pass profile= (a name in _time.PROFILES, e.g. 'H100 SXM', or a "
+            "DeviceProfile)."
+        )
+    peaks = offload_options is not None or peak_budget is not None
     refuse_applied_remat(model)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     memory = None if device_memory is None else parse_bytes(device_memory)
@@ -307,15 +329,20 @@ def forecast_remat(
             target, fargs, names, forward=lambda: run.warm_up(target, fargs, loss_fn, names)
         ))
         base, checkpoint_base, table = measure_table(
-            target, fargs, loss_fn, names, groups, rng_free, measure=run
+            target, fargs, loss_fn, names, groups, rng_free, measure=run,
+            offload=offload_options, peaks=peaks,
         )
+        dtype = compute_dtype or _compute_dtype(model)
+        if offload_options is not None:
+            table = timed(table, block_groups(names, groups), profile, dtype, offload_options)
         measured = RematPlan(
             names, table, [0] * len(names), base, 0,
             {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None,
             weakref.ref(model), rng_free=sorted(rng_free, key=names.index),
-            checkpoint_base_bytes=checkpoint_base,
+            checkpoint_base_bytes=checkpoint_base, offload=offload_options,
+            time_profile=profile.name if offload_options is not None else None,
         )
-        plan, error = _solve_or_error(measured, budget)
+        plan, error = _solve_or_error(measured, budget, peak_budget)
         if error is not None:
             raise InfeasibleBudgetError(error)
         configs = {"no remat": Placement(), **_hand_configs(plan, groups, rng_free)}
@@ -332,10 +359,12 @@ def forecast_remat(
 
         def run_plan(candidate: RematPlan) -> dict[str, int]:
             config = candidate.config()
-            m = run(target, fargs, loss_fn, config, names)
+            m = run(target, fargs, loss_fn, config, names, measuring=False)
+            candidate.measured_peak = m.peak_bytes
             policy = PolicyForecast(
                 "plan", config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values()),
                 peak_margin=m.peak_margin,
+                added_seconds=candidate.predicted_seconds if candidate.offload is not None else None,
             )
             plan_runs[tuple(candidate.choices)] = policy
             return {"": policy.kept_bytes}  # what the verification compares: the total
@@ -420,15 +449,16 @@ class _Runs:
         self.first = False
 
     def __call__(self, model: nn.Module, args: Any, loss_fn: Any, config: Placement,
-                 names: Sequence[str]) -> FakeMeasurement:
-        key = (tuple(sorted(config.checkpointed.items())), config.rng_free)
+                 names: Sequence[str], *, measuring: bool = True) -> FakeMeasurement:
+        key = (tuple(sorted(config.checkpointed.items())), config.rng_free, config.offloaded,
+               measuring or not config.offloaded)
         if args is not self.args:
-            return self.measure(model, args, loss_fn, config, names)
+            return self.measure(model, args, loss_fn, config, names, measuring=measuring)
         if self.first:
             self.first = False
-            return self.measure(model, args, loss_fn, config, names)
+            return self.measure(model, args, loss_fn, config, names, measuring=measuring)
         if key not in self.done:
-            self.done[key] = self.measure(model, args, loss_fn, config, names)
+            self.done[key] = self.measure(model, args, loss_fn, config, names, measuring=measuring)
         return self.done[key]
 
 

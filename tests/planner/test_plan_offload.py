@@ -17,6 +17,7 @@ from torch_remat.integrations.planner import (
     InfeasibleBudgetError,
     RematPlan,
     activation_bytes,
+    forecast_remat,
     plan_remat,
 )
 from torch_remat.integrations.planner._measure import _allocation_events
@@ -246,3 +247,22 @@ def test_an_offloader_moves_only_the_checkpoints_it_is_given():
     moved_before = dict(offloader.stats.offloaded_bytes)
     b(x).sum().backward()
     assert offloader.stats.offloaded_bytes == moved_before
+
+
+def test_the_forecast_of_offloaded_options_equals_their_measurement():
+    model, x = _model_and_input()
+    plan = plan_remat(model, (x,), budget=0.3, offload=EVERY_TENSOR, profile=SLOW_COMPUTE, candidates=UP)
+    forecast = forecast_remat(model, (x,), budget=0.3, offload=EVERY_TENSOR, profile=SLOW_COMPUTE,
+                              candidates=UP)
+    assert any(m.option.offload for opts in forecast.plan.table for m in opts)
+    for name, real, fake in zip(plan.blocks, plan.table, forecast.plan.table):
+        assert [m.option for m in fake] == [m.option for m in real], name
+        # device bytes, host bytes, what stays, recompute: as measured on real tensors
+        assert [(m.bytes, m.host_bytes, m.staying, m.flops, m.ops) for m in fake] == [
+            (m.bytes, m.host_bytes, m.staying, m.flops, m.ops) for m in real
+        ], name
+    assert forecast.plan.options == plan.options
+    assert forecast.plan.predicted_bytes == forecast.plan.measured_bytes == plan.measured_bytes
+    assert forecast.policies["plan"].predicted_seconds(SLOW_COMPUTE, torch.float32) == plan.predicted_seconds
+    with pytest.raises(ValueError, match="offload needs a device profile"):
+        forecast_remat(model, (x,), budget=0.3, offload=True)

@@ -55,7 +55,8 @@ class HostPool:
                 if self.allocated_bytes + size > self.capacity_bytes:
                     return None
                 buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
-                self._addresses.add(buffer.data_ptr())
+                if type(buffer) is torch.Tensor:  # (a fake tensor's has no address)
+                    self._addresses.add(buffer.data_ptr())
                 self.buffers_created += 1
                 self.allocated_bytes += size
                 self.high_water_bytes = max(self.high_water_bytes, self.allocated_bytes)
@@ -77,7 +78,8 @@ class HostPool:
                 buffer, ready = idle.pop()
                 if ready is not None:
                     ready.synchronize()
-                self._addresses.discard(buffer.data_ptr())
+                if type(buffer) is torch.Tensor:
+                    self._addresses.discard(buffer.data_ptr())
                 self.allocated_bytes -= size
                 needed -= size
             if not idle:
