@@ -37,6 +37,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from torch_remat import SavedTensorKind, current_saved_tensor_info
+from torch_remat._integration import storage_key
 from torch_remat.offload import ActivationOffloader, HostPool
 
 from ._space import Option
@@ -130,7 +131,7 @@ class MeasuringOffloader(ActivationOffloader):
             info = current_saved_tensor_info()
             storage = t.untyped_storage()
             # keyed by the storage object (a fake tensor's has no address)
-            self.moved.setdefault(info.checkpoint or "", {})[storage._cdata] = (
+            self.moved.setdefault(info.checkpoint or "", {})[storage_key(storage)] = (
                 StorageWeakRef(storage), storage.nbytes()
             )
         return packed
