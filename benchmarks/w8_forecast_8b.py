@@ -22,6 +22,12 @@ gradients and optimizer state and a 25% margin for the step's transients);
 each policy's added step time on an H100 SXM profile. Printed per layout: the
 forecast, its wall time and the process's peak RSS (``--tracemalloc``: also the
 peak of Python's traced allocations, which slows the run).
+
+``--offload``: offload joins the options (each save set also measured with what
+its SAVE regions keep moved to host memory, prefetch 1, tensors of 1 MiB and up),
+the plan is chosen by predicted added time on the H100 SXM profile, and the plans
+for a range of budgets are printed from the same measurements, next to full
+checkpoint and Megatron-style.
 """
 
 from __future__ import annotations
@@ -41,7 +47,12 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_remat.integrations.planner import Layout, forecast_remat  # noqa: E402
+from torch_remat.integrations.planner import (  # noqa: E402
+    InfeasibleBudgetError,
+    Layout,
+    OffloadOptions,
+    forecast_remat,
+)
 
 D, HEADS, KV_HEADS, FFN, SEQ, LAYERS = 4096, 32, 8, 14336, 8192, 32
 HEAD_DIM = D // HEADS
@@ -160,7 +171,11 @@ def budget_for(lay: Layout) -> int:
     return int(DEVICE_MEMORY * (1 - MARGIN)) - fixed
 
 
-def run(name: str, max_batch: bool, trace: bool) -> None:
+OFFLOAD_BUDGETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
+"""Fractions of the no-remat bytes the ``--offload`` run plans for."""
+
+
+def run(name: str, max_batch: bool, trace: bool, offload: bool = False) -> None:
     lay = layout(name)
     with torch.device("meta"):
         model = Stack()
@@ -175,6 +190,7 @@ def run(name: str, max_batch: bool, trace: bool) -> None:
         candidates=[Attention, FeedForward], layout=lay,
         device_memory=DEVICE_MEMORY if max_batch else None,
         profile=PROFILE, compute_dtype=torch.bfloat16,
+        offload=OffloadOptions(prefetch=1) if offload else None,
     )
     wall = time.perf_counter() - t0
     traced = ""
@@ -186,7 +202,35 @@ def run(name: str, max_batch: bool, trace: bool) -> None:
     print(f"  forecast in {wall:.1f} s{' (under tracemalloc)' if trace else ''}; peak RSS of "
           f"the process {rss / 2**10:.0f} MiB (+{(rss - rss0) / 2**10:.0f} MiB over the "
           f"forecast){traced}", flush=True)
+    if offload:
+        print_budgets(forecast)
     print()
+
+
+def print_budgets(forecast) -> None:
+    """The plans for :data:`OFFLOAD_BUDGETS` from the forecast's measurements."""
+    plan = forecast.plan
+    full = plan.no_remat_bytes
+    print(f"\n  plans by budget (offload among the options; added time on {PROFILE}):")
+    rows = [("budget", "kept after forward", "on the host", "recompute FLOPs", "added time", "blocks")]
+    for fraction in OFFLOAD_BUDGETS:
+        try:
+            p = plan.for_budget(fraction)
+        except InfeasibleBudgetError:
+            rows.append((f"{fraction:.2f}", "infeasible", "", "", "", ""))
+            continue
+        kinds: dict[str, int] = {}
+        for option in p.options.values():
+            kinds[option.label] = kinds.get(option.label, 0) + 1
+        rows.append((
+            f"{fraction:.2f}", f"{p.predicted_bytes:,}", f"{p.host_bytes:,}", f"{p.recompute_flops:,}",
+            f"{p.predicted_seconds * 1e3:.1f} ms", "; ".join(f"{n} x {k}" for k, n in kinds.items()),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  " + "  ".join(c.rjust(w) if 0 < i < 5 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    print(f"  (of {full:,} B without remat)")
 
 
 def main() -> None:
@@ -194,6 +238,8 @@ def main() -> None:
     p.add_argument("--layouts", default="fsdp8,fsdp64,fsdp8xtp8")
     p.add_argument("--max-batch", action="store_true",
                    help="also search each policy's largest micro-batch for 80 GiB (more runs)")
+    p.add_argument("--offload", action="store_true",
+                   help="offload among the options; plans for a range of budgets")
     p.add_argument("--tracemalloc", action="store_true",
                    help="trace Python's allocations too (their peak; slows the run 2-4x)")
     args = p.parse_args()
@@ -202,7 +248,7 @@ def main() -> None:
           f"FFN {FFN} SwiGLU, seq {SEQ}, {LAYERS} layers, no vocabulary), micro-batch 1, "
           "bf16 activations, fp32 parameters; plans for an 80 GiB device", flush=True)
     for name in args.layouts.split(","):
-        run(name, args.max_batch, args.tracemalloc)
+        run(name, args.max_batch, args.tracemalloc, args.offload)
 
 
 if __name__ == "__main__":

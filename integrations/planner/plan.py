@@ -201,8 +201,11 @@ class RematPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes the plan's offloaded blocks occupy until the backward."""
-        return sum(m.host_bytes for m in self.chosen)
+        """Host bytes the plan's offloaded blocks occupy until the backward (the
+        last ``prefetch`` offloaded blocks' stay on the device and take none)."""
+        offloaded = [m for m in self.chosen if m.option.offload]
+        moved = offloaded[: max(0, len(offloaded) - self.offload.prefetch)] if self.offload else []
+        return sum(m.host_bytes for m in moved)
 
     @property
     def recompute_flops(self) -> int:
