@@ -33,6 +33,7 @@ checkpoint and Megatron-style.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import sys
@@ -211,24 +212,35 @@ def print_budgets(forecast) -> None:
     """The plans for :data:`OFFLOAD_BUDGETS` from the forecast's measurements."""
     plan = forecast.plan
     full = plan.no_remat_bytes
+    # the same measurements without the offloaded options
+    resident = dataclasses.replace(
+        plan, table=[[m for m in opts if not m.option.offload] for opts in plan.table],
+        choices=[0] * len(plan.blocks), offload=None, _frontier=None,
+    )
     print(f"\n  plans by budget (offload among the options; added time on {PROFILE}):")
-    rows = [("budget", "kept after forward", "on the host", "recompute FLOPs", "added time", "blocks")]
+    rows = [("budget", "kept after forward", "on the host", "recompute FLOPs", "added time",
+             "without offload", "blocks")]
     for fraction in OFFLOAD_BUDGETS:
+        try:
+            without = f"{resident.for_budget(fraction).predicted_seconds * 1e3:.1f} ms"
+        except InfeasibleBudgetError:
+            without = "infeasible"
         try:
             p = plan.for_budget(fraction)
         except InfeasibleBudgetError:
-            rows.append((f"{fraction:.2f}", "infeasible", "", "", "", ""))
+            rows.append((f"{fraction:.2f}", "infeasible", "", "", "", without, ""))
             continue
         kinds: dict[str, int] = {}
         for option in p.options.values():
             kinds[option.label] = kinds.get(option.label, 0) + 1
         rows.append((
             f"{fraction:.2f}", f"{p.predicted_bytes:,}", f"{p.host_bytes:,}", f"{p.recompute_flops:,}",
-            f"{p.predicted_seconds * 1e3:.1f} ms", "; ".join(f"{n} x {k}" for k, n in kinds.items()),
+            f"{p.predicted_seconds * 1e3:.1f} ms", without,
+            "; ".join(f"{n} x {k}" for k, n in kinds.items()),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  " + "  ".join(c.rjust(w) if 0 < i < 5 else c.ljust(w)
+        print("  " + "  ".join(c.rjust(w) if 0 < i < 6 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     print(f"  (of {full:,} B without remat)")
 

@@ -5,10 +5,13 @@ chosen by predicted time."""
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import torch_remat as remat
@@ -266,3 +269,33 @@ def test_the_forecast_of_offloaded_options_equals_their_measurement():
     assert forecast.policies["plan"].predicted_seconds(SLOW_COMPUTE, torch.float32) == plan.predicted_seconds
     with pytest.raises(ValueError, match="offload needs a device profile"):
         forecast_remat(model, (x,), budget=0.3, offload=True)
+
+
+@functools.cache
+def _measured_table() -> RematPlan:
+    model, x = _model_and_input()
+    plan = plan_remat(model, (x,), budget=0.5, offload=OffloadOptions(prefetch=1, min_bytes=0),
+                      profile=SLOW_COMPUTE, candidates=["up", "down"], verify=False)
+    return plan
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_every_assignment_of_keep_recompute_and_offload_gives_bitwise_equal_gradients(data):
+    measured = _measured_table()
+    choices = [data.draw(st.integers(0, len(opts) - 1), label=name)
+               for name, opts in zip(measured.blocks, measured.table)]
+    plan = measured.with_choices(choices)
+    model, x = _model_and_input()
+    reference = _grads(model, x)
+    plan.apply(model)
+    try:
+        got = _grads(model, x)
+        moved = plan.offloader is not None and sum(plan.offloader.stats.offloaded_bytes.values())
+    finally:
+        remove_remat(model)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got)), plan.options
+    # the offloader moved exactly what the plan says goes to the host
+    assert (moved or 0) == sum(
+        m.host_bytes for m in plan.chosen if m.option.offload
+    ) - sum(m.host_bytes for m in [m for m in plan.chosen if m.option.offload][-1:]), plan.options
