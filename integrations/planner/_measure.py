@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.utils.flop_counter import flop_registry
 
@@ -116,7 +117,11 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
     with their values) and the RNG states on exit, so that measuring steps leaves
     no trace (a later training step sees what it would have seen without them):
     a forward that rebinds a buffer (``self.avg = ...``) or an optimizer step fused
-    into backward (``register_post_accumulate_grad_hook``) included."""
+    into backward (``register_post_accumulate_grad_hook``) included. FSDP2 modules
+    are resharded on entry and on exit: a forward without a backward (the
+    planner's no-gradient forwards) leaves the root's parameters unsharded, and the
+    parameters registered then are not the sharded ones its gradients go to."""
+    _reshard_fsdp(model)
     leaves = [p for p in model.parameters()] + [
         a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
     ]
@@ -143,6 +148,7 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
         with preserved_python_state(model):
             yield
     finally:
+        _reshard_fsdp(model)
         with torch.no_grad():
             for table, name, t, value in slots:
                 table[name] = t
@@ -153,6 +159,13 @@ def preserved_state(model: nn.Module, args: Sequence[Any]) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """Reshard every FSDP2 module of ``model`` (its sharded parameters registered)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def install(model: nn.Module, config: Placement, *, measuring: bool = False) -> Any:

@@ -577,6 +577,60 @@ def planner_per_rank_plans_each_rank_for_its_own_budget(ctx):
     return {"choices": everyone[ctx.rank][0]}
 
 
+def planner_leaves_an_fsdp2_models_gradients_as_found(ctx):
+    """plan_remat's forwards without gradients leave FSDP2's root unsharded; the
+    measurements must still give every gradient back, so the first training step
+    after planning sees the gradients it would have seen without planning (the root's
+    embedding and head gradients used to keep what the measuring steps added)."""
+    x = _batch(ctx, shape=(64, 16))
+    reference = tiny_net()
+    fully_shard_with_remat(reference, MLPBlock, remat=NO_REMAT)
+    expected = _fsdp_step(ctx, reference, x, seed=30)
+    model = tiny_net()
+    fully_shard_with_remat(model, MLPBlock, remat=NO_REMAT)
+    plan_remat(model, x, lambda out: out.pow(2).sum(), 0.6, blocks=MLPBlock)
+    assert all(p.grad is None for p in model.parameters()), [
+        n for n, p in model.named_parameters() if p.grad is not None
+    ]
+    got = _fsdp_step(ctx, model, x, seed=30)
+    assert_grads_equal(expected[1], got[1])
+
+
+def planner_offload_plan_under_fsdp2_is_exact_on_every_rank(ctx):
+    """plan_remat with offload among the options on an FSDP2 model: every rank
+    installs rank 0's choice, its offloader moves what the plan says, and the
+    gradients equal FSDP2's without remat, bitwise."""
+    from torch_remat.integrations.planner import OffloadOptions
+    from torch_remat.integrations.planner._time import DeviceProfile
+
+    # matmuls so slow that moving a tensor is cheaper than recomputing one
+    slow = DeviceProfile("slow compute", {"float64": 1e8}, 1e10, 1e10, overlap_copies=False)
+    x = _batch(ctx, shape=(64, 16))
+    reference = tiny_net()
+    fully_shard_with_remat(reference, MLPBlock, remat=NO_REMAT)
+    expected = _fsdp_step(ctx, reference, x, seed=30)
+    model = tiny_net()
+    fully_shard_with_remat(model, MLPBlock, remat=NO_REMAT)
+    plan = plan_remat(model, x, lambda out: out.pow(2).sum(), 0.4, blocks=MLPBlock,
+                      candidates=["up"], offload=OffloadOptions(prefetch=0, min_bytes=0), profile=slow)
+    assert plan.measured_bytes == plan.predicted_bytes <= plan.budget_bytes
+    offloaded = sorted(n for n, o in plan.options.items() if o.offload)
+    assert offloaded, plan
+    plan.apply(model)
+    try:
+        got = _fsdp_step(ctx, model, x, seed=30)
+        moved = sum(plan.offloader.stats.offloaded_bytes.values())
+    finally:
+        remove_remat(model)
+    assert moved == plan.host_bytes > 0
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, offloaded)
+    assert everyone[0] == everyone[1]
+    assert torch.equal(expected[0], got[0])
+    assert_grads_equal(expected[1], got[1])
+    return {"offloaded": offloaded, "moved": moved}
+
+
 CHECKS = [
     fsdp2_gradients_equal_without_remat,
     fsdp2_compiled_remat_gives_the_gradients_of_eager_remat,
@@ -595,4 +649,6 @@ CHECKS = [
     report_names_a_rank_that_skips_the_call,
     planner_rank0_choice_is_applied_on_every_rank,
     planner_per_rank_plans_each_rank_for_its_own_budget,
+    planner_leaves_an_fsdp2_models_gradients_as_found,
+    planner_offload_plan_under_fsdp2_is_exact_on_every_rank,
 ]
