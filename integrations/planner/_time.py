@@ -2,9 +2,14 @@
 
 An option's added step time is its recompute time plus its exposed copy time:
 
-* **recompute time**: measured per checkpoint on the device present
-  (:func:`recompute_seconds` times each checkpoint's replay in the backward), or predicted from a :class:`DeviceProfile` as the roofline
-  ``max(FLOPs / peak FLOP/s, bytes / memory bandwidth)``;
+* **recompute time**: measured per checkpoint on the device present, or predicted
+  from a :class:`DeviceProfile` as the roofline
+  ``max(FLOPs / peak FLOP/s, bytes / memory bandwidth)``. Measured, either the
+  replay alone (:func:`recompute_seconds`, each checkpoint's replayed aten ops in
+  the backward) or all a checkpoint call adds over the plain call
+  (:func:`checkpoint_overhead_seconds`: the forward's bookkeeping and pack hooks,
+  the replay, the unpack and the engine's work around it, as a
+  :class:`CheckpointCost` per checkpoint, each call timed alone);
 * **exposed copy time**: the offloaded bytes over the host link, overlapped with
   the compute between a copy's issue and its use (:func:`exposed_copy_seconds`,
   the :class:`~torch_remat.offload.ActivationOffloader` timeline with prefetch
@@ -17,6 +22,7 @@ source; :func:`calibrate` measures a profile for the machine present.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections import defaultdict
@@ -306,6 +312,141 @@ def recompute_seconds(
                 {n: timer.last[n] - timer.first[n] for n in timer.seconds} if span else dict(timer.seconds)
             )
     return best or {}
+
+
+# ------------------------------------------------------------------ per-checkpoint overhead
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    """What one checkpoint call adds over the same code called plainly, in seconds.
+
+    ``forward``: the checkpointed call's forward minus the plain call's (the
+    engine's bookkeeping, the pack hooks, SAVE regions' state snapshots).
+    ``backward``: the checkpointed call's backward minus the plain call's (the
+    replay, the unpack hooks, the engine's work around the replay)."""
+
+    forward: float
+    backward: float
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward
+
+
+def _forward_backward_seconds(
+    call: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    device: torch.device,
+    clock: Callable[[], float],
+    between: Callable[[], object] | None = None,
+) -> tuple[float, float]:
+    x = x.detach().requires_grad_(x.is_floating_point())
+    _sync(device)
+    t0 = clock()
+    out = call(x)
+    _sync(device)
+    t1 = clock()
+    if between is not None:
+        between()
+        _sync(device)
+        t1 = clock()
+    out.backward(torch.ones_like(out))
+    _sync(device)
+    t2 = clock()
+    return t1 - t0, t2 - t1
+
+
+class CacheFlush:
+    """Touches ``nbytes`` of fresh memory, evicting what the caches held (call it
+    between a part's forward and its backward)."""
+
+    def __init__(self, nbytes: int, device: torch.device | str = "cpu") -> None:
+        self.buffer = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
+        self.value = 0
+
+    def __call__(self) -> None:
+        self.value = (self.value + 1) % 256
+        self.buffer.fill_(self.value)
+
+
+def checkpoint_overhead_seconds(
+    calls: Mapping[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]],
+    inputs: Mapping[str, torch.Tensor],
+    *,
+    repeats: int = 7,
+    device: torch.device | str = "cpu",
+    clock: Callable[[], float] | None = None,
+    between: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, CheckpointCost]:
+    """Per checkpoint, the seconds its call adds over the plain call, measured on
+    the device present: ``calls[name]`` is ``(plain, checkpointed)``, two callables
+    of the same code, and ``inputs[name]`` the tensor the checkpoint receives in the
+    step (detached here; a fresh leaf each run). Each is run forward, then backward
+    from a gradient of ones, ``repeats`` times after one warm-up, the two
+    interleaved, with the garbage collector off. Estimator: the minimum over the
+    repeats, separately for the forward and the backward, checkpointed minus plain
+    (the least-disturbed run of each; on a shared machine other work only adds).
+
+    ``between[name]``: run untimed between that checkpoint's forward and its
+    backward (both calls alike), to give the backward the cache state it meets in
+    the step, where other work runs in between (:class:`CacheFlush`).
+
+    ``clock``: default the thread's CPU time on CPU (run with the intra-op threads
+    the step uses), wall time on CUDA."""
+    device = torch.device(device)
+    if clock is None:
+        clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    out: dict[str, CheckpointCost] = {}
+    was_enabled = gc.isenabled()
+    for name, (plain, checkpointed) in calls.items():
+        x = inputs[name]
+        gap = (between or {}).get(name)
+        best = [[math.inf, math.inf], [math.inf, math.inf]]  # [plain, checkpointed][fwd, bwd]
+        for call in (plain, checkpointed):
+            _forward_backward_seconds(call, x, device, clock, gap)  # warm up
+        gc.collect()
+        gc.disable()
+        try:
+            for r in range(repeats):
+                order = ((0, plain), (1, checkpointed))
+                for which, call in order if r % 2 == 0 else order[::-1]:
+                    f, b = _forward_backward_seconds(call, x, device, clock, gap)
+                    best[which][0] = min(best[which][0], f)
+                    best[which][1] = min(best[which][1], b)
+        finally:
+            if was_enabled:
+                gc.enable()
+        out[name] = CheckpointCost(best[1][0] - best[0][0], best[1][1] - best[0][1])
+    return out
+
+
+# ------------------------------------------------------------------ measured step time
+
+
+def added_step_seconds(
+    samples: Mapping[str, Sequence[float]], baseline: str, *, quantile: float = 0.0
+) -> dict[str, float]:
+    """Added step time per option from step times sampled in interleaved rounds:
+    the option's ``quantile`` of its samples minus the baseline's (default 0: the
+    minimum, the least-disturbed step; on a shared machine other work only adds).
+    Quantiles interpolate linearly between order statistics."""
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+    if baseline not in samples:
+        raise KeyError(f"no samples for the baseline {baseline!r}")
+
+    def q(xs: Sequence[float]) -> float:
+        if not xs:
+            raise ValueError("added_step_seconds: an option without samples")
+        xs = sorted(xs)
+        pos = quantile * (len(xs) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    base = q(samples[baseline])
+    return {name: q(xs) - base for name, xs in samples.items()}
 
 
 # ------------------------------------------------------------------ ranking

@@ -1,5 +1,6 @@
 """The time model's logic: copy overlap arithmetic, rankings, the profile table,
-calibration and per-checkpoint recompute timing (no timed assertions)."""
+calibration, per-checkpoint recompute and overhead timing, the added-time
+estimator (no timed assertions)."""
 
 from __future__ import annotations
 
@@ -119,3 +120,52 @@ def test_the_forecast_table_shows_each_policys_predicted_added_time_on_a_profile
     assert forecast.policies["full checkpoint"].predicted_seconds(h100, "float32") > 0
     with pytest.raises(ValueError, match="no device profile 'H1000'"):
         forecast_remat(stack, x, budget=0.3, profile="H1000")
+
+
+def test_checkpoint_cost_is_its_forward_plus_its_backward():
+    cost = _time.CheckpointCost(forward=0.25, backward=1.5)
+    assert cost.seconds == pytest.approx(1.75)
+
+
+def test_added_step_time_is_each_options_quantile_minus_the_baselines():
+    samples = {"none": [3.0, 1.0, 2.0], "full": [5.0, 4.0, 9.0], "save": [2.5, 1.5, 3.5]}
+    # default: the minimum (the least-disturbed step of each)
+    assert _time.added_step_seconds(samples, "none") == pytest.approx({"none": 0, "full": 3, "save": 0.5})
+    # quantiles interpolate between order statistics: the median, and a quarter
+    assert _time.added_step_seconds(samples, "none", quantile=0.5) == pytest.approx(
+        {"none": 0, "full": 3, "save": 0.5}
+    )
+    assert _time.added_step_seconds(samples, "none", quantile=0.25)["full"] == pytest.approx(4.5 - 1.5)
+    with pytest.raises(ValueError, match="quantile"):
+        _time.added_step_seconds(samples, "none", quantile=1.5)
+    with pytest.raises(KeyError, match="baseline"):
+        _time.added_step_seconds(samples, "sac")
+
+
+def test_checkpoint_overhead_is_measured_per_checkpoint_for_a_tiny_model():
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
+    calls = {
+        f"layers.{i}": (m, remat.checkpoint(region_name=f"layers.{i}")(m)) for i, m in enumerate(layers)
+    }
+    inputs = {name: torch.randn(4, 8) for name in calls}
+    flushed = []
+    between = {"layers.0": lambda: flushed.append(1)}
+    costs = _time.checkpoint_overhead_seconds(calls, inputs, repeats=2, between=between)
+    assert set(costs) == {"layers.0", "layers.1"}
+    for cost in costs.values():
+        assert isinstance(cost, _time.CheckpointCost)
+        assert math.isfinite(cost.forward) and math.isfinite(cost.backward)
+        assert cost.seconds == cost.forward + cost.backward
+    # run between forward and backward, for both calls: a warm-up each and 2 repeats each
+    assert len(flushed) == 2 + 2 * 2
+    # the inputs stay as they were (each run gets a fresh leaf)
+    assert all(not x.requires_grad and x.grad is None for x in inputs.values())
+
+
+def test_a_cache_flush_rewrites_its_buffer():
+    flush = _time.CacheFlush(1 << 10)
+    flush()
+    first = int(flush.buffer[0])
+    flush()
+    assert flush.buffer.numel() == 1 << 10 and int(flush.buffer[0]) == (first + 1) % 256
