@@ -741,6 +741,7 @@ def measure_fake(
             host = ledger.host_by_block()
             if offloader is not None and hasattr(offloader, "freed_bytes"):
                 staying = offloader.freed_bytes()
+                host = dict(offloader.host)
             # Real storages of the forward the ledger did not follow (it follows the
             # engine's RNG states): alive for the whole step, at most.
             unfollowed = max(0, sum(real.values()) - sum(ledger.real_live.values()))

@@ -211,6 +211,7 @@ def blocks_drawing_no_random_numbers(
     args: Sequence[Any],
     block_names: Sequence[str],
     forward: Callable[[], Any] | None = None,
+    order: list[str] | None = None,
 ) -> list[str]:
     """The blocks, in training mode, whose forward on ``args`` left the CPU generator
     (and the current CUDA generator, if CUDA is initialized) where it found it: they
@@ -232,6 +233,8 @@ def blocks_drawing_no_random_numbers(
         block = model.get_submodule(name)
 
         def pre(_m: nn.Module, _a: Any, _name: str = name) -> None:
+            if order is not None and _name not in order:
+                order.append(_name)
             with disable_current_modes():  # (a fake forward: the states are real)
                 before[_name] = state()
 
@@ -287,9 +290,10 @@ def _block_ranges(model: nn.Module, block_names: Sequence[str]) -> Iterator[None
             h.remove()
 
 
-def _allocation_events(prof: Any) -> list[tuple[int, int, int, str]]:
+def _allocation_events(prof: Any, device: str | None = None) -> list[tuple[int, int, int, str]]:
     """``(time_ns, address, size, block)`` of every allocation (size > 0) and free
-    (size < 0), ``block`` being the innermost block range around it."""
+    (size < 0), ``block`` being the innermost block range around it (``device``: of
+    that device type only)."""
     events = []
     stack = [(e, BASE) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
@@ -300,6 +304,8 @@ def _allocation_events(prof: Any) -> list[tuple[int, int, int, str]]:
         fields = e.extra_fields
         # Allocation events are the ones whose fields carry an allocation size.
         if hasattr(fields, "alloc_size") and hasattr(fields, "ptr"):
+            if device is not None and getattr(fields.device, "type", device) != device:
+                continue
             events.append((e.start_time_ns, fields.ptr, fields.alloc_size, block))
     events.sort(key=lambda ev: ev[0])
     return events
@@ -400,12 +406,13 @@ def kept_bytes_by_block(prof: Any, loss: Any, kept: dict[int, int] | None = None
     return dict(held)
 
 
-def step_peak(prof: Any, leave_out: frozenset[int] = frozenset()) -> int:
-    """The most bytes allocated under ``prof`` and alive at once, its allocations
-    and frees in time order (from 0 when it started); storages at the addresses
-    ``leave_out`` (an offloader's host buffers) are not counted."""
+def step_peak(prof: Any, leave_out: frozenset[int] = frozenset(), device: str = "cpu") -> int:
+    """The most bytes allocated under ``prof`` on ``device`` (a device type) and
+    alive at once, its allocations and frees in time order (from 0 when it
+    started); storages at the addresses ``leave_out`` (an offloader's host buffers,
+    on CPU in the same allocator) are not counted."""
     live = peak = 0
-    for _, ptr, size, _ in _allocation_events(prof):
+    for _, ptr, size, _ in _allocation_events(prof, device):
         if ptr in leave_out:
             continue
         live += size
@@ -500,13 +507,14 @@ def measure(
                     del loss
             pooled = offloader.pool.addresses() if offloader is not None else frozenset()
             held = kept_bytes_by_block(prof, None, {p: n for p, n in kept.items() if p not in pooled})
-            if pooled:
-                host = kept_bytes_by_block(prof, None, {p: n for p, n in kept.items() if p in pooled})
+            if hasattr(offloader, "host"):
+                host = dict(offloader.host)  # what its buffers took, by checkpoint (= block)
             if not peak:
                 with counter:
                     loss.backward()
                 del loss
-            peak_bytes = step_peak(prof, pooled) if peak else None
+            device = next((p.device.type for p in model.parameters()), "cpu")
+            peak_bytes = step_peak(prof, pooled, device) if peak else None
     finally:
         remove_remat(model)
     return Measurement(

@@ -124,11 +124,17 @@ class MeasuringOffloader(ActivationOffloader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.moved: dict[str, dict[int, tuple[StorageWeakRef, int]]] = {}
+        self.host: dict[str, int] = {}
+        """Per checkpoint, the bytes of the host buffers its tensors took."""
 
     def pack_hook(self, t: torch.Tensor) -> Any:
         packed = super().pack_hook(t)
         if packed is not t:
             info = current_saved_tensor_info()
+            buffer = getattr(packed, "buffer", None)
+            if buffer is not None:  # (moved as packed: the measuring run's prefetch is 0)
+                name = info.checkpoint or ""
+                self.host[name] = self.host.get(name, 0) + buffer.numel() * buffer.element_size()
             storage = t.untyped_storage()
             # keyed by the storage object (a fake tensor's has no address)
             self.moved.setdefault(info.checkpoint or "", {})[storage_key(storage)] = (
@@ -192,33 +198,38 @@ def timed(
     dtype: torch.dtype,
     options: OffloadOptions | None,
 ) -> list[list[Any]]:
-    """``table`` with each option's predicted added seconds: its recompute FLOPs at
-    the profile's peak, plus, offloaded, its copies' exposed time. The exposed time
-    of a block is its share of what a stack of its group's blocks, all at that
-    option, exposes on the offloader's timeline (:func:`_time.exposed_copy_seconds`):
-    each block's forward is its full checkpoint's recompute (the whole forward
-    again), its backward twice that plus its own recompute."""
+    """``table`` (blocks in forward order) with each option's predicted added
+    seconds: its recompute FLOPs at the profile's peak, plus, offloaded, its share
+    of the copies' exposed time. The share is what the offloader's timeline
+    (:func:`_time.exposed_copy_seconds`) exposes for the whole model's blocks, each
+    moving what this option moves (the group's mean for blocks of other groups),
+    divided by the number of blocks: a block's copies hide behind the compute of
+    its neighbours, whichever group they are in. Each block's forward is its full
+    checkpoint's recompute (the whole forward again), its backward twice that plus
+    the recompute."""
+    full = Option(True)
+    forward = [
+        profile.compute_seconds(next(m for m in opts if m.option == full).flops, 0, dtype)
+        if any(m.option == full for m in opts) else 0.0
+        for opts in table
+    ]
     out = [list(opts) for opts in table]
     for group in groups:
         first = table[group[0]]
         for k, m0 in enumerate(first):
             if not m0.option.checkpoint:
                 continue
-            recompute = [profile.compute_seconds(table[b][k].flops, 0, dtype) for b in group]
-            exposed = [0.0] * len(group)
+            recompute = {b: profile.compute_seconds(table[b][k].flops, 0, dtype) for b in group}
+            share = 0.0
             if m0.option.offload and options is not None:
-                forward = [
-                    profile.compute_seconds(
-                        next(m for m in table[b] if m.option == Option(True)).flops, 0, dtype
-                    )
-                    for b in group
-                ]
-                backward = [2 * f + r for f, r in zip(forward, recompute)]
-                copies = [profile.copy_seconds(table[b][k].host_bytes) for b in group]
+                own = {b: profile.copy_seconds(table[b][k].host_bytes) for b in group}
+                mean = sum(own.values()) / len(own)
+                copies = [own.get(b, mean) for b in range(len(table))]
+                backward = [2 * f + recompute.get(b, 0.0) for b, f in enumerate(forward)]
                 total = exposed_copy_seconds(
                     forward, backward, copies, prefetch=options.prefetch, overlap=profile.overlap_copies
                 )
-                exposed = [total / len(group)] * len(group)
-            for i, b in enumerate(group):
-                out[b][k] = dataclasses.replace(table[b][k], seconds=recompute[i] + exposed[i])
+                share = total / len(table)
+            for b in group:
+                out[b][k] = dataclasses.replace(table[b][k], seconds=recompute[b] + share)
     return out

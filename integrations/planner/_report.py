@@ -51,9 +51,12 @@ def _candidates_of(plan: RematPlan, block: str) -> dict[str, str]:
 def format_plan(plan: RematPlan) -> str:
     full, b = plan.no_remat_bytes, plan.budget_bytes
     fb = format_bytes
+    bounded = b != plan._unlimited()
     lines = [
         f"remat plan for {len(plan.blocks)} blocks: budget {fb(b)} ({b:,} B, "
-        f"{b / full:.3f} of {fb(full)} without remat)",
+        f"{b / full:.3f} of {fb(full)} without remat)" if bounded else
+        f"remat plan for {len(plan.blocks)} blocks: no budget on the bytes after the forward "
+        f"({fb(full)} without remat)",
         f"  predicted {fb(plan.predicted_bytes)} ({plan.predicted_bytes:,} B, "
         f"{plan.predicted_bytes / full:.3f}), recompute {plan.recompute_flops:,} FLOPs and "
         f"{plan.recompute_ops:,} aten ops per step"
@@ -196,9 +199,11 @@ def mismatch_message(plan: RematPlan, measured_by_block: dict[str, int] | None =
     differ from its chosen option's."""
     differing = ""
     if measured_by_block is not None:
+        staying = set(plan.staying_blocks())
         rows = [
-            (name, measured_by_block.get(name, 0), m.bytes, m.option.label)
-            for name, m in zip(plan.blocks, plan.chosen)
+            (name, measured_by_block.get(name, 0), m.bytes + (m.staying if b in staying else 0),
+             m.option.label)
+            for b, (name, m) in enumerate(zip(plan.blocks, plan.chosen))
         ]
         rows.append(("(outside blocks)", measured_by_block.get("", 0), plan.base_for(plan.choices), ""))
         lines = [

@@ -48,9 +48,21 @@ def _add(a: Cost, b: Cost) -> Cost:
     return tuple(x + y for x, y in zip(a, b))
 
 
-def frontier(options: Sequence[Sequence[tuple[int, Cost] | None]]) -> list[Point]:
+def frontier(
+    options: Sequence[Sequence[tuple[int, Cost] | None]],
+    staying: Sequence[Sequence[int | None]] | None = None,
+    keep: int = 0,
+) -> list[Point]:
     """The Pareto frontier of plans for blocks whose options are ``options[i]``
-    (an entry None: that option may not be chosen)."""
+    (an entry None: that option may not be chosen), the blocks in forward order.
+
+    ``staying[i][j]``: for an offloaded option, the bytes it holds on the device
+    over ``options[i][j]``'s when it is one of the last ``keep`` offloaded blocks of
+    the plan (None: not offloaded). The plan's bytes then include them exactly: the
+    blocks are taken from the last, with the number of offloaded blocks chosen after
+    the current one (up to ``keep``) as a state, one frontier per state."""
+    if staying is not None and keep > 0 and any(x is not None for row in staying for x in row):
+        return _frontier_with_staying(options, staying, keep)
     layers: list[list[tuple]] = []
     width = next((len(o[1]) for opts in options for o in opts if o is not None), 2)
     current: list[tuple] = [(0, (0,) * width, -1, -1)]
@@ -71,6 +83,42 @@ def frontier(options: Sequence[Sequence[tuple[int, Cost] | None]]) -> list[Point
             _, _, back, option = layer[back]
             choices.append(option)
         points.append(Point(bytes_, cost, tuple(reversed(choices)) if layers else ()))
+    return points
+
+
+def _frontier_with_staying(
+    options: Sequence[Sequence[tuple[int, Cost] | None]],
+    staying: Sequence[Sequence[int | None]],
+    keep: int,
+) -> list[Point]:
+    width = next((len(o[1]) for opts in options for o in opts if o is not None), 2)
+    # per state: entries (bytes, cost, index in the previous layer's state list,
+    # option, previous state)
+    current: dict[int, list[tuple]] = {0: [(0, (0,) * width, -1, -1, -1)]}
+    layers: list[dict[int, list[tuple]]] = []
+    for i in reversed(range(len(options))):
+        grown: dict[int, list[tuple]] = {}
+        for state, entries in sorted(current.items()):
+            for k, (pb, pc, _, _, _) in enumerate(entries):
+                for j, o in enumerate(options[i]):
+                    if o is None:
+                        continue
+                    extra, after = 0, state
+                    if staying[i][j] is not None:
+                        extra = staying[i][j] if state < keep else 0
+                        after = min(state + 1, keep)
+                    grown.setdefault(after, []).append((pb + o[0] + extra, _add(pc, o[1]), k, j, state))
+        current = {s: _pareto(e) for s, e in grown.items()}
+        layers.append(current)
+    finals = _pareto([(e[0], e[1], s, k) for s, es in current.items() for k, e in enumerate(es)])
+    points = []
+    for bytes_, cost, state, k in finals:
+        choices = []
+        for layer in reversed(layers):  # the first block's layer is the last one built
+            _, _, back, option, before = layer[state][k]
+            choices.append(option)
+            state, k = before, back
+        points.append(Point(bytes_, cost, tuple(choices)))
     return points
 
 

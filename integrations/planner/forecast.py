@@ -46,7 +46,9 @@ from .plan import (
     PlanMismatchError,
     RematPlan,
     _solve_or_error,
+    _within_peak,
     block_groups,
+    in_call_order,
     measure_table,
     verified_plan,
 )
@@ -325,9 +327,12 @@ def forecast_remat(
         run = _Runs(functools.partial(measure_fake, mode=mode), fargs)
         # The blocks that draw no random numbers, seen in a first full step, which is
         # also the option table's warm-up (lazy state: FSDP2's, first-call caches).
+        order: list[str] = []
         rng_free = frozenset(blocks_drawing_no_random_numbers(
-            target, fargs, names, forward=lambda: run.warm_up(target, fargs, loss_fn, names)
+            target, fargs, names, forward=lambda: run.warm_up(target, fargs, loss_fn, names),
+            order=order,
         ))
+        names = in_call_order(names, order)
         base, checkpoint_base, table = measure_table(
             target, fargs, loss_fn, names, groups, rng_free, measure=run,
             offload=offload_options, peaks=peaks,
@@ -372,6 +377,10 @@ def forecast_remat(
         plan, mismatch = verified_plan(plan, block_groups(names, groups), run_plan)
         if mismatch is not None:
             raise PlanMismatchError(_mismatch_message(plan))
+        if plan.peak_budget_bytes is not None:
+            plan, mismatch = _within_peak(measured, plan, budget, block_groups(names, groups), run_plan)
+            if mismatch is not None:
+                raise PlanMismatchError(mismatch)
         policies["plan"] = plan_runs[tuple(plan.choices)]
         trainable = storage_bytes([p for p in params if p.requires_grad])
         ddp = layout is not None and layout.ddp and layout.world_size > 1

@@ -46,7 +46,9 @@ Budget = float | int | str
 AUTO_MARGIN = 0.1
 """``budget="auto"`` keeps this fraction of the device's total memory free."""
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Written by plans whose table holds offloaded options (others write 1, which
+every version reads)."""
 
 
 class InfeasibleBudgetError(remat.RematError, ValueError):
@@ -174,10 +176,15 @@ class RematPlan:
     def _staying(self) -> int:
         """Device bytes the last ``prefetch`` offloaded blocks keep over what their
         offloaded option was measured holding (see ``_offload``)."""
+        return sum(self.chosen[b].staying for b in self.staying_blocks())
+
+    def staying_blocks(self) -> list[int]:
+        """Indices of the offloaded blocks left on the device: the last ``prefetch``
+        offloaded ones in forward order."""
         if self.offload is None or self.offload.prefetch == 0:
-            return 0
-        offloaded = [m for m in self.chosen if m.option.offload]
-        return sum(m.staying for m in offloaded[max(0, len(offloaded) - self.offload.prefetch):])
+            return []
+        offloaded = [b for b, m in enumerate(self.chosen) if m.option.offload]
+        return offloaded[max(0, len(offloaded) - self.offload.prefetch):]
 
     @property
     def predicted_peak(self) -> int | None:
@@ -203,9 +210,8 @@ class RematPlan:
     def host_bytes(self) -> int:
         """Host bytes the plan's offloaded blocks occupy until the backward (the
         last ``prefetch`` offloaded blocks' stay on the device and take none)."""
-        offloaded = [m for m in self.chosen if m.option.offload]
-        moved = offloaded[: max(0, len(offloaded) - self.offload.prefetch)] if self.offload else []
-        return sum(m.host_bytes for m in moved)
+        staying = set(self.staying_blocks())
+        return sum(m.host_bytes for b, m in enumerate(self.chosen) if m.option.offload and b not in staying)
 
     @property
     def recompute_flops(self) -> int:
@@ -236,7 +242,9 @@ class RematPlan:
         """Every plan that no other beats on both bytes and recompute cost; bytes
         include the base."""
         if self._frontier is None:
-            points = frontier([[(m.bytes, m.cost) for m in opts] for opts in self.table])
+            points = frontier(
+                [[(m.bytes, m.cost) for m in opts] for opts in self.table], *self._staying_table()
+            )
             # Shared by the plans for_budget derives: they have the same table.
             based = sorted(
                 (Point(p.bytes + self.base_for(p.choices), p.cost, p.choices) for p in points),
@@ -247,6 +255,15 @@ class RematPlan:
                 if not self._frontier or p.cost < self._frontier[-1].cost:
                     self._frontier.append(p)
         return list(self._frontier)
+
+    def _staying_table(self) -> tuple[list[list[int | None]] | None, int]:
+        """For the solver: per option its staying bytes (None: not offloaded), and
+        how many offloaded blocks stay on the device."""
+        if self.offload is None or not any(m.option.offload for opts in self.table for m in opts):
+            return None, 0
+        return [
+            [m.staying if m.option.offload else None for m in opts] for opts in self.table
+        ], self.offload.prefetch
 
     @property
     def minimum_bytes(self) -> int:
@@ -302,15 +319,13 @@ class RematPlan:
 
     def fitting(self) -> list[tuple[int, ...]]:
         """The choices of the frontier's plans within this plan's budgets, cheapest
-        first. Without offload and a peak budget these are the frontier's points
-        within the bytes budget. With them, one frontier per transient level ``e``
-        (options whose transient exceeds ``e`` left out) is searched, and each
-        point's bytes are the plan's, the last offloaded blocks' staying bytes
-        included, and its peak is checked (the peak is the bytes plus the largest
-        transient of the chosen options, so every plan is on the frontier of its
-        own level)."""
-        has_offload = any(m.option.offload for opts in self.table for m in opts)
-        if self.peak_budget_bytes is None and not has_offload:
+        first. Without a peak budget these are the frontier's points within the
+        bytes budget (the frontier counts the last offloaded blocks' staying bytes
+        exactly). With one, one frontier per transient level ``e`` (options whose
+        transient exceeds ``e`` left out) is searched, and each point's peak is
+        checked (the peak is the bytes plus the largest transient of the chosen
+        options, so every plan is on the frontier of its own level)."""
+        if self.peak_budget_bytes is None:
             fitting = [p for p in self.frontier() if p.bytes <= self.budget_bytes]
             return [p.choices for p in reversed(fitting)]
         levels: list[int | None] = [None]
@@ -321,7 +336,7 @@ class RematPlan:
             points = frontier([
                 [(m.bytes, m.cost) if level is None or m.transient <= level else None for m in opts]
                 for opts in self.table
-            ])
+            ], *self._staying_table())
             for p in points:
                 if p.choices in found:
                     continue
@@ -439,8 +454,10 @@ class RematPlan:
     # ---------------------------------------------------------------- files
 
     def to_json(self) -> dict:
+        offloads = any(m.option.offload for opts in self.table for m in opts)
         return {
-            "format": FORMAT_VERSION,
+            # a reader that knows no offloaded option must refuse such a plan
+            "format": FORMAT_VERSION if offloads else 1,
             "blocks": self.blocks,
             "table": [[m.to_json() for m in opts] for opts in self.table],
             "choices": self.choices,
@@ -462,7 +479,7 @@ class RematPlan:
 
     @staticmethod
     def from_json(data: dict) -> RematPlan:
-        if data.get("format") != FORMAT_VERSION:
+        if data.get("format") not in (1, FORMAT_VERSION):
             raise ValueError(
                 f"RematPlan.load: format {data.get('format')!r} is not {FORMAT_VERSION}; "
                 "plan again with this version of torch_remat."
@@ -663,7 +680,7 @@ def plan_remat(
     model: nn.Module,
     example_args: Any,
     loss_fn: LossFn = lambda out: out.sum(),
-    budget: Budget = 0.5,
+    budget: Budget | None = 0.5,
     *,
     blocks: BlockSelector = None,
     candidates: Candidates = None,
@@ -732,12 +749,19 @@ def plan_remat(
     Raises :class:`InfeasibleBudgetError` (naming the minimum achievable bytes) when
     no policy fits. The model is returned unchanged; ``plan.apply()`` installs it.
     """
+    if budget is None and peak_budget is None:
+        raise ValueError(
+            "plan_remat: budget=None bounds nothing; pass a budget on the bytes after the "
+            "forward (budget=0.3), on the step peak (peak_budget=0.5), or both."
+        )
     refuse_applied_remat(model)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     names = select_blocks(model, blocks)
     groups = group_blocks(model, names, candidates, args)
     settle(model, args, loss_fn)
-    rng_free = blocks_drawing_no_random_numbers(model, args, names)
+    order: list[str] = []
+    rng_free = blocks_drawing_no_random_numbers(model, args, names, order=order)
+    names = in_call_order(names, order)
     offload_options = resolve_offload(offload)
     peaks = peak_budget is not None or offload_options is not None
     base, checkpoint_base, table = measure_table(
@@ -781,11 +805,30 @@ def plan_remat(
             mismatch = None
             if plan.measured_bytes != plan.predicted_bytes:
                 mismatch = _report.mismatch_message(plan, by_block)
+            elif (
+                plan.peak_budget_bytes is not None and plan.measured_peak is not None
+                and plan.measured_peak > plan.peak_budget_bytes
+            ):
+                mismatch = (
+                    f"plan_remat: the chosen plan, installed and run, peaked at "
+                    f"{plan.measured_peak:,} B, over the peak budget of {plan.peak_budget_bytes:,} B "
+                    f"(predicted {plan.predicted_peak:,} B); under a process group the plan is "
+                    "verified as chosen. Lower peak_budget by the difference, or plan with "
+                    "per_rank=True on one process to find a plan that fits."
+                )
             if not per_rank:
                 mismatch = _distributed.agree_on_verification(mismatch)
         if mismatch is not None:
             raise PlanMismatchError(mismatch)
     return plan
+
+
+def in_call_order(names: Sequence[str], order: Sequence[str]) -> list[str]:
+    """``names`` in the order the forward first called them (``order``); blocks it did
+    not call last, as listed. The plan's blocks are in forward order: the last
+    ``prefetch`` offloaded blocks, which stay on the device, are the last called."""
+    rank = {n: i for i, n in enumerate(order)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), names.index(n)))
 
 
 def block_groups(names: Sequence[str], groups: Sequence[Group]) -> list[list[int]]:
@@ -815,6 +858,8 @@ def _within_peak(
             return plan, None
         excess = plan.measured_peak - (plan.predicted_peak or plan.measured_peak)
         target -= max(excess, plan.measured_peak - limit, 1)
+        if target <= 0:
+            break
         try:
             candidate = measured.for_budget(budget, target)
         except InfeasibleBudgetError:
