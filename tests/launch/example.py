@@ -82,17 +82,18 @@ def with_faults(build, fail_at_step: int, oom_at_step: int):
 
 def mismatch_on_last_rank() -> None:
     """The last rank's verifying run of a plan measures 4 more bytes in its first
-    block (``plan_remat`` calls ``plan.measure`` only to verify; the option table
-    is measured through ``measure_table``'s own reference)."""
+    block (the verifying run is the one that measures the installed plan,
+    ``measuring=False``; the option table's runs are left alone)."""
     if not is_last_rank():
         return
     from torch_remat.integrations.planner import plan
 
     measure = plan.measure
 
-    def off_by_four(model, args, loss_fn, config, blocks):
-        got = measure(model, args, loss_fn, config, blocks)
-        got.bytes_by_block[blocks[0]] += 4
+    def off_by_four(model, args, loss_fn, config, blocks, **options):
+        got = measure(model, args, loss_fn, config, blocks, **options)
+        if options.get("measuring", True) is False:
+            got.bytes_by_block[blocks[0]] += 4
         return got
 
     plan.measure = off_by_four
@@ -108,11 +109,11 @@ def planning_error_on_last_rank() -> None:
 
     install, calls = _measure.install, [0]
 
-    def failing(model, config):
+    def failing(model, config, **options):
         calls[0] += 1
         if calls[0] == 3:
             raise ValueError("injected: the third measuring run fails on this rank only")
-        return install(model, config)
+        return install(model, config, **options)
 
     _measure.install = failing
 
