@@ -328,11 +328,12 @@ def test_copies_of_blocks_in_groups_of_one_are_not_free():
                 assert m.seconds > resident.seconds, m
 
 
-def test_offering_offload_never_makes_a_budget_infeasible_or_a_plan_dearer():
+@pytest.mark.parametrize("prefetch", [0, 1, 3, 10])
+def test_offering_offload_never_makes_a_budget_infeasible_or_a_plan_dearer(prefetch):
     model, x = _model_and_input()
     resident = plan_remat(model, (x,), budget=1.0, profile=SLOW_COMPUTE, candidates=UP, verify=False)
-    offered = plan_remat(model, (x,), budget=1.0, offload=EVERY_TENSOR, profile=SLOW_COMPUTE,
-                         candidates=UP, verify=False)
+    offered = plan_remat(model, (x,), budget=1.0, offload=OffloadOptions(prefetch=prefetch, min_bytes=0),
+                         profile=SLOW_COMPUTE, candidates=UP, verify=False)
     for fraction in (0.05, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5):
         try:
             without = resident.for_budget(fraction)
@@ -344,6 +345,15 @@ def test_offering_offload_never_makes_a_budget_infeasible_or_a_plan_dearer():
         # the Pareto table reads the same frontier as for_budget
         (row,) = offered.pareto([fraction]).rows
         assert row.bytes == with_offload.predicted_bytes, fraction
+        # and what it predicts is what the plan holds once installed
+        with_offload.apply(model)
+        try:
+            kept = activation_bytes(model, (x,), lambda out: out.sum())
+            if with_offload.offloader is not None:
+                kept -= with_offload.offloader.pool.allocated_bytes
+        finally:
+            remove_remat(model)
+        assert kept == with_offload.predicted_bytes, (prefetch, fraction, with_offload.options)
 
 
 class Reordered(nn.Module):
