@@ -77,6 +77,9 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert() for _ in range(E))
         self.capacity_factor = capacity_factor
         self.keep_router, self.offload_experts = keep_router, offload_experts
+        # keyed by id: a collected module's id can be handed to this one
+        ROUTING.pop(id(self), None)
+        DROPPED.pop(id(self), None)
 
     @property
     def routing(self) -> list[list[torch.Tensor]]:
