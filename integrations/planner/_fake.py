@@ -83,8 +83,6 @@ class StorageLedger(TorchDispatchMode):
         self.blocks: list[str] = []
         """The stack of blocks whose forward is running (innermost last)."""
         self.live: dict[int, tuple[int, str]] = {}
-        self.host: dict[int, tuple[int, str]] = {}
-        """An offloader's host buffers: key -> (bytes, block); not device memory."""
         self.known: set[int] = set()
         self.current = 0
         self.peak = 0
@@ -129,8 +127,6 @@ class StorageLedger(TorchDispatchMode):
             n = st.nbytes()
             block = self.blocks[-1] if self.blocks else BASE
             if allocating_host_memory():  # an offloader's host buffer: not device memory
-                self.host[key] = (n, block)
-                weakref.finalize(st, self.host.pop, key, None)
                 return
             self.live[key] = (n, block)
             self.current += n
@@ -235,13 +231,6 @@ class StorageLedger(TorchDispatchMode):
     def see_existing(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             self._see(t, allocated=False)
-
-    def host_by_block(self) -> dict[str, int]:
-        """Bytes of the live host buffers (an offloader's) each block allocated."""
-        held: dict[str, int] = defaultdict(int)
-        for n, block in self.host.values():
-            held[block] += n
-        return dict(held)
 
     def held_by_block(self, excluding: frozenset[int] = frozenset()) -> dict[str, int]:
         """Bytes of the live storages each block allocated, but for the storages
@@ -738,7 +727,7 @@ def measure_fake(
                 loss = loss_fn(model(*args))
             real = held_bytes_by_block(prof)
             fake = ledger.held_by_block(excluding=_parameter_storages(model))
-            host = ledger.host_by_block()
+            host: dict[str, int] = {}
             if offloader is not None and hasattr(offloader, "freed_bytes"):
                 staying = offloader.freed_bytes()
                 host = dict(offloader.host)

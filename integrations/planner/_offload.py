@@ -174,21 +174,28 @@ def offloader_for(
     return offloader
 
 
-def resolve_profile(profile: Any, device: torch.device, dtype: torch.dtype) -> DeviceProfile:
-    """``plan_remat``'s ``profile=``: a :class:`DeviceProfile`, the name of one in
+def resolve_profile(
+    profile: Any, device: torch.device, dtype: torch.dtype, where: str = "plan_remat"
+) -> DeviceProfile:
+    """``profile=`` of ``where``: a :class:`DeviceProfile`, the name of one in
     ``_time.PROFILES``, or None (:func:`_time.calibrate` on ``device``)."""
     if isinstance(profile, DeviceProfile):
         return profile
     if isinstance(profile, str):
         if profile not in PROFILES:
             raise ValueError(
-                f"plan_remat: no device profile named {profile!r}; the published ones are "
-                f"{sorted(PROFILES)}, or pass a DeviceProfile (e.g. from _time.calibrate())."
+                f"{where}: no device profile {profile!r}; known: {sorted(PROFILES)} "
+                "(or pass a DeviceProfile, e.g. from calibrate())."
             )
         return PROFILES[profile]
     if profile is None:
         return calibrate(device, dtypes=(dtype,))
-    raise TypeError(f"plan_remat: profile must be a DeviceProfile, a profile name or None, got {profile!r}.")
+    raise TypeError(f"{where}: profile must be a DeviceProfile, a profile name or None, got {profile!r}.")
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating parameter (float32 without one)."""
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
 def timed(

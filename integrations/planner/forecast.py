@@ -35,11 +35,12 @@ from ._fake import (
 )
 from ._layout import Layout, sharded
 from ._measure import LossFn, Placement, blocks_drawing_no_random_numbers, refuse_applied_remat
-from ._offload import OffloadOptions, timed
+from ._offload import OffloadOptions, resolve_profile, timed
+from ._offload import compute_dtype as default_dtype
 from ._offload import resolve as resolve_offload
 from ._space import BlockSelector, Candidates, group_blocks, select_blocks
 from ._state import preserved_python_state
-from ._time import PROFILES, DeviceProfile
+from ._time import DeviceProfile
 from .plan import (
     Budget,
     InfeasibleBudgetError,
@@ -272,13 +273,8 @@ def forecast_remat(
             chosen by predicted time on ``profile``, which is then required.
         peak_budget: as for ``plan_remat``, on the forecast's step peak.
     """
-    if isinstance(profile, str):
-        if profile not in PROFILES:
-            raise ValueError(
-                f"forecast_remat: no device profile {profile!r}; known: {sorted(PROFILES)} "
-                "(or pass a DeviceProfile, e.g. from calibrate())."
-            )
-        profile = PROFILES[profile]
+    if profile is not None:  # (None: no time column; the forecast calibrates nothing)
+        profile = resolve_profile(profile, torch.device("cpu"), torch.float32, "forecast_remat")
     if budget == "auto":
         raise ValueError(
             "forecast_remat: budget='auto' reads the free memory of a device this "
@@ -337,7 +333,7 @@ def forecast_remat(
             target, fargs, loss_fn, names, groups, rng_free, measure=run,
             offload=offload_options, peaks=peaks,
         )
-        dtype = compute_dtype or _compute_dtype(model)
+        dtype = compute_dtype or default_dtype(model)
         if offload_options is not None:
             table = timed(table, block_groups(names, groups), profile, dtype, offload_options)
         measured = RematPlan(
@@ -402,13 +398,8 @@ def forecast_remat(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
         max_batch_limit=max_batch if memory is not None else None,
-        profile=profile, dtype=compute_dtype or _compute_dtype(model),
+        profile=profile, dtype=dtype,
     )
-
-
-def _compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the model's first floating parameter (float32 without one)."""
-    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
 def _mismatch_message(plan: RematPlan) -> str:

@@ -36,7 +36,7 @@ from ._measure import (
     refuse_applied_remat,
     settle,
 )
-from ._offload import OffloadOptions, resolve_profile, timed
+from ._offload import OffloadOptions, compute_dtype, resolve_profile, timed
 from ._offload import resolve as resolve_offload
 from ._solve import Point, frontier
 from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
@@ -772,7 +772,7 @@ def plan_remat(
     time_profile = None
     if profile is not None or offload_options is not None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        dtype = next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
+        dtype = compute_dtype(model)
         timing = resolve_profile(profile, device, dtype)
         table = timed(table, block_groups(names, groups), timing, dtype, offload_options)
         time_profile = timing.name

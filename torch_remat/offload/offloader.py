@@ -178,6 +178,7 @@ class ActivationOffloader:
         if isinstance(checkpoints, str):
             checkpoints = (checkpoints,)
         self.checkpoints = tuple(checkpoints)
+        self._some_checkpoints = self.checkpoints != ("*",)
         self.kinds = frozenset(kinds)
         self.prefetch = prefetch
         self.min_bytes = min_bytes
@@ -201,7 +202,7 @@ class ActivationOffloader:
             return t
         if not any(fnmatch.fnmatchcase(region or "", p) for p in self.regions):
             return t
-        if self.checkpoints != ("*",) and not any(
+        if self._some_checkpoints and not any(
             fnmatch.fnmatchcase((info.checkpoint if info is not None else None) or "", p)
             for p in self.checkpoints
         ):
