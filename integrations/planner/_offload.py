@@ -128,6 +128,15 @@ class MeasuringOffloader(ActivationOffloader):
         """Per checkpoint, the bytes of the host buffers its tensors took."""
 
     def pack_hook(self, t: torch.Tensor) -> Any:
+        if hasattr(type(t), "__tensor_flatten__"):  # a wrapper: DTensor (tensor parallel)
+            info = current_saved_tensor_info()
+            raise ValueError(
+                f"plan_remat: offload=... cannot move the {type(t).__name__} that checkpoint "
+                f"'{info.checkpoint if info else '?'}' keeps (region "
+                f"'{info.region if info else '?'}'): offloading tensor-parallel (DTensor) "
+                "activations is not supported. Plan without offload= for this model, or "
+                "offload only under FSDP2 or DDP, whose activations are plain tensors."
+            )
         packed = super().pack_hook(t)
         if packed is not t:
             info = current_saved_tensor_info()

@@ -219,3 +219,14 @@ def test_tensor_parallel_forecast_converts_no_dtensor_to_a_fake(monkeypatch):
     assert ledgers
     converted = [type(t).__name__ for ledger in ledgers for t in ledger.converted]
     assert converted == [], converted[:5]
+
+
+def test_offloading_tensor_parallel_activations_is_refused_naming_the_checkpoint():
+    from torch_remat.integrations.planner import OffloadOptions
+
+    model = tiny_net(dim=16, hidden=64, depth=2)
+    x = torch.randn(8, 8, 16, dtype=torch.float64)
+    layout = Layout(2, tp=2, tp_plan=sequence_parallel_plan())
+    with pytest.raises(ValueError, match=r"checkpoint 'layers\.0' keeps .* tensor-parallel \(DTensor\)"):
+        forecast_remat(model, x, loss_fn, 1.0, blocks=MLPBlock, layout=layout,
+                       offload=OffloadOptions(min_bytes=0), profile="H100 SXM")
