@@ -21,6 +21,15 @@ suite cannot, and exercises every CUDA-only path of the project:
   saved-tensors report, and ``label_memory_snapshot`` labels the blocks of a real
   snapshot.
 * ``oom``: ``attach_oom_observer`` prints its report when an allocation fails.
+* ``w1``: W1's GPT block stack on the GPU (float32, attention dropout drawn from
+  the CUDA generator): per mode, the bytes alive after the forward and the step's
+  peak (``torch.cuda`` allocator statistics), gradients against no AC
+  (``torch.equal``), and the median step time as a ratio against
+  ``torch.utils.checkpoint`` and SAC with the same save set (interleaved steps).
+* ``plan``: ``plan_remat`` with offload among its options on a stack of MLP
+  blocks, under a step-peak budget, the profile calibrated on this GPU: the plan
+  installed gives ``torch.equal`` gradients, and its step peak (allocator
+  statistics) and added step time are set beside what it predicted.
 
 Prints one line per check and a JSON summary; exits 1 if a check fails, 2 when no
 CUDA device is available. Numbers are only meaningful from a real GPU run.
@@ -44,7 +53,7 @@ import torch  # noqa: E402
 
 import torch_remat as remat  # noqa: E402
 
-CHECKS = ("calibrate", "offload", "rng", "sites", "oom")
+CHECKS = ("calibrate", "offload", "rng", "sites", "oom", "w1", "plan")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--pool-gib", type=float, default=8.0)
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run the w1 and plan checks on the CPU at tiny sizes (the code path, no numbers)",
+    )
     args = p.parse_args(argv)
     only = [c for c in args.only.split(",") if c]
     unknown = sorted(set(only) - set(CHECKS))
@@ -268,6 +282,235 @@ def check_oom(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     printed = text.startswith("torch_remat: CUDA out of memory")
     return {"attached": attached, "raised": raised, "printed": printed, "ok": attached and raised and printed}
 
+# ------------------------------------------------------------ W1 and the planner
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _w1_calls(stack: Any, mode: Any, device: torch.device) -> None:
+    """``modes.install`` with the state hook of the device the dropout draws on."""
+    from benchmarks import modes as M
+
+    M.install(stack, mode, rng=True)
+    if mode.kind == "remat" and device.type == "cuda":
+        hooks = (remat.DeviceRNGStateHook("cuda"),)
+        stack.block_calls = [
+            remat.checkpoint(region_name=f"blocks.{i}", recompute_state_hooks=hooks, rebuild=mode.rebuild)(b)
+            for i, b in enumerate(stack.blocks)
+        ]
+
+
+def check_w1(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from benchmarks import modes as M
+    from benchmarks.gpt import GPTConfig, GPTStack
+
+    if device.type == "cuda":
+        cfg = GPTConfig(d_model=1024, n_heads=16, seq_len=512, batch=8, n_layers=8, attention_dropout=0.1)
+    else:
+        cfg = GPTConfig(d_model=64, n_heads=4, seq_len=64, batch=2, n_layers=2, attention_dropout=0.1)
+    modes = [
+        M.NO_AC,
+        M.TORCH_CHECKPOINT,
+        M.SAC_MATMULS,
+        M.SAC_LINEARS,
+        M.REMAT_FULL,
+        M.REMAT_SAVE_LINEARS,
+        M.REMAT_SAVE_MATMULS,
+    ]
+    torch.manual_seed(0)
+    stack = GPTStack(cfg).to(device)
+    x = stack.example_input().detach().to(device).requires_grad_()
+    params = [*stack.parameters(), x]
+
+    def step(mode: Any, record: dict[str, Any] | None = None) -> list[torch.Tensor]:
+        _w1_calls(stack, mode, device)
+        for t in params:
+            t.grad = None
+        torch.manual_seed(1234)
+        torch.cuda.manual_seed(1234) if device.type == "cuda" else None
+        _sync(device)
+        before = _allocated(device)
+        _reset_peak(device)
+        loss = stack(x).float().square().mean()
+        _sync(device)
+        after_forward = _allocated(device) - before
+        loss.backward()
+        _sync(device)
+        if record is not None:
+            record["bytes_after_forward"] = after_forward
+            record["step_peak_bytes"] = _peak(device) - before
+        return [t.grad for t in params]
+
+    records: dict[str, dict[str, Any]] = {}
+    grads: dict[str, list[torch.Tensor]] = {}
+    for mode in modes:
+        records[mode.name] = {}
+        grads[mode.name] = [g.clone() for g in step(mode, records[mode.name])]
+    reference = grads[M.NO_AC.name]
+    for mode in modes:
+        records[mode.name]["gradients_equal_no_ac"] = all(
+            torch.equal(a, b) for a, b in zip(grads[mode.name], reference)
+        )
+    del grads
+    times: dict[str, list[float]] = {mode.name: [] for mode in modes}
+    for _ in range(args.steps):
+        for mode in modes:
+            _w1_calls(stack, mode, device)
+            _sync(device)
+            start = time.perf_counter()
+            step(mode)
+            times[mode.name].append(time.perf_counter() - start)
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    for mode in modes:
+        records[mode.name]["median_step_ms"] = round(median[mode.name] * 1e3, 3)
+    ratios = {
+        "remat full / torch.utils.checkpoint": median[M.REMAT_FULL.name] / median[M.TORCH_CHECKPOINT.name],
+        "remat save linears / SAC mm,addmm": median[M.REMAT_SAVE_LINEARS.name] / median[M.SAC_LINEARS.name],
+        "remat save matmuls / SAC mm,addmm,bmm": median[M.REMAT_SAVE_MATMULS.name] / median[M.SAC_MATMULS.name],
+    }
+    bytes_ratios = {
+        "save linears vs SAC mm,addmm": records[M.REMAT_SAVE_LINEARS.name]["bytes_after_forward"]
+        / max(records[M.SAC_LINEARS.name]["bytes_after_forward"], 1),
+        "save matmuls vs SAC mm,addmm,bmm": records[M.REMAT_SAVE_MATMULS.name]["bytes_after_forward"]
+        / max(records[M.SAC_MATMULS.name]["bytes_after_forward"], 1),
+    }
+    exact = all(r["gradients_equal_no_ac"] for r in records.values())
+    return {
+        "config": vars(cfg) if hasattr(cfg, "__dict__") else str(cfg),
+        "modes": records,
+        "step_time_ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "bytes_after_forward_ratios": {k: round(v, 3) for k, v in bytes_ratios.items()},
+        "ok": exact,
+    }
+
+
+class _PlanBlock(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _PlanModel(torch.nn.Module):
+    def __init__(self, dim: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_PlanBlock(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def check_plan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from integrations.planner import _time
+    from torch_remat.integrations import plan_remat, remove_remat
+    from torch_remat.integrations.planner import OffloadOptions
+
+    cuda = device.type == "cuda"
+    dim, depth, batch, seq = (args.dim, args.layers, args.batch // 2, args.seq) if cuda else (32, 4, 2, 16)
+    torch.manual_seed(0)
+    model = _PlanModel(dim, depth).to(device)
+    x = torch.randn(batch, seq, dim, device=device)
+    params = list(model.parameters())
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.float().square().mean()
+
+    def step() -> tuple[list[torch.Tensor], int]:
+        for p in params:
+            p.grad = None
+        _sync(device)
+        before = _allocated(device)
+        _reset_peak(device)
+        loss_fn(model(x)).backward()
+        _sync(device)
+        return [p.grad for p in params], _peak(device) - before
+
+    reference, plain_peak = step()
+    reference = [g.clone() for g in reference]
+    profile = _time.calibrate(device) if cuda else None
+    options = OffloadOptions(prefetch=args.prefetch) if cuda else OffloadOptions(prefetch=1, min_bytes=0)
+    from torch_remat.integrations import InfeasibleBudgetError
+
+    start = time.perf_counter()
+    refused = []
+    for fraction in (0.5, 0.7, 0.9, 0.95):  # the lowest of these the planner can reach
+        try:
+            plan = plan_remat(
+                model, (x,), loss_fn=loss_fn, budget=None, peak_budget=fraction, candidates=["up"],
+                offload=options, profile=profile,
+            )
+            break
+        except InfeasibleBudgetError as e:
+            refused.append(f"{fraction}: {e}")
+    else:
+        return {"ok": False, "refused": refused}
+    plan_s = time.perf_counter() - start
+    text = str(plan)
+    plan.apply()
+    got, planned_peak = step()
+    exact = all(torch.equal(a, b) for a, b in zip(got, reference))
+    held = plan.offloader.held_tensors() if plan.offloader is not None else 0
+
+    def timed(n: int) -> float:
+        samples = []
+        for _ in range(n):
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    planned_s, plain_s = [], []
+    for _ in range(3):  # blocks of steps, alternating installed and removed
+        planned_s.append(timed(args.steps))
+        remove_remat(model)
+        plain_s.append(timed(args.steps))
+        plan.apply(model)
+    remove_remat(model)
+    added = statistics.median(planned_s) - statistics.median(plain_s)
+    result = {
+        "model": {"dim": dim, "depth": depth, "batch": batch, "seq": seq},
+        "plan_seconds": round(plan_s, 2),
+        "peak_budgets_refused": refused,
+        "offloaded_blocks": [b for b, m in enumerate(plan.chosen) if m.option.offload],
+        "peak_budget_bytes": plan.peak_budget_bytes,
+        "predicted_peak_bytes": plan.predicted_peak,
+        "planner_measured_peak_bytes": plan.measured_peak,
+        "allocator_step_peak_bytes": {"no remat": plain_peak, "plan": planned_peak},
+        "predicted_added_ms": round(plan.predicted_seconds * 1e3, 3),
+        "measured_added_ms": round(added * 1e3, 3),
+        "median_step_ms": {"no remat": round(statistics.median(plain_s) * 1e3, 3),
+                           "plan": round(statistics.median(planned_s) * 1e3, 3)},
+        "gradients_bitwise_equal": exact,
+        "held_after_backward": held,
+        "plan": text,
+    }
+    within = plan.measured_peak is None or plan.peak_budget_bytes is None or plan.measured_peak <= plan.peak_budget_bytes
+    result["ok"] = exact and held == 0 and within
+    return result
+
 
 RUNNERS = {
     "calibrate": check_calibrate,
@@ -275,11 +518,19 @@ RUNNERS = {
     "rng": check_rng,
     "sites": check_sites,
     "oom": check_oom,
+    "w1": check_w1,
+    "plan": check_plan,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cpu_dry_run:
+        device = torch.device("cpu")
+        for name in [c for c in args.only if c in ("w1", "plan")]:
+            result = RUNNERS[name](args, device)
+            print(f"{name} (CPU dry run): {'ok' if result['ok'] else 'FAILED'} {json.dumps(result, default=str)}")
+        return 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device available; these checks need one.", file=sys.stderr)
         return 2
