@@ -527,10 +527,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu_dry_run:
         device = torch.device("cpu")
+        ok = True
         for name in [c for c in args.only if c in ("w1", "plan")]:
             result = RUNNERS[name](args, device)
+            ok = ok and result["ok"]
             print(f"{name} (CPU dry run): {'ok' if result['ok'] else 'FAILED'} {json.dumps(result, default=str)}")
-        return 0
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device available; these checks need one.", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from benchmarks import gpu_check
 
 def test_defaults_run_every_check():
     args = gpu_check.parse_args([])
-    assert args.only == ["calibrate", "offload", "rng", "sites", "oom"]
+    assert args.only == ["calibrate", "offload", "rng", "sites", "oom", "w1", "plan"]
     assert (args.layers, args.prefetch, args.steps) == (8, 2, 10)
 
 
@@ -18,6 +18,16 @@ def test_a_subset_of_checks_can_be_chosen_and_unknown_ones_are_refused(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--only", "rng,warp"])
     assert "unknown check(s) ['warp']" in capsys.readouterr().err
+
+
+def test_the_w1_and_plan_checks_run_their_code_path_on_the_cpu(capsys):
+    assert gpu_check.main(["--cpu-dry-run", "--only", "w1,plan", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "w1 (CPU dry run): ok" in out
+    assert "plan (CPU dry run): ok" in out
+    # every mode's gradients were compared with no AC, and the plan's too
+    assert out.count('"gradients_equal_no_ac": true') == 7
+    assert '"gradients_bitwise_equal": true' in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
