@@ -51,6 +51,34 @@ if not __package__:
 
 import torch  # noqa: E402
 
+
+def _older_torch_shim() -> str | None:
+    """On a torch older than the 2.13 this package needs (a GPU image may ship one),
+    stand in for the one binding the package imports that such a torch lacks:
+    ``torch._C._autograd._make_saved_tensor``, which the engine uses only to store a
+    kept input while the user's own saved-tensor hooks are active. The stand-in packs
+    with the active hooks and unpacks with theirs (no version check). Returns what
+    was done, for the summary; None on a torch that has the binding."""
+    if hasattr(torch._C._autograd, "_make_saved_tensor"):
+        return None
+
+    class PackedByActiveHooks:
+        __slots__ = ("data", "_unpack")
+
+        def __init__(self, t: torch.Tensor, is_output: bool = False) -> None:
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            pack, self._unpack = hooks if hooks is not None else (None, None)
+            self.data = t if pack is None else pack(t)
+
+        def unpack(self) -> torch.Tensor:
+            return self.data if self._unpack is None else self._unpack(self.data)
+
+    torch._C._autograd._make_saved_tensor = PackedByActiveHooks
+    return f"torch {torch.__version__} lacks _make_saved_tensor: a stand-in packs with the active hooks"
+
+
+SHIM = _older_torch_shim()
+
 import torch_remat as remat  # noqa: E402
 
 CHECKS = ("calibrate", "offload", "rng", "sites", "oom", "w1", "plan")
@@ -538,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     summary: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    if SHIM is not None:
+        summary["shim"] = SHIM
+        print(f"gpu_check: {SHIM}", flush=True)
     failed = False
     for name in args.only:
         start = time.perf_counter()
