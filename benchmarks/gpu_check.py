@@ -272,7 +272,7 @@ def check_sites(args: argparse.Namespace, device: torch.device) -> dict[str, Any
 
 
 def check_calibrate(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from integrations.planner import _time
+    from torch_remat.integrations.planner import _time
 
     profile = _time.calibrate(device, dtypes=(torch.bfloat16, torch.float32))
     measured = {
@@ -451,7 +451,7 @@ class _PlanModel(torch.nn.Module):
 
 
 def check_plan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from integrations.planner import _time
+    from torch_remat.integrations.planner import _time
     from torch_remat.integrations import plan_remat, remove_remat
     from torch_remat.integrations.planner import OffloadOptions
 
