@@ -451,9 +451,8 @@ class _PlanModel(torch.nn.Module):
 
 
 def check_plan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    from torch_remat.integrations.planner import _time
     from torch_remat.integrations import plan_remat, remove_remat
-    from torch_remat.integrations.planner import OffloadOptions
+    from torch_remat.integrations.planner import OffloadOptions, _time
 
     cuda = device.type == "cuda"
     dim, depth, batch, seq = (args.dim, args.layers, args.batch // 2, args.seq) if cuda else (32, 4, 2, 16)

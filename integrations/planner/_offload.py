@@ -199,6 +199,13 @@ def resolve_profile(
         return PROFILES[profile]
     if profile is None:
         return calibrate(device, dtypes=(dtype,))
+    if type(profile).__name__ == DeviceProfile.__name__:
+        raise TypeError(
+            f"{where}: profile is a DeviceProfile of another copy of the planner module "
+            f"({type(profile).__module__}, not {DeviceProfile.__module__}): the planner was "
+            "imported under two names (from a source checkout, `integrations.planner` and "
+            "`torch_remat.integrations.planner`). Import both from torch_remat.integrations.planner."
+        )
     raise TypeError(f"{where}: profile must be a DeviceProfile, a profile name or None, got {profile!r}.")
 
 

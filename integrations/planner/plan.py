@@ -557,7 +557,9 @@ def _infeasible_peak(budget: Budget, budget_bytes: int, kept_budget: int, plan: 
         f"plan_remat: peak_budget {budget!r} ({budget_bytes:,} B) is below the lowest step "
         f"peak a plan is predicted to reach, {low:,} B ({format_bytes(low)}, {low / full:.3f} of "
         f"the {full:,} B step peak without remat). Raise peak_budget to at least {low:,} B "
-        f"(or {low / full:.3f}), offer offload (offload=True), or add candidates/blocks."
+        f"(or {low / full:.3f}), "
+        + ("" if plan.offload is not None else "offer offload (offload=True), ")
+        + "or add candidates/blocks."
     )
 
 
@@ -876,7 +878,8 @@ def _within_peak(
         f"over the peak budget of {limit:,} B (predicted {plan.predicted_peak:,} B), and no "
         "plan tried fits it: "
         + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
-        + ". Raise peak_budget, offer offload (offload=True), or pass verify=False to accept "
-        "the prediction."
+        + ". Raise peak_budget, "
+        + ("" if plan.offload is not None else "offer offload (offload=True), ")
+        + "or pass verify=False to accept the prediction."
     )
 

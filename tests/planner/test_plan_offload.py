@@ -177,8 +177,14 @@ def test_a_plan_keeps_the_step_peak_within_the_peak_budget_as_measured():
 
 def test_a_peak_budget_no_plan_reaches_is_refused_naming_the_lowest_peak():
     model, x = _model_and_input()
-    with pytest.raises(InfeasibleBudgetError, match=r"peak_budget 0\.01 .* lowest step peak"):
+    with pytest.raises(InfeasibleBudgetError, match=r"peak_budget 0\.01 .* lowest step peak") as plain:
         plan_remat(model, (x,), budget=None, peak_budget=0.01, candidates=UP)
+    assert "offer offload (offload=True)" in str(plain.value)
+    # with offload already among the options, the way out does not suggest it again
+    with pytest.raises(InfeasibleBudgetError, match=r"lowest step peak") as offered:
+        plan_remat(model, (x,), budget=None, peak_budget=0.01, candidates=UP,
+                   offload=OffloadOptions(min_bytes=0), profile=SLOW_COMPUTE)
+    assert "offload=True" not in str(offered.value)
 
 
 def test_an_offload_plan_round_trips_through_json_and_applies_to_a_fresh_model(tmp_path):
@@ -222,6 +228,17 @@ def test_only_a_checkpoint_can_be_offloaded_and_options_say_so():
     assert Option.from_json(Option(True, (), True).to_json()) == Option(True, (), True)
     with pytest.raises(TypeError, match="offload must be"):
         plan_remat(Stack(), torch.randn(2, 4, 32), budget=0.5, offload="yes")
+
+
+def test_a_profile_from_a_second_import_of_the_planner_is_refused_saying_so():
+    # From a source checkout the planner also imports as `integrations.planner`: a
+    # DeviceProfile made there is another class, which was refused as "not a
+    # DeviceProfile" while printing one.
+    from integrations.planner._time import DeviceProfile as Other
+
+    other = Other("other", {"float32": 1e12}, 1e12, 1e10)
+    with pytest.raises(TypeError, match="imported under two names"):
+        plan_remat(Stack(), torch.randn(2, 4, 32), budget=0.5, offload=True, profile=other)
 
 
 def test_an_offloader_moves_only_the_checkpoints_it_is_given():
