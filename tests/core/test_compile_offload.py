@@ -140,8 +140,13 @@ def test_an_offloader_below_min_bytes_keeps_the_region_on_the_device():
     keeps = ActivationOffloader(1 << 20, prefetch=0, min_bytes=4 * 32 * 8 + 1, regions=["attn"])
     backend, graphs = graph_capture()
     ckpt = remat.checkpoint(region_name="layers.0", saved_tensors_hooks=keeps)(block)
-    torch.compile(ckpt, backend=backend, fullgraph=True)(x).backward()
+    loss = torch.compile(ckpt, backend=backend, fullgraph=True)(x)
+    (checkpoint,) = remat.saved_tensors_report(loss).checkpoints
+    rows = {region.label: [row.name for row in region.rows] for region in checkpoint.regions}
+    loss.backward()
     assert host_copies(graphs["forward"][0]) == []
+    # the checkpoint keeps region attn's save, on the device, not offloaded
+    assert rows["layers.0::attn"] == ["tanh (compiled)"]
 
 
 # ---------------------------------------------------------------- memory budget
@@ -216,6 +221,13 @@ def test_under_a_small_budget_dropout_keeps_its_forward_mask_and_a_save_region_i
     expected = grads(params, [x], torch.compile(f, backend="aot_eager", fullgraph=True), seed=3)
     assert_bitwise_equal(actual, expected, replays=0)
     forward = graphs["forward"][0]
+    # the small budget reached the partitioner: it is on the traced body's nodes
+    budgets = {
+        (n.meta.get("custom") or {}).get(torch.fx.traceback.MEMORY_BUDGET_ANNOTATION_KEY)
+        for n in forward.graph.nodes
+        if n.op == "call_function"
+    }
+    assert budgets == {0.1}
     outputs = forward.graph.find_nodes(op="output")[0].args[0]
     assert "attn" in {region_of(n) for n in outputs[1:] if isinstance(n, torch.fx.Node)}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CounterHook
+from helpers import CounterHook, kept_bytes
 from torch import nn
 
 import torch_remat as remat
@@ -58,6 +58,8 @@ def test_saved_tensors_hooks_none_compiles_as_torchtitan_passes_it():
     x = torch.randn(4, dtype=DTYPE, requires_grad=True)
     out = compiled_sin(saved_tensors_hooks=None, input_saved_tensors_hooks=None)(x)
     assert torch.equal(out, torch.sin(x))
+    # compiled as the checkpoint, which keeps its input for backward
+    assert kept_bytes(out) == {"layers.2": {"(inputs)": x.nbytes}}
 
 
 def test_an_ambient_hooks_context_refuses_a_checkpoint_compiled_before_it_was_entered():

@@ -3,6 +3,7 @@ happened and what to do."""
 
 import pytest
 import torch
+from helpers import kept_bytes, recorded_replays
 
 import torch_remat as remat
 
@@ -24,12 +25,17 @@ def test_preserve_rng_state_true_is_refused_with_reason():
 
 
 def test_preserve_rng_state_false_and_use_reentrant_false_are_accepted():
+    def fn(t):
+        return t.sin().exp()  # exp saves its result, which the checkpoint drops
+
     x = torch.randn(3, requires_grad=True)
-    out = remat.checkpoint(region_name="c", preserve_rng_state=False, use_reentrant=False)(
-        torch.sin
-    )(x)
-    out.sum().backward()
-    assert torch.equal(x.grad, x.detach().cos())
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c", preserve_rng_state=False, use_reentrant=False)(fn)(x)
+        out.sum().backward()
+    assert replayed == ["c"]  # accepted as a working checkpoint: backward replays it
+    plain = x.detach().requires_grad_()
+    fn(plain).sum().backward()
+    assert torch.equal(x.grad, plain.grad)
 
 
 def test_use_reentrant_true_is_refused():
@@ -235,6 +241,8 @@ def test_region_takes_its_callable_as_function_too_and_refuses_both_spellings():
         return remat.region(torch.cos, "cos", recompute=True)(a).sum()
 
     loss = remat.checkpoint(region_name="layer")(body)(x)
+    # the region spelled with function= is a SAVE region of the checkpoint: it keeps sin
+    assert "sin" in kept_bytes(loss)["layer"]
     loss.backward()
     assert torch.equal(x.grad, -torch.sin(torch.sin(x.detach())) * torch.cos(x.detach()))
     with remat.collect_trace() as trace:

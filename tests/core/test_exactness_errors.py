@@ -241,8 +241,14 @@ def test_partial_backwards_of_a_scope_with_retain_graph_do_not_grow(memory_probe
     assert probe.bytes == 0
 
 
-def test_rng_fingerprints_stay_out_of_a_pre_dispatch_trace():
+def test_rng_fingerprints_stay_out_of_a_pre_dispatch_trace(monkeypatch):
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_remat.engine import rng
+
+    taken = []
+    fingerprint = rng.DefaultGenerator.fingerprint
+    monkeypatch.setattr(rng.DefaultGenerator, "fingerprint", lambda g: taken.append(g.device) or fingerprint(g))
 
     def body(x):
         h = torch.nn.functional.dropout(x, 0.5)
@@ -252,5 +258,6 @@ def test_rng_fingerprints_stay_out_of_a_pre_dispatch_trace():
         return remat.checkpoint(region_name="blk", recompute_state_hooks=[remat.CPURNGStateHook()])(body)(x)
 
     gm = make_fx(traced, pre_dispatch=True)(torch.randn(4, 4, requires_grad=True))
+    assert taken  # the checkpoint fingerprinted the CPU generator while being traced
     # The generator state read for the fingerprints (5 KB each) is not a graph constant.
     assert not [n for n in gm.graph.nodes if n.op == "get_attr" and "_tensor_constant" in str(n.target)]

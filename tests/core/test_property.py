@@ -528,18 +528,32 @@ def _python_state_run(plan, checkpointed, order):
     random.seed(3)
     np.random.seed(3)
     _, x0, y = _setup()
-    xs, losses = [], []
-    for i, s in enumerate((0.5, 2.0)):
-        model.scale = s
-        closure_scale = 1.5 - s / 2
-        xs.append((x0 * (i + 1)).detach().requires_grad_())
-        losses.append(fn(xs[-1], y))
-    model.scale, closure_scale = 7.0, 9.0  # changed again before the backwards
-    for i in order:
-        losses[i].backward()
+    xs, losses, kept = [], [], []
+    with recorded_replays() as replayed:
+        for i, s in enumerate((0.5, 2.0)):
+            model.scale = s
+            closure_scale = 1.5 - s / 2
+            xs.append((x0 * (i + 1)).detach().requires_grad_())
+            losses.append(fn(xs[-1], y))
+            kept.append(kept_bytes(losses[-1]).get("prog", {}))
+        model.scale, closure_scale = 7.0, 9.0  # changed again before the backwards
+        for i in order:
+            losses[i].backward()
     state = [torch.tensor([model.scale, model.calls, closure_scale, random.random(), float(np.random.rand())]),
              model.center]
+    if checkpointed and _python_state_saves_activations(plan):
+        # What the plain program saves, each call of the checkpoint kept (a SAVE
+        # region's saves) or dropped and had backward replay.
+        assert kept.count({}) <= len(replayed), (kept, replayed)
     return [p.grad for p in model.w] + [x.grad for x in xs] + state
+
+
+def _python_state_saves_activations(plan):
+    """Whether a fresh plain program of ``plan`` saves an activation for backward
+    (a tensor other than its leaf input, ``y`` and its weights)."""
+    model = PythonStateProgram(plan, lambda: 1.0)
+    _, x, y = _setup()
+    return saves_activations(lambda _, y: model(x, y), list(model.w), x, y)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -86,7 +86,7 @@ def test_nested_regions_and_scopes_are_indented_by_two_spaces():
 def test_nothing_is_recorded_outside_the_block_or_in_other_threads():
     x = torch.randn(3, requires_grad=True)
     other = []
-    with remat.collect_trace() as trace:
+    with remat.collect_trace(checkpoints=True) as trace:
         t = threading.Thread(
             target=lambda: other.append(remat.checkpoint(region_name="t")(sin_cos)(x))
         )
@@ -94,10 +94,10 @@ def test_nothing_is_recorded_outside_the_block_or_in_other_threads():
         t.join()
     remat.checkpoint(region_name="after")(sin_cos)(x)
     assert other and trace.format() == "torch_remat trace"
-    # while the same call in the block's thread is recorded
-    with remat.collect_trace() as here:
+    # while the same call in the block's thread is recorded, the checkpoint with it
+    with remat.collect_trace(checkpoints=True) as here:
         remat.checkpoint(region_name="here")(sin_cos)(x)
-    assert here.format() == "torch_remat trace\nsin: save\ncos: recompute"
+    assert here.format() == "torch_remat trace\nhere: checkpoint\n  sin: save\n  cos: recompute"
 
 
 def test_empty_trace_and_scope_without_trace_are_plain():

@@ -254,8 +254,10 @@ def test_a_function_naming_its_saves_with_a_mapping_compiles_fullgraph():
 
 def test_inductor_compiles_a_function_apply_region_with_gradients_close_to_eager():
     x, w = inputs()
-    compiled = compiled_loss(False, "inductor", fullgraph=True)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = compiled_loss(False, counter, fullgraph=True)
     loss, actual = grads([], [x, w], compiled)
+    assert holds_the_checkpoint(counter)
     expected_loss, expected = grads([], [x, w], lambda x, w: body(x, w, False).sum())
     # Inductor fuses and reorders float arithmetic: close, not bitwise.
     torch.testing.assert_close(loss, expected_loss, rtol=1e-12, atol=1e-12)
