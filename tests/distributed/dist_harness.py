@@ -17,7 +17,8 @@ def launch(module_name: str, world_size: int, out_dir: str, config) -> list[dict
     """Run ``dist_worker.py`` for ``module_name`` and return each rank's results; the
     ranks run under the ``-p`` plugins of pytest's ``config`` (``helpers.plugin_env``)."""
     env = plugin_env(config)
-    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+    # the checks import from this folder and tests/ (helpers.py)
+    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(
         [
