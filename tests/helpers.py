@@ -215,3 +215,41 @@ class Block(nn.Module):
         m = self._r(self.mlp, "mlp")(h)
         remat.recompute_needs_tensor(m)
         return x + m
+
+
+PLUGINS_ENV = "TORCH_REMAT_TEST_PLUGINS"
+
+
+def plugin_env(config, env=None) -> dict:
+    """``env`` (default: this process's) for a Python child that runs remat code, made
+    to run under the plugins this pytest run was given with ``-p NAME``: pytest loads
+    them in its own process only, so a change one makes to torch_remat would not reach
+    the child's checks. Names them in :data:`PLUGINS_ENV`, puts their folders on
+    ``PYTHONPATH`` and, first, ``tests/child_site``, whose ``sitecustomize`` imports
+    each at the child's start and calls its ``pytest_configure(None)`` (a child started
+    with ``-S`` or ``-I`` runs without them). Without ``-p`` plugins: ``env`` as given."""
+    import os
+    import sys
+
+    env = dict(os.environ if env is None else env)
+    names = [p for p in config.option.plugins or () if not p.startswith("no:")]
+    if not names:
+        return env
+    folders = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")]
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:
+            folders.append(os.path.dirname(os.path.abspath(file)))
+    env[PLUGINS_ENV] = ",".join(names)
+    env["PYTHONPATH"] = os.pathsep.join([*folders, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def set_plugin_env(config, monkeypatch) -> None:
+    """Set :func:`plugin_env`'s variables in this process's environment for one test
+    (``monkeypatch``), for the children it starts with a copy of ``os.environ``."""
+    import os
+
+    for key, value in plugin_env(config).items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)

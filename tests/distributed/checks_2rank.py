@@ -17,6 +17,7 @@ from dist_models import (
     sequence_parallel_plan,
     tiny_net,
 )
+from helpers import recorded_replays
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -158,8 +159,11 @@ def fsdp2_recompute_issues_no_all_gather(ctx):
     for name, config in (("plain", NO_REMAT), ("remat", RematConfig())):
         model = tiny_net(dropout=0.2)
         fully_shard_with_remat(model, MLPBlock, remat=config)
-        logs[name] = _fsdp_step(ctx, model, x)[2]
+        with recorded_replays() as replayed:
+            logs[name] = _fsdp_step(ctx, model, x)[2]
     plain, with_remat = logs["plain"], logs["remat"]
+    # the recompute ran: the remat step (the last) replayed both blocks
+    assert sorted(replayed) == ["layers.0", "layers.1"], replayed
     # root (embed+head) and 2 blocks gathered in forward, the 2 blocks again in backward
     assert plain.count("_allgather_base_") == with_remat.count("_allgather_base_") == 5
     assert plain.count("_reduce_scatter_base_") == with_remat.count("_reduce_scatter_base_") == 3
@@ -359,6 +363,7 @@ def tp_dropout_on_dtensors_replays_exactly(ctx):
     assert_grads_equal(plain[1], with_remat[1])
     # the TP collectives of the blocks are replayed by the recompute
     replayed = [n for n, r in with_remat[2].calls if r]
+    assert replayed, "the recompute replayed no TP collective"
     # control: without the RNG hooks the recompute would draw other dropout masks,
     # so backward refuses it, naming the generator
     try:

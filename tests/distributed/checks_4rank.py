@@ -42,6 +42,8 @@ def fsdp2_over_tp_2d_mesh_gradients_equal_without_remat(ctx):
     assert torch.equal(plain_loss, loss)
     assert_grads_equal(plain_grads, grads)
     assert log.count("_allgather_base_", during_recompute=True) == 0
+    # the blocks were recomputed: their TP collectives ran again in backward
+    assert any(r for _, r in log.calls), "the recompute replayed no TP collective"
     assert log.count("_allgather_base_") == plain_log.count("_allgather_base_") == 5
     assert log.count("_reduce_scatter_base_") == plain_log.count("_reduce_scatter_base_") == 3
     return {

@@ -7,14 +7,18 @@ import os
 import subprocess
 import sys
 
+from helpers import plugin_env
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_TIMEOUT_S = 600  # the 2-rank checks compile two blocks per rank
 
 
-def launch(module_name: str, world_size: int, out_dir: str) -> list[dict]:
-    """Run ``dist_worker.py`` for ``module_name`` and return each rank's results."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
+def launch(module_name: str, world_size: int, out_dir: str, config) -> list[dict]:
+    """Run ``dist_worker.py`` for ``module_name`` and return each rank's results; the
+    ranks run under the ``-p`` plugins of pytest's ``config`` (``helpers.plugin_env``)."""
+    env = plugin_env(config)
+    # the checks import from this folder and tests/ (helpers.py)
+    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(
         [

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from dist_harness import HERE, assert_check_passed
+from helpers import plugin_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -24,9 +25,9 @@ CHECK_NAMES = [
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, pytestconfig):
     out_dir = str(tmp_path_factory.mktemp("forecast"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="6")
+    env = plugin_env(pytestconfig, dict(os.environ, OMP_NUM_THREADS="1", KINETO_LOG_LEVEL="6"))
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     env.pop("WORLD_SIZE", None)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from dist_harness import HERE, assert_check_passed
+from helpers import plugin_env
 
 pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
 
@@ -32,9 +33,9 @@ LAUNCH_TIMEOUT_S = 600  # one check compiles the model
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, pytestconfig):
     out_dir = str(tmp_path_factory.mktemp("accelerate"))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = plugin_env(pytestconfig, dict(os.environ, OMP_NUM_THREADS="1"))
     env["PYTHONPATH"] = os.pathsep.join([HERE, env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [

@@ -15,13 +15,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def results_2rank(tmp_path_factory):
-    return launch("checks_2rank", 2, str(tmp_path_factory.mktemp("ranks2")))
+def results_2rank(tmp_path_factory, pytestconfig):
+    return launch("checks_2rank", 2, str(tmp_path_factory.mktemp("ranks2")), pytestconfig)
 
 
 @pytest.fixture(scope="module")
-def results_4rank(tmp_path_factory):
-    return launch("checks_4rank", 4, str(tmp_path_factory.mktemp("ranks4")))
+def results_4rank(tmp_path_factory, pytestconfig):
+    return launch("checks_4rank", 4, str(tmp_path_factory.mktemp("ranks4")), pytestconfig)
 
 
 @pytest.mark.parametrize("check", check_names("checks_2rank"))

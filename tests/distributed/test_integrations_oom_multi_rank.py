@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched(tmp_path_factory, pytestconfig):
     out_dir = str(tmp_path_factory.mktemp("oom3"))
-    return launch("checks_oom_3rank", 3, out_dir), os.path.join(out_dir, "scratch", "oom")
+    return launch("checks_oom_3rank", 3, out_dir, pytestconfig), os.path.join(out_dir, "scratch", "oom")
 
 
 def merge(folder, *args):

@@ -12,15 +12,16 @@ import subprocess
 import sys
 
 import pytest
+from helpers import plugin_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_train_with_oom_dump_dir_writes_the_failing_ranks_dump(tmp_path, docs_check):
+def test_train_with_oom_dump_dir_writes_the_failing_ranks_dump(tmp_path, docs_check, pytestconfig):
     folder = tmp_path / "oom"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = plugin_env(pytestconfig, dict(os.environ, OMP_NUM_THREADS="1"))
     env.pop("WORLD_SIZE", None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

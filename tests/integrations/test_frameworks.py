@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import plugin_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "frameworks.md"
@@ -57,7 +58,7 @@ def _torchao_too_old_for_peft() -> bool:
     return (major, minor) < (0, 16)
 
 
-def run_recipe(name: str, tmp_path: Path) -> str:
+def run_recipe(name: str, tmp_path: Path, config) -> str:
     module = RECIPES[name][0]
     pytest.importorskip(module)
     script = tmp_path / f"recipe_{name.replace('-', '_')}.py"
@@ -70,7 +71,7 @@ def run_recipe(name: str, tmp_path: Path) -> str:
             "import runpy, sys; sys.modules['torchao'] = None; "
             f"runpy.run_path({str(script)!r}, run_name='__main__')",
         ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = plugin_env(config, {**os.environ, "OMP_NUM_THREADS": "1"})
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
@@ -82,11 +83,11 @@ def run_recipe(name: str, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("name", [n for n, r in RECIPES.items() if not r[1]])
-def test_a_single_process_recipe_prints_what_the_page_quotes(name, tmp_path, docs_check):
-    docs_check.check(RECIPES[name][2], run_recipe(name, tmp_path))
+def test_a_single_process_recipe_prints_what_the_page_quotes(name, tmp_path, docs_check, pytestconfig):
+    docs_check.check(RECIPES[name][2], run_recipe(name, tmp_path, pytestconfig))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [n for n, r in RECIPES.items() if r[1]])
-def test_a_two_process_recipe_prints_what_the_page_quotes(name, tmp_path, docs_check):
-    docs_check.check(RECIPES[name][2], run_recipe(name, tmp_path))
+def test_a_two_process_recipe_prints_what_the_page_quotes(name, tmp_path, docs_check, pytestconfig):
+    docs_check.check(RECIPES[name][2], run_recipe(name, tmp_path, pytestconfig))

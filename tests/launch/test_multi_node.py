@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import plugin_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
@@ -36,8 +37,8 @@ def agent_env(port: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
-    env = agent_env(free_loopback_port())
+def two_nodes(pytestconfig):
+    env = plugin_env(pytestconfig, agent_env(free_loopback_port()))
     command = ["bash", str(ROOT / "launch" / "run.sh"), *SMALL, "--steps", "3"]
     agents = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True) for _ in range(2)]

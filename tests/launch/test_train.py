@@ -9,10 +9,16 @@ import subprocess
 import sys
 
 import pytest
+from helpers import set_plugin_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32", "--batch-size", "4"]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def _children_run_under_this_runs_plugins(pytestconfig, monkeypatch):
+    set_plugin_env(pytestconfig, monkeypatch)
 
 
 def _env(**extra):

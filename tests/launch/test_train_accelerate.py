@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import plugin_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytest.importorskip("accelerate", reason="needs the 'accelerate' extra")
@@ -14,8 +15,8 @@ ARGS = ["--steps", "6", "--seq-len", "32", "--dim", "32", "--batch-size", "4"]
 
 
 @pytest.fixture(scope="module")
-def run():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def run(pytestconfig):
+    env = plugin_env(pytestconfig, dict(os.environ, OMP_NUM_THREADS="1"))
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "tests" / "launch" / "example.py"), "train_accelerate", *ARGS]

@@ -7,9 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from helpers import set_plugin_env
 from test_train import ROOT, SMALL, _env, run_sh
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def _children_run_under_this_runs_plugins(pytestconfig, monkeypatch):
+    set_plugin_env(pytestconfig, monkeypatch)
 
 # Each layout once, at the budgets that failed most often before planning was made
 # deterministic (FSDP2 at 0.3 on the launcher's own model: 7 of 9 runs; DDP at 1.0 and

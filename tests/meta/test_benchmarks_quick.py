@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import plugin_env
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "benchmarks" / "run.py"
@@ -22,11 +23,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(tmp_path_factory, pytestconfig):
     out = tmp_path_factory.mktemp("benchmarks") / "quick.json"
     proc = subprocess.run(
         [sys.executable, str(RUN), "--quick", "--json", str(out)],
         cwd=ROOT,
+        env=plugin_env(pytestconfig),
         capture_output=True,
         text=True,
         timeout=QUICK_TIMEOUT_S,

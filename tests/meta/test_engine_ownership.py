@@ -140,6 +140,7 @@ import random  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
+from helpers import recorded_replays  # noqa: E402
 from torch import nn  # noqa: E402
 
 import torch_remat as remat  # noqa: E402
@@ -256,8 +257,10 @@ def _run_engine_workload() -> None:
 
 
 def test_engine_records_are_written_only_by_their_owners_at_run_time():
-    with ownership_watch() as foreign:
+    with recorded_replays() as replayed, ownership_watch() as foreign:
         _run_engine_workload()
+    # the workload ran the engine through to its replays: each checkpoint replayed
+    assert replayed == ["blk_free", "blk_always", "blk_never", "_Block", "_Block"]
     assert not foreign, "engine attributes written outside their owners:\n" + "\n".join(
         f"{cls}.{name} <- {writer}" for cls, name, writer in sorted(set(foreign)))
 

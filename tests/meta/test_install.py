@@ -11,6 +11,8 @@ import subprocess
 import sys
 import sysconfig
 
+from helpers import plugin_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "scripts" / "smoke_install.py"
 
@@ -22,7 +24,7 @@ def python(code: str, cwd: pathlib.Path, *flags: str, env: dict | None = None):
     return proc.stdout
 
 
-def test_readme_example_runs_without_numpy(tmp_path):
+def test_readme_example_runs_without_numpy(tmp_path, pytestconfig):
     # What an environment holding only torch and torch_remat sees: numpy unimportable.
     out = python(
         "import sys, runpy, warnings\n"
@@ -30,7 +32,7 @@ def test_readme_example_runs_without_numpy(tmp_path):
         "warnings.simplefilter('ignore')  # torch warns that it found no numpy\n"
         f"runpy.run_path({str(SMOKE)!r}, run_name='__main__')\n"
         "assert sys.modules['numpy'] is None\n",
-        tmp_path,
+        tmp_path, env=plugin_env(pytestconfig),
     )
     assert "checkpoint, SAVE regions and backward ok" in out
 

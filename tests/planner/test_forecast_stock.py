@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import recorded_replays
+from tests.helpers import plugin_env, recorded_replays
 from torch_remat.integrations import plan_remat
 from torch_remat.integrations.planner import forecast_remat
 
@@ -271,7 +271,7 @@ def test_planning_leaves_python_attributes_hooks_and_generators_as_found(planner
 
 
 @pytest.mark.slow
-def test_planning_and_forecasting_print_nothing_on_stderr():
+def test_planning_and_forecasting_print_nothing_on_stderr(pytestconfig):
     # the profiler the planners measure with logs each start and stop on stderr
     # unless told not to: the library tells it (22 lines for docs/planning.md's
     # first example, 144 for a small forecast, before)
@@ -288,7 +288,7 @@ def test_planning_and_forecasting_print_nothing_on_stderr():
         "print(plan_remat(m, x, budget=1.0).predicted_bytes)\n"
         "print(forecast_remat(m, x, budget=1.0, device_memory='1MiB').plan.predicted_bytes)\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k != "KINETO_LOG_LEVEL"}
+    env = plugin_env(pytestconfig, {k: v for k, v in __import__("os").environ.items() if k != "KINETO_LOG_LEVEL"})
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr == ""

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import recorded_replays
 
 import torch_remat as remat
 from integrations.planner import _time
@@ -151,8 +152,11 @@ def test_checkpoint_overhead_is_measured_per_checkpoint_for_a_tiny_model():
     inputs = {name: torch.randn(4, 8) for name in calls}
     flushed = []
     between = {"layers.0": lambda: flushed.append(1)}
-    costs = _time.checkpoint_overhead_seconds(calls, inputs, repeats=2, between=between)
+    with recorded_replays() as replayed:
+        costs = _time.checkpoint_overhead_seconds(calls, inputs, repeats=2, between=between)
     assert set(costs) == {"layers.0", "layers.1"}
+    # the backward measured is the checkpoint's: each run (a warm-up, 2 repeats) replays it
+    assert replayed == ["layers.0"] * 3 + ["layers.1"] * 3
     for cost in costs.values():
         assert isinstance(cost, _time.CheckpointCost)
         assert math.isfinite(cost.forward) and math.isfinite(cost.backward)
