@@ -188,11 +188,47 @@ class RematPlan:
 
     @property
     def predicted_peak(self) -> int | None:
-        """The step's peak with the plan applied: its bytes after the forward plus
-        the largest transient of its options (None: peaks were not measured)."""
+        """The step's peak with the plan applied (None: peaks were not measured):
+        its bytes after the forward plus the largest transient of its options.
+
+        With ``prefetch`` >= 1, two things differ from the runs the offloaded
+        options were measured in (``prefetch=0``, see ``_offload``):
+
+        * the last ``prefetch`` offloaded blocks stay on the device, so in their
+          backward nothing is copied back: their transient is their resident twin's
+          (same save set, measured holding those bytes), and once their backward
+          is done their bytes are gone (counted for them and the blocks before);
+        * in the backward of block ``b`` the groups of up to ``prefetch`` earlier
+          offloaded calls have been copied back ahead of use (the offloader issues
+          call ``n - k``'s copy back when backward reaches call ``n``), so their host
+          bytes are on the device too.
+        """
         if not any(m.transient for opts in self.table for m in opts):
             return None
-        return self.predicted_bytes + max(m.transient for m in self.chosen)
+        chosen = self.chosen
+        staying = set(self.staying_blocks())
+        k = self.offload.prefetch if self.offload is not None else 0
+        offloaded = [b for b, m in enumerate(chosen) if m.option.offload]
+        if k == 0 or not offloaded:
+            return self.predicted_bytes + max(m.transient for m in chosen)
+        moved = [b for b in offloaded if b not in staying]  # the calls copied out, in order
+        held = self.predicted_bytes - self._staying()
+        worst, started = 0, len(offloaded)
+        for b in reversed(range(len(chosen))):  # the backward's order
+            transient = self._resident_twin(b).transient if b in staying else chosen[b].transient
+            staying_held = sum(chosen[j].staying for j in staying if j <= b)
+            if chosen[b].option.offload:
+                started = offloaded.index(b)
+            # calls whose backward has started: offloaded[started:]; copied back ahead
+            # and not yet used: offloaded[started - k : started] that were moved
+            ahead = sum(chosen[j].host_bytes for j in offloaded[max(0, started - k):started] if j in moved)
+            worst = max(worst, transient + staying_held + ahead)
+        return held + worst
+
+    def _resident_twin(self, b: int) -> Measured:
+        """Block ``b``'s resident option with the save set of its chosen offloaded one."""
+        resident = self.chosen[b].option.resident
+        return next((m for m in self.table[b] if m.option == resident), self.chosen[b])
 
     @property
     def no_remat_peak(self) -> int | None:
@@ -324,7 +360,8 @@ class RematPlan:
         exactly). With one, one frontier per transient level ``e`` (options whose
         transient exceeds ``e`` left out) is searched, and each point's peak is
         checked (the peak is the bytes plus the largest transient of the chosen
-        options, so every plan is on the frontier of its own level)."""
+        options, so every plan is on the frontier of its own level; with prefetch,
+        :attr:`predicted_peak` refines it, and the check uses that)."""
         if self.peak_budget_bytes is None:
             fitting = [p for p in self.frontier() if p.bytes <= self.budget_bytes]
             return [p.choices for p in reversed(fitting)]
