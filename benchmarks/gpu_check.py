@@ -509,14 +509,26 @@ def check_plan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
-    planned_s, plain_s = [], []
-    for _ in range(3):  # blocks of steps, alternating installed and removed
+    # The same plan with every offloaded block at its resident twin (same save
+    # set, nothing moved): the difference is the copies' measured exposed time.
+    twin_choices = [
+        next(i for i, m in enumerate(opts) if m.option == opts[c].option.resident)
+        for opts, c in zip(plan.table, plan.choices)
+    ]
+    twin = plan.with_choices(twin_choices)
+    planned_s, plain_s, twin_s = [], [], []
+    for _ in range(3):  # blocks of steps: the plan, no remat, the resident twin
         planned_s.append(timed(args.steps))
         remove_remat(model)
         plain_s.append(timed(args.steps))
+        twin.apply(model)
+        twin_s.append(timed(args.steps))
+        remove_remat(model)
         plan.apply(model)
     remove_remat(model)
     added = statistics.median(planned_s) - statistics.median(plain_s)
+    exposed = statistics.median(planned_s) - statistics.median(twin_s)
+    predicted_exposed = plan.predicted_seconds - twin.predicted_seconds
     result = {
         "model": {"dim": dim, "depth": depth, "batch": batch, "seq": seq},
         "plan_seconds": round(plan_s, 2),
@@ -527,9 +539,14 @@ def check_plan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         "planner_measured_peak_bytes": plan.measured_peak,
         "allocator_step_peak_bytes": {"no remat": plain_peak, "plan": planned_peak},
         "predicted_added_ms": round(plan.predicted_seconds * 1e3, 3),
+        "predicted_added_ms_per_block": [round(m.seconds * 1e3, 3) for m in plan.chosen],
+        "host_bytes": plan.host_bytes,
         "measured_added_ms": round(added * 1e3, 3),
+        "predicted_copy_exposed_ms": round(predicted_exposed * 1e3, 3),
+        "measured_copy_exposed_ms": round(exposed * 1e3, 3),
         "median_step_ms": {"no remat": round(statistics.median(plain_s) * 1e3, 3),
-                           "plan": round(statistics.median(planned_s) * 1e3, 3)},
+                           "plan": round(statistics.median(planned_s) * 1e3, 3),
+                           "plan, nothing offloaded": round(statistics.median(twin_s) * 1e3, 3)},
         "gradients_bitwise_equal": exact,
         "held_after_backward": held,
         "plan": text,
