@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -228,9 +230,6 @@ def plugin_env(config, env=None) -> dict:
     ``PYTHONPATH`` and, first, ``tests/child_site``, whose ``sitecustomize`` imports
     each at the child's start and calls its ``pytest_configure(None)`` (a child started
     with ``-S`` or ``-I`` runs without them). Without ``-p`` plugins: ``env`` as given."""
-    import os
-    import sys
-
     env = dict(os.environ if env is None else env)
     names = [p for p in config.option.plugins or () if not p.startswith("no:")]
     if not names:
@@ -248,8 +247,6 @@ def plugin_env(config, env=None) -> dict:
 def set_plugin_env(config, monkeypatch) -> None:
     """Set :func:`plugin_env`'s variables in this process's environment for one test
     (``monkeypatch``), for the children it starts with a copy of ``os.environ``."""
-    import os
-
     for key, value in plugin_env(config).items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
