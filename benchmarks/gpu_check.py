@@ -347,20 +347,14 @@ def _w1_calls(stack: Any, mode: Any, device: torch.device) -> None:
 def check_w1(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from benchmarks import modes as M
     from benchmarks.gpt import GPTConfig, GPTStack
+    from benchmarks.w1_gpt_stack import MODES as W1_MODES
 
     if device.type == "cuda":
         cfg = GPTConfig(d_model=1024, n_heads=16, seq_len=512, batch=8, n_layers=8, attention_dropout=0.1)
     else:
         cfg = GPTConfig(d_model=64, n_heads=4, seq_len=64, batch=2, n_layers=2, attention_dropout=0.1)
-    modes = [
-        M.NO_AC,
-        M.TORCH_CHECKPOINT,
-        M.SAC_MATMULS,
-        M.SAC_LINEARS,
-        M.REMAT_FULL,
-        M.REMAT_SAVE_LINEARS,
-        M.REMAT_SAVE_MATMULS,
-    ]
+    # W1's modes but the two Megatron-style ones, which have no SAC peer
+    modes = [m for m in W1_MODES if m.policy is not M.MEGATRON]
     torch.manual_seed(0)
     stack = GPTStack(cfg).to(device)
     x = stack.example_input().detach().to(device).requires_grad_()
