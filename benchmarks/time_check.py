@@ -49,7 +49,7 @@ import torch_remat as remat
 from benchmarks import modes as M
 from benchmarks.gpt import GPTConfig, GPTStack
 from benchmarks.measure import preallocate_grads
-from integrations.planner import _time
+from torch_remat.integrations.planner import _time
 from torch_remat.offload import ActivationOffloader
 
 SIZES = [

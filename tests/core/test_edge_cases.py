@@ -3,6 +3,7 @@ raise, inputs read through arguments of later regions, nested checkpoints, and
 offloading hooks around a checkpoint."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -162,3 +163,29 @@ def test_copying_hooks_around_a_checkpoint_hold_the_only_copy_of_kept_inputs():
     x.add_(1)
     f(x).sum().backward()
     assert torch.equal(got, x0.grad)
+
+
+
+def test_a_key_value_cache_a_replay_extends_is_freed_after_the_step():
+    # GPT-2 with use_cache=True passes a DynamicCache to each block; the forward and
+    # the replay both extend it with tensors the loss never reaches. The replay's
+    # saved tensors kept its pack hook, so the pass, the frame and its arguments
+    # (the cache among them) alive: a cycle through autograd that Python's collector
+    # cannot see, 10 tensors left alive after every step.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from torch_remat.integrations import apply_remat
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, use_cache=True)
+    model = transformers.GPT2LMHeadModel(config)
+    apply_remat(model, auto_wrap_policy={GPT2Block})
+    with recorded_replays() as replays:
+        out = model(torch.randint(0, 64, (2, 8)))
+        out.logits.sum().backward()
+    assert replays == ["transformer.h.1", "transformer.h.0"]
+    cache = weakref.ref(out.past_key_values)
+    del out
+    gc.collect()
+    assert cache() is None

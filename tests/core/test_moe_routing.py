@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import torch_remat as remat
-from integrations.planner import forecast_remat, plan_remat
-from integrations.planner._fake import DataDependentOpError
 from torch_remat.integrations import RematConfig, apply_remat, remove_remat
+from torch_remat.integrations.planner import forecast_remat, plan_remat
+from torch_remat.integrations.planner._fake import DataDependentOpError
 from torch_remat.offload import ActivationOffloader
 
 D = 8

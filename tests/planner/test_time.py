@@ -11,7 +11,7 @@ import torch
 from helpers import recorded_replays
 
 import torch_remat as remat
-from integrations.planner import _time
+from torch_remat.integrations.planner import _time
 
 
 def test_synchronous_copies_are_all_exposed_except_the_last_k_calls():
@@ -100,7 +100,7 @@ def test_recompute_time_is_attributed_to_each_checkpoint_and_nothing_without_rem
 
 def test_the_forecast_table_shows_each_policys_predicted_added_time_on_a_profile():
     from benchmarks.gpt import GPTConfig, GPTStack
-    from integrations.planner import forecast_remat
+    from torch_remat.integrations.planner import forecast_remat
 
     torch.manual_seed(0)
     stack = GPTStack(GPTConfig(d_model=32, n_heads=4, seq_len=32, batch=2, n_layers=2))

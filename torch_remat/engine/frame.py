@@ -800,6 +800,12 @@ class CheckpointFrame:
                 + replay.region_sequences()
                 + " The replay must take the same path as the forward."
             )
+        # Tensors the replay saved for backward keep its pack hook, and so the pass,
+        # alive as long as their graph; a graph the backward never reaches (a
+        # key/value cache the replay appended to) would keep the frame and through
+        # its arguments that graph itself, a cycle through autograd that Python's
+        # collector cannot see.
+        replay.release()
         self.recreated[key] = store
         if type(key) is not object:
             when_backward_ends(key, functools.partial(_forget, weakref.ref(self), key))

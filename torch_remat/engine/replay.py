@@ -86,6 +86,11 @@ class ReplayPass:
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
 
+    def release(self) -> None:
+        """The replay is over: drop what it refers to (see its end in ``frame.replay``)."""
+        self.frame = self.store = None  # type: ignore[assignment]
+        self.module_undo, self.region_stack, self.seen_regions = [], [], []
+
     def restore_modules_with(self, undo: list[tuple[Any, Any, Any]]) -> None:
         """What puts the modules' state back when this replay ends (the replay adds
         the attributes it sets where it skips a SAVE region)."""
