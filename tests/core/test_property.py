@@ -172,8 +172,16 @@ def check_region_runs(prog, kept):
     assert set(kept) <= save_regions | {"(inputs)", "(state snapshots)"}, (kept, prog.runs)
 
 
+def _bitwise(a, b):
+    """The same bytes (NaN included: ``torch.equal`` says a NaN differs from itself)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = (t.resolve_conj().resolve_neg().contiguous() for t in (a, b))
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def _same(a, b):
-    return all((ga is None and gb is None) or (ga is not None and gb is not None and torch.equal(ga, gb)) for ga, gb in zip(a, b))
+    return all((ga is None and gb is None) or (ga is not None and gb is not None and _bitwise(ga, gb)) for ga, gb in zip(a, b))
 
 
 def _setup():
@@ -444,6 +452,9 @@ def _complex_run(plan, checkpointed, hooks, rebind):
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=complex_steps(), hooks=st.sampled_from(HOOKS), rebind=st.sampled_from(REBIND))
+# gradients with a NaN at the same place on both sides (torch.equal calls them unequal)
+@example(plan=[("region", False, True, [("region", False, True, [("op", "sin", 0), ("op", "sin", 2)]),
+                                         ("op", "sin", 2)]), ("op", "sin", 2)], hooks="none", rebind="none")
 def test_complex_programs_under_hooks_and_rebound_state_give_bitwise_gradients(plan, hooks, rebind):
     expected = _complex_run(plan, False, "none", rebind)
     actual = _complex_run(plan, True, hooks, rebind)
