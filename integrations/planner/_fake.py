@@ -708,7 +708,6 @@ def measure_fake(
     """``_measure.measure`` for a model and arguments that are fake already
     (``measuring``: as there, which offloader an offloaded placement runs)."""
     offloader = install(model, config, measuring=measuring)
-    staying: dict[str, int] = {}
     leaves = [p for p in model.parameters()] + [
         a for a in args if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad
     ]
@@ -728,8 +727,7 @@ def measure_fake(
             real = held_bytes_by_block(prof)
             fake = ledger.held_by_block(excluding=_parameter_storages(model))
             host: dict[str, int] = {}
-            if offloader is not None and hasattr(offloader, "freed_bytes"):
-                staying = offloader.freed_bytes()
+            if offloader is not None and hasattr(offloader, "host"):
                 host = dict(offloader.host)
             # Real storages of the forward the ledger did not follow (it follows the
             # engine's RNG states): alive for the whole step, at most.
@@ -755,7 +753,6 @@ def measure_fake(
         flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
         host_by_block={n: host.get(n, 0) for n in block_names},
-        staying_by_block={n: staying.get(n, 0) for n in block_names},
     )
     result.peak_bytes = peak
     result.peak_margin = unfollowed

@@ -95,9 +95,6 @@ class Measurement:
     host_by_block: dict[str, int] = field(default_factory=dict)
     """Bytes of host buffers an offloader holds for the backward, by block (not in
     :attr:`bytes_by_block`, which counts device memory)."""
-    staying_by_block: dict[str, int] = field(default_factory=dict)
-    """Per offloaded block, the device bytes its checkpoint call keeps when the
-    offloader leaves it on the device (one of the forward's last ``prefetch``)."""
     peak_bytes: int | None = None
     """The most device bytes the step's own storages held at once, from just before
     the forward to the end of the backward (None: not measured)."""
@@ -491,7 +488,6 @@ def measure(
     tensor moves as it is packed); False: the offloader a plan installs."""
     offloader = install(model, config, measuring=measuring)
     host: dict[str, int] = {}
-    staying: dict[str, int] = {}
     try:
         with preserved_state(model, args):
             counter = RecomputeCounter()
@@ -499,8 +495,6 @@ def measure(
                 with torch.profiler.record_function(FORWARD_RANGE):
                     loss = loss_fn(model(*args))
                 kept = kept_storages(loss)
-                if offloader is not None and hasattr(offloader, "freed_bytes"):
-                    staying = offloader.freed_bytes()
                 if peak:
                     with counter:
                         loss.backward()
@@ -522,7 +516,6 @@ def measure(
         flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
         host_by_block={n: host.get(n, 0) for n in block_names},
-        staying_by_block={n: staying.get(n, 0) for n in block_names},
         peak_bytes=peak_bytes,
     )
 

@@ -34,10 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from torch_remat import SavedTensorKind, current_saved_tensor_info
-from torch_remat._integration import storage_key
 from torch_remat.offload import ActivationOffloader, HostPool
 
 from ._space import Option
@@ -118,12 +116,11 @@ class _MarkedPool(HostPool):
 
 
 class MeasuringOffloader(ActivationOffloader):
-    """The offloader of a measuring run: also notes, per checkpoint, the device
-    storages of the tensors it moved."""
+    """The offloader of a measuring run: also notes, per checkpoint, the bytes of
+    the host buffers its tensors took."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.moved: dict[str, dict[int, tuple[StorageWeakRef, int]]] = {}
         self.host: dict[str, int] = {}
         """Per checkpoint, the bytes of the host buffers its tensors took."""
 
@@ -144,20 +141,7 @@ class MeasuringOffloader(ActivationOffloader):
             if buffer is not None:  # (moved as packed: the measuring run's prefetch is 0)
                 name = info.checkpoint or ""
                 self.host[name] = self.host.get(name, 0) + buffer.numel() * buffer.element_size()
-            storage = t.untyped_storage()
-            # keyed by the storage object (a fake tensor's has no address)
-            self.moved.setdefault(info.checkpoint or "", {})[storage_key(storage)] = (
-                StorageWeakRef(storage), storage.nbytes()
-            )
         return packed
-
-    def freed_bytes(self) -> dict[str, int]:
-        """Per checkpoint, the device bytes its moved tensors no longer hold: what
-        the call would keep on the device were its tensors not moved."""
-        return {
-            name: sum(n for ref, n in storages.values() if ref.expired())
-            for name, storages in self.moved.items()
-        }
 
 
 def offloader_for(

@@ -683,11 +683,10 @@ def measure_table(
         )
         bases.append(got.bytes_by_block[BASE])
         host = getattr(got, "host_by_block", {})
-        staying = getattr(got, "staying_by_block", {})
-        for b in group.blocks:
+        for b in group.blocks:  # an offloaded option's staying bytes: _staying_as_twins
             table[b].append(
                 Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b],
-                         host.get(b, 0), _transient(got), staying=staying.get(b, 0))
+                         host.get(b, 0), _transient(got))
             )
 
     for group in groups:
@@ -720,11 +719,10 @@ def measure_table(
 
 def _staying_as_twins(options: list[Measured]) -> list[Measured]:
     """An offloaded option's ``staying`` bytes: what its resident twin (same save
-    set) holds beyond it. A call left on the device holds what the twin holds; the
-    storages the move freed (what the measuring offloader reports) can count less,
-    where a moved tensor's storage is also held elsewhere in that run (GPT-2 with its
-    key/value cache on: the cache holds the key and value the offloader moves, and a
-    block left on the device held 8,192 B over its prediction)."""
+    set, measured before it) holds beyond it, since a call left on the device holds
+    what the twin holds. (The storages the move freed can count less, where a moved
+    tensor's storage is also held elsewhere: GPT-2 with its key/value cache on,
+    whose cache holds the key and value the offloader moves.)"""
     resident = {m.option: m for m in options if not m.option.offload}
     out = []
     for m in options:
