@@ -188,8 +188,8 @@ class RematForward(_ModuleForward):
             if path:
                 self.region_name = path
                 self._checkpointed = None
-        if module.training and torch.is_grad_enabled() and kwargs:
-            kwargs = without_kv_cache(kwargs)
+        if module.training and torch.is_grad_enabled():
+            args, kwargs = without_kv_cache(args, kwargs)
         fn = self._checkpointed
         if fn is None:  # a copy (deepcopy, unpickling): built on its first call
             fn = self._checkpointed = self.build_checkpoint(self.region_name, _CountedForward(self))
@@ -237,12 +237,13 @@ def _is_kv_cache(value: Any) -> bool:
     )
 
 
-def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of a checkpointed block's call in training, without a
-    transformers key/value cache: each layer appends its keys and values to the
-    cache, and the checkpoint's replay would append them a second time (the replay
-    then attends over twice the keys, or leaves the cache changed), while the cache
-    would keep what it holds alive for the whole step. As transformers' own
+def without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a checkpointed block's call in training, without a
+    transformers key/value cache, by keyword or by position (GPT-2's model passes
+    its cache as the block's second positional argument): each layer appends its
+    keys and values to the cache, and the checkpoint's replay would append them a
+    second time (the cache then holds every key twice after backward), while the
+    cache would keep what it holds alive for the whole step. As transformers' own
     gradient checkpointing does, the block gets ``use_cache=False`` and no cache
     (``model.config.use_cache = False`` avoids building one at all)."""
     out = None
@@ -253,12 +254,15 @@ def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
         if value is not None and _is_kv_cache(value):
             out = dict(out or kwargs)
             out[key] = None
-    if out is not None:
+    positional = [i for i, value in enumerate(args) if value is not None and _is_kv_cache(value)]
+    if positional:
+        args = tuple(None if i in positional else value for i, value in enumerate(args))
+    if out is not None or positional:
         _log.info(
             "torch_remat: a checkpointed block's call in training drops its key/value "
             "cache (use_cache=False), as transformers' gradient checkpointing does"
         )
-    return kwargs if out is None else out
+    return args, (kwargs if out is None else out)
 
 
 def _refuse_in_backward(out: Any, message: str) -> None:

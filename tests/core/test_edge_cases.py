@@ -2,6 +2,7 @@
 raise, inputs read through arguments of later regions, nested checkpoints, and
 offloading hooks around a checkpoint."""
 
+import copy
 import gc
 import weakref
 
@@ -164,6 +165,38 @@ def test_copying_hooks_around_a_checkpoint_hold_the_only_copy_of_kept_inputs():
     f(x).sum().backward()
     assert torch.equal(got, x0.grad)
 
+
+
+def test_a_key_value_cache_passed_by_position_is_dropped_like_one_passed_by_keyword():
+    # GPT-2's model passes its DynamicCache as each block's second positional
+    # argument. Only keyword caches were dropped, so the forward and the replay
+    # both appended to it: after backward every layer held its 8 keys twice.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from torch_remat.integrations import apply_remat
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, use_cache=True)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 8))
+    assert reference(ids).past_key_values.get_seq_length() == 8  # the cache without remat
+    # the blocks run without a cache (with one, GPT-2's own gradients differ in the
+    # last bits: its attention reads the keys back from the cache)
+    reference.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    reference(ids, use_cache=False).logits.sum().backward()
+    apply_remat(model, auto_wrap_policy={GPT2Block})
+    torch.manual_seed(1)
+    with recorded_replays() as replays:
+        out = model(ids)
+        out.logits.sum().backward()
+    assert replays == ["transformer.h.1", "transformer.h.0"]
+    # no block filled it, as under transformers' own gradient checkpointing
+    assert all(layer.keys is None or layer.keys.numel() == 0 for layer in out.past_key_values.layers)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 def test_a_key_value_cache_a_replay_extends_is_freed_after_the_step():
