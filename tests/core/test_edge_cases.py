@@ -200,25 +200,26 @@ def test_a_key_value_cache_passed_by_position_is_dropped_like_one_passed_by_keyw
 
 
 def test_a_key_value_cache_a_replay_extends_is_freed_after_the_step():
-    # GPT-2 with use_cache=True passes a DynamicCache to each block; the forward and
-    # the replay both extend it with tensors the loss never reaches. The replay's
-    # saved tensors kept its pack hook, so the pass, the frame and its arguments
-    # (the cache among them) alive: a cycle through autograd that Python's collector
-    # cannot see, 10 tensors left alive after every step.
+    # A GPT-2 block checkpointed directly (not through apply_remat, which drops the
+    # cache) and given a DynamicCache: the forward and the replay both extend it
+    # with tensors the loss never reaches. The replay's saved tensors kept its pack
+    # hook, so the pass, the frame and its arguments (the cache among them) alive:
+    # a cycle through autograd that Python's collector cannot see.
     transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicCache
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-    from torch_remat.integrations import apply_remat
-
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, use_cache=True)
-    model = transformers.GPT2LMHeadModel(config)
-    apply_remat(model, auto_wrap_policy={GPT2Block})
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, attn_pdrop=0.0, resid_pdrop=0.0)
+    config._attn_implementation = "sdpa"
+    block = GPT2Block(config, layer_idx=0)
+    h = torch.randn(2, 8, 32, requires_grad=True)
+    cache = DynamicCache(config=config)
     with recorded_replays() as replays:
-        out = model(torch.randint(0, 64, (2, 8)))
-        out.logits.sum().backward()
-    assert replays == ["transformer.h.1", "transformer.h.0"]
-    cache = weakref.ref(out.past_key_values)
-    del out
+        out = remat.checkpoint(region_name="h.0")(block)(h, cache, None, use_cache=True)
+        out.sum().backward()
+    assert replays == ["h.0"]
+    alive = weakref.ref(cache)
+    del cache, out
     gc.collect()
-    assert cache() is None
+    assert alive() is None
