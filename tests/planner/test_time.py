@@ -143,6 +143,39 @@ def test_added_step_time_is_each_options_quantile_minus_the_baselines():
         _time.added_step_seconds(samples, "sac")
 
 
+def test_the_fastest_mean_averages_the_fastest_fraction_of_the_runs():
+    runs = [5.0, 1.0, 9.0, 2.0, 3.0, 7.0, 4.0, 8.0, 6.0, 10.0]
+    assert _time.fastest_mean(runs) == 1.0  # the minimum
+    assert _time.fastest_mean(runs, 0.2) == pytest.approx(1.5)  # 1 and 2
+    assert _time.fastest_mean(runs, 0.25) == pytest.approx(2.0)  # a fraction rounds up: 1, 2, 3
+    assert _time.fastest_mean(runs, 1.0) == pytest.approx(5.5)
+    assert _time.fastest_mean([4.0], 0.2) == 4.0  # at least one run
+    with pytest.raises(ValueError, match="fraction"):
+        _time.fastest_mean(runs, -0.1)
+    with pytest.raises(ValueError, match="no samples"):
+        _time.fastest_mean([], 0.2)
+    samples = {"none": runs, "full": [x + 3 for x in runs]}
+    added = _time.added_step_seconds(samples, "none", fastest=0.2)
+    assert added == pytest.approx({"none": 0.0, "full": 3.0})
+    with pytest.raises(ValueError, match="not both"):
+        _time.added_step_seconds(samples, "none", fastest=0.2, quantile=0.5)
+
+
+def test_rankings_agree_on_every_pair_the_measurement_tells_apart():
+    measured = {"full": 14.3, "save linears": 12.95, "save matmuls": 13.16, "megatron": 12.37}
+    predicted = {"full": 14.5, "save linears": 13.75, "save matmuls": 13.46, "megatron": 12.33}
+    # strictly, save linears and save matmuls are swapped
+    assert not _time.rankings_agree(predicted, measured, 0.0)
+    # they lie 0.21 apart: within a resolution of 0.3 either order agrees
+    assert _time.rankings_agree(predicted, measured, 0.3)
+    # but a pair the measurement does tell apart must keep its order
+    swapped = dict(predicted, full=12.0)
+    assert not _time.rankings_agree(swapped, measured, 0.3)
+    assert _time.rankings_agree(measured, measured, 0.0)
+    with pytest.raises(ValueError, match="options differ"):
+        _time.rankings_agree({"full": 1.0}, measured, 0.3)
+
+
 def test_checkpoint_overhead_is_measured_per_checkpoint_for_a_tiny_model():
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
@@ -165,6 +198,32 @@ def test_checkpoint_overhead_is_measured_per_checkpoint_for_a_tiny_model():
     assert len(flushed) == 2 + 2 * 2
     # the inputs stay as they were (each run gets a fresh leaf)
     assert all(not x.requires_grad and x.grad is None for x in inputs.values())
+
+
+def test_a_warm_overhead_runs_each_timed_forward_after_an_untimed_one_of_the_same_call():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    entered: list[str] = []
+    calls = {"layers.0": (_counted(layer, "plain", entered), _counted(remat.checkpoint()(layer), "remat", entered))}
+    inputs = {"layers.0": torch.randn(4, 8)}
+    with recorded_replays() as replayed:
+        _time.checkpoint_overhead_seconds(calls, inputs, repeats=2, warm=True)
+    # every run (a warm-up, 2 repeats) of each call is a forward after one of its own
+    assert entered.count("plain") == entered.count("remat") == 2 * 3
+    assert all(entered[i] == entered[i + 1] for i in range(0, len(entered), 2))
+    # the untimed forward's graph is dropped: only the timed ones are replayed
+    assert len(replayed) == 3
+    entered.clear()
+    _time.checkpoint_overhead_seconds(calls, inputs, repeats=2)
+    assert entered.count("plain") == entered.count("remat") == 3
+
+
+def _counted(fn, label: str, entered: list[str]):
+    def call(x):
+        entered.append(label)
+        return fn(x)
+
+    return call
 
 
 def test_a_cache_flush_rewrites_its_buffer():
