@@ -357,3 +357,56 @@ def test_an_attribute_a_save_region_rebinds_is_read_after_it_as_the_body_left_it
     assert creplayed == ["p"]
     assert torch.equal(cx, gx) and torch.equal(cw, gw)
     assert ccalls == calls == 2
+
+
+# ---------------------------------------------------------------- tensors in dict attributes
+
+
+class _Carry(nn.Module):
+    """A block that carries a hidden state between calls in a dict slot: each
+    forward reads the slot and puts its own state there."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear(5)
+        self.state = {"h": torch.zeros(3, 6, dtype=D)}
+
+    def forward(self, x):
+        h = (self.lin(x) + self.state["h"]).tanh()
+        self.state["h"] = h.detach() * 0.5
+        return self.lin(h).sin()
+
+
+def test_a_tensor_in_a_dict_attribute_the_forward_replaces_is_the_entry_one_in_the_replay():
+    # Before, the replay read the state its own forward had put in the slot:
+    # silently wrong gradients (as with torch.utils.checkpoint).
+    def run(ckpt):
+        m = _Carry()
+        fn = remat.checkpoint(region_name="carry")(m) if ckpt else m
+        grads = []
+        with recorded_replays() as replayed:
+            for i in range(2):  # the second call reads what the first left
+                x = _x(30 + i)
+                fn(x).sum().backward()
+                grads.append(x.grad)
+        assert replayed == (["carry", "carry"] if ckpt else [])
+        return m, grads + [m.lin.weight.grad]
+
+    plain, expected = run(False)
+    m, got = run(True)
+    _same(expected, got)
+    # the caller's state is back after each replay
+    assert torch.equal(m.state["h"], plain.state["h"])
+
+
+def test_a_tensor_the_caller_puts_in_a_dict_attribute_after_the_forward_is_back_after_the_replay():
+    m = _Carry()
+    entry = m.state["h"]
+    mine = torch.ones(3, 6, dtype=D)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="carry")(m)(_x(40))
+        m.state["h"] = mine
+        m.state["new"] = mine
+        out.sum().backward()
+    assert replayed == ["carry"]
+    assert m.state["h"] is mine and m.state["new"] is mine and entry is not mine

@@ -20,7 +20,12 @@ tensor it holds and that tensor's version. Around the replay:
   or flipped (``model.eval()``) after the forward, one the forward itself rebinds
   from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
   1``), and one the forward added (absent in the replay). Values are compared by
-  identity: a list or dict mutated in place is not seen;
+  identity: a list or dict mutated in place is not seen, except that
+* a tensor held in a plain ``dict`` in a module's public attribute (a carried
+  hidden state, ``self.state["h"] = h``) is recorded like a tensor attribute: one
+  the forward or the caller replaces is the forward's again in the replay, the
+  caller's afterwards (its version is not checked: a metric a dict holds and the
+  forward adds to in place is not refused);
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -66,6 +71,9 @@ _MISSING = object()
 _NOT_TENSORS = frozenset({dict, collections.OrderedDict, set, frozenset, bool, int, float, str, type(None), tuple, list})
 # the value types seen in module __dict__s that are not tensors (grows as seen)
 _non_tensor_types: set[type] = set(_NOT_TENSORS)
+# the keys every nn.Module's __dict__ holds (torch's own state, all but "training"
+# named with a leading underscore)
+_MODULE_KEYS = frozenset(nn.Module().__dict__)
 
 
 class _CellSlot:
@@ -172,6 +180,7 @@ def _module_slots(
     others: list[tuple],
     unwritten: BufferMemo,
     generators: list[torch.Generator],
+    dict_tensors: list[tuple[dict, Any, torch.Tensor]],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -218,6 +227,14 @@ def _module_slots(
         # the module's attributes (a shallow copy: a dict copy in C, cheaper than
         # picking out what might change) and submodules, as the forward starts
         others.append((d, d.copy(), children, kids))
+        # tensors in the user's dict attributes (a set difference in C first: most
+        # modules have no attribute of their own)
+        extra = d.keys() - _MODULE_KEYS
+        if extra:
+            for k in extra:
+                v = d[k]
+                if type(v) is dict and v and k[0] != "_":
+                    dict_tensors.extend((v, key, t) for key, t in v.items() if isinstance(t, torch.Tensor))
         if kids:
             for k, c in reversed(kids):  # named_modules order
                 if c is not None:
@@ -242,7 +259,7 @@ of one checkpointed function did not write (``CheckpointedFunction`` holds it)."
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators")
+    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators", "dict_tensors")
 
     def __init__(
         self,
@@ -268,6 +285,8 @@ class ModuleState:
         # torch.Generator objects in module attributes and closure cells (not torch's
         # default ones): forked around the replay like Python's random (rng.py)
         self.generators: tuple[torch.Generator, ...] = ()
+        # (dict, key, tensor) of the tensors in modules' dict attributes at entry
+        self.dict_tensors: list[tuple[dict, Any, torch.Tensor]] = []
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
@@ -282,13 +301,15 @@ class ModuleState:
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
         others: list[tuple] = []
+        dict_tensors: list[tuple[dict, Any, torch.Tensor]] = []
         for prefix, module in modules:
-            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten, generators)
+            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten, generators, dict_tensors)
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
         if params or slots or others or values:
             state = ModuleState(params, slots, groups, others, values)
+            state.dict_tensors = dict_tensors
             if generators:
                 defaults = default_generators()
                 state.generators = tuple(
@@ -429,6 +450,11 @@ class ModuleState:
                         del slot[None]
                     else:
                         slot[None] = value
+            for d, key, t in self.dict_tensors:
+                current = d.get(key, _MISSING)
+                if current is not t:
+                    undo.append((d, key, current))
+                    d[key] = t
             for owner, key, t, version, prefix in self.params:
                 if version_of(t) != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
