@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kept_bytes
 from torch import nn
 
 from tests.helpers import plugin_env, recorded_replays
@@ -502,6 +503,9 @@ def test_stock_models_offloaded_blocks_left_on_the_device_hold_what_the_plan_pre
     candidate.apply(model)
     try:
         held = activation_bytes(model, args, loss) - candidate.offloader.pool.allocated_bytes
+        # the plan's checkpoints took part: each keeps its inputs and SAVE regions
+        kept = kept_bytes(loss(model(*args)))
     finally:
         remove_remat(model)
     assert held == candidate.predicted_bytes, (name, prefetch, held, candidate.predicted_bytes)
+    assert len(kept) == len(plan.table) and all(kept.values()), kept

@@ -351,11 +351,13 @@ def test_offering_offload_never_makes_a_budget_infeasible_or_a_plan_dearer(prefe
     resident = plan_remat(model, (x,), budget=1.0, profile=SLOW_COMPUTE, candidates=UP, verify=False)
     offered = plan_remat(model, (x,), budget=1.0, offload=OffloadOptions(prefetch=prefetch, min_bytes=0),
                          profile=SLOW_COMPUTE, candidates=UP, verify=False)
+    checked = []
     for fraction in (0.05, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5):
         try:
             without = resident.for_budget(fraction)
         except InfeasibleBudgetError:
             continue
+        checked.append(fraction)
         with_offload = offered.for_budget(fraction)
         assert with_offload.cost <= without.cost, fraction
         assert with_offload.predicted_bytes <= with_offload.budget_bytes
@@ -371,6 +373,8 @@ def test_offering_offload_never_makes_a_budget_infeasible_or_a_plan_dearer(prefe
         finally:
             remove_remat(model)
         assert kept == with_offload.predicted_bytes, (prefetch, fraction, with_offload.options)
+    # not vacuous: checkpoints without offload fit at least three of these budgets
+    assert len(checked) >= 3, checked
 
 
 class Reordered(nn.Module):
