@@ -177,7 +177,7 @@ def block_inputs(stack: GPTStack, x: torch.Tensor) -> list[torch.Tensor]:
 
 def check_size(
     cfg: GPTConfig, profile: _time.DeviceProfile, rounds: int, repeats: int, flush_bytes: int = 0,
-    bursts: int = 3, fastest: float = FASTEST,
+    bursts: int = 5, fastest: float = FASTEST,
 ) -> tuple[list[Row], float]:
     torch.manual_seed(0)
     stack = GPTStack(cfg)
@@ -346,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=60, help="interleaved rounds of whole steps")
-    p.add_argument("--repeats", type=int, default=21, help="repeats of each checkpoint's parts")
-    p.add_argument("--bursts", type=int, default=3, help="bursts of parts spread over the rounds (median)")
+    p.add_argument("--repeats", type=int, default=13, help="repeats of each checkpoint's parts")
+    p.add_argument("--bursts", type=int, default=5, help="bursts of parts spread over the rounds (median)")
     p.add_argument(
         "--flush-mib", type=int, default=0, help="flush this many MiB between a block's forward and backward"
     )
