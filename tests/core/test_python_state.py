@@ -410,3 +410,89 @@ def test_a_tensor_the_caller_puts_in_a_dict_attribute_after_the_forward_is_back_
         out.sum().backward()
     assert replayed == ["carry"]
     assert m.state["h"] is mine and m.state["new"] is mine and entry is not mine
+
+
+# ---------------------------------------------------------------- lists, dicts and sets changed in place
+
+
+class _History(nn.Module):
+    """Reads the last state of a list attribute and appends its own; counts its
+    calls in a dict and records the calls it saw in a set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear(7)
+        self.hist = [torch.zeros(3, 6, dtype=D)]
+        self.counts = {"calls": 0}
+        self.steps = set()
+
+    def forward(self, x):
+        self.counts["calls"] += 1
+        self.steps.add(self.counts["calls"])
+        h = (self.lin(x) + self.hist[-1] * self.counts["calls"]).tanh()
+        self.hist.append(h.detach())
+        return self.lin(h).sin()
+
+
+def test_a_list_a_dict_and_a_set_the_forward_changes_are_replayed_from_their_entry_contents():
+    # Before, the replay read the state its own forward had appended and the count
+    # it had raised: silently wrong gradients (as with torch.utils.checkpoint).
+    def run(ckpt):
+        m = _History()
+        fn = remat.checkpoint(region_name="hist")(m) if ckpt else m
+        grads = []
+        with recorded_replays() as replayed:
+            for i in range(2):  # the second call reads what the first left
+                x = _x(70 + i)
+                fn(x).sum().backward()
+                grads.append(x.grad)
+        assert replayed == (["hist", "hist"] if ckpt else [])
+        return m, grads + [m.lin.weight.grad]
+
+    plain, expected = run(False)
+    m, got = run(True)
+    _same(expected, got)
+    # a counter counts once per call and a set holds what the forward added...
+    assert m.counts == plain.counts == {"calls": 2}
+    assert m.steps == plain.steps == {1, 2}
+    # ...and a list keeps the replay's entries after the forward's, as under torch
+    assert len(plain.hist) == 3 and len(m.hist) == 5
+    assert m.hist[1] is not m.hist[2] and torch.equal(m.hist[1], m.hist[2])
+
+
+def test_a_closure_list_the_forward_reads_and_extends_is_replayed_from_its_entry_contents():
+    def run(ckpt):
+        lin, seen = _linear(8), []
+
+        def block(x):
+            seen.append(remat.is_recomputing())
+            return (lin(x) * len(seen)).sin()
+
+        fn = remat.checkpoint(region_name="closure_list")(block) if ckpt else block
+        x = _x(80)
+        with recorded_replays() as replayed:
+            fn(x).sum().backward()
+        assert replayed == (["closure_list"] if ckpt else [])
+        return seen, [x.grad, lin.weight.grad]
+
+    _, expected = run(False)
+    seen, got = run(True)
+    _same(expected, got)
+    assert seen == [False, True]  # the replay's entry is kept after the forward's
+
+
+def test_contents_the_caller_changes_after_the_forward_are_kept_through_the_replay():
+    m = _History()
+    entry = m.hist[0]
+    mine = torch.ones(3, 6, dtype=D)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="hist")(m)(_x(90))
+        m.hist[:] = [mine]
+        m.counts["calls"] = 10
+        m.counts["logged"] = True
+        out.sum().backward()
+    assert replayed == ["hist"]
+    # the replay read the entry contents, appended one state, and left the
+    # caller's values where the caller put them
+    assert m.hist[0] is mine and len(m.hist) == 2 and entry is not mine
+    assert m.counts == {"calls": 10, "logged": True}

@@ -20,12 +20,20 @@ tensor it holds and that tensor's version. Around the replay:
   or flipped (``model.eval()``) after the forward, one the forward itself rebinds
   from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
   1``), and one the forward added (absent in the replay). Values are compared by
-  identity: a list or dict mutated in place is not seen, except that
-* a tensor held in a plain ``dict`` in a module's public attribute (a carried
-  hidden state, ``self.state["h"] = h``) is recorded like a tensor attribute: one
-  the forward or the caller replaces is the forward's again in the replay, the
-  caller's afterwards (its version is not checked: a metric a dict holds and the
-  forward adds to in place is not refused);
+  identity;
+* the contents of every plain ``list``, ``dict`` and ``set`` in a module's public
+  attribute or a closure cell (a carried state ``self.state["h"] = h``, a history
+  the forward reads ``self.hist[-1]`` and extends, a dict of counters) are
+  recorded too (a shallow copy, one level deep). The replay runs on the contents
+  the forward started from. Afterwards each holds what it held before the replay,
+  plus what the replay added: entries it appended to a list, keys and set members
+  it added, and keys whose value it changed where neither the forward nor the
+  caller had changed them. So a counter the forward increments in a dict counts
+  once, a list the code appends to in forward and replay alike (to see both run)
+  shows both, and a list the forward appends to gets the replay's entry too, as
+  under ``torch.utils.checkpoint``. A tensor in such a container is not checked
+  for in-place updates, and where the replay skips a SAVE region's body, what the
+  body did to a container is not redone;
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -74,6 +82,63 @@ _non_tensor_types: set[type] = set(_NOT_TENSORS)
 # the keys every nn.Module's __dict__ holds (torch's own state, all but "training"
 # named with a leading underscore)
 _MODULE_KEYS = frozenset(nn.Module().__dict__)
+# containers whose contents are recorded (exact types: a subclass may not be
+# refillable by clear() and update())
+_CONTAINERS = frozenset({list, dict, set})
+
+
+def _contents(container: Any) -> Any:
+    """A shallow copy of a list, dict or set."""
+    return list(container) if type(container) is list else container.copy()
+
+
+class _Contents:
+    """Adapts a list, dict or set to the ``dict`` protocol of the undo entries: its
+    value is its contents. Set before the replay, it puts the forward's entry
+    contents in place; set back afterwards (by ``restore``, with the contents from
+    before the replay), it keeps what the replay added (:func:`_merged`)."""
+
+    __slots__ = ("container", "entry", "replaying")
+
+    def __init__(self, container: Any, entry: Any) -> None:
+        self.container = container
+        self.entry = entry
+        self.replaying = False
+
+    def __setitem__(self, _key: Any, contents: Any) -> None:
+        c = self.container
+        if self.replaying:
+            contents = _merged(self.entry, contents, _contents(c))
+        self.replaying = not self.replaying
+        if type(c) is list:
+            c[:] = contents
+        else:
+            c.clear()
+            c.update(contents)
+
+
+def _merged(entry: Any, before: Any, after: Any) -> Any:
+    """The contents after a replay: ``before`` (what the container held when the
+    replay began) with the changes the replay made to ``entry`` (what it started
+    from). A list gets the entries the replay appended (none if the replay did more
+    than append); a dict the keys the replay added or changed where ``before``
+    still held the entry's value; a set the members the replay added or removed."""
+    if type(before) is list:
+        n = len(entry)
+        if len(after) >= n and all(map(operator.is_, after[:n], entry)):
+            return before + after[n:]
+        return before
+    if type(before) is dict:
+        out = dict(before)
+        for k, v in after.items():
+            old = entry.get(k, _MISSING)
+            if v is not old and out.get(k, _MISSING) is old:
+                out[k] = v
+        for k, old in entry.items():
+            if k not in after and out.get(k, _MISSING) is old:
+                del out[k]
+        return out
+    return (before | (after - entry)) - (entry - after)
 
 
 class _CellSlot:
@@ -180,7 +245,7 @@ def _module_slots(
     others: list[tuple],
     unwritten: BufferMemo,
     generators: list[torch.Generator],
-    dict_tensors: list[tuple[dict, Any, torch.Tensor]],
+    containers: list[tuple[Any, Any]],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -227,14 +292,14 @@ def _module_slots(
         # the module's attributes (a shallow copy: a dict copy in C, cheaper than
         # picking out what might change) and submodules, as the forward starts
         others.append((d, d.copy(), children, kids))
-        # tensors in the user's dict attributes (a set difference in C first: most
+        # the user's lists, dicts and sets (a set difference in C first: most
         # modules have no attribute of their own)
         extra = d.keys() - _MODULE_KEYS
         if extra:
             for k in extra:
                 v = d[k]
-                if type(v) is dict and v and k[0] != "_":
-                    dict_tensors.extend((v, key, t) for key, t in v.items() if isinstance(t, torch.Tensor))
+                if type(v) in _CONTAINERS and k[0] != "_":
+                    containers.append((v, _contents(v)))
         if kids:
             for k, c in reversed(kids):  # named_modules order
                 if c is not None:
@@ -259,7 +324,7 @@ of one checkpointed function did not write (``CheckpointedFunction`` holds it)."
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators", "dict_tensors")
+    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators", "containers")
 
     def __init__(
         self,
@@ -285,8 +350,8 @@ class ModuleState:
         # torch.Generator objects in module attributes and closure cells (not torch's
         # default ones): forked around the replay like Python's random (rng.py)
         self.generators: tuple[torch.Generator, ...] = ()
-        # (dict, key, tensor) of the tensors in modules' dict attributes at entry
-        self.dict_tensors: list[tuple[dict, Any, torch.Tensor]] = []
+        # (list, dict or set, its contents when the checkpoint started)
+        self.containers: list[tuple[Any, Any]] = []
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
@@ -301,15 +366,18 @@ class ModuleState:
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
         others: list[tuple] = []
-        dict_tensors: list[tuple[dict, Any, torch.Tensor]] = []
+        containers: list[tuple[Any, Any]] = []
         for prefix, module in modules:
-            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten, generators, dict_tensors)
+            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten, generators, containers)
+        for _, value in values:
+            if type(value) in _CONTAINERS:
+                containers.append((value, _contents(value)))
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
         if params or slots or others or values:
             state = ModuleState(params, slots, groups, others, values)
-            state.dict_tensors = dict_tensors
+            state.containers = containers
             if generators:
                 defaults = default_generators()
                 state.generators = tuple(
@@ -450,11 +518,10 @@ class ModuleState:
                         del slot[None]
                     else:
                         slot[None] = value
-            for d, key, t in self.dict_tensors:
-                current = d.get(key, _MISSING)
-                if current is not t:
-                    undo.append((d, key, current))
-                    d[key] = t
+            for container, entry in self.containers:
+                slot = _Contents(container, entry)
+                undo.append((slot, None, _contents(container)))
+                slot[None] = entry
             for owner, key, t, version, prefix in self.params:
                 if version_of(t) != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
