@@ -377,23 +377,26 @@ class _Carry(nn.Module):
         return self.lin(h).sin()
 
 
+def _two_steps(make, ckpt, seed):
+    """Two calls of a fresh ``make()`` module, each with its backward (the second
+    reads what the first left): the module and the gradients."""
+    m = make()
+    fn = remat.checkpoint(region_name="stateful")(m) if ckpt else m
+    grads = []
+    with recorded_replays() as replayed:
+        for i in range(2):
+            x = _x(seed + i)
+            fn(x).sum().backward()
+            grads.append(x.grad)
+    assert replayed == (["stateful", "stateful"] if ckpt else [])
+    return m, grads + [m.lin.weight.grad]
+
+
 def test_a_tensor_in_a_dict_attribute_the_forward_replaces_is_the_entry_one_in_the_replay():
     # Before, the replay read the state its own forward had put in the slot:
     # silently wrong gradients (as with torch.utils.checkpoint).
-    def run(ckpt):
-        m = _Carry()
-        fn = remat.checkpoint(region_name="carry")(m) if ckpt else m
-        grads = []
-        with recorded_replays() as replayed:
-            for i in range(2):  # the second call reads what the first left
-                x = _x(30 + i)
-                fn(x).sum().backward()
-                grads.append(x.grad)
-        assert replayed == (["carry", "carry"] if ckpt else [])
-        return m, grads + [m.lin.weight.grad]
-
-    plain, expected = run(False)
-    m, got = run(True)
+    plain, expected = _two_steps(_Carry, False, 30)
+    m, got = _two_steps(_Carry, True, 30)
     _same(expected, got)
     # the caller's state is back after each replay
     assert torch.equal(m.state["h"], plain.state["h"])
@@ -437,20 +440,8 @@ class _History(nn.Module):
 def test_a_list_a_dict_and_a_set_the_forward_changes_are_replayed_from_their_entry_contents():
     # Before, the replay read the state its own forward had appended and the count
     # it had raised: silently wrong gradients (as with torch.utils.checkpoint).
-    def run(ckpt):
-        m = _History()
-        fn = remat.checkpoint(region_name="hist")(m) if ckpt else m
-        grads = []
-        with recorded_replays() as replayed:
-            for i in range(2):  # the second call reads what the first left
-                x = _x(70 + i)
-                fn(x).sum().backward()
-                grads.append(x.grad)
-        assert replayed == (["hist", "hist"] if ckpt else [])
-        return m, grads + [m.lin.weight.grad]
-
-    plain, expected = run(False)
-    m, got = run(True)
+    plain, expected = _two_steps(_History, False, 70)
+    m, got = _two_steps(_History, True, 70)
     _same(expected, got)
     # a counter counts once per call and a set holds what the forward added...
     assert m.counts == plain.counts == {"calls": 2}
