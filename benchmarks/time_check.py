@@ -217,13 +217,13 @@ def check_size(
         # The first checkpoint of a step runs after a backward, the others after the
         # forward of the one before them (``warm``).
         parts = {f"blocks.{i}": (plain[i], call) for i, call in enumerate(stack.block_calls)}
-        block_inputs_ = {f"blocks.{i}": h for i, h in enumerate(inputs)}
+        part_inputs = {f"blocks.{i}": h for i, h in enumerate(inputs)}
         first = {"blocks.0": parts.pop("blocks.0")}
         # A part (a block's forward or backward, 1 to 10 ms) is often undisturbed:
         # its least run.
-        costs = _time.checkpoint_overhead_seconds(first, block_inputs_, repeats=repeats, between=between)
+        costs = _time.checkpoint_overhead_seconds(first, part_inputs, repeats=repeats, between=between)
         costs |= _time.checkpoint_overhead_seconds(
-            parts, block_inputs_, repeats=repeats, between=between, warm=True
+            parts, part_inputs, repeats=repeats, between=between, warm=True
         )
         fwd = sum(c.forward for c in costs.values())
         bwd = sum(c.backward for c in costs.values())

@@ -228,8 +228,7 @@ class RematPlan:
 
     def _resident_twin(self, b: int) -> Measured:
         """Block ``b``'s resident option with the save set of its chosen offloaded one."""
-        resident = self.chosen[b].option.resident
-        return next((m for m in self.table[b] if m.option == resident), self.chosen[b])
+        return _twin(self.table[b], self.chosen[b]) or self.chosen[b]
 
     @property
     def no_remat_peak(self) -> int | None:
@@ -723,12 +722,17 @@ def _staying_as_twins(options: list[Measured]) -> list[Measured]:
     what the twin holds. (The storages the move freed can count less, where a moved
     tensor's storage is also held elsewhere: GPT-2 with its key/value cache on,
     whose cache holds the key and value the offloader moves.)"""
-    resident = {m.option: m for m in options if not m.option.offload}
     out = []
     for m in options:
-        twin = resident.get(m.option.resident) if m.option.offload else None
+        twin = _twin(options, m) if m.option.offload else None
         out.append(m if twin is None else dataclasses.replace(m, staying=max(0, twin.bytes - m.bytes)))
     return out
+
+
+def _twin(options: list[Measured], m: Measured) -> Measured | None:
+    """The measured option among ``options`` that is ``m``'s resident twin (the same
+    save set, nothing offloaded); None if it was not measured."""
+    return next((o for o in options if o.option == m.option.resident), None)
 
 
 def plan_remat(

@@ -93,28 +93,28 @@ def _contents(container: Any) -> Any:
 
 
 class _Contents:
-    """Adapts a list, dict or set to the ``dict`` protocol of the undo entries: its
-    value is its contents. Set before the replay, it puts the forward's entry
-    contents in place; set back afterwards (by ``restore``, with the contents from
-    before the replay), it keeps what the replay added (:func:`_merged`)."""
+    """Adapts a list, dict or set to the ``dict`` protocol of the undo entries:
+    ``restore`` sets it back to the contents it held before the replay, and it
+    keeps what the replay added to ``entry``, the contents the replay ran on
+    (:func:`_merged`)."""
 
-    __slots__ = ("container", "entry", "replaying")
+    __slots__ = ("container", "entry")
 
     def __init__(self, container: Any, entry: Any) -> None:
         self.container = container
         self.entry = entry
-        self.replaying = False
 
-    def __setitem__(self, _key: Any, contents: Any) -> None:
-        c = self.container
-        if self.replaying:
-            contents = _merged(self.entry, contents, _contents(c))
-        self.replaying = not self.replaying
-        if type(c) is list:
-            c[:] = contents
-        else:
-            c.clear()
-            c.update(contents)
+    def __setitem__(self, _key: Any, before: Any) -> None:
+        _fill(self.container, _merged(self.entry, before, _contents(self.container)))
+
+
+def _fill(container: Any, contents: Any) -> None:
+    """Make ``container`` (a list, dict or set) hold ``contents``."""
+    if type(container) is list:
+        container[:] = contents
+    else:
+        container.clear()
+        container.update(contents)
 
 
 def _merged(entry: Any, before: Any, after: Any) -> Any:
@@ -519,9 +519,10 @@ class ModuleState:
                     else:
                         slot[None] = value
             for container, entry in self.containers:
-                slot = _Contents(container, entry)
-                undo.append((slot, None, _contents(container)))
-                slot[None] = entry
+                # the contents the forward started from; afterwards, the caller's
+                # and what the replay added
+                undo.append((_Contents(container, entry), None, _contents(container)))
+                _fill(container, entry)
             for owner, key, t, version, prefix in self.params:
                 if version_of(t) != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
