@@ -1,5 +1,7 @@
 """checkpoint(determinism_check="bitwise"): the recompute must reproduce the forward."""
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,3 +69,40 @@ def test_checksums_are_only_computed_when_asked(monkeypatch):
     # exp's result, dropout's mask and the argument of region 'sin' (its save of it is
     # rebuilt by the replay), in forward and in recompute
     assert len(calls) == 6
+
+
+def test_an_lstm_workspace_is_compared_by_metadata_only():
+    # oneDNN's LSTM saves a 1-D uint8 workspace whose padding it never writes: its
+    # bits are whatever the allocator hands back, so comparing them failed replays
+    # of an LSTM under the bitwise check. Here the memory the replay's workspace
+    # reuses is filled with other bytes between the forward and the backward.
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(16, 16, batch_first=True)
+    x = torch.randn(4, 12, 16, requires_grad=True)
+    ref = x.detach().clone().requires_grad_()
+    lstm(ref)[0].sum().backward()
+    expected = {n: p.grad.clone() for n, p in lstm.named_parameters()}
+    lstm.zero_grad()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="lstm", determinism_check="bitwise")(
+            lambda t: lstm(t)[0])(x)
+        for fill in range(1, 9):
+            torch.full((57344,), fill * 31, dtype=torch.uint8)
+        out.sum().backward()
+    assert replayed == ["lstm"]
+    assert torch.equal(x.grad, ref.grad)
+    assert all(torch.equal(p.grad, expected[n]) for n, p in lstm.named_parameters())
+
+
+def test_a_byte_tensor_of_data_is_still_compared_by_its_bits():
+    state = types.SimpleNamespace(calls=0)  # an object's attribute: the replay sees 1
+
+    def scaled(t):
+        mask = torch.full(t.shape, state.calls + 1, dtype=torch.uint8)
+        state.calls += 1
+        return remat.region(lambda a: a * mask, "mask", recompute=True)(t.exp())
+
+    y = torch.randn(4, 8, requires_grad=True)
+    out = remat.checkpoint(region_name="scaled", determinism_check="bitwise")(scaled)(y)
+    with pytest.raises(remat.RecomputeMismatchError, match=r"\(\(4, 8\), uint8\) has different bits"):
+        out.sum().backward()

@@ -3,7 +3,7 @@
 import threading
 
 import torch
-from helpers import recorded_replays
+from helpers import kept_bytes, recorded_replays
 
 import torch_remat as remat
 from torch_remat.diagnostics import OpTrace, ScopeTrace
@@ -23,13 +23,17 @@ def test_trace_of_a_scope_inside_a_checkpoint_matches_the_readme():
         fn = remat.trace_scope(sin_cos, "scope", metadata="test_flag")
         out = remat.checkpoint(region_name="layer")(fn)(x)
     assert trace.format() == SEED_TRACE
+    # the checkpoint keeps what its SAVE region saves (sin's output, which cos saves)
+    assert kept_bytes(out) == {"layer": {"sin": 12}}
     out.sum().backward()
+    assert trace.format() == SEED_TRACE
 
 
 def test_trace_of_a_checkpoint_inside_a_scope_is_the_same():
     x = torch.randn(3, requires_grad=True)
     with remat.collect_trace() as trace:
-        remat.trace_scope(remat.checkpoint(region_name="layer")(sin_cos), "scope", "test_flag")(x)
+        out = remat.trace_scope(remat.checkpoint(region_name="layer")(sin_cos), "scope", "test_flag")(x)
+    assert kept_bytes(out) == {"layer": {"sin": 12}}
     assert trace.format() == SEED_TRACE
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import pathlib
 
 import pytest
+from helpers import set_plugin_env
 
 _path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "docs_check.py"
 _spec = importlib.util.spec_from_file_location("docs_check_pages", _path)
@@ -31,7 +32,8 @@ def test_every_block_is_run_compared_or_marked():
 
 
 @pytest.mark.parametrize("page", [_param(p) for p in docs_check.pages()])
-def test_the_blocks_of_a_page_run_and_print_what_it_quotes(page):
+def test_the_blocks_of_a_page_run_and_print_what_it_quotes(page, pytestconfig, monkeypatch):
+    set_plugin_env(pytestconfig, monkeypatch)  # the page's process runs under -p plugins too
     docs_check.check_page(page)
 
 

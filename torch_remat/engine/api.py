@@ -73,7 +73,10 @@ def checkpoint(
             has been recreated (default True).
         determinism_check: ``"default"`` compares shape, dtype and device of each
             recreated tensor with the forward; ``"bitwise"`` also compares their bits
-            (costs a checksum per dropped tensor in forward); ``"none"`` checks nothing.
+            (costs a checksum per dropped tensor in forward; a fused kernel's byte
+            workspace, a 1-D ``uint8`` tensor such as oneDNN's LSTM workspace, is
+            compared by metadata only: its padding is never written); ``"none"``
+            checks nothing.
         use_reentrant: accepted for compatibility with ``torch.utils.checkpoint``;
             only ``False`` (or None) is supported.
         preserve_rng_state: only ``False`` (or None) is supported; pass RNG state
