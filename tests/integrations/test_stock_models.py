@@ -1,4 +1,4 @@
-"""The core contract on stock models: twenty transformers families and torch's own
+"""The core contract on stock models: 32 transformers families and torch's own
 recurrent, convolutional and attention modules, with dropout on, in training mode.
 
 Each case checkpoints the model's layers with ``apply_remat`` under one keep set
@@ -87,7 +87,39 @@ def _families() -> dict:
             decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.1, attention_dropout=0.1,
             pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
             forced_eos_token_id=None)),
+        "gemma2": (T.Gemma2ForCausalLM, T.Gemma2Config, dict(_GQA, head_dim=8)),
+        "qwen2_moe": (T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig, dict(
+            _GQA, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+            num_experts=4, num_experts_per_tok=2, output_router_logits=True)),
+        "granite": (T.GraniteForCausalLM, T.GraniteConfig, _GQA),
+        "cohere": (T.CohereForCausalLM, T.CohereConfig, _GQA),
+        "stablelm": (T.StableLmForCausalLM, T.StableLmConfig, dict(_GQA, hidden_dropout=0.1)),
+        "olmo2": (T.Olmo2ForCausalLM, T.Olmo2Config, _GQA),
+        "mpt": (T.MptForCausalLM, T.MptConfig, dict(
+            vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)),
+        "codegen": (T.CodeGenForCausalLM, T.CodeGenConfig, dict(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, rotary_dim=4,
+            resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)),
+        "mbart": (T.MBartForConditionalGeneration, T.MBartConfig, dict(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.1, attention_dropout=0.1,
+            pad_token_id=1, bos_token_id=0, eos_token_id=2, forced_eos_token_id=None)),
+        "distilbert": (T.DistilBertForMaskedLM, T.DistilBertConfig, dict(
+            vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4,
+            max_position_embeddings=64, dropout=0.1, attention_dropout=0.1)),
+        "electra": (T.ElectraForMaskedLM, T.ElectraConfig, dict(
+            _D, embedding_size=32, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)),
+        "deberta_v2": (T.DebertaV2ForMaskedLM, T.DebertaV2Config, dict(
+            _D, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+            relative_attention=True, pos_att_type=["p2c", "c2p"])),
     }
+
+
+# the layer classes to checkpoint where ``_no_split_modules`` does not name them alone
+LAYER_CLASSES = {"mbart": ("MBartEncoderLayer", "MBartDecoderLayer"),
+                 "distilbert": ("TransformerBlock",), "electra": ("ElectraLayer",),
+                 "deberta_v2": ("DebertaV2Layer",)}
 
 
 FAMILIES = list(_families())
@@ -133,15 +165,15 @@ def _initial(family: str) -> nn.Module:
         config = config_cls(**kwargs, use_cache=False)
     torch.manual_seed(0)
     model = model_cls(config)
-    for layer in _layers(model):
+    for layer in _layers(model, family):
         for name in ("fc1", "fc2"):
             if isinstance(getattr(layer, name, None), nn.Linear):
                 getattr(layer, name)._fc_of_layer = True
     return model.train()
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
-    names = set(model._no_split_modules or ())
+def _layers(model: nn.Module, family: str) -> list[nn.Module]:
+    names = set(LAYER_CLASSES.get(family) or model._no_split_modules)
     return [m for m in model.modules() if type(m).__name__ in names and "Embeddings" not in type(m).__name__]
 
 
@@ -203,7 +235,7 @@ def test_a_transformers_model_trains_bitwise_with_fewer_bytes(family, keep, opti
     measure = option == "defaults"  # bytes do not depend on the other options
     plain = _step(copy.deepcopy(_initial(family)), forward, measure=measure)
     model = copy.deepcopy(_initial(family))
-    layer_types = tuple({type(m) for m in _layers(model)})
+    layer_types = tuple({type(m) for m in _layers(model, family)})
     names = apply_remat(model, check_fn=lambda m: isinstance(m, layer_types),
                         remat=RematConfig(save_modules=KEEP[keep], **OPTIONS[option]))
     assert len(names) >= 2
