@@ -257,12 +257,20 @@ def without_kv_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tup
     positional = [i for i, value in enumerate(args) if value is not None and _is_kv_cache(value)]
     if positional:
         args = tuple(None if i in positional else value for i, value in enumerate(args))
-    if out is not None or positional:
-        _log.info(
+    if (out is not None or positional) and not _dropped_cache_said[0]:
+        _dropped_cache_said[0] = True
+        _log.warning(
             "torch_remat: a checkpointed block's call in training drops its key/value "
-            "cache (use_cache=False), as transformers' gradient checkpointing does"
+            "cache (use_cache=False), as transformers' gradient checkpointing does. A "
+            "layer that fills a cache runs other kernels (the cache's concatenation "
+            "makes keys and values contiguous), so a run without remat and with a cache "
+            "can differ from this one in the last bits; set model.config.use_cache = "
+            "False to compare the two bitwise (and to build no cache at all)."
         )
     return args, (kwargs if out is None else out)
+
+
+_dropped_cache_said = [False]  # the warning above is given once per process
 
 
 def _refuse_in_backward(out: Any, message: str) -> None:

@@ -167,7 +167,7 @@ def test_copying_hooks_around_a_checkpoint_hold_the_only_copy_of_kept_inputs():
 
 
 
-def test_a_key_value_cache_passed_by_position_is_dropped_like_one_passed_by_keyword():
+def test_a_key_value_cache_passed_by_position_is_dropped_like_one_passed_by_keyword(caplog, monkeypatch):
     # GPT-2's model passes its DynamicCache as each block's second positional
     # argument. Only keyword caches were dropped, so the forward and the replay
     # both appended to it: after backward every layer held its 8 keys twice.
@@ -188,11 +188,17 @@ def test_a_key_value_cache_passed_by_position_is_dropped_like_one_passed_by_keyw
     torch.manual_seed(1)
     reference(ids, use_cache=False).logits.sum().backward()
     apply_remat(model, auto_wrap_policy={GPT2Block})
+    from torch_remat.integrations import _forwards
+
+    monkeypatch.setattr(_forwards, "_dropped_cache_said", [False])
     torch.manual_seed(1)
-    with recorded_replays() as replays:
+    with recorded_replays() as replays, caplog.at_level("WARNING", logger="torch_remat"):
         out = model(ids)
         out.logits.sum().backward()
     assert replays == ["transformer.h.1", "transformer.h.0"]
+    # said once (two blocks dropped it), with how to compare bitwise
+    said = [r.getMessage() for r in caplog.records if "drops its key/value cache" in r.getMessage()]
+    assert len(said) == 1 and "model.config.use_cache = False" in said[0]
     # no block filled it, as under transformers' own gradient checkpointing
     assert all(layer.keys is None or layer.keys.numel() == 0 for layer in out.past_key_values.layers)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
