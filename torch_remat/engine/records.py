@@ -541,7 +541,9 @@ class TensorSource:
             "after the region returned",
             "torch_remat keeps that output for the recompute, which would then see the "
             "modified value. Clone it before modifying it, or do the in-place op "
-            "inside the region.",
+            "inside the region; if the region is a module that apply_remat's "
+            "save_modules selected in code you cannot change (Falcon's MLP, whose "
+            "output its layer adds to in place), leave that module out of save_modules.",
         )
 
     def _modified_before_replay(self, checkpoint: str) -> Exception:
