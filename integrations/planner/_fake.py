@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import sys
 import weakref
 from collections import defaultdict
@@ -150,6 +151,11 @@ class StorageLedger(TorchDispatchMode):
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             block = self.blocks[-1] if self.blocks else None
             raise DataDependentOpError(_data_dependent_message(func, self.modules, block)) from e
+        except RuntimeError as e:
+            # A fake (meta) kernel may refuse what the real kernel runs: the meta
+            # kernel of aten._grouped_mm (transformers' MoE experts) wants bfloat16,
+            # the CPU kernel also takes float32. Outputs as the real kernel makes them.
+            out = _as_real_kernel(func, args, kwargs, e)
         if func.overloadpacket.__name__ in REAL_LAYOUT_OPS and self.fake_mode is not None:
             out = _as_run(func, args, kwargs, out, self.learned)
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
@@ -400,6 +406,33 @@ def _as_run(func: Any, args: tuple, kwargs: dict, out: Any, learned: dict) -> An
     return tree_unflatten(fixed, out_spec)
 
 
+def _as_real_kernel(func: Any, args: tuple, kwargs: dict, refused: RuntimeError) -> Any:
+    """Fake outputs of ``func`` with the shapes, strides and dtypes its real CPU kernel
+    gives them, from one real run on zeros (not memoized: an op whose fake kernel
+    refuses is rare). Re-raises ``refused`` for an op on anything but CPU fakes, one
+    over ``LEARN_CAP`` or one the real kernel refuses too."""
+    flat, spec = tree_flatten((args, kwargs))
+    tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+    if not tensors or func.namespace != "aten" or not all(
+        isinstance(a, FakeTensor) and a.device.type == "cpu" for a in tensors
+    ) or sum(a.untyped_storage().nbytes() for a in tensors) > LEARN_CAP:
+        raise refused
+    try:
+        with _disable_current_modes():
+            real = [_zeros_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
+            rargs, rkwargs = tree_unflatten(real, spec)
+            got = func(*rargs, **rkwargs)
+    except Exception:  # noqa: BLE001 (the real kernel refuses too: the fake's error stands)
+        raise refused from None
+    outs, out_spec = tree_flatten(got)
+    faked_outs = [
+        torch.empty_strided(tuple(o.shape), o.stride(), dtype=o.dtype, device=tensors[0].device)
+        if isinstance(o, torch.Tensor) else o
+        for o in outs
+    ]
+    return tree_unflatten(faked_outs, out_spec)
+
+
 class DataDependentOpError(remat.RematError):
     """An op whose result depends on tensor values ran on fake tensors, which have
     shapes and no values."""
@@ -615,6 +648,20 @@ def _transformers_real_paths() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _quiet_refused_fake_kernels() -> Iterator[None]:
+    """torch's fake mode logs a traceback for a meta kernel that raises before the
+    error reaches :func:`_as_real_kernel`, which answers it from the real kernel:
+    that log is left out while forecasting."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
 def faked(
     model: nn.Module, args: Sequence[Any], device: torch.device | str | None = None
 ) -> Iterator[tuple[FakeTensorMode, tuple[Any, ...]]]:
@@ -652,7 +699,7 @@ def faked(
             f = _to_fake(mode, a, dev)
             return f.requires_grad_(a.requires_grad) if a.is_leaf else f
 
-        with _transformers_real_paths():
+        with _transformers_real_paths(), _quiet_refused_fake_kernels():
             yield mode, tuple(tree_map(arg, list(args)))
     finally:
         mode.allow_non_fake_inputs = allowed

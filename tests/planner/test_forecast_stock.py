@@ -509,3 +509,29 @@ def test_stock_models_offloaded_blocks_left_on_the_device_hold_what_the_plan_pre
         remove_remat(model)
     assert held == candidate.predicted_bytes, (name, prefetch, held, candidate.predicted_bytes)
     assert len(kept) == len(plan.table) and all(kept.values()), kept
+
+
+class GroupedExperts(nn.Module):
+    """Two experts' matmuls in one ``torch._grouped_mm`` call, as transformers' MoE
+    blocks run them (Mixtral, Qwen2-MoE): tokens 0-3 to expert 0, 4-7 to expert 1."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.w = nn.Parameter(torch.randn(2, d, d) / d)
+        self.register_buffer("offs", torch.tensor([4, 8], dtype=torch.int32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch._grouped_mm(self.norm(x), self.w, offs=self.offs).sigmoid()
+
+
+def test_an_op_whose_fake_kernel_refuses_what_its_cpu_kernel_runs_is_forecast_as_run():
+    # The meta kernel of aten._grouped_mm takes bfloat16 only; the CPU kernel takes
+    # float32 too. The forecast of stock Mixtral raised the meta kernel's error.
+    torch.manual_seed(0)
+    model = nn.Sequential(GroupedExperts(), GroupedExperts())
+    x = torch.randn(8, 8)
+    loss = lambda out: (out * out).sum()  # noqa: E731 (sum() alone: a CPU backward refuses its zero strides)
+    plan = plan_remat(model, (x,), loss, 1.0)
+    forecast = forecast_remat(model, (x,), loss, 1.0)
+    _same_table(plan, forecast)
