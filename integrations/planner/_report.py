@@ -83,6 +83,12 @@ def format_plan(plan: RematPlan) -> str:
             + (f"; offloaded to host: {', '.join(offloaded)} ({plan.host_bytes:,} B, prefetch "
                f"{plan.offload.prefetch})" if offloaded else "; nothing offloaded")
         )
+    by_reason: dict[str, list[str]] = {}
+    for what, why in plan.refused.items():
+        by_reason.setdefault(why, []).append(what)
+    for why, options in by_reason.items():
+        more = f" and {len(options) - 1} more option(s) with that region" if len(options) > 1 else ""
+        lines.append(f"  refused on this model: {options[0]}{more} ({why})")
     if plan.replaced is not None:
         r = plan.replaced
         lines.append(

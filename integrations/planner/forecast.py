@@ -42,6 +42,7 @@ from ._space import BlockSelector, Candidates, group_blocks, select_blocks
 from ._state import preserved_python_state
 from ._time import DeviceProfile
 from .plan import (
+    REFUSED_OPTION_ERRORS,
     Budget,
     InfeasibleBudgetError,
     PlanMismatchError,
@@ -49,6 +50,7 @@ from .plan import (
     _solve_or_error,
     _within_peak,
     block_groups,
+    first_line,
     in_call_order,
     measure_table,
     verified_plan,
@@ -145,6 +147,10 @@ class Forecast:
     max_batch_limit: int | None = None
     """Where the largest-micro-batch search stopped (``max_batch``): a policy whose
     answer is this fits at least this batch, maybe more."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Hand policies whose run raised, with the error's first line: the engine refused
+    their SAVE regions on this model (Falcon adds into its MLP's output in place, so
+    saving the MLP's Linears is refused). Not in :attr:`policies`."""
 
     @property
     def fixed_bytes(self) -> int:
@@ -184,6 +190,8 @@ class Forecast:
                 row.append(f">= {p.max_batch:,} (max_batch)" if capped else f"{p.max_batch:,}")
             rows.append(row)
         lines += ["  " + r for r in _report._rows(rows, set(range(1, len(head))))]
+        for name, why in self.refused.items():
+            lines.append(f"  {name}: refused on this model ({why})")
         if not by_block:
             plan_lines = self.plan.format().splitlines()[:2]
             lines += ["", *("  " + line for line in plan_lines)]
@@ -329,7 +337,7 @@ def forecast_remat(
             order=order,
         ))
         names = in_call_order(names, order)
-        base, checkpoint_base, table = measure_table(
+        base, checkpoint_base, table, refused = measure_table(
             target, fargs, loss_fn, names, groups, rng_free, measure=run,
             offload=offload_options, peaks=peaks,
         )
@@ -342,15 +350,23 @@ def forecast_remat(
             weakref.ref(model), rng_free=sorted(rng_free, key=names.index),
             checkpoint_base_bytes=checkpoint_base, offload=offload_options,
             time_profile=profile.name if offload_options is not None else None,
+            refused=refused,
         )
         plan, error = _solve_or_error(measured, budget, peak_budget)
         if error is not None:
             raise InfeasibleBudgetError(error)
         configs = {"no remat": Placement(), **_hand_configs(plan, groups, rng_free)}
         policies: dict[str, PolicyForecast] = {}
+        refused_policies: dict[str, str] = {}
         gradient_bytes = 0
         for name, config in configs.items():
-            m: FakeMeasurement = run(target, fargs, loss_fn, config, names)
+            try:
+                m: FakeMeasurement = run(target, fargs, loss_fn, config, names)
+            except REFUSED_OPTION_ERRORS as e:
+                if name == "full checkpoint":
+                    raise
+                refused_policies[name] = first_line(e)
+                continue
             gradient_bytes = m.gradient_bytes
             policies[name] = PolicyForecast(
                 name, config, m.bytes_by_block, m.peak_bytes, sum(m.flops_by_block.values()),
@@ -398,7 +414,7 @@ def forecast_remat(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
         max_batch_limit=max_batch if memory is not None else None,
-        profile=profile, dtype=dtype,
+        profile=profile, dtype=dtype, refused=refused_policies,
     )
 
 

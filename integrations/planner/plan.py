@@ -102,6 +102,11 @@ class Measured:
         )
 
 
+# A table entry for an option whose run raised (see measure_table): dropped from the
+# table once every group is measured.
+_REFUSED = Measured(OFF, 0, 0, 0)
+
+
 @dataclass(frozen=True)
 class Replaced:
     """A cheaper plan that a whole run showed to hold other bytes than predicted."""
@@ -154,6 +159,10 @@ class RematPlan:
     offloader: Any = field(default=None, repr=False, compare=False)
     """The ``ActivationOffloader`` :meth:`apply` installed (None: the plan offloads
     nothing, or was not applied)."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Options (``"block: policy"``) whose run raised, with the error's first line:
+    the engine refused their SAVE regions on this model (a SAVE region's output the
+    caller modifies in place, say). They are not in :attr:`table`."""
 
     # ---------------------------------------------------------------- numbers
 
@@ -344,6 +353,7 @@ class RematPlan:
             self.candidates, None, self._model, self._frontier, list(self.rng_free),
             self.checkpoint_base_bytes, offload=self.offload,
             peak_budget_bytes=self.peak_budget_bytes, time_profile=self.time_profile,
+            refused=self.refused,
         )
 
     def cheapest_choices(self, budget_bytes: int, peak_bytes: int | None) -> list[int] | None:
@@ -508,6 +518,7 @@ class RematPlan:
             "peak_budget_bytes": self.peak_budget_bytes,
             "measured_peak": self.measured_peak,
             "time_profile": self.time_profile,
+            **({"refused": self.refused} if self.refused else {}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -535,6 +546,7 @@ class RematPlan:
             peak_budget_bytes=data.get("peak_budget_bytes"),
             measured_peak=data.get("measured_peak"),
             time_profile=data.get("time_profile"),
+            refused=dict(data.get("refused", {})),
         )
 
     @staticmethod
@@ -672,14 +684,23 @@ def measure_table(
         b: [Measured(OFF, off.bytes_by_block[b], 0, 0, transient=_transient(off))] for b in blocks
     }
     bases: list[int] = []
+    refused: dict[str, str] = {}
 
     def run(group: Group, option: Option) -> None:
         offloaded = frozenset(group.blocks) if option.offload else frozenset()
-        got = measure(
-            model, args, loss_fn,
-            Placement(dict.fromkeys(group.blocks, option.save), rng_free, offloaded, offload),
-            blocks,
-        )
+        try:
+            got = measure(
+                model, args, loss_fn,
+                Placement(dict.fromkeys(group.blocks, option.save), rng_free, offloaded, offload),
+                blocks,
+            )
+        except REFUSED_OPTION_ERRORS as e:
+            if not option.save:  # a full checkpoint: the block cannot be checkpointed at all
+                raise
+            refused[f"{group.blocks[0]}: {option.label}"] = first_line(e)
+            for b in group.blocks:
+                table[b].append(_REFUSED)
+            return
         bases.append(got.bytes_by_block[BASE])
         host = getattr(got, "host_by_block", {})
         for b in group.blocks:  # an offloaded option's staying bytes: _staying_as_twins
@@ -700,11 +721,15 @@ def measure_table(
 
         def summed(i: int, group: Group = group) -> tuple[int, tuple[int, int]]:
             ms = [table[b][i] for b in group.blocks]
+            if any(m is _REFUSED for m in ms):  # never on the frontier
+                return _NEVER, (_NEVER, _NEVER)
             return sum(m.bytes for m in ms), (sum(m.flops for m in ms), sum(m.ops for m in ms))
 
         single = [summed(2 + u) for u in range(len(group.units))]
         for option in group.predicted_options(single, summed(1)):
             run(group, option)
+    for b in blocks:
+        table[b] = [m for m in table[b] if m is not _REFUSED]
     if offload is not None:
         for group in groups:
             for m in list(table[group.blocks[0]][1:]):
@@ -713,7 +738,22 @@ def measure_table(
         for b in blocks:
             table[b] = _staying_as_twins(table[b])
     base = off.bytes_by_block[BASE]
-    return base, max(bases, default=base), [table[b] for b in blocks]
+    return base, max(bases, default=base), [table[b] for b in blocks], refused
+
+
+# The engine's refusals of an option's SAVE regions on a model (a SAVE region's
+# output modified in place after it returns, an output the replay reads but nothing
+# kept, a replay that differs from its forward): that option is left out.
+REFUSED_OPTION_ERRORS = (
+    remat.SavedTensorModifiedError, remat.PlaceholderReadError, remat.RecomputeMismatchError
+)
+_NEVER = 2**62
+
+
+def first_line(e: BaseException) -> str:
+    """The error's type and first sentence."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text.split('. ')[0].rstrip('.')}"
 
 
 def _staying_as_twins(options: list[Measured]) -> list[Measured]:
@@ -823,7 +863,7 @@ def plan_remat(
     names = in_call_order(names, order)
     offload_options = resolve_offload(offload)
     peaks = peak_budget is not None or offload_options is not None
-    base, checkpoint_base, table = measure_table(
+    base, checkpoint_base, table, refused = measure_table(
         model, args, loss_fn, names, groups, frozenset(rng_free),
         measure=functools.partial(measure, peak=True) if peaks else measure,
         offload=offload_options, peaks=peaks,
@@ -839,7 +879,7 @@ def plan_remat(
         names, table, [0] * len(names), base, 0,
         {g.blocks[0]: dict(zip(g.candidates, g.kinds)) for g in groups}, None, weakref.ref(model),
         rng_free=rng_free, checkpoint_base_bytes=checkpoint_base, offload=offload_options,
-        time_profile=time_profile,
+        time_profile=time_profile, refused=refused,
     )
     plan, error = _solve_or_error(measured, budget, peak_budget)
     if not per_rank:

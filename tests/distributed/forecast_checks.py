@@ -110,7 +110,7 @@ def _compare(kind: str, forecast, model, x) -> dict:
     names = select_blocks(model, MLPBlock)
     groups = group_blocks(model, names, None, (x,))
     rng_free = blocks_drawing_no_random_numbers(model, (x,), names)
-    base, checkpoint_base, table = measure_table(
+    base, checkpoint_base, table, _refused = measure_table(
         model, (x,), loss_fn, names, groups, frozenset(rng_free), measure=measure
     )
     kept = {

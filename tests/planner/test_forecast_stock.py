@@ -535,3 +535,50 @@ def test_an_op_whose_fake_kernel_refuses_what_its_cpu_kernel_runs_is_forecast_as
     plan = plan_remat(model, (x,), loss, 1.0)
     forecast = forecast_remat(model, (x,), loss, 1.0)
     _same_table(plan, forecast)
+
+
+class AddsIntoItsMLP(nn.Module):
+    """Falcon's parallel layer: the attention output is added into the MLP's output
+    in place (``mlp_output += attention_output``)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a = self.attn(h).tanh()
+        m = self.mlp(h)
+        m += a
+        return x + m.sigmoid()
+
+
+def test_options_whose_save_regions_the_engine_refuses_are_left_out_and_named():
+    # Saving 'mlp' keeps its output for the replay, which would add into it a second
+    # time: the engine refuses it in backward. Such an option made plan_remat and
+    # forecast_remat raise on stock Falcon; now they are left out of the table and
+    # named in the report, and the hand policies that save it are too.
+    torch.manual_seed(0)
+    model = nn.Sequential(AddsIntoItsMLP(), AddsIntoItsMLP())
+    x = torch.randn(4, 8)
+    plan = plan_remat(model, (x,), budget=1.0)
+    forecast = forecast_remat(model, (x,), budget=1.0)
+    _same_table(plan, forecast)
+    # attn and mlp read the same input: one unit, saved together
+    assert {k: v.split(":")[0] for k, v in plan.refused.items()} == {
+        "0: checkpoint, save attn, mlp": "SavedTensorModifiedError",
+        "0: checkpoint, save norm, attn, mlp": "SavedTensorModifiedError",
+    }
+    assert [[m.option.label for m in options] for options in plan.table] == [
+        ["no checkpoint", "full checkpoint", "checkpoint, save norm"]] * 2
+    assert ("refused on this model: 0: checkpoint, save attn, mlp and 1 more option(s) with "
+            "that region (SavedTensorModifiedError: torch_remat: output 0 of SAVE region 'mlp' "
+            "of checkpoint '0' was modified in place after the region returned)") in plan.format()
+    from torch_remat.integrations.planner import RematPlan
+
+    assert RematPlan.from_json(plan.to_json()).refused == plan.refused
+    assert set(forecast.refused) == {"save linears", "Megatron-style"}
+    assert "save linears: refused on this model (SavedTensorModifiedError" in str(forecast)
+    assert list(forecast.policies) == ["no remat", "full checkpoint", "plan"]
