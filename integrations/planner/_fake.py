@@ -100,9 +100,15 @@ class StorageLedger(TorchDispatchMode):
         self.real_live: dict[int, int] = {}
         """Real storages the engine allocated outside the dispatcher (a checkpoint's
         copy of the CPU RNG state, a fingerprint of it) that are alive: key -> bytes."""
+        self.shadows: dict[int, int] = {}
+        """Fake storage key -> bytes of the real ``constant`` its tensor carries: the
+        fake mode computes small values made from Python numbers
+        (``torch.tensor(d).sqrt()``) for real too, and the profiler counts that real
+        copy, which the real run does not hold: one tensor, not two."""
 
     def _forget(self, key: int) -> None:
         self.known.discard(key)
+        self.shadows.pop(key, None)
         entry = self.live.pop(key, None)
         if entry is not None:
             self.current -= entry[0]
@@ -132,6 +138,9 @@ class StorageLedger(TorchDispatchMode):
             self.live[key] = (n, block)
             self.current += n
             self.peak = max(self.peak, self.current)
+            constant = getattr(t, "constant", None)
+            if isinstance(constant, torch.Tensor) and not isinstance(constant, FakeTensor):
+                self.shadows[key] = constant.untyped_storage().nbytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -245,6 +254,16 @@ class StorageLedger(TorchDispatchMode):
         for key, (n, block) in self.live.items():
             if key not in excluding:
                 held[block] += n
+        return dict(held)
+
+    def shadows_by_block(self) -> dict[str, int]:
+        """Bytes of the real constants the live fake storages carry, by the block
+        that allocated them (see :attr:`shadows`)."""
+        held: dict[str, int] = defaultdict(int)
+        for key, n in self.shadows.items():
+            entry = self.live.get(key)
+            if entry is not None:
+                held[entry[1]] += n
         return dict(held)
 
     def reset_peak(self) -> None:
@@ -772,6 +791,8 @@ def measure_fake(
             with _profiled() as prof, _block_ranges(ledger, model, block_names):
                 loss = loss_fn(model(*args))
             real = held_bytes_by_block(prof)
+            for block, n in ledger.shadows_by_block().items():  # counted as fakes
+                real[block] = max(0, real.get(block, 0) - n)
             fake = ledger.held_by_block(excluding=_parameter_storages(model))
             host: dict[str, int] = {}
             if offloader is not None and hasattr(offloader, "host"):
