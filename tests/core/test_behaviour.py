@@ -201,6 +201,25 @@ def test_early_stop_skips_trailing_ops_that_save_nothing():
     assert runs(early_stop=False) == ([False, True], [False, True])
 
 
+def test_early_stop_lets_the_op_whose_save_completed_the_set_run_first():
+    # rrelu saves its noise tensor before its kernel draws into it. When that save
+    # completed the set, the replay stopped inside it: the kernel never ran and
+    # backward read unwritten memory (torch.utils.checkpoint does the same).
+    def fn(x):
+        return torch.nn.functional.rrelu(x.exp(), training=True)
+
+    x = torch.randn(64, requires_grad=True)
+    weights = torch.arange(64.0)
+    torch.manual_seed(3)
+    (expected,) = torch.autograd.grad((fn(x) * weights).sum(), x)
+    torch.manual_seed(3)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c", recompute_state_hooks=(remat.CPURNGStateHook(),))(fn)(x)
+        (got,) = torch.autograd.grad((out * weights).sum(), x)
+    assert replayed == ["c"]
+    assert torch.equal(got, expected)
+
+
 def test_early_stop_false_replays_everything():
     trailing = []
 

@@ -19,6 +19,7 @@ import torch
 
 from .. import _compat
 from .._errors import PlaceholderReadError
+from .context import current_pass
 
 tree_map = _compat.tree_map
 
@@ -166,6 +167,9 @@ class Placeholder(torch.Tensor):
                 lambda m: _from_meta(m, device, origin) if isinstance(m, torch.Tensor) else m,
                 meta_out,
             )
+        settle = getattr(current_pass(), "settle_stop", None)
+        if settle is not None:  # a replay waiting to stop stops here, before the read
+            settle()
         raise PlaceholderReadError(read_error_message(origin, f"the op {func}"))
 
 

@@ -80,6 +80,10 @@ class ReplayPass:
         self.counter = 0
         self.filled = 0
         self.run_to_end = False  # set by stop()
+        # the autograd sequence number of the op whose save completed the set, when
+        # the stop waits for that op to run (see pack)
+        self.stop_after: int | None = None
+        self.no_history_seq: int | None = None  # the last op that saved one without history
         self.region_pos = 0
         # what ModuleState.install changed, for skipped SAVE regions to add to
         self.module_undo: list[tuple[Any, Any, Any]] = []
@@ -97,6 +101,8 @@ class ReplayPass:
         self.module_undo = undo
 
     def pack(self, t: torch.Tensor) -> Any:
+        if self.stop_after is not None and _compat.autograd_sequence_nr() != self.stop_after:
+            self.settle_stop()  # a later op saves: the one that completed the set has run
         i = self.counter
         self.counter = i + 1
         frame = self.frame
@@ -139,14 +145,32 @@ class ReplayPass:
         if frame.bitwise_check:
             check_bitwise(frame, i, t, region)
         self.store.put(i, t.detach())
+        if t.grad_fn is None:
+            self.no_history_seq = _compat.autograd_sequence_nr()
         self.filled += 1
         if self.filled == self.needed and frame.early_stop and not self.run_to_end:
-            self.stop()
+            seq = _compat.autograd_sequence_nr()
+            if self.no_history_seq == seq:
+                # This op saved a tensor without history: maybe an argument it fills
+                # after saving it (rrelu saves its noise tensor, then draws into it).
+                # Stopping here would skip the op's kernel and hand backward unwritten
+                # memory: stop at the next op's save (or run to the end) instead.
+                self.stop_after = seq
+            else:
+                self.stop()
         return _REPLAYED
 
     # The pass is pushed as its own pack hook, as the frame is: nothing is handed to
     # user hooks during a replay, so torch's checkpoint sees none under it.
     __call__ = pack
+
+    def settle_stop(self) -> None:
+        """A stop waiting for the op that saved the last needed tensor to run (see
+        :meth:`pack`) happens now: a later op saves, a region is called, or a bare op
+        reads a SAVE output that was not kept (no longer needed)."""
+        if self.stop_after is not None:
+            self.stop_after = None
+            self.stop()
 
     def stop(self) -> None:
         """Every tensor this backward needs is back: stop the replay, unless a
@@ -167,6 +191,7 @@ class ReplayPass:
         return f"Regions in forward: [{fwd}]; regions in the recompute so far: [{rec}]."
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
+        self.settle_stop()
         frame = self.frame
         qualname = qualified_name(self.region_stack, name)
         self.seen_regions.append((qualname, recompute))
