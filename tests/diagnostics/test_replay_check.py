@@ -106,3 +106,23 @@ def test_a_byte_tensor_of_data_is_still_compared_by_its_bits():
     out = remat.checkpoint(region_name="scaled", determinism_check="bitwise")(scaled)(y)
     with pytest.raises(remat.RecomputeMismatchError, match=r"\(\(4, 8\), uint8\) has different bits"):
         out.sum().backward()
+
+
+def test_a_tensor_its_op_fills_after_saving_it_is_compared_once_filled():
+    # rrelu saves its noise tensor, then draws into it: summed at the save, the
+    # forward's and the replay's checksums were of unwritten memory, and differed.
+    def fn(x):
+        return torch.nn.functional.rrelu(x.exp(), training=True).sin()
+
+    x = torch.randn(64, requires_grad=True)
+    torch.manual_seed(5)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    torch.manual_seed(5)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c", determinism_check="bitwise",
+                               recompute_state_hooks=(CPURNGStateHook(),))(fn)(x)
+        for fill in range(1, 9):  # other bytes where the replay's noise may land
+            torch.full((64,), fill * 1.5)
+        (got,) = torch.autograd.grad(out.sum(), x)
+    assert replayed == ["c"]
+    assert torch.equal(got, expected)

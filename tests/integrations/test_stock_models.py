@@ -1,5 +1,6 @@
 """The core contract on stock models: 32 transformers families and torch's own
-recurrent, convolutional and attention modules, with dropout on, in training mode.
+recurrent, convolutional, attention and random-activation layers, with dropout on,
+in training mode.
 
 Each case checkpoints the model's layers with ``apply_remat`` under one keep set
 (nothing, the attention module, the feed-forward module, every Linear) and one
@@ -335,6 +336,56 @@ class _Encoder(nn.Module):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
 
 
+class _TorchLayer(nn.Module):
+    """One of torch's layers between a norm and a residual add."""
+
+    def __init__(self, make: type) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.inner = make()
+
+    def forward(self, h):
+        out = self.inner(self.norm(h))
+        return h + (out[0] if isinstance(out, tuple) else out)
+
+
+class _SelfAttention(nn.MultiheadAttention):
+    def __init__(self) -> None:
+        super().__init__(16, 4, dropout=0.2, batch_first=True)
+
+    def forward(self, x):  # noqa: D102 (self-attention, returning the weights too)
+        return super().forward(x, x, x, need_weights=True)
+
+
+class _DecoderLayer(nn.TransformerDecoderLayer):
+    def __init__(self) -> None:
+        super().__init__(16, 4, 32, dropout=0.1, batch_first=True)
+
+    def forward(self, x):  # noqa: D102 (attending to itself as the memory)
+        return super().forward(x, x)
+
+
+class _NoisyActivation(nn.Sequential):
+    """RReLU (random slopes, drawn into a noise tensor it saves) and AlphaDropout."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, 16), nn.RReLU(), nn.AlphaDropout(0.2))
+
+
+class _Layers(nn.Module):
+    def __init__(self, make: type) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList(_TorchLayer(make) for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
 TORCH_MODELS = {
     "lstm": (lambda: _Recurrent(nn.LSTM), _RecurrentLayer, "ids"),
     "gru": (lambda: _Recurrent(nn.GRU), _RecurrentLayer, "ids"),
@@ -342,6 +393,13 @@ TORCH_MODELS = {
     "conv-batchnorm": (_ConvNet, _ConvBlock, "image"),
     "encoder-post-norm": (lambda: _Encoder(False), nn.TransformerEncoderLayer, "ids"),
     "encoder-pre-norm": (lambda: _Encoder(True), nn.TransformerEncoderLayer, "ids"),
+    "lstm-2-layers-dropout": (lambda: _Layers(lambda: nn.LSTM(16, 16, num_layers=2, dropout=0.3,
+                                                              batch_first=True)), _TorchLayer, "ids"),
+    "gru-bidirectional": (lambda: _Layers(lambda: nn.GRU(16, 8, bidirectional=True,
+                                                         batch_first=True)), _TorchLayer, "ids"),
+    "multihead-attention": (lambda: _Layers(_SelfAttention), _TorchLayer, "ids"),
+    "decoder-layer": (lambda: _Layers(_DecoderLayer), _TorchLayer, "ids"),
+    "rrelu-alpha-dropout": (lambda: _Layers(_NoisyActivation), _TorchLayer, "ids"),
 }
 # what each keep set keeps in torch's modules
 TORCH_KEEP = {

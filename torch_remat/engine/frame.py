@@ -161,7 +161,7 @@ class ForwardScratch:
     __slots__ = (
         "region_stack", "save_depth", "region_names", "sources", "walk_roots",
         "save_output_seqs", "last_states", "host_last", "start_seq", "rng_start",
-        "rng_entry", "outer_hooks", "kept_hooks", "output_sources",
+        "rng_entry", "outer_hooks", "kept_hooks", "output_sources", "unsummed",
     )
 
     def __init__(self) -> None:
@@ -183,6 +183,9 @@ class ForwardScratch:
         # saved-tensor hooks for what this call keeps, resolved in run_forward
         self.kept_hooks: KeptTensorHooks | None = None
         self.output_sources: list[TensorSource] = []  # SAVE outputs it tracks
+        # determinism_check="bitwise": (holder index, tensor, autograd sequence number)
+        # of saves without history, summed once their op has run (see frame.pack)
+        self.unsummed: list[tuple[int, torch.Tensor, int]] = []
 
 
 class CheckpointFrame:
@@ -407,8 +410,26 @@ class CheckpointFrame:
                 opaque_workspace,
             )
 
-            self.holder_checksums.append(None if opaque_workspace(t) else checksum(t))
+            seq = _compat.autograd_sequence_nr()
+            if scratch.unsummed and scratch.unsummed[-1][2] != seq:
+                self._sum_saved()
+            if opaque_workspace(t):
+                self.holder_checksums.append(None)
+            elif t.grad_fn is None:
+                # maybe an argument its op fills after saving it (rrelu's noise):
+                # summed when the next op saves, or when the forward ends
+                self.holder_checksums.append(None)
+                scratch.unsummed.append((len(self.holder_checksums) - 1, t, seq))
+            else:
+                self.holder_checksums.append(checksum(t))
         return holder
+
+    def _sum_saved(self) -> None:
+        from .replay import checksum
+
+        for index, t, _ in self.scratch.unsummed:
+            self.holder_checksums[index] = checksum(t)
+        self.scratch.unsummed.clear()
 
     # The frame is its own pack hook, so that the hook can carry per-call attributes
     # (a bound method cannot): for torch's checkpoint, the user's hooks under it are
@@ -587,6 +608,8 @@ class CheckpointFrame:
 
     def _finish(self, out: Any) -> None:
         scratch = self.scratch
+        if scratch.unsummed:
+            self._sum_saved()
         for record in self.replay_regions:
             release_traceback(record.raised)
         self.rng_use = RNGUse.of_forward(scratch.rng_start)
@@ -776,6 +799,8 @@ class CheckpointFrame:
                 raise
             finally:
                 pop_hooks()
+            if replay.unchecked:
+                replay.check_saved()
         finally:
             tls.stack.pop()
             tls.recompute_depth -= 1

@@ -84,6 +84,9 @@ class ReplayPass:
         # the stop waits for that op to run (see pack)
         self.stop_after: int | None = None
         self.no_history_seq: int | None = None  # the last op that saved one without history
+        # determinism_check="bitwise": saves without history not compared yet
+        # (index, tensor, region, autograd sequence number); see pack
+        self.unchecked: list[tuple[int, torch.Tensor, str | None, int]] = []
         self.region_pos = 0
         # what ModuleState.install changed, for skipped SAVE regions to add to
         self.module_undo: list[tuple[Any, Any, Any]] = []
@@ -101,6 +104,8 @@ class ReplayPass:
         self.module_undo = undo
 
     def pack(self, t: torch.Tensor) -> Any:
+        if self.unchecked and self.unchecked[-1][3] != _compat.autograd_sequence_nr():
+            self.check_saved()
         if self.stop_after is not None and _compat.autograd_sequence_nr() != self.stop_after:
             self.settle_stop()  # a later op saves: the one that completed the set has run
         i = self.counter
@@ -143,7 +148,10 @@ class ReplayPass:
                 "recompute_state_hooks."
             )
         if frame.bitwise_check:
-            check_bitwise(frame, i, t, region)
+            if t.grad_fn is None:  # compared once its op has run, as in the forward
+                self.unchecked.append((i, t, region, _compat.autograd_sequence_nr()))
+            else:
+                check_bitwise(frame, i, t, region)
         self.store.put(i, t.detach())
         if t.grad_fn is None:
             self.no_history_seq = _compat.autograd_sequence_nr()
@@ -163,6 +171,12 @@ class ReplayPass:
     # The pass is pushed as its own pack hook, as the frame is: nothing is handed to
     # user hooks during a replay, so torch's checkpoint sees none under it.
     __call__ = pack
+
+    def check_saved(self) -> None:
+        """The bitwise check of the saves without history whose op has run since."""
+        pending, self.unchecked = self.unchecked, []
+        for i, t, region, _ in pending:
+            check_bitwise(self.frame, i, t, region)
 
     def settle_stop(self) -> None:
         """A stop waiting for the op that saved the last needed tensor to run (see
@@ -191,6 +205,8 @@ class ReplayPass:
         return f"Regions in forward: [{fwd}]; regions in the recompute so far: [{rec}]."
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
+        if self.unchecked:  # their ops have run: compared before the region's own checks
+            self.check_saved()
         self.settle_stop()
         frame = self.frame
         qualname = qualified_name(self.region_stack, name)
