@@ -265,13 +265,13 @@ MODIFIED_AFTER_RETURN = {("falcon", "feed-forward"): "mlp",
 # ------------------------------------------------------------ torch's own modules
 
 
-class _Recurrent(nn.Module):
-    """Embedding, then recurrent layers with dropout between them, then a head."""
+class _Stack(nn.Module):
+    """Embedding, two layers made by ``make_layer``, then a head."""
 
-    def __init__(self, cell: type) -> None:
+    def __init__(self, make_layer) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 16)
-        self.layers = nn.ModuleList(_RecurrentLayer(cell) for _ in range(2))
+        self.layers = nn.ModuleList(make_layer() for _ in range(2))
         self.head = nn.Linear(16, VOCAB)
 
     def forward(self, ids):
@@ -349,6 +349,14 @@ class _TorchLayer(nn.Module):
         return h + (out[0] if isinstance(out, tuple) else out)
 
 
+def _two_layer_lstm() -> nn.Module:
+    return nn.LSTM(16, 16, num_layers=2, dropout=0.3, batch_first=True)
+
+
+def _bidirectional_gru() -> nn.Module:
+    return nn.GRU(16, 8, bidirectional=True, batch_first=True)
+
+
 class _SelfAttention(nn.MultiheadAttention):
     def __init__(self) -> None:
         super().__init__(16, 4, dropout=0.2, batch_first=True)
@@ -372,34 +380,18 @@ class _NoisyActivation(nn.Sequential):
         super().__init__(nn.Linear(16, 16), nn.RReLU(), nn.AlphaDropout(0.2))
 
 
-class _Layers(nn.Module):
-    def __init__(self, make: type) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 16)
-        self.layers = nn.ModuleList(_TorchLayer(make) for _ in range(2))
-        self.head = nn.Linear(16, VOCAB)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for layer in self.layers:
-            h = layer(h)
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
-
-
 TORCH_MODELS = {
-    "lstm": (lambda: _Recurrent(nn.LSTM), _RecurrentLayer, "ids"),
-    "gru": (lambda: _Recurrent(nn.GRU), _RecurrentLayer, "ids"),
-    "rnn": (lambda: _Recurrent(nn.RNN), _RecurrentLayer, "ids"),
+    "lstm": (lambda: _Stack(lambda: _RecurrentLayer(nn.LSTM)), _RecurrentLayer, "ids"),
+    "gru": (lambda: _Stack(lambda: _RecurrentLayer(nn.GRU)), _RecurrentLayer, "ids"),
+    "rnn": (lambda: _Stack(lambda: _RecurrentLayer(nn.RNN)), _RecurrentLayer, "ids"),
     "conv-batchnorm": (_ConvNet, _ConvBlock, "image"),
     "encoder-post-norm": (lambda: _Encoder(False), nn.TransformerEncoderLayer, "ids"),
     "encoder-pre-norm": (lambda: _Encoder(True), nn.TransformerEncoderLayer, "ids"),
-    "lstm-2-layers-dropout": (lambda: _Layers(lambda: nn.LSTM(16, 16, num_layers=2, dropout=0.3,
-                                                              batch_first=True)), _TorchLayer, "ids"),
-    "gru-bidirectional": (lambda: _Layers(lambda: nn.GRU(16, 8, bidirectional=True,
-                                                         batch_first=True)), _TorchLayer, "ids"),
-    "multihead-attention": (lambda: _Layers(_SelfAttention), _TorchLayer, "ids"),
-    "decoder-layer": (lambda: _Layers(_DecoderLayer), _TorchLayer, "ids"),
-    "rrelu-alpha-dropout": (lambda: _Layers(_NoisyActivation), _TorchLayer, "ids"),
+    "lstm-2-layers-dropout": (lambda: _Stack(lambda: _TorchLayer(_two_layer_lstm)), _TorchLayer, "ids"),
+    "gru-bidirectional": (lambda: _Stack(lambda: _TorchLayer(_bidirectional_gru)), _TorchLayer, "ids"),
+    "multihead-attention": (lambda: _Stack(lambda: _TorchLayer(_SelfAttention)), _TorchLayer, "ids"),
+    "decoder-layer": (lambda: _Stack(lambda: _TorchLayer(_DecoderLayer)), _TorchLayer, "ids"),
+    "rrelu-alpha-dropout": (lambda: _Stack(lambda: _TorchLayer(_NoisyActivation)), _TorchLayer, "ids"),
 }
 # what each keep set keeps in torch's modules
 TORCH_KEEP = {
