@@ -220,6 +220,27 @@ def test_early_stop_lets_the_op_whose_save_completed_the_set_run_first():
     assert torch.equal(got, expected)
 
 
+def test_a_replay_waiting_to_stop_stops_at_a_read_of_an_output_nothing_kept():
+    # After rrelu (the op that completed the set) the replay runs on until the next
+    # save; a read of a SAVE output nothing kept, which the forward made and the
+    # replay need not, is where it stops instead of refusing the read.
+    def fn(x):
+        a = remat.region(torch.cos, "cos", recompute=False)(x)
+        h = torch.nn.functional.rrelu(x.exp(), training=True)
+        scale = sum(a.tolist())  # a Python read the replay never needs to repeat
+        return h * scale
+
+    x = torch.randn(8, requires_grad=True)
+    torch.manual_seed(1)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    torch.manual_seed(1)
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c", recompute_state_hooks=(remat.CPURNGStateHook(),))(fn)(x)
+        (got,) = torch.autograd.grad(out.sum(), x)
+    assert replayed == ["c"]
+    assert torch.equal(got, expected)
+
+
 def test_early_stop_false_replays_everything():
     trailing = []
 

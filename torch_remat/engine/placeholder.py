@@ -120,6 +120,7 @@ class Placeholder(torch.Tensor):
         # Ahead of autograd, whose own refusal of an in-place op on a leaf that
         # requires grad would name neither the checkpoint nor the region.
         if args and isinstance(args[0], Placeholder) and _writes_in_place(func):
+            _settle_stop()
             raise PlaceholderReadError(in_place_message(args[0]._origin, func))
         return _compat.disabled_torch_function_impl(func, types, args, kwargs or {})
 
@@ -133,6 +134,7 @@ class Placeholder(torch.Tensor):
     # Raw data access does not go through dispatch: a wrapper subclass would answer
     # with a null pointer (data_ptr() == 0) that a custom kernel then reads.
     def _refuse(self, what: str):
+        _settle_stop()
         raise PlaceholderReadError(read_error_message(self._origin, what))
 
     def data_ptr(self) -> int:
@@ -167,10 +169,17 @@ class Placeholder(torch.Tensor):
                 lambda m: _from_meta(m, device, origin) if isinstance(m, torch.Tensor) else m,
                 meta_out,
             )
-        settle = getattr(current_pass(), "settle_stop", None)
-        if settle is not None:  # a replay waiting to stop stops here, before the read
-            settle()
+        _settle_stop()
         raise PlaceholderReadError(read_error_message(origin, f"the op {func}"))
+
+
+def _settle_stop() -> None:
+    """A replay waiting to stop (``ReplayPass.settle_stop``) stops here, before a read
+    of an output nothing kept: the op it waited for has run, and nothing after it
+    is needed."""
+    settle = getattr(current_pass(), "settle_stop", None)
+    if settle is not None:
+        settle()
 
 
 def read_error_message(origin: PlaceholderOrigin, reader: str) -> str:
