@@ -97,6 +97,7 @@ class ReplayPass:
         """The replay is over: drop what it refers to (see its end in ``frame.replay``)."""
         self.frame = self.store = None  # type: ignore[assignment]
         self.module_undo, self.region_stack, self.seen_regions = [], [], []
+        self.unchecked = []
 
     def restore_modules_with(self, undo: list[tuple[Any, Any, Any]]) -> None:
         """What puts the modules' state back when this replay ends (the replay adds
