@@ -389,6 +389,15 @@ def _zeros_like(t: torch.Tensor) -> torch.Tensor:
     return _ArgumentLayout(t).zeros()
 
 
+def _run_on_zeros(func: Any, flat: list, spec: Any) -> Any:
+    """``func`` run for real, outside the fake modes, on real zeros laid out as its
+    (flattened) fake tensor arguments."""
+    with _disable_current_modes():
+        real = [_zeros_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
+        rargs, rkwargs = tree_unflatten(real, spec)
+        return func(*rargs, **rkwargs)
+
+
 def _as_run(func: Any, args: tuple, kwargs: dict, out: Any, learned: dict) -> Any:
     """``out`` (the fake outputs of ``func``) with the sizes and strides the real CPU
     kernel gives them, learned from one real run on zeros (memoized)."""
@@ -403,14 +412,10 @@ def _as_run(func: Any, args: tuple, kwargs: dict, out: Any, learned: dict) -> An
     if key not in learned:
         # In the caller's grad mode: a kernel may return a workspace only with
         # gradients on (mkldnn's RNN layer does).
-        with _disable_current_modes():
-            real = [_zeros_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
-            rargs, rkwargs = tree_unflatten(real, spec)
-            got = func(*rargs, **rkwargs)
-            learned[key] = [
-                (tuple(o.shape), o.stride()) if isinstance(o, torch.Tensor) else None
-                for o in tree_flatten(got)[0]
-            ]
+        learned[key] = [
+            (tuple(o.shape), o.stride()) if isinstance(o, torch.Tensor) else None
+            for o in tree_flatten(_run_on_zeros(func, flat, spec))[0]
+        ]
     outs, out_spec = tree_flatten(out)
     if len(outs) != len(learned[key]):
         return out
@@ -437,10 +442,7 @@ def _as_real_kernel(func: Any, args: tuple, kwargs: dict, refused: RuntimeError)
     ) or sum(a.untyped_storage().nbytes() for a in tensors) > LEARN_CAP:
         raise refused
     try:
-        with _disable_current_modes():
-            real = [_zeros_like(a) if isinstance(a, torch.Tensor) else a for a in flat]
-            rargs, rkwargs = tree_unflatten(real, spec)
-            got = func(*rargs, **rkwargs)
+        got = _run_on_zeros(func, flat, spec)
     except Exception:  # noqa: BLE001 (the real kernel refuses too: the fake's error stands)
         raise refused from None
     outs, out_spec = tree_flatten(got)

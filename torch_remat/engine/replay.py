@@ -148,14 +148,15 @@ class ReplayPass:
                 "the forward; state it depends on (RNG, counters) must be restored with "
                 "recompute_state_hooks."
             )
+        no_history = t.grad_fn is None
+        if no_history:
+            self.no_history_seq = _compat.autograd_sequence_nr()
         if frame.bitwise_check:
-            if t.grad_fn is None:  # compared once its op has run, as in the forward
-                self.unchecked.append((i, t, region, _compat.autograd_sequence_nr()))
+            if no_history:  # compared once its op has run, as in the forward
+                self.unchecked.append((i, t, region, self.no_history_seq))
             else:
                 check_bitwise(frame, i, t, region)
         self.store.put(i, t.detach())
-        if t.grad_fn is None:
-            self.no_history_seq = _compat.autograd_sequence_nr()
         self.filled += 1
         if self.filled == self.needed and frame.early_stop and not self.run_to_end:
             seq = _compat.autograd_sequence_nr()
