@@ -46,6 +46,7 @@ from torch_remat._integration import (
     FakeTensorMode,
     TorchDispatchMode,
     cpu_rng_state_reads,
+    current_graph_task_id,
     profiler_enabled,
     storage_key,
     tree_flatten,
@@ -105,10 +106,18 @@ class StorageLedger(TorchDispatchMode):
         fake mode computes small values made from Python numbers
         (``torch.tensor(d).sqrt()``) for real too, and the profiler counts that real
         copy, which the real run does not hold: one tensor, not two."""
+        self.zeros: set[int] = set()
+        """Fake storages a backward allocated filled with zeros (``new_zeros``,
+        ``zeros_like``): see :meth:`_note_in_place`."""
+        self.in_place: tuple[tuple[int, ...], Any, int] | None = None
+        """The op that just ran out of place where the real backward runs in place
+        if an argument dies with it: (those arguments' storage keys, its spike's
+        signature and the spike noted before it, the peak before its outputs)."""
 
     def _forget(self, key: int) -> None:
         self.known.discard(key)
         self.shadows.pop(key, None)
+        self.zeros.discard(key)
         entry = self.live.pop(key, None)
         if entry is not None:
             self.current -= entry[0]
@@ -144,6 +153,8 @@ class StorageLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.in_place is not None:
+            self.settle_in_place()
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
                 if (
@@ -169,11 +180,71 @@ class StorageLedger(TorchDispatchMode):
             out = _as_run(func, args, kwargs, out, self.learned)
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
+        candidates = self._in_place_candidates(func, args, kwargs, out)
+        spike_key = _transient_key(func, args, kwargs) if candidates else None
+        spiked = self.spikes.get(spike_key, -1)
+        peak = self.peak
         self._spike(func, args, kwargs, out, before)
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor):
                 self._see(o, allocated=True)
+        if candidates:
+            self.in_place = (candidates, (spike_key, spiked), peak)
+        elif func.overloadpacket.__name__ in _ZEROS_OPS and isinstance(out, FakeTensor) and _in_backward():
+            self.zeros.add(storage_key(out.untyped_storage()))
         return out
+
+    def _in_place_candidates(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, ...]:
+        """Storage keys of the arguments that the real backward would have written
+        in place of ``func``'s output, had they died with it (see
+        :meth:`settle_in_place`); empty for most ops.
+
+        A fake tensor counts as a tensor subclass, and under any dispatch mode so
+        does every tensor: where torch's backward checks for subclasses to stay
+        functional, the fake run takes the out-of-place branch. Two such branches
+        allocate an output the real run does not:
+
+        * autograd sums a tensor's gradients in place into the sum so far when its
+          input buffer holds the only reference to it, else out of place;
+        * the backward of ``gather``, ``take``, ``masked_select``, ``index_select``
+          and indexing scatters into fresh zeros in place, else out of place."""
+        if not isinstance(out, FakeTensor) or torch.is_grad_enabled() or not _in_backward():
+            return ()
+        name = func.overloadpacket.__name__
+        if name == "add" and func is torch.ops.aten.add.Tensor and not kwargs and len(args) == 2:
+            # (autograd writes into the sum so far, its first argument, and only if it
+            # holds the only reference to it and to its storage: not a view, which
+            # keeps its base; dying with the sum shows the rest)
+            a = args[0]
+            if (
+                isinstance(a, FakeTensor) and not a._is_view() and a.shape == out.shape
+                and a.dtype == out.dtype and a.is_contiguous()
+                and a.untyped_storage().nbytes() == out.untyped_storage().nbytes()
+            ):
+                return (storage_key(a.untyped_storage()),)
+            return ()
+        if name in _SCATTER_INTO_ZEROS_OPS and args and isinstance(args[0], FakeTensor):
+            key = storage_key(args[0].untyped_storage())
+            if key in self.zeros and args[0].untyped_storage().nbytes() == out.untyped_storage().nbytes():
+                return (key,)
+        return ()
+
+    def settle_in_place(self) -> None:
+        """The op noted by :meth:`_in_place_candidates` has returned: if one of its
+        candidate arguments died with it, the real backward wrote that argument in
+        place, allocating nothing: its output is not counted on top of what was
+        alive, neither in the peak nor as the op's transient."""
+        pending, self.in_place = self.in_place, None
+        if pending is None:
+            return
+        keys, (spike_key, spiked), peak = pending
+        if all(key in self.live for key in keys):
+            return  # every candidate outlived the op: out of place in the real run too
+        self.peak = peak
+        if spiked < 0:
+            self.spikes.pop(spike_key, None)
+        else:
+            self.spikes[spike_key] = spiked
 
     def _spike(self, func: Any, args: tuple, kwargs: dict, out: Any, before: int) -> None:
         """Note the bytes alive as ``func`` started (``before``), for its real
@@ -219,6 +290,7 @@ class StorageLedger(TorchDispatchMode):
     def transient_peak(self) -> int:
         """The peak with each op's learned transient bytes on top of what was alive
         when it started (signatures not learned: their outputs, as counted)."""
+        self.settle_in_place()
         peak = self.peak
         for key, before in self.spikes.items():
             extra = _TRANSIENT.get(key)
@@ -268,6 +340,18 @@ class StorageLedger(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+def _in_backward() -> bool:
+    return current_graph_task_id() != -1
+
+
+# ops a backward makes zeros with, and the scatters into them that torch's backward
+# formulas run in place on plain tensors and out of place on subclasses
+_ZEROS_OPS = frozenset({"new_zeros", "zeros_like", "zeros"})
+_SCATTER_INTO_ZEROS_OPS = frozenset(
+    {"scatter_add", "index_add", "index_put", "_unsafe_index_put", "put", "masked_scatter"}
+)
 
 
 REAL_LAYOUT_OPS = frozenset({
