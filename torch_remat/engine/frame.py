@@ -51,7 +51,7 @@ from .._autograd_hooks import (
     unpack_packed,
     when_backward_ends,
 )
-from .._compat import profiler_enabled, sequence_nr, version_of
+from .._compat import autograd_sequence_nr, profiler_enabled, sequence_nr, version_of, view_base
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -110,7 +110,7 @@ if TYPE_CHECKING:
 
 tree_flatten = _compat.tree_flatten
 tree_unflatten = _compat.tree_unflatten
-_NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state
+_NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state (also "no autocast change")
 _NO_STATES: list[Any] = []  # the snapshots of a checkpoint without state hooks (never written)
 
 
@@ -162,6 +162,7 @@ class ForwardScratch:
         "region_stack", "save_depth", "region_names", "sources", "walk_roots",
         "save_output_seqs", "last_states", "host_last", "start_seq", "rng_start",
         "rng_entry", "outer_hooks", "kept_hooks", "output_sources", "unsummed",
+        "last_needed_seq",
     )
 
     def __init__(self) -> None:
@@ -186,6 +187,9 @@ class ForwardScratch:
         # determinism_check="bitwise": (holder index, tensor, autograd sequence number)
         # of saves without history, summed once their op has run (see frame.pack)
         self.unsummed: list[tuple[int, torch.Tensor, int]] = []
+        # the autograd sequence number at the last save outside SAVE regions that a
+        # replay must recreate (Rebuilds.settle: where early stop would end it)
+        self.last_needed_seq = 0
 
 
 class CheckpointFrame:
@@ -385,21 +389,26 @@ class CheckpointFrame:
         scratch = self.scratch
         if scratch.save_depth:
             return self._pack_in_save_region(t)
-        holder = Holder(self, len(self.holders))
+        holders = self.holders
+        holder = Holder(self, len(holders))
         # A tensor the checkpoint keeps anyway fills its holder now, unless the
         # user's own hooks (offloading) were active around the checkpoint: then the
         # kept copy lives where those hooks put it, and the replay refills the holder.
-        sources = scratch.sources.lookup(t)
-        if sources is not None:
+        # (SourceIndex.lookup, inlined: this runs at every save of the forward)
+        base = view_base(t)
+        root = t if base is None else base
+        entry = scratch.sources.by_root.get(id(root))
+        if entry is not None and entry[0]() is root:
+            sources = entry[1]
             for s in sources:
                 s.mark_kept(t)
             # Kept tensors packed by hooks live where the hooks put them.
             if scratch.outer_hooks is None and not any(s.hooks or s.saved is not None for s in sources):
-                d = t.detach()
-                holder.keep_value(d)
+                holder.keep_value(t.detach())
         if holder.kept is None:
-            self.rebuilds.note_needed(_compat.autograd_sequence_nr())
-        self.holders.append(weakref.ref(holder))
+            # where early stop would end a replay without rebuilds (Rebuilds.settle)
+            scratch.last_needed_seq = autograd_sequence_nr()
+        holders.append(weakref.ref(holder))
         stack = scratch.region_stack
         self.holder_meta.append(
             (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, version_of(t))
@@ -415,7 +424,7 @@ class CheckpointFrame:
                 self._sum_saved()
             if opaque_workspace(t):
                 self.holder_checksums.append(None)
-            elif t.grad_fn is None:
+            elif t.is_leaf:  # (no autograd history)
                 # maybe an argument its op fills after saving it (rrelu's noise):
                 # summed when the next op saves, or when the forward ends
                 self.holder_checksums.append(None)
@@ -722,14 +731,20 @@ class CheckpointFrame:
         return tree_unflatten(leaves, self.spec)
 
     def _autocast_context(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast settings where they differ from the current ones."""
+        changed = [
+            (dev, enabled, dtype)
+            for dev, enabled, dtype in self.autocast
+            if torch.is_autocast_enabled(dev) != enabled
+            or (enabled and torch.get_autocast_dtype(dev) != dtype)
+        ]
+        if not changed:
+            return _NO_RANGE
         stack = contextlib.ExitStack()
-        for dev, enabled, dtype in self.autocast:
-            if torch.is_autocast_enabled(dev) != enabled or (
-                enabled and torch.get_autocast_dtype(dev) != dtype
-            ):
-                stack.enter_context(
-                    torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
-                )
+        for dev, enabled, dtype in changed:
+            stack.enter_context(
+                torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
+            )
         return stack
 
     def replay(self, key: Any) -> Recreated:

@@ -85,6 +85,7 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)
 # containers whose contents are recorded (exact types: a subclass may not be
 # refillable by clear() and update())
 _CONTAINERS = frozenset({list, dict, set})
+_NO_TYPES: frozenset[type] = frozenset()
 
 
 def _contents(container: Any) -> Any:
@@ -258,10 +259,15 @@ def _module_slots(
             continue
         seen.add(i)
         d = m.__dict__
-        # plain tensor attributes; the value types are tested in one C call first
-        # (most modules hold none: hook dicts and int/bool/str settings)
-        if not _non_tensor_types.issuperset(map(type, d.values())):
+        # The attributes torch's Module sets (flags, hook dicts) hold no tensor,
+        # generator or user container: only the others are looked at, their value
+        # types first in C (most modules hold none of the three).
+        extra = d.keys() - _MODULE_KEYS
+        types = set(map(type, map(d.__getitem__, extra))) if extra else _NO_TYPES
+        if not _non_tensor_types.issuperset(types):
             for k, t in d.items():
+                if k not in extra:
+                    continue
                 if isinstance(t, torch.Tensor):
                     slots.append(_Slot(d, k, t, version_of(t), p, ATTRIBUTE))
                 elif type(t) is torch.Generator:
@@ -292,10 +298,8 @@ def _module_slots(
         # the module's attributes (a shallow copy: a dict copy in C, cheaper than
         # picking out what might change) and submodules, as the forward starts
         others.append((d, d.copy(), children, kids))
-        # the user's lists, dicts and sets (a set difference in C first: most
-        # modules have no attribute of their own)
-        extra = d.keys() - _MODULE_KEYS
-        if extra:
+        # the user's lists, dicts and sets
+        if not _CONTAINERS.isdisjoint(types):
             for k in extra:
                 v = d[k]
                 if type(v) in _CONTAINERS and k[0] != "_":

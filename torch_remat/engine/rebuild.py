@@ -149,7 +149,7 @@ class Rebuilds:
     """The rebuilt saves of one checkpoint call, from the SAVE region calls of its
     forward to the refills of each backward's replay."""
 
-    __slots__ = ("policy", "running", "by_pos", "last_needed_seq", "output_edges", "flop_memo", "slots")
+    __slots__ = ("policy", "running", "by_pos", "output_edges", "flop_memo", "slots")
 
     def __init__(self, policy: str, flop_memo: dict | None) -> None:
         self.policy = policy  # "free", "always" or "never"
@@ -157,9 +157,6 @@ class Rebuilds:
         self.running: RegionRebuild | None = None
         # replay position of a SAVE region -> its rebuilt arguments
         self.by_pos: dict[int, RegionRebuild] = {}
-        # where early stop would end the replay without rebuilds: the sequence number
-        # at the last save outside SAVE regions that the replay must recreate
-        self.last_needed_seq = 0
         # (id(node), output_nr) of each SAVE output -> its source (for the settle walk)
         # (sequence number of a SAVE output's node, output_nr) -> its source
         self.output_edges: dict[tuple[int, int], TensorSource] = {}
@@ -258,11 +255,6 @@ class Rebuilds:
             for observer in frame.observers.kept:
                 observer.tensor_kept(frame, kept, t)
 
-    def note_needed(self, seq: int) -> None:
-        """A save outside SAVE regions that the replay must refill was made when the
-        autograd sequence counter stood at ``seq``."""
-        self.last_needed_seq = seq
-
     def abandon(self) -> None:
         """The forward raised: saves still pending let go of their tensors (a save
         that is an output of the node holding it would form a cycle through autograd
@@ -283,7 +275,7 @@ class Rebuilds:
         # Where early stop would end the replay without rebuilds (the node of the op
         # that saved the last tensor to recreate), and the first op with FLOPs after it.
         # (Nodes before the checkpoint's start are not replayed.)
-        lo = max(self.last_needed_seq - 1, frame.scratch.start_seq)
+        lo = max(frame.scratch.last_needed_seq - 1, frame.scratch.start_seq)
         # Without early stop the replay runs every op anyway: any rebuild is free. So is
         # one the replay reaches before the last tensor it recreates anyway.
         limit = 2**63

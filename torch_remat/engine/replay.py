@@ -112,17 +112,16 @@ class ReplayPass:
         i = self.counter
         self.counter = i + 1
         frame = self.frame
-        if i >= len(frame.holders):
+        holders = frame.holders
+        if i >= len(holders):
             raise RecomputeMismatchError(
                 f"torch_remat: the recompute of checkpoint '{frame.name}' saved more "
                 f"tensors for backward than its forward did ({len(frame.holders)} outside "
                 f"SAVE regions). {self.region_sequences()} The replay must take the same "
                 "path as the forward."
             )
-        holder = frame.holders[i]()
-        if holder is None or holder.kept is not None:
-            return _REPLAYED
-        if i in self.store:
+        holder = holders[i]()
+        if holder is None or holder.kept is not None or i in self.store.tensors:
             return _REPLAYED
         if isinstance(t, Placeholder):
             raise PlaceholderReadError(
@@ -139,7 +138,7 @@ class ReplayPass:
                 f"forward saved it and is at version {version_of(t)} in the recompute",
                 CLONE_FIRST,
             )
-        if frame.check_metadata and (t.shape != shape or t.dtype != dtype or t.device != device):
+        if frame.check_metadata and (t.shape != shape or t.dtype is not dtype or t.device != device):
             raise RecomputeMismatchError(
                 f"torch_remat: tensor #{i} saved for backward by {describe_region(region)} of "
                 f"checkpoint '{frame.name}' was {tuple(shape)} {dtype} on {device} in forward but "
@@ -148,7 +147,7 @@ class ReplayPass:
                 "the forward; state it depends on (RNG, counters) must be restored with "
                 "recompute_state_hooks."
             )
-        no_history = t.grad_fn is None
+        no_history = t.is_leaf  # (grad_fn is None, without a Python object for the node)
         if no_history:
             self.no_history_seq = _compat.autograd_sequence_nr()
         if frame.bitwise_check:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -472,26 +472,45 @@ def _numpy_layout(np: Any, cls: type) -> tuple[int, int] | None:
 # program has imported it
 _host_readers: list[tuple[Any, Any]] = []
 _numpy_pending: list[bool] = []
+# one function reading them all (host_rng_state runs at every SAVE region's return)
+_read_all: list[Callable[[], tuple[Any, ...]]] = []
 
 
 def _readers() -> list[tuple[Any, Any]]:
+    changed = False
     if not _host_readers:
         _numpy_pending[:] = [True]
         reader = _python_random_reader()
         if reader is not None:
             _host_readers.append(reader)
+        changed = True
     if _numpy_pending and "numpy" in sys.modules:
         _numpy_pending.clear()
         reader = _numpy_reader()
         if reader is not None:
             _host_readers.append(reader)
+        changed = True
+    if changed or not _read_all:
+        _read_all[:] = [_read_each(tuple(read for read, _ in _host_readers))]
     return _host_readers
+
+
+def _read_each(reads: tuple[Callable[[], Any], ...]) -> Callable[[], tuple[Any, ...]]:
+    if len(reads) == 2:
+        first, second = reads
+        return lambda: (first(), second())
+    if len(reads) == 1:
+        (only,) = reads
+        return lambda: (only(),)
+    return lambda: tuple([read() for read in reads])
 
 
 def host_rng_state() -> tuple[Any, ...]:
     """The states of Python's ``random`` and NumPy's global generator now: compare
     two with ``==`` to see whether a random number was drawn in between."""
-    return tuple([read() for read, _ in _readers()])
+    if _numpy_pending or not _host_readers:
+        _readers()
+    return _read_all[0]()
 
 
 def restore_host_rng_state(state: tuple[Any, ...]) -> None:
