@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._selection import module_matcher
+
 Candidates = Sequence[type | str] | Callable[[str, nn.Module], bool] | None
 """Module classes and/or glob patterns of qualified names, or a predicate
 ``(path inside the block, module) -> bool``; None: the default candidates."""
@@ -205,16 +207,8 @@ def select_blocks(model: nn.Module, blocks: BlockSelector) -> list[str]:
     default :func:`default_blocks`."""
     if blocks is None:
         return default_blocks(model)
-    if isinstance(blocks, type) or isinstance(blocks, (tuple, list)):
-        classes = blocks if isinstance(blocks, type) else tuple(blocks)
-
-        def match(m: nn.Module) -> bool:
-            return isinstance(m, classes)
-
-    elif callable(blocks):
-        match = blocks
-    else:
-        raise TypeError(f"plan_remat: blocks must be a class, classes or a predicate, got {blocks!r}")
+    # (qualified names are not selectors: the adapters' blocks= takes none either)
+    match = module_matcher(blocks, "plan_remat: blocks")
     names: list[str] = []
     for name, module in model.named_modules():
         if module is model or not match(module):

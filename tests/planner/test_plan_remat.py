@@ -256,6 +256,13 @@ def test_a_bad_budget_is_refused_with_its_type():
         plan_module.resolve_budget(True, 100)
 
 
+def test_blocks_given_as_names_are_refused_with_what_blocks_takes():
+    # before: isinstance() arg 2 must be a type, a tuple of types, or a union
+    model = Net(n=2)
+    with pytest.raises(TypeError, match=r"plan_remat: blocks must hold module classes only, got \['layers.0'\]"):
+        plan_remat(model, (torch.randn(4, 8, dtype=torch.float64),), budget=1.0, blocks=["layers.0"])
+
+
 def test_candidates_by_glob_and_class_restrict_the_options():
     torch.manual_seed(0)
     model = Net(n=2)
