@@ -131,6 +131,8 @@ make_saved_tensor = torch._C._autograd._make_saved_tensor
 SavedTensor = torch._C._autograd.SavedTensor
 autograd_sequence_nr = torch._C._autograd._get_sequence_nr
 current_graph_task_id = torch._C._current_graph_task_id
+# the autograd node whose backward is running on this thread (None outside one)
+current_autograd_node = torch._C._current_autograd_node
 # Newer than the rest: absent, every backward is its own group.
 get_graph_exec_group = getattr(torch._C, "_get_graph_exec_group", lambda: None)
 profiler_enabled = torch._C._autograd._profiler_enabled

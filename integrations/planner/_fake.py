@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 
 import torch_remat as remat
 from torch_remat._integration import (
@@ -46,8 +47,10 @@ from torch_remat._integration import (
     FakeTensorMode,
     TorchDispatchMode,
     cpu_rng_state_reads,
+    current_autograd_node,
     current_graph_task_id,
     profiler_enabled,
+    sequence_nr,
     storage_key,
     tree_flatten,
     tree_map,
@@ -106,9 +109,16 @@ class StorageLedger(TorchDispatchMode):
         fake mode computes small values made from Python numbers
         (``torch.tensor(d).sqrt()``) for real too, and the profiler counts that real
         copy, which the real run does not hold: one tensor, not two."""
+        self.made_by: dict[int, int] = {}
+        """Fake storage key -> sequence number of the backward node whose run
+        allocated it (see :meth:`_in_place_candidates`)."""
         self.zeros: set[int] = set()
-        """Fake storages a backward allocated filled with zeros (``new_zeros``,
-        ``zeros_like``): see :meth:`_note_in_place`."""
+        """Fake storages a backward node allocated filled with zeros (``new_zeros``,
+        ``zeros_like``): see :meth:`_in_place_candidates`."""
+        self.node: int | None = None
+        """The sequence number of the backward node running the current op; None
+        outside a backward and in the backward of a Python ``autograd.Function``,
+        whose ops are the user's code."""
         self.in_place: tuple[tuple[int, ...], Any, int] | None = None
         """The op that just ran out of place where the real backward runs in place
         if an argument dies with it: (those arguments' storage keys, its spike's
@@ -118,6 +128,7 @@ class StorageLedger(TorchDispatchMode):
         self.known.discard(key)
         self.shadows.pop(key, None)
         self.zeros.discard(key)
+        self.made_by.pop(key, None)
         entry = self.live.pop(key, None)
         if entry is not None:
             self.current -= entry[0]
@@ -147,6 +158,8 @@ class StorageLedger(TorchDispatchMode):
             self.live[key] = (n, block)
             self.current += n
             self.peak = max(self.peak, self.current)
+            if self.node is not None:
+                self.made_by[key] = self.node
             constant = getattr(t, "constant", None)
             if isinstance(constant, torch.Tensor) and not isinstance(constant, FakeTensor):
                 self.shadows[key] = constant.untyped_storage().nbytes()
@@ -155,6 +168,7 @@ class StorageLedger(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.in_place is not None:
             self.settle_in_place()
+        self.node = _backward_node()
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
                 if (
@@ -190,7 +204,7 @@ class StorageLedger(TorchDispatchMode):
                 self._see(o, allocated=True)
         if candidates:
             self.in_place = (candidates, (spike_key, spiked), peak)
-        elif func.overloadpacket.__name__ in _ZEROS_OPS and isinstance(out, FakeTensor) and _in_backward():
+        elif func.overloadpacket.__name__ in _ZEROS_OPS and isinstance(out, FakeTensor) and self.node is not None:
             self.zeros.add(storage_key(out.untyped_storage()))
         return out
 
@@ -207,25 +221,35 @@ class StorageLedger(TorchDispatchMode):
         * autograd sums a tensor's gradients in place into the sum so far when its
           input buffer holds the only reference to it, else out of place;
         * the backward of ``gather``, ``take``, ``masked_select``, ``index_select``
-          and indexing scatters into fresh zeros in place, else out of place."""
-        if not isinstance(out, FakeTensor) or torch.is_grad_enabled() or not _in_backward():
+          and indexing scatters into fresh zeros in place, else out of place.
+
+        Only ops run by torch's own backward nodes qualify (a Python
+        ``autograd.Function``'s backward is the user's code, run as written)."""
+        node = self.node
+        if node is None or not isinstance(out, FakeTensor) or torch.is_grad_enabled():
             return ()
         name = func.overloadpacket.__name__
         if name == "add" and func is torch.ops.aten.add.Tensor and not kwargs and len(args) == 2:
-            # (autograd writes into the sum so far, its first argument, and only if it
-            # holds the only reference to it and to its storage: not a view, which
-            # keeps its base; dying with the sum shows the rest)
+            # Autograd writes into the sum so far (the first argument: a gradient
+            # another node made) and only if it holds the only reference to it and to
+            # its storage: not a view, which keeps its base; dying with the sum shows
+            # the rest. (A sum inside a node's formula adds what that node made.)
             a = args[0]
             if (
                 isinstance(a, FakeTensor) and not a._is_view() and a.shape == out.shape
                 and a.dtype == out.dtype and a.is_contiguous()
                 and a.untyped_storage().nbytes() == out.untyped_storage().nbytes()
             ):
-                return (storage_key(a.untyped_storage()),)
+                key = storage_key(a.untyped_storage())
+                if self.made_by.get(key, node) != node:
+                    return (key,)
             return ()
         if name in _SCATTER_INTO_ZEROS_OPS and args and isinstance(args[0], FakeTensor):
             key = storage_key(args[0].untyped_storage())
-            if key in self.zeros and args[0].untyped_storage().nbytes() == out.untyped_storage().nbytes():
+            if (
+                key in self.zeros and self.made_by.get(key) == node
+                and args[0].untyped_storage().nbytes() == out.untyped_storage().nbytes()
+            ):
                 return (key,)
         return ()
 
@@ -342,8 +366,15 @@ class StorageLedger(TorchDispatchMode):
         self.peak = self.current
 
 
-def _in_backward() -> bool:
-    return current_graph_task_id() != -1
+def _backward_node() -> int | None:
+    """The sequence number of the backward node of torch's running the current op
+    (None outside a backward, or in a Python ``autograd.Function``'s backward)."""
+    if current_graph_task_id() == -1:
+        return None
+    node = current_autograd_node()
+    if node is None or isinstance(node, BackwardCFunction):
+        return None
+    return sequence_nr(node)
 
 
 # ops a backward makes zeros with, and the scatters into them that torch's backward
