@@ -299,6 +299,7 @@ class StorageLedger(TorchDispatchMode):
     def real_allocated(self, t: torch.Tensor) -> None:
         """A real tensor the engine allocated outside the dispatcher (an RNG state):
         alive in the step's bytes until its storage is freed."""
+        self.settle_in_place()
         st = t.untyped_storage()
         key = storage_key(st)
         if key in self.real_live:
@@ -330,6 +331,7 @@ class StorageLedger(TorchDispatchMode):
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
         FSDP2 allocates and frees a unit's unsharded parameters so). Grown from empty,
         it is allocated now, in the running block; shrunk to empty, freed."""
+        self.settle_in_place()
         key = storage_key(st)
         if key not in self.known:
             self.known.add(key)
@@ -673,6 +675,7 @@ def _rng_states(ledger: StorageLedger) -> Iterator[None]:
     guard (freed at once) are real tensors allocated outside the dispatcher."""
 
     def read() -> None:
+        ledger.settle_in_place()
         ledger.peak = max(ledger.peak, ledger.current + _cpu_state_bytes())
 
     with cpu_rng_state_reads(ledger.real_allocated, read):
