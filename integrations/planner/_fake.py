@@ -104,8 +104,6 @@ class StorageLedger(TorchDispatchMode):
         self.real_live: dict[int, int] = {}
         """Real storages the engine allocated outside the dispatcher (a checkpoint's
         copy of the CPU RNG state, a fingerprint of it) that are alive: key -> bytes."""
-        self.real_blocks: dict[int, str] = {}
-        """The block each storage of :attr:`real_live` was allocated in."""
         self.shadows: dict[int, int] = {}
         """Fake storage key -> bytes of the real ``constant`` its tensor carries: the
         fake mode computes small values made from Python numbers
@@ -306,13 +304,11 @@ class StorageLedger(TorchDispatchMode):
             return
         n = st.nbytes()
         self.real_live[key] = n
-        self.real_blocks[key] = self.blocks[-1] if self.blocks else BASE
         self.current += n
         self.peak = max(self.peak, self.current)
 
         def freed(_key: int = key) -> None:
             self.current -= self.real_live.pop(_key, 0)
-            self.real_blocks.pop(_key, None)
 
         weakref.finalize(st, freed)
 
@@ -879,8 +875,7 @@ class FakeMeasurement(Measurement):
     """How far ``peak_bytes`` may lie above the real step's peak: real storages
     the forward keeps that were allocated outside the dispatcher and that the
     ledger does not follow to their free (a Python number an op saves for its
-    backward, wrapped in an 8 B tensor), counted as alive for the whole step, and
-    the most of them one checkpoint's replay makes again in the backward."""
+    backward, wrapped in an 8 B tensor), counted as alive for the whole step."""
     gradient_bytes: int = 0
     """Bytes of the parameters' gradients after the backward (distinct storages;
     DTensor gradients: this rank's shards)."""
@@ -925,14 +920,6 @@ def measure_fake(
             # Real storages of the forward the ledger did not follow (it follows the
             # engine's RNG states): alive for the whole step, at most.
             unfollowed = max(0, sum(real.values()) - sum(ledger.real_live.values()))
-            # A checkpoint's replay makes its block's again, for real, in the backward:
-            # at most one replay's at a time beside them.
-            followed: dict[str, int] = defaultdict(int)
-            for key, n in ledger.real_live.items():
-                followed[ledger.real_blocks.get(key, BASE)] += n
-            unfollowed += max(
-                (max(0, real.get(b, 0) - followed[b]) for b in config.checkpointed), default=0
-            )
             counter = RecomputeCounter()
             with counter:
                 loss.backward()
