@@ -717,4 +717,3 @@ def test_a_backward_torch_runs_in_place_is_forecast_in_place(name):
     for n, policy in forecast.policies.items():
         real = real_step_peak(model, (x,), lambda out: out.sum(), policy.config)
         assert 0 <= policy.peak_bytes - real <= policy.peak_margin, (n, policy.peak_bytes, real)
-
