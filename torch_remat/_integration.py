@@ -31,6 +31,8 @@ from ._compat import (
     tree_unflatten,
 )
 from .diagnostics.format import format_bytes
+from .engine.frame import CheckpointFrame
+from .engine.observers import CheckpointObserver, observe
 from .engine.rng import DefaultGenerator, RNGUse, fingerprints
 
 
@@ -42,6 +44,24 @@ def generator_positions() -> list[Any]:
 def drew_random_numbers(start: list[Any]) -> bool:
     """True if a default generator moved since ``generator_positions()`` gave ``start``."""
     return RNGUse.of_forward(start) is not None
+
+@contextlib.contextmanager
+def replays_observed(started: Callable[[str], None], ended: Callable[[str], None]) -> Iterator[None]:
+    """While active, checkpoints started in this thread report each replay's start
+    and end, with their names: ``started(name)``, ``ended(name)``."""
+
+    class _Replays(CheckpointObserver):
+        def replay_started(self, frame: CheckpointFrame | None) -> None:
+            if frame is not None:
+                started(frame.name)
+
+        def replay_ended(self, frame: CheckpointFrame | None) -> None:
+            if frame is not None:
+                ended(frame.name)
+
+    with observe(_Replays()):
+        yield
+
 
 @contextlib.contextmanager
 def cpu_rng_state_reads(
@@ -81,6 +101,7 @@ __all__ = [
     "generator_positions",
     "drew_random_numbers",
     "cpu_rng_state_reads",
+    "replays_observed",
     "profiler_enabled",
     "TorchDispatchMode",
     "FakeTensor",

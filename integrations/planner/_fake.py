@@ -50,6 +50,7 @@ from torch_remat._integration import (
     current_autograd_node,
     current_graph_task_id,
     profiler_enabled,
+    replays_observed,
     sequence_nr,
     storage_key,
     tree_flatten,
@@ -119,10 +120,44 @@ class StorageLedger(TorchDispatchMode):
         """The sequence number of the backward node running the current op; None
         outside a backward and in the backward of a Python ``autograd.Function``,
         whose ops are the user's code."""
-        self.in_place: tuple[tuple[int, ...], Any, int] | None = None
+        self.real_blocks: dict[int, str] = {}
+        """The block each storage of :attr:`real_live` was allocated in."""
+        self.replay_numbers: dict[str, int] = {}
+        """Per block, the bytes of Python numbers its forward wrapped in real tensors
+        that its graph keeps (see :meth:`replay_started`)."""
+        self.extras: list[int] = []
+        """The bytes :meth:`replay_started` counts for each replay running."""
+        self.peak_extra = 0
+        """Of :attr:`peak`, the bytes counted for running replays' numbers (an upper
+        bound of theirs: the peak may lie above the real one by that much)."""
+        self.spike_extras: dict[Any, int] = {}
+        """Per signature in :attr:`spikes`, the replays' numbers counted in it."""
+        self.in_place: tuple[tuple[int, ...], Any, tuple[int, int]] | None = None
         """The op that just ran out of place where the real backward runs in place
         if an argument dies with it: (those arguments' storage keys, its spike's
         signature and the spike noted before it, the peak before its outputs)."""
+
+    def _raise_peak(self, value: int) -> None:
+        if value > self.peak:
+            self.peak = value
+            self.peak_extra = sum(self.extras)
+
+    def replay_started(self, checkpoint: str) -> None:
+        """A checkpoint's replay starts: until it ends, its graph holds the Python
+        numbers its ops wrap in real tensors again (``q * math.sqrt(1 / E)``), as many
+        as the forward's graph of that block holds; they are made outside the
+        dispatcher, where the ledger does not see them, so they are counted as
+        alive for the whole replay."""
+        self.settle_in_place()
+        n = self.replay_numbers.get(checkpoint, 0)
+        self.extras.append(n)
+        self.current += n
+        self._raise_peak(self.current)
+
+    def replay_ended(self, checkpoint: str) -> None:
+        self.settle_in_place()
+        if self.extras:
+            self.current -= self.extras.pop()
 
     def _forget(self, key: int) -> None:
         self.known.discard(key)
@@ -157,7 +192,7 @@ class StorageLedger(TorchDispatchMode):
                 return
             self.live[key] = (n, block)
             self.current += n
-            self.peak = max(self.peak, self.current)
+            self._raise_peak(self.current)
             if self.node is not None:
                 self.made_by[key] = self.node
             constant = getattr(t, "constant", None)
@@ -196,8 +231,8 @@ class StorageLedger(TorchDispatchMode):
             _draw_like(out)
         candidates = self._in_place_candidates(func, args, kwargs, out)
         spike_key = _transient_key(func, args, kwargs) if candidates else None
-        spiked = self.spikes.get(spike_key, -1)
-        peak = self.peak
+        spiked = (self.spikes.get(spike_key, -1), self.spike_extras.get(spike_key, 0))
+        peak = (self.peak, self.peak_extra)
         self._spike(func, args, kwargs, out, before)
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor):
@@ -261,14 +296,16 @@ class StorageLedger(TorchDispatchMode):
         pending, self.in_place = self.in_place, None
         if pending is None:
             return
-        keys, (spike_key, spiked), peak = pending
+        keys, (spike_key, (spiked, spike_extra)), (peak, peak_extra) = pending
         if all(key in self.live for key in keys):
             return  # every candidate outlived the op: out of place in the real run too
-        self.peak = peak
+        self.peak, self.peak_extra = peak, peak_extra
         if spiked < 0:
             self.spikes.pop(spike_key, None)
+            self.spike_extras.pop(spike_key, None)
         else:
             self.spikes[spike_key] = spiked
+            self.spike_extras[spike_key] = spike_extra
 
     def _spike(self, func: Any, args: tuple, kwargs: dict, out: Any, before: int) -> None:
         """Note the bytes alive as ``func`` started (``before``), for its real
@@ -293,6 +330,7 @@ class StorageLedger(TorchDispatchMode):
             self.pending[key] = (func, layouts, spec, torch.is_grad_enabled())
         if before > self.spikes.get(key, -1):
             self.spikes[key] = before
+            self.spike_extras[key] = sum(self.extras)
 
     def real_allocated(self, t: torch.Tensor) -> None:
         """A real tensor the engine allocated outside the dispatcher (an RNG state):
@@ -304,24 +342,27 @@ class StorageLedger(TorchDispatchMode):
             return
         n = st.nbytes()
         self.real_live[key] = n
+        self.real_blocks[key] = self.blocks[-1] if self.blocks else BASE
         self.current += n
-        self.peak = max(self.peak, self.current)
+        self._raise_peak(self.current)
 
         def freed(_key: int = key) -> None:
             self.current -= self.real_live.pop(_key, 0)
+            self.real_blocks.pop(_key, None)
 
         weakref.finalize(st, freed)
 
-    def transient_peak(self) -> int:
+    def transient_peak(self) -> tuple[int, int]:
         """The peak with each op's learned transient bytes on top of what was alive
-        when it started (signatures not learned: their outputs, as counted)."""
+        when it started (signatures not learned: their outputs, as counted), and the
+        bytes of running replays' numbers counted in it (:meth:`replay_started`)."""
         self.settle_in_place()
-        peak = self.peak
+        peak, numbers = self.peak, self.peak_extra
         for key, before in self.spikes.items():
             extra = _TRANSIENT.get(key)
-            if extra is not None:
-                peak = max(peak, before + extra)
-        return peak
+            if extra is not None and before + extra > peak:
+                peak, numbers = before + extra, self.spike_extras.get(key, 0)
+        return peak, numbers
 
     def resized(self, st: Any, before: int, after: int) -> None:
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
@@ -339,7 +380,7 @@ class StorageLedger(TorchDispatchMode):
             block = entry[1] if entry is not None else (self.blocks[-1] if self.blocks else BASE)
             self.live[key] = (after, block)
             self.current += after
-            self.peak = max(self.peak, self.current)
+            self._raise_peak(self.current)
 
     def see_existing(self, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
@@ -672,7 +713,7 @@ def _rng_states(ledger: StorageLedger) -> Iterator[None]:
 
     def read() -> None:
         ledger.settle_in_place()
-        ledger.peak = max(ledger.peak, ledger.current + _cpu_state_bytes())
+        ledger._raise_peak(ledger.current + _cpu_state_bytes())
 
     with cpu_rng_state_reads(ledger.real_allocated, read):
         yield
@@ -875,7 +916,8 @@ class FakeMeasurement(Measurement):
     """How far ``peak_bytes`` may lie above the real step's peak: real storages
     the forward keeps that were allocated outside the dispatcher and that the
     ledger does not follow to their free (a Python number an op saves for its
-    backward, wrapped in an 8 B tensor), counted as alive for the whole step."""
+    backward, wrapped in an 8 B tensor), counted as alive for the whole step, and
+    those a replay running at the peak makes again, counted for the whole replay."""
     gradient_bytes: int = 0
     """Bytes of the parameters' gradients after the backward (distinct storages;
     DTensor gradients: this rank's shards)."""
@@ -906,7 +948,9 @@ def measure_fake(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with mode, ledger, _storage_resizes(ledger), _rng_states(ledger):
+        with mode, ledger, _storage_resizes(ledger), _rng_states(ledger), replays_observed(
+            ledger.replay_started, ledger.replay_ended
+        ):
             ledger.see_existing([*model.parameters(), *model.buffers(), *leaves])
             with _profiled() as prof, _block_ranges(ledger, model, block_names):
                 loss = loss_fn(model(*args))
@@ -920,13 +964,18 @@ def measure_fake(
             # Real storages of the forward the ledger did not follow (it follows the
             # engine's RNG states): alive for the whole step, at most.
             unfollowed = max(0, sum(real.values()) - sum(ledger.real_live.values()))
+            followed: dict[str, int] = defaultdict(int)
+            for key, n in ledger.real_live.items():
+                followed[ledger.real_blocks.get(key, BASE)] += n
+            ledger.replay_numbers = {b: max(0, n - followed[b]) for b, n in real.items()}
             counter = RecomputeCounter()
             with counter:
                 loss.backward()
             del loss
             gradient_bytes = storage_bytes([p.grad for p in model.parameters()])
         learn_transients(ledger.pending)
-        peak = ledger.transient_peak() + unfollowed
+        peak, replayed_numbers = ledger.transient_peak()
+        peak += unfollowed
     finally:
         if was_enabled:
             gc.enable()
@@ -943,7 +992,7 @@ def measure_fake(
         host_by_block={n: host.get(n, 0) for n in block_names},
     )
     result.peak_bytes = peak
-    result.peak_margin = unfollowed
+    result.peak_margin = unfollowed + replayed_numbers
     result.gradient_bytes = gradient_bytes
     return result
 
