@@ -45,6 +45,7 @@ def drew_random_numbers(start: list[Any]) -> bool:
     """True if a default generator moved since ``generator_positions()`` gave ``start``."""
     return RNGUse.of_forward(start) is not None
 
+
 @contextlib.contextmanager
 def replays_observed(started: Callable[[str], None], ended: Callable[[str], None]) -> Iterator[None]:
     """While active, checkpoints started in this thread report each replay's start
