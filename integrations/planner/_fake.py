@@ -132,12 +132,26 @@ class StorageLedger(TorchDispatchMode):
         bound of theirs: the peak may lie above the real one by that much)."""
         self.spike_extras: dict[Any, int] = {}
         """Per signature in :attr:`spikes`, the replays' numbers counted in it."""
+        self.quiet: tuple[int, Any, int] | None = None
+        """While a backward node of :data:`_REAL_PATH_BACKWARDS` runs: (its sequence
+        number, its signature, the bytes alive as it started). Its ops raise neither
+        the peak nor a spike: its real path is learned whole (:func:`learn_nodes`)."""
+        self.pending_nodes: dict[Any, None] = {}
+        """Node signatures (see :func:`_node_key`) not learned yet."""
+        self.node_fallback: dict[Any, int] = {}
+        """Per node signature, the most bytes its fake ops held above its start: its
+        transient where the real one could not be learned."""
         self.in_place: tuple[tuple[int, ...], Any, tuple[int, int]] | None = None
         """The op that just ran out of place where the real backward runs in place
         if an argument dies with it: (those arguments' storage keys, its spike's
         signature and the spike noted before it, the peak before its outputs)."""
 
     def _raise_peak(self, value: int) -> None:
+        if self.quiet is not None:
+            _, key, start = self.quiet
+            if value - start > self.node_fallback.get(key, 0):
+                self.node_fallback[key] = value - start
+            return
         if value > self.peak:
             self.peak = value
             self.peak_extra = sum(self.extras)
@@ -203,7 +217,13 @@ class StorageLedger(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.in_place is not None:
             self.settle_in_place()
-        self.node = _backward_node()
+        self.node, node = _backward_node()
+        self._follow_node(node)
+        # torch.tensor([0, 1]) in the model's code makes a real tensor outside the
+        # dispatcher and hands it to lift_fresh: an allocation of the step's, not a
+        # tensor that existed before it (a target the loss closure holds)
+        fresh = func in _LIFT_FRESH_OPS
+        lifted: list[torch.Tensor] = []
         for a in tree_flatten((args, kwargs))[0]:
             if isinstance(a, torch.Tensor):
                 if (
@@ -212,8 +232,10 @@ class StorageLedger(TorchDispatchMode):
                     and not hasattr(type(a), "__tensor_flatten__")  # a wrapper (DTensor)
                 ):  # of fakes: its inner tensors are fake already; nothing to convert
                     a = self.fake_mode.from_tensor(a)
-                    self.converted.append(a)  # alive, so that the op's conversion finds it
-                self._see(a, allocated=False)
+                    # alive, so that the op's conversion finds it (a fresh one only
+                    # through the op: afterwards it lives as long as the model keeps it)
+                    (lifted if fresh else self.converted).append(a)
+                self._see(a, allocated=fresh)
         before = self.current
         try:
             out = func(*args, **kwargs)
@@ -288,11 +310,33 @@ class StorageLedger(TorchDispatchMode):
                 return (key,)
         return ()
 
+    def _follow_node(self, node: Any) -> None:
+        """Before an op: if a backward node whose CPU kernel takes another path than
+        fake tensors do starts, note its signature and the bytes alive; its ops are
+        then counted as alive but not in the peak (see :attr:`quiet`)."""
+        if node is None or type(node).__name__ not in _REAL_PATH_BACKWARDS:
+            self.quiet = None
+            return
+        seq = self.node
+        if self.quiet is not None and self.quiet[0] == seq:
+            return
+        key = _node_key(node)
+        if key is None:
+            self.quiet = None
+            return
+        self.quiet = (seq, key, self.current)
+        if key not in _TRANSIENT:
+            self.pending_nodes[key] = None
+        if self.current > self.spikes.get(key, -1):
+            self.spikes[key] = self.current
+            self.spike_extras[key] = sum(self.extras)
+
     def settle_in_place(self) -> None:
         """The op noted by :meth:`_in_place_candidates` has returned: if one of its
         candidate arguments died with it, the real backward wrote that argument in
         place, allocating nothing: its output is not counted on top of what was
         alive, neither in the peak nor as the op's transient."""
+        self.quiet = None
         pending, self.in_place = self.in_place, None
         if pending is None:
             return
@@ -312,7 +356,7 @@ class StorageLedger(TorchDispatchMode):
         kernel's transient peak (outputs and internal temporaries), learned after
         the step. Not for outputs over ``LEARN_CAP`` (a small input expanded, a
         ``new_zeros`` of any size)."""
-        if self.fake_mode is None or allocating_host_memory():
+        if self.fake_mode is None or allocating_host_memory() or self.quiet is not None:
             return
         key = _transient_key(func, args, kwargs)
         if key is None:
@@ -360,6 +404,8 @@ class StorageLedger(TorchDispatchMode):
         peak, numbers = self.peak, self.peak_extra
         for key, before in self.spikes.items():
             extra = _TRANSIENT.get(key)
+            if extra is None:
+                extra = self.node_fallback.get(key)
             if extra is not None and before + extra > peak:
                 peak, numbers = before + extra, self.spike_extras.get(key, 0)
         return peak, numbers
@@ -409,15 +455,123 @@ class StorageLedger(TorchDispatchMode):
         self.peak = self.current
 
 
-def _backward_node() -> int | None:
-    """The sequence number of the backward node of torch's running the current op
-    (None outside a backward, or in a Python ``autograd.Function``'s backward)."""
+_LIFT_FRESH_OPS = frozenset(
+    {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
+)
+
+
+def _backward_node() -> tuple[int | None, Any]:
+    """The sequence number of the backward node of torch's running the current op,
+    and the node ((None, None) outside a backward, or in a Python
+    ``autograd.Function``'s backward)."""
     if current_graph_task_id() == -1:
-        return None
+        return None, None
     node = current_autograd_node()
     if node is None or isinstance(node, BackwardCFunction):
+        return None, None
+    return sequence_nr(node), node
+
+
+def _one_hot(n: int, value: float) -> torch.Tensor:
+    x = torch.zeros(n, dtype=torch.float64)
+    x[n // 2] = value
+    return x
+
+
+def _no_zero(n: int) -> torch.Tensor:
+    return torch.ones(n, dtype=torch.float64)
+
+
+def _lone_median(n: int) -> torch.Tensor:
+    # torch.median is the lower median, element (n - 1) // 2 of the sorted values
+    x = torch.ones(n, dtype=torch.float64)
+    x[: (n - 1) // 2] = -1
+    x[(n - 1) // 2] = 0
+    return x
+
+
+_REAL_PATH_BACKWARDS: dict[str, tuple[Any, Any]] = {
+    # node name: (the forward it differentiates, given the input and the node;
+    # typical values of its input, given the element count)
+    "MaxBackward1": (torch.max, lambda k: _one_hot(k, 1.0)),
+    "MinBackward1": (torch.min, lambda k: _one_hot(k, -1.0)),
+    "MedianBackward0": (torch.median, _lone_median),
+    "NanmedianBackward0": (torch.nanmedian, _lone_median),
+    "ProdBackward0": (torch.prod, _no_zero),
+    "ProdBackward1": (torch.prod, _no_zero),  # (its dim and keepdim)
+    "CumprodBackward0": (torch.cumprod, _no_zero),  # (its dim)
+}
+"""Backward nodes whose CPU kernel branches where fake tensors cannot: the full
+max, min and median spread the gradient over the elements equal to the result with
+``index_put_`` on a mask (fake tensors, as tensor subclasses, and CUDA multiply by
+the mask instead); ``prod`` and ``cumprod`` divide by the input when it holds no
+zero (fake tensors take the path safe with zeros, which holds more). Learned whole
+on typical values: a lone maximum, minimum or median; no zero."""
+
+
+def _node_key(node: Any) -> Any:
+    """The signature under which a :data:`_REAL_PATH_BACKWARDS` node's transient is
+    learned (with what to learn it from), or None: an input not a CPU fake, one over
+    ``LEARN_CAP``."""
+    x = getattr(node, "_saved_self", None)
+    if not isinstance(x, FakeTensor) or x.device.type != "cpu":
         return None
-    return sequence_nr(node)
+    if x.untyped_storage().nbytes() > LEARN_CAP:
+        return None
+    name = type(node).__name__
+    extra = tuple(
+        getattr(node, a) for a in ("_saved_dim", "_saved_keepdim") if hasattr(node, a)
+    )
+    layout = (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().nbytes())
+    return ("node", name, extra, layout, torch.get_num_threads())
+
+
+def learn_nodes(pending: dict[Any, Any]) -> None:
+    """Run each node of ``pending`` (see :data:`_REAL_PATH_BACKWARDS`) once for real,
+    on its typical values, and keep in ``_TRANSIENT`` the most bytes its backward
+    held at once (its output and temporaries)."""
+    todo = [k for k in pending if k not in _TRANSIENT]
+    pending.clear()
+    if not todo or profiler_enabled():
+        return
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with _disable_current_modes():
+            for key in todo:
+                _, name, extra, (shape, stride, offset, dtype, nbytes), _ = key
+                forward, values = _REAL_PATH_BACKWARDS[name]
+                try:
+                    x = torch.empty(0, dtype=dtype).set_(
+                        torch.zeros(nbytes, dtype=torch.uint8).untyped_storage(), offset, shape, stride
+                    )
+                    with torch.no_grad():
+                        x.copy_(values(x.numel()).view(shape))
+                    x.requires_grad_()
+                    y = forward(x, *extra)
+                    g = torch.ones_like(y)
+                    with torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+                    ) as prof:
+                        got = torch.autograd.grad(y, x, g)
+                    del got, x, y, g
+                except Exception:  # noqa: BLE001 (not learned: its fake ops stand)
+                    _TRANSIENT[key] = None
+                    continue
+                _TRANSIENT[key] = _most_held(prof)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _most_held(prof: Any) -> int:
+    """The most bytes a profiled run's allocations held at once."""
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = most = 0
+    for e in sorted(records, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        most = max(most, live)
+    return most
 
 
 # ops a backward makes zeros with, and the scatters into them that torch's backward
@@ -528,14 +682,7 @@ def learn_transients(pending: dict[Any, tuple]) -> None:
                 except Exception:  # noqa: BLE001 (an op that fails on zeros is not learned)
                     _TRANSIENT[key] = None
                     continue
-                records = [
-                    e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                ]
-                live = most = 0
-                for e in sorted(records, key=lambda e: e.start_ns()):
-                    live += e.nbytes()
-                    most = max(most, live)
-                _TRANSIENT[key] = most
+                _TRANSIENT[key] = _most_held(prof)
     finally:
         if was:
             gc.enable()
@@ -974,6 +1121,7 @@ def measure_fake(
             del loss
             gradient_bytes = storage_bytes([p.grad for p in model.parameters()])
         learn_transients(ledger.pending)
+        learn_nodes(ledger.pending_nodes)
         peak, replayed_numbers = ledger.transient_peak()
         peak += unfollowed
     finally:

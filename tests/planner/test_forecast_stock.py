@@ -719,6 +719,50 @@ def test_a_backward_torch_runs_in_place_is_forecast_in_place(name):
         assert 0 <= policy.peak_bytes - real <= policy.peak_margin, (n, policy.peak_bytes, real)
 
 
+class EndsWith(nn.Module):
+    """Two residual blocks, then ``op`` on their output (shape (64, 32))."""
+
+    def __init__(self, op, d: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_Residual(d), _Residual(d))
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(self.blocks(x))
+
+
+_OPS_WITH_ANOTHER_CPU_PATH = {
+    # torch.tensor in the model's code: a real tensor lifted into the fake run
+    "an index made with torch.tensor": lambda h: torch.zeros_like(h).index_put(
+        (torch.tensor([0, 1]),), h[:2]
+    ),
+    # the CPU kernel spreads the gradient with index_put_ on a mask; fake tensors
+    # (and CUDA) multiply by the mask
+    "the largest element": lambda h: h / h.abs().max(),
+    "the smallest element": lambda h: h.min() * h,
+    "the median": lambda h: h.median() + h,
+    # the CPU kernel divides by the input where it holds no zero; fake tensors take
+    # the path safe with zeros
+    "a product along a dim": lambda h: h.prod(1),
+    "a cumulative product": lambda h: h.cumprod(1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPS_WITH_ANOTHER_CPU_PATH))
+def test_an_op_whose_cpu_kernel_takes_another_path_is_forecast_as_it_runs(name):
+    # Before: 16 B under the real peak (the index), 4,091 B under (the smallest
+    # element, the median), 2,060 B under (the largest), 30,208 B and 38,144 B over
+    # (the products): every policy.
+    from benchmarks.peak_check import real_step_peak
+
+    torch.manual_seed(0)
+    model, x = EndsWith(_OPS_WITH_ANOTHER_CPU_PATH[name]), torch.randn(64, 32)
+    forecast = forecast_remat(model, (x,), budget=1.0)
+    for n, policy in forecast.policies.items():
+        real = real_step_peak(model, (x,), lambda out: out.sum(), policy.config)
+        assert 0 <= policy.peak_bytes - real <= policy.peak_margin, (n, policy.peak_bytes, real)
+
+
 class _SelfAttention(nn.Module):
     """MultiheadAttention scales its queries by ``math.sqrt(1.0 / E)``: a Python
     number wrapped in a real 8 B tensor, made outside the dispatcher, that the
