@@ -214,6 +214,72 @@ def test_a_closure_value_changed_between_forward_and_backward_is_replayed_as_the
     assert torch.equal(ref_w.grad, w.grad)
 
 
+# ---------------------------------------------------------------- module-level variables
+
+SCALE = 1.0  # rebound per micro-batch by the tests below
+
+
+def _scaled(h):
+    return (h * SCALE).tanh()
+
+
+class ReadsAGlobal(nn.Module):
+    """Its forward reads SCALE itself and through a module-level helper."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear(7)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return _scaled(h) * h + SCALE
+
+
+def _two_micro_batches(fn, params):
+    """Forward two micro-batches with SCALE 0.5 and 4.0, then both backwards, SCALE
+    set to 9.0 in between: the gradients of the inputs and of ``params``."""
+    global SCALE
+    outs, xs = [], []
+    for i, s in enumerate((0.5, 4.0)):
+        SCALE = s
+        xs.append(_x(30 + i))
+        outs.append(fn(xs[-1]))
+    SCALE = 9.0
+    for out in outs:
+        out.sum().backward()
+    return [x.grad for x in xs] + [p.grad for p in params]
+
+
+@pytest.mark.parametrize("how", ["function", "module", "apply_remat"])
+def test_a_module_level_variable_rebound_between_forward_and_backward_is_replayed_as_the_forward_saw_it(how):
+    # Before, the replay read SCALE as the backward found it (9.0): wrong gradients,
+    # silently (as under torch.utils.checkpoint).
+    def build(ckpt):
+        if how == "function":
+            lin = _linear(7)
+
+            def block(x):
+                return _scaled(lin(x)) * SCALE
+
+            fn = remat.checkpoint(region_name="global")(block) if ckpt else block
+            return fn, list(lin.parameters())
+        if how == "module":
+            m = ReadsAGlobal()
+            return (remat.checkpoint(region_name="global")(m) if ckpt else m), list(m.parameters())
+        model = nn.Sequential(ReadsAGlobal())
+        if ckpt:
+            apply_remat(model, check_fn=lambda m: isinstance(m, ReadsAGlobal))
+        return model, list(model.parameters())
+
+    fn, params = build(True)
+    with recorded_replays() as replayed:
+        got = _two_micro_batches(fn, params)
+    assert len(replayed) == 2
+    assert SCALE == 9.0  # the caller's value, back after each replay
+    ref, ref_params = build(False)
+    _same(_two_micro_batches(ref, ref_params), got)
+
+
 # ---------------------------------------------------------------- Python's random and NumPy's generator
 
 

@@ -14,8 +14,10 @@ tensor it holds and that tensor's version. Around the replay:
   :class:`SavedTensorModifiedError` naming it by its qualified name;
 * every module's attributes (a shallow copy of its ``__dict__``: plain tensor
   attributes such as ``self.mask``, Python values such as a temperature or a
-  counter, the ``training`` flag), its submodules and every closure value of the
-  function are recorded too. The replay runs with the values they had when the
+  counter, the ``training`` flag), its submodules, every closure value of the
+  function and the module-level variables its code reads (the function's, each
+  module class's ``forward``, and the plain functions they call, by name; modules
+  and classes aside, and torch's own code) are recorded too. The replay runs with the values they had when the
   checkpoint started, and the caller's are back afterwards: one rebound, replaced
   or flipped (``model.eval()``) after the forward, one the forward itself rebinds
   from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
@@ -58,6 +60,7 @@ from __future__ import annotations
 import collections
 import functools
 import operator
+import types
 import weakref
 from typing import Any
 
@@ -86,6 +89,50 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)
 # refillable by clear() and update())
 _CONTAINERS = frozenset({list, dict, set})
 _NO_TYPES: frozenset[type] = frozenset()
+
+
+_GLOBAL_NAMES: dict[Any, tuple[str, ...]] = {}
+"""Per code object, the names it (and the code nested in it: comprehensions,
+lambdas) may read as globals; empty for torch's and torch_remat's own code."""
+
+
+def _global_names(func: Any) -> tuple[str, ...]:
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return ()
+    names = _GLOBAL_NAMES.get(code)
+    if names is None:
+        module = getattr(func, "__module__", None) or ""
+        if module == "torch" or module.startswith(("torch.", "torch_remat")):
+            names = ()
+        else:
+            found: dict[str, None] = {}
+            todo = [code]
+            while todo:
+                c = todo.pop()
+                found.update(dict.fromkeys(c.co_names))
+                todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            names = tuple(found)
+        _GLOBAL_NAMES[code] = names
+    return names
+
+
+def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], depth: int) -> None:
+    """``(globals, name, value)`` of the module-level variables ``func`` reads (a
+    scale, a flag, a table), and of the plain functions it calls, ``depth`` deep.
+    Modules and classes are left out."""
+    names = _global_names(func)
+    if not names:
+        return
+    g = func.__globals__
+    for name in names:
+        value = g.get(name, _MISSING)
+        if value is _MISSING or isinstance(value, (types.ModuleType, type)):
+            continue
+        out.append((g, name, value))
+        if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
+            seen.add(id(value))
+            _read_globals(value, out, seen, depth + 1)
 
 
 def _contents(container: Any) -> Any:
@@ -182,10 +229,13 @@ class _Slot:
         return self.prefix if self.kind == CLOSURE else self.prefix + self.key
 
 
-def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]], list[tuple[Any, Any]]]:
+def _roots(
+    fn: Any,
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]], list[tuple[Any, Any]], list[Any]]:
     modules: list[tuple[str, nn.Module]] = []
     cells: list[tuple[str, Any]] = []
     values: list[tuple[Any, Any]] = []  # (cell, value) of every other closure cell
+    functions: list[Any] = []  # the plain functions visited (their globals)
     seen: set[int] = set()
 
     def visit(obj: Any, prefix: str, depth: int) -> None:
@@ -210,9 +260,14 @@ def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]],
         owner = getattr(obj, "__self__", None)
         if owner is not None and (isinstance(owner, nn.Module) or hasattr(owner, "__remat_module__")):
             visit(owner, prefix, depth + 1)
+        func = getattr(obj, "__func__", None)
+        if type(func) is types.FunctionType:
+            functions.append(func)
         wrapped = getattr(obj, "__wrapped__", None)
         if wrapped is not None:
             visit(wrapped, prefix, depth + 1)
+        if type(obj) is types.FunctionType:
+            functions.append(obj)
         closure = getattr(obj, "__closure__", None)
         if closure:
             for name, cell in zip(obj.__code__.co_freevars, closure):
@@ -233,7 +288,7 @@ def _roots(fn: Any) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]],
                     visit(value, f"{name}.", depth + 1)
 
     visit(fn, "", 0)
-    return modules, cells, values
+    return modules, cells, values, functions
 
 
 def _module_slots(
@@ -247,6 +302,7 @@ def _module_slots(
     unwritten: BufferMemo,
     generators: list[torch.Generator],
     containers: list[tuple[Any, Any]],
+    classes: dict[type, None],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -258,6 +314,7 @@ def _module_slots(
         if i in seen:
             continue
         seen.add(i)
+        classes[type(m)] = None
         d = m.__dict__
         # The attributes torch's Module sets (flags, hook dicts) hold no tensor,
         # generator or user container: only the others are looked at, their value
@@ -328,7 +385,10 @@ of one checkpointed function did not write (``CheckpointedFunction`` holds it)."
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
-    __slots__ = ("params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators", "containers")
+    __slots__ = (
+        "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
+        "containers", "global_values",
+    )
 
     def __init__(
         self,
@@ -356,14 +416,14 @@ class ModuleState:
         self.generators: tuple[torch.Generator, ...] = ()
         # (list, dict or set, its contents when the checkpoint started)
         self.containers: list[tuple[Any, Any]] = []
+        # (module globals, name, value) of the module-level variables the code reads
+        self.global_values: list[tuple[dict, str, Any]] = []
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
         """Record the slots when the checkpoint starts; None if there are none.
         Buffers of the modules in ``unwritten`` are not copied."""
-        modules, cells, values = _roots(fn)
-        if not modules and not cells and not values:
-            return None
+        modules, cells, values, functions = _roots(fn)
         params: list[tuple] = []
         slots: list[_Slot] = []
         generators: list[torch.Generator] = [v for _, v in values if type(v) is torch.Generator]
@@ -371,17 +431,28 @@ class ModuleState:
         seen: set[int] = set()  # a module shared by two roots is recorded once
         others: list[tuple] = []
         containers: list[tuple[Any, Any]] = []
+        classes: dict[type, None] = {}
         for prefix, module in modules:
-            _module_slots(prefix, module, params, slots, groups, seen, others, unwritten, generators, containers)
+            _module_slots(
+                prefix, module, params, slots, groups, seen, others, unwritten, generators, containers,
+                classes,
+            )
+        global_values: list[tuple[dict, str, Any]] = []
+        read: set[int] = set()
+        for f in (*functions, *(getattr(c, "forward", None) for c in classes)):
+            if type(f) is types.FunctionType and id(f) not in read:
+                read.add(id(f))
+                _read_globals(f, global_values, read, 0)
         for _, value in values:
             if type(value) in _CONTAINERS:
                 containers.append((value, _contents(value)))
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
-        if params or slots or others or values:
+        if params or slots or others or values or global_values:
             state = ModuleState(params, slots, groups, others, values)
             state.containers = containers
+            state.global_values = global_values
             if generators:
                 defaults = default_generators()
                 state.generators = tuple(
@@ -522,6 +593,12 @@ class ModuleState:
                         del slot[None]
                     else:
                         slot[None] = value
+            for g, name, value in self.global_values:
+                # a module-level variable rebound since (a scale set per step)
+                current = g.get(name, _MISSING)
+                if current is not value:
+                    undo.append((g, name, current))
+                    g[name] = value
             for container, entry in self.containers:
                 # the contents the forward started from; afterwards, the caller's
                 # and what the replay added
