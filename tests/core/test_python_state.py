@@ -280,6 +280,33 @@ def test_a_module_level_variable_rebound_between_forward_and_backward_is_replaye
     _same(_two_micro_batches(ref, ref_params), got)
 
 
+NOISE = torch.Generator().manual_seed(3)  # a module-level generator the code draws from
+
+
+def test_a_module_level_generator_is_forked_around_the_replay():
+    # Before, the replay drew again from NOISE: other noise than the forward's,
+    # wrong gradients, and the generator one draw further than without remat.
+    lin = _linear(8)
+
+    def block(x):
+        h = lin(x)
+        return h * torch.rand(h.shape, dtype=D, generator=NOISE)
+
+    def step(fn):
+        NOISE.manual_seed(3)
+        x = _x(40)
+        fn(x).sum().backward()
+        return [x.grad, *(p.grad for p in lin.parameters())], NOISE.get_state()
+
+    expected, state = step(block)
+    lin.zero_grad()
+    with recorded_replays() as replayed:
+        got, got_state = step(remat.checkpoint(region_name="noise")(block))
+    assert replayed == ["noise"]
+    _same(expected, got)
+    assert torch.equal(state, got_state)
+
+
 # ---------------------------------------------------------------- Python's random and NumPy's generator
 
 

@@ -443,6 +443,7 @@ class ModuleState:
             if type(f) is types.FunctionType and id(f) not in read:
                 read.add(id(f))
                 _read_globals(f, global_values, read, 0)
+        generators.extend(v for _, _, v in global_values if type(v) is torch.Generator)
         for _, value in values:
             if type(value) in _CONTAINERS:
                 containers.append((value, _contents(value)))
