@@ -78,7 +78,10 @@ def test_no_grad_and_inference_mode_run_the_function_once():
 
 
 class CounterHook:
-    """A user counter advanced by the function (like an RNG offset)."""
+    """A user counter advanced by the function (like an RNG offset), kept in a slot:
+    state remat does not record by itself (a plain object's ``__dict__`` it does)."""
+
+    __slots__ = ("value",)
 
     def __init__(self):
         self.value = 0

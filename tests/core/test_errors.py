@@ -1,8 +1,6 @@
 """Every misuse gets a clear error: its type and the words that tell the user what
 happened and what to do."""
 
-import types
-
 import pytest
 import torch
 from helpers import kept_bytes, recorded_replays
@@ -82,10 +80,18 @@ def test_same_region_name_twice_in_one_forward():
         remat.checkpoint(region_name="blk")(fn)(x)
 
 
+class _Slotted:
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 0
+
+
 def test_forward_and_recompute_taking_different_paths_names_both_sequences():
-    # state remat does not see: an attribute of a plain object (a list in the
-    # closure would be replayed from its entry contents, and take the same path)
-    calls = types.SimpleNamespace(n=0)
+    # state remat does not see: a slot of an object (a list in the closure, or an
+    # attribute in an object's __dict__, would be replayed as at entry, and take
+    # the same path)
+    calls = _Slotted()
 
     def fn(x):
         calls.n += 1

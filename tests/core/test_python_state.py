@@ -280,6 +280,87 @@ def test_a_module_level_variable_rebound_between_forward_and_backward_is_replaye
     _same(_two_micro_batches(ref, ref_params), got)
 
 
+class Settings:
+    """A plain object of the user's (a config) the model reads its scale from."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+
+class ReadsAnObject(nn.Module):
+    """Reads a scale from a config object it holds and one from its class."""
+
+    factor = 1.0
+
+    def __init__(self, settings):
+        super().__init__()
+        self.lin = _linear(9)
+        self.settings = settings
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h * self.settings.scale).tanh() * (h * self.factor).sin()
+
+
+class ScaledCall:
+    """A callable object (not a module) holding a module and a scale."""
+
+    def __init__(self):
+        self.lin = _linear(10)
+        self.scale = 1.0
+
+    def __call__(self, x):
+        return (self.lin(x) * self.scale).tanh()
+
+
+@pytest.mark.parametrize("where", ["config object", "class attribute", "callable object"])
+def test_an_attribute_of_an_object_or_class_rebound_between_forward_and_backward_is_replayed_as_the_forward_saw_it(
+    where,
+):
+    # Before, the replay read the value the backward found: wrong gradients,
+    # silently (as under torch.utils.checkpoint).
+    def build(ckpt):
+        if where == "callable object":
+            obj = ScaledCall()
+
+            def set_to(v):
+                obj.scale = v
+
+            fn, params = obj, list(obj.lin.parameters())
+        else:
+            m = ReadsAnObject(Settings())
+
+            def set_to(v):
+                if where == "config object":
+                    m.settings.scale = v
+                else:
+                    ReadsAnObject.factor = v
+
+            fn, params = m, list(m.parameters())
+        return (remat.checkpoint(region_name="object")(fn) if ckpt else fn), params, set_to
+
+    def run(ckpt):
+        fn, params, set_to = build(ckpt)
+        outs, xs = [], []
+        for i, s in enumerate((0.5, 4.0)):
+            set_to(s)
+            xs.append(_x(50 + i))
+            outs.append(fn(xs[-1]))
+        set_to(9.0)
+        for out in outs:
+            out.sum().backward()
+        return [x.grad for x in xs] + [p.grad for p in params]
+
+    try:
+        with recorded_replays() as replayed:
+            got = run(True)
+        assert len(replayed) == 2
+        assert ReadsAnObject.factor == (9.0 if where == "class attribute" else 1.0)
+        _same(run(False), got)
+    finally:
+        ReadsAnObject.factor = 1.0
+
+
 NOISE = torch.Generator().manual_seed(3)  # a module-level generator the code draws from
 
 

@@ -15,9 +15,12 @@ tensor it holds and that tensor's version. Around the replay:
 * every module's attributes (a shallow copy of its ``__dict__``: plain tensor
   attributes such as ``self.mask``, Python values such as a temperature or a
   counter, the ``training`` flag), its submodules, every closure value of the
-  function and the module-level variables its code reads (the function's, each
+  function, the module-level variables its code reads (the function's, each
   module class's ``forward``, and the plain functions they call, by name; modules
-  and classes aside, and torch's own code) are recorded too. The replay runs with the values they had when the
+  and classes aside, and torch's own code), the attributes of the user's plain
+  objects found in those (a config, a callable object: a shallow copy of their
+  ``__dict__``) and of the user's classes of the modules and objects are recorded
+  too. The replay runs with the values they had when the
   checkpoint started, and the caller's are back afterwards: one rebound, replaced
   or flipped (``model.eval()``) after the forward, one the forward itself rebinds
   from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
@@ -58,6 +61,7 @@ forwards set it, so names are qualified in the whole model).
 from __future__ import annotations
 
 import collections
+import enum
 import functools
 import operator
 import types
@@ -91,9 +95,116 @@ _CONTAINERS = frozenset({list, dict, set})
 _NO_TYPES: frozenset[type] = frozenset()
 
 
+_NOT_PLAIN = (
+    nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
+    types.BuiltinFunctionType, functools.partial, BaseException, enum.Enum,
+)
+# where the objects are library state, not the user's (hooks, loggers, wrappers)
+_LIBRARY_MODULES = (
+    "torch", "builtins", "numpy", "logging", "threading", "weakref", "collections",
+    "functools", "typing", "enum", "abc", "accelerate", "integrations.", "_pytest", "pytest",
+)
+_PLAIN: dict[type, bool] = {}
+
+
+def _from_library(cls: type) -> bool:
+    module = getattr(cls, "__module__", None) or ""
+    return not isinstance(module, str) or module.startswith(_LIBRARY_MODULES)
+
+
+def _is_plain(cls: type) -> bool:
+    """Whether values of ``cls`` are plain objects of the user's whose attributes
+    the checkpointed code may read (a config, a callable object)."""
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        plain = (
+            getattr(cls, "__dictoffset__", 0) != 0
+            and not issubclass(cls, _NOT_PLAIN)
+            and not _from_library(cls)
+        )
+        _PLAIN[cls] = plain
+    return plain
+
+
+_CLASS_INFO: dict[type, tuple[Any, tuple[type, ...]]] = {}
+
+
+def _class_info(cls: type) -> tuple[Any, tuple[type, ...]]:
+    """``cls``'s ``forward`` if it is a plain function with globals to read (else
+    None), and the classes of its method resolution order that are the user's."""
+    info = _CLASS_INFO.get(cls)
+    if info is None:
+        forward = getattr(cls, "forward", None)
+        if type(forward) is not types.FunctionType or not _global_names(forward):
+            forward = None
+        users = tuple(c for c in cls.__mro__ if c is not object and not _from_library(c))
+        info = _CLASS_INFO[cls] = (forward, users)
+    return info
+
+
+class _ClassDict:
+    """A class's attributes through the ``dict`` protocol the module records use
+    (a class's ``__dict__`` is read-only: writes go through ``setattr``)."""
+
+    __slots__ = ("cls", "d")
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.d = cls.__dict__
+
+    def __len__(self) -> int:
+        return len(self.d)
+
+    def __iter__(self):
+        return iter(self.d)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.d
+
+    def __getitem__(self, key: str) -> Any:
+        return self.d[key]
+
+    def keys(self):
+        return self.d.keys()
+
+    def values(self):
+        return self.d.values()
+
+    def items(self):
+        return self.d.items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.d.get(key, default)
+
+    def copy(self) -> dict:
+        return dict(self.d)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self.cls, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        delattr(self.cls, key)
+
+    def pop(self, key: str) -> Any:
+        value = self.d[key]
+        delattr(self.cls, key)
+        return value
+
+
+_CLASS_DICTS: dict[type, _ClassDict] = {}
+
+
+def _class_dict(cls: type) -> _ClassDict:
+    d = _CLASS_DICTS.get(cls)
+    if d is None:
+        d = _CLASS_DICTS[cls] = _ClassDict(cls)
+    return d
+
+
 _GLOBAL_NAMES: dict[Any, tuple[str, ...]] = {}
 """Per code object, the names it (and the code nested in it: comprehensions,
-lambdas) may read as globals; empty for torch's and torch_remat's own code."""
+lambdas) reads that its module defined when it was first looked at, modules and
+classes aside; empty for torch's and torch_remat's own code."""
 
 
 def _global_names(func: Any) -> tuple[str, ...]:
@@ -103,7 +214,8 @@ def _global_names(func: Any) -> tuple[str, ...]:
     names = _GLOBAL_NAMES.get(code)
     if names is None:
         module = getattr(func, "__module__", None) or ""
-        if module == "torch" or module.startswith(("torch.", "torch_remat")):
+        g = getattr(func, "__globals__", None)
+        if module == "torch" or module.startswith(("torch.", "torch_remat")) or type(g) is not dict:
             names = ()
         else:
             found: dict[str, None] = {}
@@ -112,22 +224,25 @@ def _global_names(func: Any) -> tuple[str, ...]:
                 c = todo.pop()
                 found.update(dict.fromkeys(c.co_names))
                 todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-            names = tuple(found)
+            names = tuple(
+                n for n in found
+                if n in g and not isinstance(g[n], (types.ModuleType, type))
+            )
         _GLOBAL_NAMES[code] = names
     return names
 
 
 def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], depth: int) -> None:
     """``(globals, name, value)`` of the module-level variables ``func`` reads (a
-    scale, a flag, a table), and of the plain functions it calls, ``depth`` deep.
-    Modules and classes are left out."""
+    scale, a flag, a table), and of the plain functions it calls, ``depth`` deep
+    (see :data:`_GLOBAL_NAMES`)."""
     names = _global_names(func)
     if not names:
         return
     g = func.__globals__
     for name in names:
         value = g.get(name, _MISSING)
-        if value is _MISSING or isinstance(value, (types.ModuleType, type)):
+        if value is _MISSING:
             continue
         out.append((g, name, value))
         if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
@@ -231,11 +346,14 @@ class _Slot:
 
 def _roots(
     fn: Any,
-) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, Any]], list[tuple[Any, Any]], list[Any]]:
+) -> tuple[
+    list[tuple[str, nn.Module]], list[tuple[str, Any]], list[tuple[Any, Any]], list[Any], list[Any]
+]:
     modules: list[tuple[str, nn.Module]] = []
     cells: list[tuple[str, Any]] = []
     values: list[tuple[Any, Any]] = []  # (cell, value) of every other closure cell
     functions: list[Any] = []  # the plain functions visited (their globals)
+    objects: list[Any] = []  # plain objects visited (a callable object)
     seen: set[int] = set()
 
     def visit(obj: Any, prefix: str, depth: int) -> None:
@@ -268,6 +386,15 @@ def _roots(
             visit(wrapped, prefix, depth + 1)
         if type(obj) is types.FunctionType:
             functions.append(obj)
+        elif _is_plain(type(obj)):
+            # a callable object: its attributes, the modules among them, its __call__
+            objects.append(obj)
+            for key, value in list(vars(obj).items()):
+                if isinstance(value, nn.Module) or callable(value):
+                    visit(value, f"{key}.", depth + 1)
+            call = next((c.__dict__["__call__"] for c in type(obj).__mro__ if "__call__" in c.__dict__), None)
+            if type(call) is types.FunctionType:
+                functions.append(call)
         closure = getattr(obj, "__closure__", None)
         if closure:
             for name, cell in zip(obj.__code__.co_freevars, closure):
@@ -288,7 +415,7 @@ def _roots(
                     visit(value, f"{name}.", depth + 1)
 
     visit(fn, "", 0)
-    return modules, cells, values, functions
+    return modules, cells, values, functions, objects
 
 
 def _module_slots(
@@ -303,6 +430,7 @@ def _module_slots(
     generators: list[torch.Generator],
     containers: list[tuple[Any, Any]],
     classes: dict[type, None],
+    objects: list[Any],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -320,8 +448,8 @@ def _module_slots(
         # generator or user container: only the others are looked at, their value
         # types first in C (most modules hold none of the three).
         extra = d.keys() - _MODULE_KEYS
-        types = set(map(type, map(d.__getitem__, extra))) if extra else _NO_TYPES
-        if not _non_tensor_types.issuperset(types):
+        kinds = set(map(type, map(d.__getitem__, extra))) if extra else _NO_TYPES
+        if not _non_tensor_types.issuperset(kinds):
             for k, t in d.items():
                 if k not in extra:
                     continue
@@ -329,6 +457,8 @@ def _module_slots(
                     slots.append(_Slot(d, k, t, version_of(t), p, ATTRIBUTE))
                 elif type(t) is torch.Generator:
                     generators.append(t)  # (never in _non_tensor_types: always looked at)
+                elif _is_plain(type(t)):
+                    objects.append(t)  # (never in _non_tensor_types: always looked at)
                 else:
                     _non_tensor_types.add(type(t))  # (Tensor's metaclass has no __instancecheck__)
         ps = m._parameters
@@ -356,7 +486,7 @@ def _module_slots(
         # picking out what might change) and submodules, as the forward starts
         others.append((d, d.copy(), children, kids))
         # the user's lists, dicts and sets
-        if not _CONTAINERS.isdisjoint(types):
+        if not _CONTAINERS.isdisjoint(kinds):
             for k in extra:
                 v = d[k]
                 if type(v) in _CONTAINERS and k[0] != "_":
@@ -387,7 +517,7 @@ class ModuleState:
 
     __slots__ = (
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
-        "containers", "global_values",
+        "containers", "global_values", "class_values",
     )
 
     def __init__(
@@ -418,12 +548,16 @@ class ModuleState:
         self.containers: list[tuple[Any, Any]] = []
         # (module globals, name, value) of the module-level variables the code reads
         self.global_values: list[tuple[dict, str, Any]] = []
+        # (a user class's attributes, a copy of them) of the modules' and the objects'
+        # classes (not looked at where a SAVE region returns: rebound in the forward
+        # itself, a class attribute is replayed from its entry value)
+        self.class_values: list[tuple[_ClassDict, dict]] = []
 
     @staticmethod
     def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
         """Record the slots when the checkpoint starts; None if there are none.
         Buffers of the modules in ``unwritten`` are not copied."""
-        modules, cells, values, functions = _roots(fn)
+        modules, cells, values, functions, objects = _roots(fn)
         params: list[tuple] = []
         slots: list[_Slot] = []
         generators: list[torch.Generator] = [v for _, v in values if type(v) is torch.Generator]
@@ -435,25 +569,55 @@ class ModuleState:
         for prefix, module in modules:
             _module_slots(
                 prefix, module, params, slots, groups, seen, others, unwritten, generators, containers,
-                classes,
+                classes, objects,
             )
+        # module-level variables the code reads: the functions', each module class's
+        # forward's (and the plain functions they call)
         global_values: list[tuple[dict, str, Any]] = []
         read: set[int] = set()
-        for f in (*functions, *(getattr(c, "forward", None) for c in classes)):
-            if type(f) is types.FunctionType and id(f) not in read:
+        for f in functions:
+            if id(f) not in read:
                 read.add(id(f))
                 _read_globals(f, global_values, read, 0)
-        generators.extend(v for _, _, v in global_values if type(v) is torch.Generator)
+        user_classes: list[type] = []
+        for cls in classes:
+            forward, users = _class_info(cls)
+            if forward is not None and id(forward) not in read:
+                read.add(id(forward))
+                _read_globals(forward, global_values, read, 0)
+            if users:
+                user_classes.extend(users)
+        if global_values:
+            generators.extend(v for _, _, v in global_values if type(v) is torch.Generator)
+            objects.extend(v for _, _, v in global_values if _is_plain(type(v)))
+        if values:
+            objects.extend(v for _, v in values if _is_plain(type(v)))
+        # plain objects (a config, a callable object) in module attributes, closure
+        # cells and module-level variables, and the user's classes of the modules and
+        # of those objects: their attributes, recorded as a module's are
+        for obj in objects:
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                user_classes.extend(_class_info(type(obj))[1])
+                d = obj.__dict__
+                others.append((d, d.copy(), None, None))
+        class_values: list[tuple[_ClassDict, dict]] = []
+        for c in user_classes:
+            if id(c) not in seen:
+                seen.add(id(c))
+                d = _class_dict(c)
+                class_values.append((d, d.copy()))
         for _, value in values:
             if type(value) in _CONTAINERS:
                 containers.append((value, _contents(value)))
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
-        if params or slots or others or values or global_values:
+        if params or slots or others or values or global_values or class_values:
             state = ModuleState(params, slots, groups, others, values)
             state.containers = containers
             state.global_values = global_values
+            state.class_values = class_values
             if generators:
                 defaults = default_generators()
                 state.generators = tuple(
@@ -594,6 +758,9 @@ class ModuleState:
                         del slot[None]
                     else:
                         slot[None] = value
+            for d, entry in self.class_values:
+                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                    _install_attributes(d, entry, undo)
             for g, name, value in self.global_values:
                 # a module-level variable rebound since (a scale set per step)
                 current = g.get(name, _MISSING)
