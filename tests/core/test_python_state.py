@@ -280,6 +280,42 @@ def test_a_module_level_variable_rebound_between_forward_and_backward_is_replaye
     _same(_two_micro_batches(ref, ref_params), got)
 
 
+CALLS = 0  # counted in a SAVE region's body
+
+
+def _count_and_project(lin, x):
+    global CALLS
+    CALLS += 1
+    return lin(x)
+
+
+def test_a_module_level_variable_a_save_regions_body_rebinds_is_replayed_as_the_body_left_it():
+    # The replay skips the SAVE body; the code after it reads CALLS as the body left
+    # it in the forward. Before, it read the entry value: 0 where the forward read 1.
+    global CALLS
+    lin = _linear(11)
+
+    def block(x):
+        h = remat.region(_count_and_project, "count", recompute=False)(lin, x)
+        remat.recompute_needs_tensor(h)  # read again by the replayed product
+        return (h * CALLS).tanh()
+
+    def run(fn):
+        global CALLS
+        CALLS = 0
+        x = _x(60)
+        fn(x).sum().backward()
+        return [x.grad, *(p.grad for p in lin.parameters())]
+
+    expected = run(block)
+    lin.zero_grad()
+    with recorded_replays() as replayed:
+        got = run(remat.checkpoint(region_name="counts")(block))
+    assert replayed == ["counts"]
+    assert CALLS == 1  # once: the replay skips the body
+    _same(expected, got)
+
+
 class Settings:
     """A plain object of the user's (a config) the model reads its scale from."""
 

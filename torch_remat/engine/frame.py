@@ -553,8 +553,9 @@ class CheckpointFrame:
         return out
 
     def _attributes_change(self) -> list[tuple[Any, Any, Any]] | None:
-        if self.module_state is not None and self.module_state.others:
-            return self.module_state.attributes_rebound()
+        state = self.module_state
+        if state is not None and (state.others or state.global_values):
+            return state.attributes_rebound()
         return None
 
     def _host_rng_change(self) -> tuple[Any, ...] | None:

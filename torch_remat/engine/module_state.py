@@ -517,7 +517,7 @@ class ModuleState:
 
     __slots__ = (
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
-        "containers", "global_values", "class_values",
+        "containers", "global_values", "class_values", "globals_seen",
     )
 
     def __init__(
@@ -548,6 +548,8 @@ class ModuleState:
         self.containers: list[tuple[Any, Any]] = []
         # (module globals, name, value) of the module-level variables the code reads
         self.global_values: list[tuple[dict, str, Any]] = []
+        # their values as the last SAVE region left them (see attributes_rebound)
+        self.globals_seen: list[Any] | None = None
         # (a user class's attributes, a copy of them) of the modules' and the objects'
         # classes (not looked at where a SAVE region returns: rebound in the forward
         # itself, a class attribute is replayed from its entry value)
@@ -715,6 +717,17 @@ class ModuleState:
                     changes.append((d, key, value))
             changes.extend((d, key, _MISSING) for key in last if key not in d)
             self.seen[i] = dict(d)
+        if self.global_values:
+            # module-level variables, as the last SAVE region left them
+            if self.globals_seen is None:
+                self.globals_seen = [value for _, _, value in self.global_values]
+            last_values = self.globals_seen
+            for i, (g, name, _) in enumerate(self.global_values):
+                value = g.get(name, _MISSING)
+                if value is not last_values[i]:
+                    changes = changes or []
+                    changes.append((g, name, value))
+                    last_values[i] = value
         return changes
 
     @staticmethod
