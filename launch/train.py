@@ -674,7 +674,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="initial weights and batches")
     p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps (with every rank's random generators and the model's shape); resume from the newest complete checkpoint there, exactly")
-    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir)")
+    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir; the last step is saved too)")
     p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="keep the K newest checkpoints, delete older ones (0: keep all)")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
     p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run keeps the steps before its resume point and lists it in resumed_at")
@@ -861,7 +861,7 @@ def main(argv=None) -> None:
                     f"{rate:,.0f} tok/s  saved for backward {mem}",
                     flush=True,
                 )
-        if ckpt_dir is not None and step % args.save_every == 0:
+        if ckpt_dir is not None and (step % args.save_every == 0 or step == args.steps):
             save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints, config, log)
             log.write()  # up to the step a restart resumes from
     log.write()

@@ -78,6 +78,18 @@ def test_checkpoints_keep_k_refuse_a_rerun_and_skip_corrupt_ones(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step6", "step8"]
 
 
+def test_the_last_step_is_saved_between_save_every_steps(tmp_path):
+    # Before, --steps 3 --save-every 2 kept step 2 only: the trained model was lost,
+    # and the same command again trained step 3 once more.
+    ckpt = tmp_path / "ckpt"
+    common = ["--save-every", "2", "--checkpoint-dir", str(ckpt)]
+    train("--steps", "3", *common)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step2", "step3"]
+    assert json.loads((ckpt / "latest.json").read_text()) == {"step": 3}
+    again = train("--steps", "3", *common)
+    assert "holds step 3 and --steps is 3: this run is finished" in again.stdout
+
+
 def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
     ckpt = tmp_path / "read-only"
     ckpt.mkdir()
