@@ -32,7 +32,7 @@ import logging
 import sys
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -549,23 +549,22 @@ def learn_nodes(pending: dict[Any, Any]) -> None:
                         x.copy_(values(x.numel()).view(shape))
                     x.requires_grad_()
                     y = forward(x, *extra)
-                    g = torch.ones_like(y)
-                    with torch.profiler.profile(
-                        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-                    ) as prof:
-                        got = torch.autograd.grad(y, x, g)
-                    del got, x, y, g
+                    g = torch.ones_like(y)  # alive as the node starts, as its gradient is
+                    _TRANSIENT[key] = _most_held(functools.partial(torch.autograd.grad, y, x, g))
                 except Exception:  # noqa: BLE001 (not learned: its fake ops stand)
                     _TRANSIENT[key] = None
-                    continue
-                _TRANSIENT[key] = _most_held(prof)
     finally:
         if was:
             gc.enable()
 
 
-def _most_held(prof: Any) -> int:
-    """The most bytes a profiled run's allocations held at once."""
+def _most_held(run: Callable[[], Any]) -> int:
+    """The most bytes ``run``'s allocations held at once (what it returns included)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        got = run()
+    del got
     records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = most = 0
     for e in sorted(records, key=lambda e: e.start_ns()):
@@ -674,15 +673,11 @@ def learn_transients(pending: dict[Any, tuple]) -> None:
                 try:
                     real = [a.zeros() if isinstance(a, _ArgumentLayout) else a for a in flat]
                     rargs, rkwargs = tree_unflatten(real, spec)
-                    with torch.profiler.profile(
-                        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-                    ) as prof, torch.set_grad_enabled(grad):
-                        got = func(*rargs, **rkwargs)
-                    del got, real, rargs, rkwargs
+                    with torch.set_grad_enabled(grad):
+                        _TRANSIENT[key] = _most_held(functools.partial(func, *rargs, **rkwargs))
+                    del real, rargs, rkwargs
                 except Exception:  # noqa: BLE001 (an op that fails on zeros is not learned)
                     _TRANSIENT[key] = None
-                    continue
-                _TRANSIENT[key] = _most_held(prof)
     finally:
         if was:
             gc.enable()
