@@ -492,3 +492,17 @@ storage_key = operator.attrgetter("_cdata")
 every Python object of one storage while it lives (fake and meta storages too)."""
 sequence_nr = operator.methodcaller("_sequence_nr")
 """An autograd node's sequence number (the order nodes were created in a thread)."""
+
+
+def first_input_metadata(node: Any) -> Any:
+    """Shape, dtype and device of the tensor an autograd node's first input edge
+    leads to (the forward op's first input), read from the node that made it,
+    without unpacking anything the node saved; None where that edge is empty."""
+    edges = getattr(node, "next_functions", None)
+    if not edges or edges[0][0] is None:
+        return None
+    producer, nr = edges[0]
+    metadata = getattr(producer, "_input_metadata", None)
+    if metadata is None or nr >= len(metadata):
+        return None
+    return metadata[nr]

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import sys
 import weakref
 from collections import defaultdict
@@ -49,6 +50,7 @@ from torch_remat._integration import (
     cpu_rng_state_reads,
     current_autograd_node,
     current_graph_task_id,
+    first_input_metadata,
     profiler_enabled,
     replays_observed,
     sequence_nr,
@@ -162,6 +164,7 @@ class StorageLedger(TorchDispatchMode):
         as the forward's graph of that block holds; they are made outside the
         dispatcher, where the ledger does not see them, so they are counted as
         alive for the whole replay."""
+        self.quiet = None  # a node's ops are over
         self.settle_in_place()
         n = self.replay_numbers.get(checkpoint, 0)
         self.extras.append(n)
@@ -169,6 +172,7 @@ class StorageLedger(TorchDispatchMode):
         self._raise_peak(self.current)
 
     def replay_ended(self, checkpoint: str) -> None:
+        self.quiet = None  # a node's ops are over
         self.settle_in_place()
         if self.extras:
             self.current -= self.extras.pop()
@@ -314,7 +318,10 @@ class StorageLedger(TorchDispatchMode):
         """Before an op: if a backward node whose CPU kernel takes another path than
         fake tensors do starts, note its signature and the bytes alive; its ops are
         then counted as alive but not in the peak (see :attr:`quiet`)."""
-        if node is None or type(node).__name__ not in _REAL_PATH_BACKWARDS:
+        if (
+            node is None or torch.is_grad_enabled()  # (a replay run as the node unpacks)
+            or type(node).__name__ not in _REAL_PATH_BACKWARDS
+        ):
             self.quiet = None
             return
         seq = self.node
@@ -336,7 +343,6 @@ class StorageLedger(TorchDispatchMode):
         candidate arguments died with it, the real backward wrote that argument in
         place, allocating nothing: its output is not counted on top of what was
         alive, neither in the peak nor as the op's transient."""
-        self.quiet = None
         pending, self.in_place = self.in_place, None
         if pending is None:
             return
@@ -379,6 +385,7 @@ class StorageLedger(TorchDispatchMode):
     def real_allocated(self, t: torch.Tensor) -> None:
         """A real tensor the engine allocated outside the dispatcher (an RNG state):
         alive in the step's bytes until its storage is freed."""
+        self.quiet = None
         self.settle_in_place()
         st = t.untyped_storage()
         key = storage_key(st)
@@ -400,6 +407,7 @@ class StorageLedger(TorchDispatchMode):
         """The peak with each op's learned transient bytes on top of what was alive
         when it started (signatures not learned: their outputs, as counted), and the
         bytes of running replays' numbers counted in it (:meth:`replay_started`)."""
+        self.quiet = None
         self.settle_in_place()
         peak, numbers = self.peak, self.peak_extra
         for key, before in self.spikes.items():
@@ -414,6 +422,7 @@ class StorageLedger(TorchDispatchMode):
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
         FSDP2 allocates and frees a unit's unsharded parameters so). Grown from empty,
         it is allocated now, in the running block; shrunk to empty, freed."""
+        self.quiet = None
         self.settle_in_place()
         key = storage_key(st)
         if key not in self.known:
@@ -511,19 +520,31 @@ on typical values: a lone maximum, minimum or median; no zero."""
 
 def _node_key(node: Any) -> Any:
     """The signature under which a :data:`_REAL_PATH_BACKWARDS` node's transient is
-    learned (with what to learn it from), or None: an input not a CPU fake, one over
-    ``LEARN_CAP``."""
-    x = getattr(node, "_saved_self", None)
-    if not isinstance(x, FakeTensor) or x.device.type != "cpu":
+    learned, or None: an input not on the CPU, one over ``LEARN_CAP``. The input's
+    shape and dtype come from the node that made it: reading the node's saved input
+    would unpack it a second time (a checkpoint's saved tensor is unpacked once)."""
+    meta = first_input_metadata(node)
+    if meta is None or meta.device.type != "cpu":
         return None
-    if x.untyped_storage().nbytes() > LEARN_CAP:
+    shape = tuple(meta.shape)
+    dtype = meta.dtype
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > LEARN_CAP:
         return None
     name = type(node).__name__
     extra = tuple(
         getattr(node, a) for a in ("_saved_dim", "_saved_keepdim") if hasattr(node, a)
     )
-    layout = (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.untyped_storage().nbytes())
+    layout = (shape, _contiguous_strides(shape), 0, dtype, nbytes)
     return ("node", name, extra, layout, torch.get_num_threads())
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def learn_nodes(pending: dict[Any, Any]) -> None:

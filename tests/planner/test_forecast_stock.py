@@ -763,6 +763,40 @@ def test_an_op_whose_cpu_kernel_takes_another_path_is_forecast_as_it_runs(name):
         assert 0 <= policy.peak_bytes - real <= policy.peak_margin, (n, policy.peak_bytes, real)
 
 
+class _ResidualWith(nn.Module):
+    def __init__(self, op, d: int = 32) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.op = op
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.op(torch.tanh(self.lin(h)))
+
+
+_IN_BLOCK = {
+    "the largest element": lambda h: h / h.abs().max(),
+    "a product along a dim": lambda h: h.prod(1, keepdim=True) * h,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_IN_BLOCK))
+def test_an_op_whose_cpu_kernel_takes_another_path_inside_a_checkpointed_block(name):
+    # Inside a checkpoint the node's saved input is a checkpoint's saved tensor:
+    # reading it from the node to learn its layout unpacked it a second time, and the
+    # forecast raised; before any of this the peak was 2,060 B under (the largest)
+    # and 30,208 B over (the product).
+    from benchmarks.peak_check import real_step_peak
+
+    torch.manual_seed(0)
+    op = _IN_BLOCK[name]
+    model = nn.Sequential(_ResidualWith(op), _ResidualWith(op), _ResidualWith(op))
+    x = torch.randn(64, 32)
+    forecast = forecast_remat(model, (x,), budget=1.0)
+    for n, policy in forecast.policies.items():
+        real = real_step_peak(model, (x,), lambda out: out.sum(), policy.config)
+        assert 0 <= policy.peak_bytes - real <= policy.peak_margin, (n, policy.peak_bytes, real)
+
+
 class _SelfAttention(nn.Module):
     """MultiheadAttention scales its queries by ``math.sqrt(1.0 / E)``: a Python
     number wrapped in a real 8 B tensor, made outside the dispatcher, that the
