@@ -164,16 +164,14 @@ class StorageLedger(TorchDispatchMode):
         as the forward's graph of that block holds; they are made outside the
         dispatcher, where the ledger does not see them, so they are counted as
         alive for the whole replay."""
-        self.quiet = None  # a node's ops are over
-        self.settle_in_place()
+        self._between_ops()
         n = self.replay_numbers.get(checkpoint, 0)
         self.extras.append(n)
         self.current += n
         self._raise_peak(self.current)
 
     def replay_ended(self, checkpoint: str) -> None:
-        self.quiet = None  # a node's ops are over
-        self.settle_in_place()
+        self._between_ops()
         if self.extras:
             self.current -= self.extras.pop()
 
@@ -338,6 +336,13 @@ class StorageLedger(TorchDispatchMode):
             self.spikes[key] = self.current
             self.spike_extras[key] = sum(self.extras)
 
+    def _between_ops(self) -> None:
+        """Called from outside the dispatcher (a replay starting or ending, an
+        allocation or resize of the engine's, the end of the step): no backward
+        node's ops are running now, and the last op has returned."""
+        self.quiet = None
+        self.settle_in_place()
+
     def settle_in_place(self) -> None:
         """The op noted by :meth:`_in_place_candidates` has returned: if one of its
         candidate arguments died with it, the real backward wrote that argument in
@@ -385,8 +390,7 @@ class StorageLedger(TorchDispatchMode):
     def real_allocated(self, t: torch.Tensor) -> None:
         """A real tensor the engine allocated outside the dispatcher (an RNG state):
         alive in the step's bytes until its storage is freed."""
-        self.quiet = None
-        self.settle_in_place()
+        self._between_ops()
         st = t.untyped_storage()
         key = storage_key(st)
         if key in self.real_live:
@@ -407,8 +411,7 @@ class StorageLedger(TorchDispatchMode):
         """The peak with each op's learned transient bytes on top of what was alive
         when it started (signatures not learned: their outputs, as counted), and the
         bytes of running replays' numbers counted in it (:meth:`replay_started`)."""
-        self.quiet = None
-        self.settle_in_place()
+        self._between_ops()
         peak, numbers = self.peak, self.peak_extra
         for key, before in self.spikes.items():
             extra = _TRANSIENT.get(key)
@@ -422,8 +425,7 @@ class StorageLedger(TorchDispatchMode):
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
         FSDP2 allocates and frees a unit's unsharded parameters so). Grown from empty,
         it is allocated now, in the running block; shrunk to empty, freed."""
-        self.quiet = None
-        self.settle_in_place()
+        self._between_ops()
         key = storage_key(st)
         if key not in self.known:
             self.known.add(key)
@@ -500,8 +502,9 @@ def _lone_median(n: int) -> torch.Tensor:
 
 
 _REAL_PATH_BACKWARDS: dict[str, tuple[Any, Any]] = {
-    # node name: (the forward it differentiates, given the input and the node;
-    # typical values of its input, given the element count)
+    # node name: (the forward it differentiates, called with the input and the
+    # node's dim and keepdim where it has them; typical values of its input, given
+    # the element count)
     "MaxBackward1": (torch.max, lambda k: _one_hot(k, 1.0)),
     "MinBackward1": (torch.min, lambda k: _one_hot(k, -1.0)),
     "MedianBackward0": (torch.median, _lone_median),
@@ -522,7 +525,8 @@ def _node_key(node: Any) -> Any:
     """The signature under which a :data:`_REAL_PATH_BACKWARDS` node's transient is
     learned, or None: an input not on the CPU, one over ``LEARN_CAP``. The input's
     shape and dtype come from the node that made it: reading the node's saved input
-    would unpack it a second time (a checkpoint's saved tensor is unpacked once)."""
+    would unpack it a second time (a checkpoint's saved tensor is unpacked once).
+    It is learned contiguous."""
     meta = first_input_metadata(node)
     if meta is None or meta.device.type != "cpu":
         return None
@@ -535,16 +539,7 @@ def _node_key(node: Any) -> Any:
     extra = tuple(
         getattr(node, a) for a in ("_saved_dim", "_saved_keepdim") if hasattr(node, a)
     )
-    layout = (shape, _contiguous_strides(shape), 0, dtype, nbytes)
-    return ("node", name, extra, layout, torch.get_num_threads())
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.append(n)
-        n *= max(size, 1)
-    return tuple(reversed(strides))
+    return ("node", name, extra, shape, dtype, torch.get_num_threads())
 
 
 def learn_nodes(pending: dict[Any, Any]) -> None:
@@ -560,15 +555,10 @@ def learn_nodes(pending: dict[Any, Any]) -> None:
     try:
         with _disable_current_modes():
             for key in todo:
-                _, name, extra, (shape, stride, offset, dtype, nbytes), _ = key
+                _, name, extra, shape, dtype, _ = key
                 forward, values = _REAL_PATH_BACKWARDS[name]
                 try:
-                    x = torch.empty(0, dtype=dtype).set_(
-                        torch.zeros(nbytes, dtype=torch.uint8).untyped_storage(), offset, shape, stride
-                    )
-                    with torch.no_grad():
-                        x.copy_(values(x.numel()).view(shape))
-                    x.requires_grad_()
+                    x = values(math.prod(shape)).view(shape).to(dtype).requires_grad_()
                     y = forward(x, *extra)
                     g = torch.ones_like(y)  # alive as the node starts, as its gradient is
                     _TRANSIENT[key] = _most_held(functools.partial(torch.autograd.grad, y, x, g))
