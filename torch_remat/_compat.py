@@ -506,15 +506,3 @@ def first_input_metadata(node: Any) -> Any:
     if metadata is None or nr >= len(metadata):
         return None
     return metadata[nr]
-
-
-def assume_constant_result(fn: Any) -> Any:
-    """``torch.compiler.assume_constant_result`` without importing Dynamo.
-
-    torch's decorator imports ``torch._dynamo`` (about 1 s on a CPU) only to set
-    the flag Dynamo reads when it meets the function; ``import torch_remat`` marks
-    its functions the same way and leaves Dynamo unloaded until a program compiles.
-    ``tests/meta`` checks both: the import loads no Dynamo, and the fullgraph tests
-    trace through these functions as constants."""
-    fn._dynamo_marked_constant = True
-    return fn

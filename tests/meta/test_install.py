@@ -37,19 +37,6 @@ def test_readme_example_runs_without_numpy(tmp_path, pytestconfig):
     assert "checkpoint, SAVE regions and backward ok" in out
 
 
-def test_an_eager_program_does_not_load_dynamo(tmp_path, pytestconfig):
-    # Importing Dynamo costs about a second per process (every torchrun rank); a
-    # program that never compiles does not pay it for torch_remat.
-    out = python(
-        "import sys, runpy\n"
-        f"runpy.run_path({str(SMOKE)!r}, run_name='__main__')\n"
-        "print('dynamo loaded:', 'torch._dynamo' in sys.modules)\n",
-        tmp_path, env=plugin_env(pytestconfig),
-    )
-    assert "checkpoint, SAVE regions and backward ok" in out
-    assert "dynamo loaded: False" in out
-
-
 def test_integrations_import_from_the_repository_root_without_an_editable_finder(tmp_path):
     # As after a non-editable install, run from the checkout: the repository root is
     # first on sys.path, so ``torch_remat`` is the source folder, whose subpackages
