@@ -1,5 +1,6 @@
 """What remat.checkpoint does, one behaviour per test."""
 
+import collections
 import gc
 import threading
 import weakref
@@ -78,13 +79,22 @@ def test_no_grad_and_inference_mode_run_the_function_once():
 
 
 class CounterHook:
-    """A user counter advanced by the function (like an RNG offset), kept in a slot:
-    state remat does not record by itself (a plain object's ``__dict__`` it does)."""
+    """A user counter advanced by the function (like an RNG offset), kept in a
+    ``collections.deque``: state remat does not record by itself (a plain object's
+    attributes, and the contents of a plain list, dict or set, it does)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("box",)
 
     def __init__(self):
-        self.value = 0
+        self.box = collections.deque([0], maxlen=1)
+
+    @property
+    def value(self):
+        return self.box[0]
+
+    @value.setter
+    def value(self, v):
+        self.box[0] = v
 
     def snapshot(self):
         return self.value

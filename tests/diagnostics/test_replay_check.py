@@ -1,5 +1,6 @@
 """checkpoint(determinism_check="bitwise"): the recompute must reproduce the forward."""
 
+import collections
 
 import pytest
 import torch
@@ -94,14 +95,24 @@ def test_an_lstm_workspace_is_compared_by_metadata_only():
 
 
 class _Calls:
-    __slots__ = ("calls",)
+    """A call counter in a ``collections.deque``: state remat does not record."""
+
+    __slots__ = ("box",)
 
     def __init__(self):
-        self.calls = 0
+        self.box = collections.deque([0], maxlen=1)
+
+    @property
+    def calls(self):
+        return self.box[0]
+
+    @calls.setter
+    def calls(self, v):
+        self.box[0] = v
 
 
 def test_a_byte_tensor_of_data_is_still_compared_by_its_bits():
-    state = _Calls()  # a slot of an object: remat does not record it, the replay sees 1
+    state = _Calls()  # a deque's contents: remat does not record them, the replay sees 1
 
     def scaled(t):
         mask = torch.full(t.shape, state.calls + 1, dtype=torch.uint8)

@@ -242,9 +242,9 @@ class CheckpointFrame:
         # Python's random and NumPy's generator (rng.host_rng_state) at entry, kept
         # only if the forward drew
         self.host_entry: tuple[Any, ...] | None = None
-        # torch.Generator objects the module state holds (ModuleState.generators):
+        # generator objects the module state holds (ModuleState.generators):
         # their states are part of host_state()
-        self.generators: tuple[torch.Generator, ...] = ()
+        self.generators: tuple[Any, ...] = ()
         self.rng_use: RNGUse | None = None
         self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)

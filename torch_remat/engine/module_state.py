@@ -16,20 +16,23 @@ tensor it holds and that tensor's version. Around the replay:
   attributes such as ``self.mask``, Python values such as a temperature or a
   counter, the ``training`` flag), its submodules, every closure value of the
   function, the module-level variables its code reads (the function's, each
-  module class's ``forward``, and the plain functions they call, by name; modules
-  and classes aside, and torch's own code), the attributes of the user's plain
-  objects found in those (a config, a callable object: a shallow copy of their
-  ``__dict__``) and of the user's classes of the modules and objects are recorded
-  too. The replay runs with the values they had when the
+  module class's ``forward``, the modules' forward hooks, and the plain functions
+  they call, by name; modules and classes aside, and torch's own code), the
+  attributes of the user's plain objects found in those and in turn in theirs (a
+  config, a callable object: a shallow copy of their ``__dict__`` or
+  ``__slots__``) and of the user's classes of the modules and objects are recorded
+  too; generator objects among them (``torch.Generator``, ``random.Random``,
+  NumPy's) are forked (rng.py). The replay runs with the values they had when the
   checkpoint started, and the caller's are back afterwards: one rebound, replaced
   or flipped (``model.eval()``) after the forward, one the forward itself rebinds
   from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
   1``), and one the forward added (absent in the replay). Values are compared by
   identity;
 * the contents of every plain ``list``, ``dict`` and ``set`` in a module's public
-  attribute or a closure cell (a carried state ``self.state["h"] = h``, a history
-  the forward reads ``self.hist[-1]`` and extends, a dict of counters) are
-  recorded too (a shallow copy, one level deep). The replay runs on the contents
+  attribute, a closure cell, a plain object, another such container or (up to
+  1,024 items) a module-level variable (a carried state ``self.state["h"] = h``,
+  a history the forward reads ``self.hist[-1]`` and extends, a dict of counters)
+  are recorded too (a shallow copy each; see :func:`_held_state`). The replay runs on the contents
   the forward started from. Afterwards each holds what it held before the replay,
   plus what the replay added: entries it appended to a list, keys and set members
   it added, and keys whose value it changed where neither the forward nor the
@@ -74,7 +77,7 @@ from torch import nn
 from .. import _compat
 from .._compat import version_of
 from .._errors import modified_in_place
-from .rng import default_generators
+from .rng import default_generators, is_generator_type
 
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -114,16 +117,104 @@ def _from_library(cls: type) -> bool:
 
 def _is_plain(cls: type) -> bool:
     """Whether values of ``cls`` are plain objects of the user's whose attributes
-    the checkpointed code may read (a config, a callable object)."""
+    the checkpointed code may read (a config, a callable object), in a ``__dict__``
+    or in ``__slots__``."""
     plain = _PLAIN.get(cls)
     if plain is None:
         plain = (
-            getattr(cls, "__dictoffset__", 0) != 0
+            (getattr(cls, "__dictoffset__", 0) != 0 or bool(_slot_names(cls)))
             and not issubclass(cls, _NOT_PLAIN)
             and not _from_library(cls)
+            and not is_generator_type(cls)  # forked whole (ModuleState.generators)
         )
         _PLAIN[cls] = plain
     return plain
+
+
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The ``__slots__`` attributes of ``cls`` and its bases."""
+    names = _SLOT_NAMES.get(cls)
+    if names is None:
+        found: dict[str, None] = {}
+        for c in cls.__mro__:
+            declared = c.__dict__.get("__slots__", ())
+            if isinstance(declared, str):
+                declared = (declared,)
+            for n in declared:
+                if n not in ("__dict__", "__weakref__"):
+                    # a private name is stored mangled
+                    found[f"_{c.__name__.lstrip('_')}{n}" if n.startswith("__") else n] = None
+        names = _SLOT_NAMES[cls] = tuple(found)
+    return names
+
+
+class _SlotValues:
+    """An object's ``__slots__`` attributes through the ``dict`` protocol the
+    attribute records use (an unset slot is an absent key)."""
+
+    __slots__ = ("obj", "names")
+
+    def __init__(self, obj: Any, names: tuple[str, ...]) -> None:
+        self.obj = obj
+        self.names = names
+
+    def _now(self) -> dict:
+        out = {}
+        obj = self.obj
+        for n in self.names:
+            value = getattr(obj, n, _MISSING)
+            if value is not _MISSING:
+                out[n] = value
+        return out
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+    def __iter__(self):
+        return iter(self._now())
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._now()
+
+    def keys(self):
+        return self._now().keys()
+
+    def values(self):
+        return self._now().values()
+
+    def items(self):
+        return self._now().items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._now().get(key, default)
+
+    def copy(self) -> dict:
+        return self._now()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self.obj, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        delattr(self.obj, key)
+
+    def pop(self, key: str) -> Any:
+        value = getattr(self.obj, key)
+        delattr(self.obj, key)
+        return value
+
+
+def _attributes(obj: Any) -> list[Any]:
+    """A plain object's attributes as ``dict``s: its ``__dict__``, and its slots
+    through :class:`_SlotValues`."""
+    d = getattr(obj, "__dict__", None)
+    names = _slot_names(type(obj))
+    out = [d] if type(d) is dict else []
+    if names:
+        out.append(_SlotValues(obj, names))
+    return out
 
 
 _CLASS_INFO: dict[type, tuple[Any, tuple[type, ...]]] = {}
@@ -345,7 +436,7 @@ class _Slot:
 
 
 def _roots(
-    fn: Any,
+    *fns: Any,
 ) -> tuple[
     list[tuple[str, nn.Module]], list[tuple[str, Any]], list[tuple[Any, Any]], list[Any], list[Any]
 ]:
@@ -389,9 +480,10 @@ def _roots(
         elif _is_plain(type(obj)):
             # a callable object: its attributes, the modules among them, its __call__
             objects.append(obj)
-            for key, value in list(vars(obj).items()):
-                if isinstance(value, nn.Module) or callable(value):
-                    visit(value, f"{key}.", depth + 1)
+            for d in _attributes(obj):
+                for key, value in list(d.items()):
+                    if isinstance(value, nn.Module) or callable(value):
+                        visit(value, f"{key}.", depth + 1)
             call = next((c.__dict__["__call__"] for c in type(obj).__mro__ if "__call__" in c.__dict__), None)
             if type(call) is types.FunctionType:
                 functions.append(call)
@@ -414,8 +506,70 @@ def _roots(
                 if isinstance(value, nn.Module) or callable(value):
                     visit(value, f"{name}.", depth + 1)
 
-    visit(fn, "", 0)
+    for fn in fns:
+        visit(fn, "", 0)
     return modules, cells, values, functions, objects
+
+
+_MAX_HELD = 4096
+"""How many values inside plain objects and containers one call looks at beyond
+the first level (an object's attributes, a container's items)."""
+_MAX_GLOBAL_ITEMS = 1024
+"""A list, dict or set in a module-level variable holding more items (a large
+table) is not recorded: copying it at every call costs more than it is worth."""
+
+
+def _held_state(
+    held: list[Any],
+    n_local: int,
+    seen: set[int],
+    slots: list[_Slot],
+    others: list[tuple],
+    containers: list[tuple[Any, Any]],
+    generators: list[Any],
+    user_classes: list[type],
+) -> None:
+    """Record the state behind the values in ``held`` (the first ``n_local`` are
+    closure values and containers in module attributes; then module-level
+    variables and plain objects), and
+    behind the values they hold in turn: generator objects (forked), plain objects
+    (their attributes, the tensors among them version-checked), lists, dicts and
+    sets (their contents)."""
+    budget = _MAX_HELD
+    i = 0
+    while i < len(held):
+        v = held[i]
+        i += 1
+        cls = type(v)
+        if cls in _CONTAINERS:
+            if id(v) in seen or (i > n_local and len(v) > _MAX_GLOBAL_ITEMS):
+                continue
+            seen.add(id(v))
+            entry = _contents(v)
+            containers.append((v, entry))
+            if len(entry) <= budget:
+                budget -= len(entry)
+                held.extend(entry.values() if cls is dict else entry)
+        elif cls in _non_tensor_types:
+            continue
+        elif is_generator_type(cls):
+            if id(v) not in seen:
+                seen.add(id(v))
+                generators.append(v)
+        elif _is_plain(cls):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            user_classes.extend(_class_info(cls)[1])
+            for d in _attributes(v):
+                entry = d.copy()
+                others.append((d, entry, None, None))
+                for k, t in entry.items():
+                    if isinstance(t, torch.Tensor):
+                        slots.append(_Slot(d, k, t, version_of(t), f"{cls.__name__}.", ATTRIBUTE))
+                if len(entry) <= budget:
+                    budget -= len(entry)
+                    held.extend(entry.values())
 
 
 def _module_slots(
@@ -427,10 +581,10 @@ def _module_slots(
     seen: set[int],
     others: list[tuple],
     unwritten: BufferMemo,
-    generators: list[torch.Generator],
-    containers: list[tuple[Any, Any]],
+    containers: list[Any],
     classes: dict[type, None],
     objects: list[Any],
+    hooks: list[Any],
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -455,9 +609,7 @@ def _module_slots(
                     continue
                 if isinstance(t, torch.Tensor):
                     slots.append(_Slot(d, k, t, version_of(t), p, ATTRIBUTE))
-                elif type(t) is torch.Generator:
-                    generators.append(t)  # (never in _non_tensor_types: always looked at)
-                elif _is_plain(type(t)):
+                elif _is_plain(type(t)) or is_generator_type(type(t)):
                     objects.append(t)  # (never in _non_tensor_types: always looked at)
                 else:
                     _non_tensor_types.add(type(t))  # (Tensor's metaclass has no __instancecheck__)
@@ -480,17 +632,21 @@ def _module_slots(
                     group.append(_Slot(buffers, k, t, version_of(t), p, BUFFER, copy))
             slots.extend(group)
             buffer_groups.append((m, group))
+        if m._forward_hooks or m._forward_pre_hooks:
+            # hooks run inside the checkpoint: what they read is state too
+            hooks.extend(m._forward_pre_hooks.values())
+            hooks.extend(m._forward_hooks.values())
         children = m._modules
         kids = tuple(children.items()) if children else None
         # the module's attributes (a shallow copy: a dict copy in C, cheaper than
         # picking out what might change) and submodules, as the forward starts
         others.append((d, d.copy(), children, kids))
-        # the user's lists, dicts and sets
+        # the user's lists, dicts and sets (recorded by _held_state)
         if not _CONTAINERS.isdisjoint(kinds):
             for k in extra:
                 v = d[k]
                 if type(v) in _CONTAINERS and k[0] != "_":
-                    containers.append((v, _contents(v)))
+                    containers.append(v)
         if kids:
             for k, c in reversed(kids):  # named_modules order
                 if c is not None:
@@ -541,9 +697,9 @@ class ModuleState:
         # per module in ``others``: its attributes as the last SAVE region left them
         # (the entry copy until one rebinds any)
         self.seen: list[dict] | None = None
-        # torch.Generator objects in module attributes and closure cells (not torch's
-        # default ones): forked around the replay like Python's random (rng.py)
-        self.generators: tuple[torch.Generator, ...] = ()
+        # generator objects (torch's, Python's, NumPy's; not the default or global
+        # ones) the code reaches: forked around the replay like Python's random (rng.py)
+        self.generators: tuple[Any, ...] = ()
         # (list, dict or set, its contents when the checkpoint started)
         self.containers: list[tuple[Any, Any]] = []
         # (module globals, name, value) of the module-level variables the code reads
@@ -562,17 +718,27 @@ class ModuleState:
         modules, cells, values, functions, objects = _roots(fn)
         params: list[tuple] = []
         slots: list[_Slot] = []
-        generators: list[torch.Generator] = [v for _, v in values if type(v) is torch.Generator]
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         seen: set[int] = set()  # a module shared by two roots is recorded once
         others: list[tuple] = []
-        containers: list[tuple[Any, Any]] = []
+        in_modules: list[Any] = []  # the lists, dicts and sets in module attributes
         classes: dict[type, None] = {}
+        hooks: list[Any] = []
         for prefix, module in modules:
             _module_slots(
-                prefix, module, params, slots, groups, seen, others, unwritten, generators, containers,
-                classes, objects,
+                prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
+                classes, objects, hooks,
             )
+        if hooks:
+            # forward hooks of the modules: their closures and module-level variables
+            more = _roots(*hooks)
+            for prefix, module in more[0]:
+                _module_slots(
+                    prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
+                    classes, objects, [],
+                )
+            cells, values = cells + more[1], values + more[2]
+            functions, objects = functions + more[3], objects + more[4]
         # module-level variables the code reads: the functions', each module class's
         # forward's (and the plain functions they call)
         global_values: list[tuple[dict, str, Any]] = []
@@ -589,29 +755,22 @@ class ModuleState:
                 _read_globals(forward, global_values, read, 0)
             if users:
                 user_classes.extend(users)
-        if global_values:
-            generators.extend(v for _, _, v in global_values if type(v) is torch.Generator)
-            objects.extend(v for _, _, v in global_values if _is_plain(type(v)))
-        if values:
-            objects.extend(v for _, v in values if _is_plain(type(v)))
-        # plain objects (a config, a callable object) in module attributes, closure
-        # cells and module-level variables, and the user's classes of the modules and
-        # of those objects: their attributes, recorded as a module's are
-        for obj in objects:
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                user_classes.extend(_class_info(type(obj))[1])
-                d = obj.__dict__
-                others.append((d, d.copy(), None, None))
+        # values that hold further state: generator objects (forked), plain objects
+        # (their attributes), lists, dicts and sets (their contents)
+        held: list[Any] = [v for _, v in values]
+        held.extend(in_modules)
+        n_local = len(held)  # recorded whatever their size
+        held.extend(v for _, _, v in global_values)
+        held.extend(objects)
+        containers: list[tuple[Any, Any]] = []
+        generators: list[Any] = []
+        _held_state(held, n_local, seen, slots, others, containers, generators, user_classes)
         class_values: list[tuple[_ClassDict, dict]] = []
         for c in user_classes:
             if id(c) not in seen:
                 seen.add(id(c))
                 d = _class_dict(c)
                 class_values.append((d, d.copy()))
-        for _, value in values:
-            if type(value) in _CONTAINERS:
-                containers.append((value, _contents(value)))
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))

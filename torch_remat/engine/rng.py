@@ -521,39 +521,129 @@ def restore_host_rng_state(state: tuple[Any, ...]) -> None:
             restore(saved)
 
 
-# --------------------------------------- torch.Generator objects the model holds
+# ----------------------------------------- generator objects the model holds
 #
-# A generator a module keeps as an attribute, or a closure variable, and passes to
-# random ops (``torch.rand(..., generator=self.generator)``) is not a default
-# generator, so no state hook restores it. It is forked as Python's random is: its
-# state at the checkpoint's entry and where each SAVE region returned is read, and
-# a replay sets those states, then gives the caller's back.
+# A generator a module keeps as an attribute, a closure variable or a module-level
+# variable, and draws from, is not a default generator, so no state hook restores
+# it: a ``torch.Generator`` passed to random ops (``torch.rand(...,
+# generator=self.generator)``), a ``random.Random`` (``self.rng.random()``), a
+# NumPy ``Generator`` (``np.random.default_rng(seed)``) or ``RandomState``. Each is
+# forked as Python's global random is: its state at the checkpoint's entry and
+# where each SAVE region returned is read, and a replay sets those states, then
+# gives the caller's back.
+
+
+def is_generator_type(cls: type) -> bool:
+    """Whether values of ``cls`` are generator objects forked around a replay."""
+    held = _HELD_KINDS.get(cls)
+    if held is None:
+        held = _held_kind(cls) is not None
+        _HELD_KINDS[cls] = held
+    return held
+
+
+_HELD_KINDS: dict[type, bool] = {}
+
+
+def _held_kind(cls: type) -> str | None:
+    if cls is torch.Generator:
+        return "torch"
+    import random
+
+    if issubclass(cls, random.Random):
+        # SystemRandom draws from the operating system: no state to fork
+        return None if issubclass(cls, random.SystemRandom) else "python"
+    np = sys.modules.get("numpy")  # never imported here: only seen if the program uses it
+    if np is not None:
+        try:
+            if issubclass(cls, np.random.Generator):
+                return "numpy generator"
+            if issubclass(cls, np.random.RandomState):
+                return "numpy random state"
+        except AttributeError:
+            return None
+    return None
+
+
+def _comparable(state: Any) -> Any:
+    """``state`` with NumPy arrays as bytes, so two compare with ``==``."""
+    if isinstance(state, dict):
+        return tuple((k, _comparable(v)) for k, v in state.items())
+    if isinstance(state, (tuple, list)):
+        return tuple(_comparable(v) for v in state)
+    tobytes = getattr(state, "tobytes", None)
+    if tobytes is not None and hasattr(state, "dtype"):
+        return (str(state.dtype), tobytes())
+    return state
+
+
+class _HostGeneratorState:
+    """A Python or NumPy generator's state, equal to another by value."""
+
+    __slots__ = ("key", "state")
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.key = _comparable(state)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _HostGeneratorState and self.key == other.key
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _read_held(g: Any) -> Any:
+    if type(g) is torch.Generator:
+        state = g.get_state()  # a fresh contiguous uint8 tensor
+        return ctypes.string_at(state.data_ptr(), state.nbytes)
+    kind = _held_kind(type(g))
+    if kind == "python":
+        return g.getstate()  # a tuple of ints: compares by value
+    if kind == "numpy generator":
+        return _HostGeneratorState(g.bit_generator.state)
+    return _HostGeneratorState(g.get_state(legacy=False))
+
+
+def _restore_held(g: Any, saved: Any) -> None:
+    if type(g) is torch.Generator:
+        with _compat.DisableTorchDispatch():  # the state tensor must be a real one
+            g.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+        return
+    kind = _held_kind(type(g))
+    if kind == "python":
+        g.setstate(saved)
+    elif kind == "numpy generator":
+        g.bit_generator.state = saved.state
+    else:
+        g.set_state(saved.state)
 
 
 def default_generators() -> set[int]:
-    """ids of torch's default generators (the stock state hooks' business)."""
+    """ids of the generators forked otherwise: torch's default generators (the
+    stock state hooks' business), Python's and NumPy's global ones (host_rng_state)."""
     ids = {id(torch.default_generator)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         ids.update(id(g) for g in torch.cuda.default_generators)
+    import random
+
+    ids.add(id(getattr(random, "_inst", None)))
+    np = sys.modules.get("numpy")
+    if np is not None:
+        ids.add(id(getattr(getattr(np.random, "mtrand", None), "_rand", None)))
     return ids
 
 
-def generator_states(generators: tuple[torch.Generator, ...]) -> tuple[bytes, ...]:
-    """The states of ``generators`` now, comparable with ``==``: their bytes, read
-    without an aten op (``get_state()`` dispatches nothing), so no dispatch mode (a
-    forecast's fake tensors, a scope's recording) sees them."""
-    out = []
-    for g in generators:
-        state = g.get_state()  # a fresh contiguous uint8 tensor
-        out.append(ctypes.string_at(state.data_ptr(), state.nbytes))
-    return tuple(out)
+def generator_states(generators: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The states of ``generators`` (see :func:`is_generator_type`) now, comparable
+    with ``==``. A torch.Generator's are its bytes, read without an aten op
+    (``get_state()`` dispatches nothing), so no dispatch mode (a forecast's fake
+    tensors, a scope's recording) sees them."""
+    return tuple(map(_read_held, generators))
 
 
-def restore_generator_states(generators: tuple[torch.Generator, ...], states: tuple[bytes, ...]) -> None:
-    """Make ``states`` (from :func:`generator_states`) current again, below any
-    dispatch mode (the state tensor must be a real one)."""
-    now = generator_states(generators)
-    with _compat.DisableTorchDispatch():
-        for g, saved, current in zip(generators, states, now):
-            if current != saved:
-                g.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+def restore_generator_states(generators: tuple[Any, ...], states: tuple[Any, ...]) -> None:
+    """Make ``states`` (from :func:`generator_states`) current again, setting only
+    the generators that moved."""
+    for g, saved, current in zip(generators, states, generator_states(generators)):
+        if current != saved:
+            _restore_held(g, saved)
