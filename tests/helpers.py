@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -131,6 +132,25 @@ class SavedBytes:
     @property
     def total(self) -> int:
         return sum(self.storages.values())
+
+
+class UnseenCounter:
+    """An int counter kept in a ``collections.deque``: state remat does not record
+    by itself (a plain object's attributes, and the contents of a plain list, dict
+    or set, it does), so a replay sees the value the backward finds."""
+
+    __slots__ = ("box",)
+
+    def __init__(self) -> None:
+        self.box = collections.deque([0], maxlen=1)
+
+    @property
+    def value(self) -> int:
+        return self.box[0]
+
+    @value.setter
+    def value(self, v: int) -> None:
+        self.box[0] = v
 
 
 class CounterHook:

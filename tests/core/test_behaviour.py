@@ -1,12 +1,11 @@
 """What remat.checkpoint does, one behaviour per test."""
 
-import collections
 import gc
 import threading
 import weakref
 
 import torch
-from helpers import Block, assert_bitwise_equal, grads, recorded_replays
+from helpers import Block, UnseenCounter, assert_bitwise_equal, grads, recorded_replays
 
 import torch_remat as remat
 
@@ -78,23 +77,11 @@ def test_no_grad_and_inference_mode_run_the_function_once():
     assert calls == [1, 1, 1, 1]
 
 
-class CounterHook:
-    """A user counter advanced by the function (like an RNG offset), kept in a
-    ``collections.deque``: state remat does not record by itself (a plain object's
-    attributes, and the contents of a plain list, dict or set, it does)."""
+class CounterHook(UnseenCounter):
+    """A user counter advanced by the function (like an RNG offset), in state remat
+    does not record by itself, with the hook that snapshots and restores it."""
 
-    __slots__ = ("box",)
-
-    def __init__(self):
-        self.box = collections.deque([0], maxlen=1)
-
-    @property
-    def value(self):
-        return self.box[0]
-
-    @value.setter
-    def value(self, v):
-        self.box[0] = v
+    __slots__ = ()
 
     def snapshot(self):
         return self.value

@@ -1,11 +1,9 @@
 """Every misuse gets a clear error: its type and the words that tell the user what
 happened and what to do."""
 
-import collections
-
 import pytest
 import torch
-from helpers import kept_bytes, recorded_replays
+from helpers import UnseenCounter, kept_bytes, recorded_replays
 
 import torch_remat as remat
 
@@ -82,32 +80,15 @@ def test_same_region_name_twice_in_one_forward():
         remat.checkpoint(region_name="blk")(fn)(x)
 
 
-class _Unseen:
-    """A counter in a ``collections.deque``: state remat does not record."""
-
-    __slots__ = ("box",)
-
-    def __init__(self):
-        self.box = collections.deque([0], maxlen=1)
-
-    @property
-    def n(self):
-        return self.box[0]
-
-    @n.setter
-    def n(self, v):
-        self.box[0] = v
-
-
 def test_forward_and_recompute_taking_different_paths_names_both_sequences():
     # state remat does not see: a deque's contents (a list in the closure, or an
     # attribute of a plain object, would be replayed as at entry, and take the
     # same path)
-    calls = _Unseen()
+    calls = UnseenCounter()
 
     def fn(x):
-        calls.n += 1
-        name = "left" if calls.n == 1 else "right"
+        calls.value += 1
+        name = "left" if calls.value == 1 else "right"
         h = remat.region(torch.sin, name, recompute=True)(x)
         return h.exp()
 

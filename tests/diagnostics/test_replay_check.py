@@ -1,11 +1,9 @@
 """checkpoint(determinism_check="bitwise"): the recompute must reproduce the forward."""
 
-import collections
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import recorded_replays
+from helpers import UnseenCounter, recorded_replays
 
 import torch_remat as remat
 from torch_remat import CPURNGStateHook
@@ -94,29 +92,12 @@ def test_an_lstm_workspace_is_compared_by_metadata_only():
     assert all(torch.equal(p.grad, expected[n]) for n, p in lstm.named_parameters())
 
 
-class _Calls:
-    """A call counter in a ``collections.deque``: state remat does not record."""
-
-    __slots__ = ("box",)
-
-    def __init__(self):
-        self.box = collections.deque([0], maxlen=1)
-
-    @property
-    def calls(self):
-        return self.box[0]
-
-    @calls.setter
-    def calls(self, v):
-        self.box[0] = v
-
-
 def test_a_byte_tensor_of_data_is_still_compared_by_its_bits():
-    state = _Calls()  # a deque's contents: remat does not record them, the replay sees 1
+    state = UnseenCounter()  # state remat does not record: the replay sees 1
 
     def scaled(t):
-        mask = torch.full(t.shape, state.calls + 1, dtype=torch.uint8)
-        state.calls += 1
+        mask = torch.full(t.shape, state.value + 1, dtype=torch.uint8)
+        state.value += 1
         return remat.region(lambda a: a * mask, "mask", recompute=True)(t.exp())
 
     y = torch.randn(4, 8, requires_grad=True)
