@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode
 
 import torch_remat as remat
 from torch_remat._integration import (
@@ -75,6 +76,40 @@ from ._measure import (
     install,
 )
 from ._offload import allocating_host_memory
+
+_PRIM_DEVICE = torch.ops.prim.device.default
+
+
+class LinearCalls(TorchFunctionMode):
+    """Notes when ``F.linear`` runs with a plain (not wrapper subclass) bias.
+
+    On a strided input it cannot flatten (a transposed activation: an RNN's
+    ``batch_first`` output), ``at::linear`` runs ``matmul`` and then adds the bias
+    in place into the product for plain tensors, and out of place for tensor
+    subclasses, fake tensors among them. The ledger (:meth:`StorageLedger.
+    _in_place_candidates`) counts that add as the real run does; below this mode
+    the ops of ``linear`` are already decomposed, so only this mode can say that
+    an add is ``linear``'s."""
+
+    def __init__(self, ledger: StorageLedger) -> None:
+        super().__init__()
+        self.depth = 0
+        self.ledger = ledger
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch._C._nn.linear:
+            return func(*args, **kwargs)
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if bias is None or hasattr(type(bias), "__tensor_flatten__"):  # a DTensor adds as a subclass
+            return func(*args, **kwargs)
+        self.depth += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.depth -= 1
+            # the product the bias was added to has died with linear's frame
+            self.ledger.settle_in_place()
 
 
 class StorageLedger(TorchDispatchMode):
@@ -143,6 +178,8 @@ class StorageLedger(TorchDispatchMode):
         self.node_fallback: dict[Any, int] = {}
         """Per node signature, the most bytes its fake ops held above its start: its
         transient where the real one could not be learned."""
+        self.linear: LinearCalls | None = None
+        """Set while a step runs: whether the current op is ``F.linear``'s."""
         self.in_place: tuple[tuple[int, ...], Any, tuple[int, int]] | None = None
         """The op that just ran out of place where the real backward runs in place
         if an argument dies with it: (those arguments' storage keys, its spike's
@@ -217,7 +254,7 @@ class StorageLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.in_place is not None:
+        if self.in_place is not None and func is not _PRIM_DEVICE:  # (a query, asked as an op returns)
             self.settle_in_place()
         self.node, node = _backward_node()
         self._follow_node(node)
@@ -283,7 +320,23 @@ class StorageLedger(TorchDispatchMode):
           and indexing scatters into fresh zeros in place, else out of place.
 
         Only ops run by torch's own backward nodes qualify (a Python
-        ``autograd.Function``'s backward is the user's code, run as written)."""
+        ``autograd.Function``'s backward is the user's code, run as written).
+
+        In the forward (and a replay), ``F.linear`` on an input it cannot flatten adds
+        its bias in place into the product for plain tensors (see
+        :class:`LinearCalls`), out of place for fakes."""
+        linear = self.linear
+        if (
+            linear is not None and linear.depth and func is torch.ops.aten.add.Tensor
+            and not kwargs and len(args) == 2 and isinstance(out, FakeTensor)
+        ):
+            a = args[0]
+            if (
+                isinstance(a, FakeTensor) and a.shape == out.shape and a.dtype == out.dtype
+                and a.untyped_storage().nbytes() == out.untyped_storage().nbytes()
+            ):
+                return (storage_key(a.untyped_storage()),)
+            return ()
         node = self.node
         if node is None or not isinstance(out, FakeTensor) or torch.is_grad_enabled():
             return ()
@@ -818,6 +871,9 @@ def _may_draw(func: Any, args: tuple, kwargs: dict) -> bool:
     values = dict(kwargs)
     for arg, value in zip(func._schema.arguments, args):
         values[arg.name] = value
+    for arg in func._schema.arguments:  # left out: the schema's default
+        if arg.name not in values and arg.has_default_value():
+            values[arg.name] = arg.default_value
     if values.get("train", True) is False:
         return False
     for name in ("dropout_p", "dropout"):
@@ -1098,10 +1154,11 @@ def measure_fake(
     cpu_rng = torch.get_rng_state()
     ledger = StorageLedger(mode)
     ledger.modules = _module_names(model)
+    ledger.linear = LinearCalls(ledger)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with mode, ledger, _storage_resizes(ledger), _rng_states(ledger), replays_observed(
+        with mode, ledger, ledger.linear, _storage_resizes(ledger), _rng_states(ledger), replays_observed(
             ledger.replay_started, ledger.replay_ended
         ):
             ledger.see_existing([*model.parameters(), *model.buffers(), *leaves])
