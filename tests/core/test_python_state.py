@@ -868,3 +868,35 @@ def test_the_contents_of_a_small_module_level_dict_are_replayed_as_the_forward_s
     assert replayed == ["table", "table"]
     _same(expected, got)
     assert GLOBAL_TABLE == {"scale": 3.0}  # the caller's contents after the replays
+
+
+@pytest.mark.parametrize("kind", ["random.Random", "numpy Generator"])
+def test_a_generator_objects_draw_inside_a_save_region_is_not_replayed_and_later_draws_are(kind):
+    # The replay skips the SAVE body and starts the draw after it from where the
+    # body left the generator.
+    lin = _linear(23)
+
+    def make():
+        return random.Random(7) if kind == "random.Random" else np.random.default_rng(7)
+
+    def run(ckpt):
+        rng = make()
+
+        def body(x):
+            a = remat.region(lambda t: lin(t) * float(rng.random()), "jitter", recompute=False)(x)
+            a = remat.recompute_needs_tensor(a)
+            return (a * float(rng.random())).sin() * x
+
+        x = _x(41)
+        fn = remat.checkpoint(region_name="blk")(body) if ckpt else body
+        with recorded_replays() as replayed:
+            fn(x).sum().backward()
+        assert replayed == (["blk"] if ckpt else [])
+        grads = [x.grad] + [p.grad.clone() for p in lin.parameters()]
+        lin.zero_grad()
+        return grads, float(rng.random())
+
+    expected, after = run(False)
+    got, got_after = run(True)
+    _same(expected, got)
+    assert after == got_after  # the generator ends where it would without remat
