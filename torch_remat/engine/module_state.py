@@ -131,6 +131,58 @@ def _is_plain(cls: type) -> bool:
     return plain
 
 
+class _AttributeView:
+    """Attributes kept outside a plain ``__dict__``, through the ``dict`` protocol
+    the attribute records use: reads from :meth:`_now`, writes through ``setattr``
+    on ``target``."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    def _now(self) -> Any:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+    def __iter__(self):
+        return iter(self._now())
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._now()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._now()[key]
+
+    def keys(self):
+        return self._now().keys()
+
+    def values(self):
+        return self._now().values()
+
+    def items(self):
+        return self._now().items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._now().get(key, default)
+
+    def copy(self) -> dict:
+        return dict(self._now())
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self.target, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        delattr(self.target, key)
+
+    def pop(self, key: str) -> Any:
+        value = self._now()[key]
+        delattr(self.target, key)
+        return value
+
+
 _SLOT_NAMES: dict[type, tuple[str, ...]] = {}
 
 
@@ -151,59 +203,23 @@ def _slot_names(cls: type) -> tuple[str, ...]:
     return names
 
 
-class _SlotValues:
-    """An object's ``__slots__`` attributes through the ``dict`` protocol the
-    attribute records use (an unset slot is an absent key)."""
+class _SlotValues(_AttributeView):
+    """An object's ``__slots__`` attributes (an unset slot is an absent key)."""
 
-    __slots__ = ("obj", "names")
+    __slots__ = ("names",)
 
     def __init__(self, obj: Any, names: tuple[str, ...]) -> None:
-        self.obj = obj
+        super().__init__(obj)
         self.names = names
 
     def _now(self) -> dict:
         out = {}
-        obj = self.obj
+        obj = self.target
         for n in self.names:
             value = getattr(obj, n, _MISSING)
             if value is not _MISSING:
                 out[n] = value
         return out
-
-    def __len__(self) -> int:
-        return len(self._now())
-
-    def __iter__(self):
-        return iter(self._now())
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self._now()
-
-    def keys(self):
-        return self._now().keys()
-
-    def values(self):
-        return self._now().values()
-
-    def items(self):
-        return self._now().items()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self._now().get(key, default)
-
-    def copy(self) -> dict:
-        return self._now()
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        setattr(self.obj, key, value)
-
-    def __delitem__(self, key: str) -> None:
-        delattr(self.obj, key)
-
-    def pop(self, key: str) -> Any:
-        value = getattr(self.obj, key)
-        delattr(self.obj, key)
-        return value
 
 
 def _attributes(obj: Any) -> list[Any]:
@@ -233,53 +249,13 @@ def _class_info(cls: type) -> tuple[Any, tuple[type, ...]]:
     return info
 
 
-class _ClassDict:
-    """A class's attributes through the ``dict`` protocol the module records use
-    (a class's ``__dict__`` is read-only: writes go through ``setattr``)."""
+class _ClassDict(_AttributeView):
+    """A class's attributes (a class's ``__dict__`` is read-only)."""
 
-    __slots__ = ("cls", "d")
+    __slots__ = ()
 
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
-        self.d = cls.__dict__
-
-    def __len__(self) -> int:
-        return len(self.d)
-
-    def __iter__(self):
-        return iter(self.d)
-
-    def __contains__(self, key: Any) -> bool:
-        return key in self.d
-
-    def __getitem__(self, key: str) -> Any:
-        return self.d[key]
-
-    def keys(self):
-        return self.d.keys()
-
-    def values(self):
-        return self.d.values()
-
-    def items(self):
-        return self.d.items()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.d.get(key, default)
-
-    def copy(self) -> dict:
-        return dict(self.d)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        setattr(self.cls, key, value)
-
-    def __delitem__(self, key: str) -> None:
-        delattr(self.cls, key)
-
-    def pop(self, key: str) -> Any:
-        value = self.d[key]
-        delattr(self.cls, key)
-        return value
+    def _now(self) -> Any:
+        return self.target.__dict__
 
 
 _CLASS_DICTS: dict[type, _ClassDict] = {}

@@ -535,14 +535,19 @@ def restore_host_rng_state(state: tuple[Any, ...]) -> None:
 
 def is_generator_type(cls: type) -> bool:
     """Whether values of ``cls`` are generator objects forked around a replay."""
-    held = _HELD_KINDS.get(cls)
-    if held is None:
-        held = _held_kind(cls) is not None
-        _HELD_KINDS[cls] = held
-    return held
+    return _kind_of(cls) is not None
 
 
-_HELD_KINDS: dict[type, bool] = {}
+_HELD_KINDS: dict[type, str | None] = {}
+
+
+def _kind_of(cls: type) -> str | None:
+    """:func:`_held_kind`, once per class."""
+    try:
+        return _HELD_KINDS[cls]
+    except KeyError:
+        kind = _HELD_KINDS[cls] = _held_kind(cls)
+        return kind
 
 
 def _held_kind(cls: type) -> str | None:
@@ -596,7 +601,7 @@ def _read_held(g: Any) -> Any:
     if type(g) is torch.Generator:
         state = g.get_state()  # a fresh contiguous uint8 tensor
         return ctypes.string_at(state.data_ptr(), state.nbytes)
-    kind = _held_kind(type(g))
+    kind = _kind_of(type(g))
     if kind == "python":
         return g.getstate()  # a tuple of ints: compares by value
     if kind == "numpy generator":
@@ -609,7 +614,7 @@ def _restore_held(g: Any, saved: Any) -> None:
         with _compat.DisableTorchDispatch():  # the state tensor must be a real one
             g.set_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
         return
-    kind = _held_kind(type(g))
+    kind = _kind_of(type(g))
     if kind == "python":
         g.setstate(saved)
     elif kind == "numpy generator":
