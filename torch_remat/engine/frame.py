@@ -51,7 +51,7 @@ from .._autograd_hooks import (
     unpack_packed,
     when_backward_ends,
 )
-from .._compat import autograd_sequence_nr, profiler_enabled, sequence_nr, version_of
+from .._compat import autograd_sequence_nr, profiler_enabled, sequence_nr, version_of, view_base
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -394,8 +394,12 @@ class CheckpointFrame:
         # A tensor the checkpoint keeps anyway fills its holder now, unless the
         # user's own hooks (offloading) were active around the checkpoint: then the
         # kept copy lives where those hooks put it, and the replay refills the holder.
-        sources = scratch.sources.lookup(t)
-        if sources is not None:
+        # (SourceIndex.lookup, inlined: this runs for every saved tensor)
+        base = view_base(t)
+        root = t if base is None else base
+        entry = scratch.sources.by_root.get(id(root))
+        if entry is not None and entry[0]() is root:
+            sources = entry[1]
             for s in sources:
                 s.mark_kept(t)
             # Kept tensors packed by hooks live where the hooks put them.
@@ -681,13 +685,14 @@ class CheckpointFrame:
         store = self.recreated.get(key)
         if store is None:
             store = self.replay(key)
-        elif slot not in store:
+        try:
+            t, version = store.take(slot)
+        except KeyError:
             raise RematError(
                 f"torch_remat: a tensor saved inside checkpoint '{self.name}' was "
                 "unpacked twice in the same backward. If a custom autograd Function "
                 "reads ctx.saved_tensors more than once, read it once and reuse it."
-            )
-        t, version = store.take(slot)
+            ) from None
         if type(key) is object:
             self.forget(key)  # unpacked outside a backward: nothing else will use them
         if version_of(t) != version:
