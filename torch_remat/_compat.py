@@ -36,6 +36,8 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_neg_view``                                     give a kept output held through its storage
                                                   root back its negative bit
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
+``_dynamo_marked_constant`` (function attribute)  what ``torch.compiler.assume_constant_result``
+                                                  sets, set without importing Dynamo
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
 ``_C._cuda_isHistoryEnabled``                     allocation sites from the memory history
 ``_functorch._aot_autograd.graph_compile.         see which forward-graph node each tensor a
@@ -96,10 +98,13 @@ works on builds of torch without torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import logging
 import operator
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -506,3 +511,82 @@ def first_input_metadata(node: Any) -> Any:
     if metadata is None or nr >= len(metadata):
         return None
     return metadata[nr]
+
+
+def assume_constant_result(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result`` without importing Dynamo.
+
+    torch's decorator imports ``torch._dynamo`` (about 1 s on a CPU) only to set
+    the flag Dynamo reads when it meets the function; ``import torch_remat`` marks
+    its functions the same way and leaves Dynamo unloaded until a program compiles.
+    ``tests/meta`` checks both: the import loads no Dynamo, and the fullgraph tests
+    trace through these functions as constants."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# ------------------------------------------------ work that waits for Dynamo's import
+#
+# ``import torch`` does not load ``torch._dynamo`` (about 1 s on a CPU); the first
+# ``torch.compile`` does. Functions torch_remat needs while Dynamo traces, but which
+# only Dynamo can build (``torch.compiler.disable`` cannot run inside a trace), are
+# built right after that import by :func:`when_dynamo_imported`, through a finder on
+# ``sys.meta_path`` that removes itself at that import.
+
+_after_dynamo: list[Callable[[], None]] = []
+
+
+def _dynamo_ready() -> bool:
+    module = sys.modules.get("torch._dynamo")
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
+
+
+def _run_after_dynamo() -> None:
+    pending, _after_dynamo[:] = list(_after_dynamo), []
+    for callback in pending:
+        try:
+            callback()
+        except Exception:  # never fail the user's import: the callback's work waits
+            logging.getLogger("torch_remat").debug("after Dynamo's import", exc_info=True)
+
+
+class _LoaderThen:
+    """A loader that runs the callbacks waiting for Dynamo once its module ran."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        # the module keeps its own loader (source lookups, reloads go to it)
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        _run_after_dynamo()
+
+
+class _DynamoImportFinder:
+    """On ``sys.meta_path`` until ``torch._dynamo`` is found: that import's loader
+    is wrapped so that :func:`_run_after_dynamo` follows it."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)  # (by the finders after this one)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _LoaderThen(spec.loader)
+        return spec
+
+
+def when_dynamo_imported(callback: Callable[[], None]) -> None:
+    """Call ``callback`` once ``torch._dynamo`` is imported: now if it is."""
+    if _dynamo_ready():
+        callback()
+        return
+    _after_dynamo.append(callback)
+    if not any(isinstance(f, _DynamoImportFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoImportFinder())

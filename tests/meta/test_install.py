@@ -37,6 +37,49 @@ def test_readme_example_runs_without_numpy(tmp_path, pytestconfig):
     assert "checkpoint, SAVE regions and backward ok" in out
 
 
+def test_an_eager_program_does_not_load_dynamo(tmp_path, pytestconfig):
+    # Importing Dynamo costs about a second per process (every torchrun rank); a
+    # program that never compiles does not pay it for torch_remat.
+    out = python(
+        "import sys, runpy\n"
+        f"runpy.run_path({str(SMOKE)!r}, run_name='__main__')\n"
+        "print('dynamo loaded:', 'torch._dynamo' in sys.modules)\n",
+        tmp_path, env=plugin_env(pytestconfig),
+    )
+    assert "checkpoint, SAVE regions and backward ok" in out
+    assert "dynamo loaded: False" in out
+
+
+def test_a_refusal_first_reached_inside_a_fullgraph_trace_keeps_its_message(tmp_path, pytestconfig):
+    # The refusal functions are built once Dynamo is imported (import torch_remat
+    # leaves it unloaded): a process whose first trace meets one still gets the
+    # reason, not Dynamo's "torch.compiler.disable cannot be traced".
+    out = python(
+        "import sys, torch, torch_remat as remat\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "x = torch.randn(4, requires_grad=True)\n"
+        "ck = remat.checkpoint(region_name='layers.2')(torch.sin)\n"
+        "f = torch.compile(ck, backend='aot_eager', fullgraph=True)\n"
+        "ident = (lambda t: t, lambda t: t)\n"
+        "def inner(x):\n"
+        "    return remat.checkpoint(region_name='layers.3', saved_tensors_hooks=ident)(torch.sin)(x)\n"
+        "g = torch.compile(inner, backend='aot_eager', fullgraph=True)\n"
+        "for label, call in (('ambient', lambda: f(x)), ('option', lambda: g(x))):\n"
+        "    try:\n"
+        "        if label == 'ambient':\n"
+        "            with remat.saved_tensors_hooks(*ident):\n"
+        "                call()\n"
+        "        else:\n"
+        "            call()\n"
+        "    except Exception as e:\n"
+        "        print(label, ' '.join(str(e).split()))\n",
+        tmp_path, env=plugin_env(pytestconfig),
+    )
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.split(" ", 1)[0] in ("ambient", "option"))
+    assert "a remat.saved_tensors_hooks context is active around a compiled" in lines["ambient"], out
+    assert "a remat.checkpoint option that cannot work under torch.compile" in lines["option"], out
+
+
 def test_integrations_import_from_the_repository_root_without_an_editable_finder(tmp_path):
     # As after a non-editable install, run from the checkout: the repository root is
     # first on sys.path, so ``torch_remat`` is the source folder, whose subpackages

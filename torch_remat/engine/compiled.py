@@ -165,7 +165,7 @@ _REGION_CONTEXT_FN = functools.partial(
 _compat.quiet_own_context_fn_warning(_REGION_CONTEXT_FN)  # the user passed no context_fn
 
 
-@torch.compiler.assume_constant_result
+@_compat.assume_constant_result
 def _enclosing_region() -> tuple[str, bool]:
     # Read while Dynamo traces (the annotations of the enclosing regions are
     # current then) and baked into the graph as a constant, so no guard is needed.
@@ -173,7 +173,7 @@ def _enclosing_region() -> tuple[str, bool]:
     return custom.get(REGION_KEY, ""), bool(custom.get(SAVE_KEY, False))
 
 
-@torch.compiler.assume_constant_result
+@_compat.assume_constant_result
 def _offloads(qualname: str) -> bool:
     # Whether the offloader of the enclosing checkpoint moves what region
     # ``qualname`` keeps: its patterns match the name as the eager pack hook's do.
@@ -181,7 +181,7 @@ def _offloads(qualname: str) -> bool:
     return bool(patterns) and any(fnmatch.fnmatchcase(qualname, p) for p in patterns)
 
 
-@torch.compiler.assume_constant_result
+@_compat.assume_constant_result
 def _eager_checkpoint_running() -> bool:
     return current_pass() is not None
 
@@ -201,26 +201,45 @@ def _raise_compile_error(message: str) -> None:
 # fullgraph=True, turn into its "observed exception" report without our text.
 # Under fullgraph=True Dynamo cannot break there and reports the disabled call
 # with its reason, so the reason is the message itself where it can be.
-_refuse_in_trace = torch.compiler.disable(
-    _raise_compile_error,
-    reason="it raises RematCompileError: a remat.checkpoint option that cannot work under torch.compile "
-    "(state hooks other than the RNG hooks, saved_tensors_hooks, "
+# Built once Dynamo is imported (torch.compiler.disable imports it, which a program
+# that never compiles should not pay for), before anything is traced.
+_REFUSE_REASONS = {
+    "option": "it raises RematCompileError: a remat.checkpoint option that cannot work under "
+    "torch.compile (state hooks other than the RNG hooks, saved_tensors_hooks, "
     "input_saved_tensors_hooks); without fullgraph=True the RematCompileError names "
     "the checkpoint and the option",
-)
-_refuse_ambient_hooks = torch.compiler.disable(
-    _raise_compile_error,
-    reason="it raises RematCompileError: a remat.saved_tensors_hooks context is active around a "
-    "compiled remat.checkpoint, and its hooks cannot run inside a compiled graph; "
+    "ambient hooks": "it raises RematCompileError: a remat.saved_tensors_hooks context is active "
+    "around a compiled remat.checkpoint, and its hooks cannot run inside a compiled graph; "
     "leave the context out of compiled code or run the block eagerly",
-)
+}
+_refusers: dict[str, Callable[[str], None]] = {}
+
+
+def _refuser(kind: str) -> Callable[[str], None]:
+    """The disabled function that raises a refusal of ``kind`` (see _REFUSE_REASONS)."""
+    refuse = _refusers.get(kind)
+    if refuse is None:
+        refuse = _refusers[kind] = torch.compiler.disable(
+            _raise_compile_error, reason=_REFUSE_REASONS[kind]
+        )
+    return refuse
+
+
+def _build_refusers() -> None:
+    for kind in _REFUSE_REASONS:
+        _refuser(kind)
+
+
+_compat.when_dynamo_imported(_build_refusers)
+
+
 _refusals: dict[str, Callable[[], None]] = {}
 
 
 def _refusal(message: str) -> Callable[[], None]:
     if torch.compiler.is_compiling():
         # Decorated while Dynamo traces, where torch.compiler.disable cannot run.
-        return functools.partial(_refuse_in_trace, message)
+        return functools.partial(_refuser("option"), message)
     refuse = _refusals.get(message)
     if refuse is None:
         refuse = torch.compiler.disable(
@@ -334,7 +353,7 @@ def _budget_error(joint: Any, error: RuntimeError) -> Exception | None:
     )
 
 
-@torch.compiler.assume_constant_result
+@_compat.assume_constant_result
 def _observe_partitions() -> bool:
     # Runs once per trace, outside the graph: from now on AOTAutograd's partitions
     # record which checkpoint and region each saved tensor comes from (reports),
@@ -360,7 +379,7 @@ def run_checkpoint(
     if refusal is not None:
         refusal()
     if hooks_context_active():  # Dynamo guards on it: entering one retraces
-        _refuse_ambient_hooks(_ambient_hooks_message(name))
+        _refuser("ambient hooks")(_ambient_hooks_message(name))
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     _observe_partitions()
