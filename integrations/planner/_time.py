@@ -164,9 +164,12 @@ def calibrate(
     n = matmul_size or (8192 if cuda else 512)
     nbytes = copy_bytes or ((1 << 30) if cuda else (64 << 20))
     flops: dict[str, float] = {}
+    # operands from a generator of its own: the caller's random streams (dropout in
+    # the training that follows a plan) do not move
+    generator = torch.Generator(device=device).manual_seed(0)
     for dtype in dtypes:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+        b = torch.randn(n, n, device=device, generator=generator).to(dtype)
         s = _best_seconds(lambda a=a, b=b: a @ b, device, repeats)
         flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / s
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -500,3 +500,13 @@ def test_a_plan_needs_some_budget():
     model, x = _model_and_input()
     with pytest.raises(ValueError, match="budget=None bounds nothing"):
         plan_remat(model, (x,), budget=None)
+
+
+def test_planning_with_a_calibrated_profile_leaves_the_callers_generators_where_they_were():
+    # offload= without profile= calibrates the device; its matmul operands must not
+    # come from the default generator, or the training after the plan would draw
+    # other dropout masks than without remat.
+    model, x = _model_and_input()
+    state = torch.default_generator.get_state()
+    plan_remat(model, (x,), budget=0.3, offload=EVERY_TENSOR, candidates=UP)
+    assert torch.equal(torch.default_generator.get_state(), state)
