@@ -202,9 +202,31 @@ def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
     )
 
 
-def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True) -> None:
+def offload_options(offload: str | None):
+    """``--offload [MIN_BYTES]`` as the planner's ``offload=`` (None: not an option)."""
+    from torch_remat.integrations.planner import OffloadOptions
+
+    if offload is None:
+        return None
+    return OffloadOptions(min_bytes=int(offload)) if offload else OffloadOptions()
+
+
+def launch_profile(offload: str | None):
+    """With ``--offload``, the forecast's device profile: the launch device's, calibrated
+    (as ``plan_remat`` calibrates it when planning on the first step); None without."""
+    if offload is None:
+        return None
+    from torch_remat.integrations.planner._time import calibrate
+
+    return calibrate("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True,
+                       offload: str | None = None) -> None:
     """--remat budget=...: measure the options on the first batch, install the
-    cheapest plan that fits, and print its table (measured bytes included).
+    cheapest plan that fits, and print its table (measured bytes included). With
+    ``--offload``, offloading a block's SAVE regions is among the options, and the
+    options are compared by predicted added step time.
 
     Every rank plans (a sharded forward needs all of them) and installs rank 0's
     choice. A planning error on any rank ends every rank with status 2 and one
@@ -221,7 +243,8 @@ def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True) -
     plan, error = None, None
     try:
         plan = plan_remat(
-            model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear], verify=verify
+            model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear], verify=verify,
+            offload=offload_options(offload),
         )
     except InfeasibleBudgetError as e:
         error = f"--remat {spec}: {e}"
@@ -298,6 +321,7 @@ def forecast_before_launch(args, vocab: int, rank: int, world: int) -> None:
         forecast = forecast_remat(
             model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear],
             device_memory=args.device_memory, layout=forecast_layout(args.parallel, world),
+            offload=offload_options(args.offload), profile=launch_profile(args.offload),
         )
     except (ValueError, TypeError) as e:
         usage_error(f"--forecast: {e}", rank)
@@ -663,6 +687,7 @@ def parse_args(argv=None):
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none", help="how the ranks share the model (all but none need torchrun, e.g. launch/run.sh); fsdp2+tp: tensor parallelism over pairs of ranks, FSDP2 across the pairs")
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
     p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES: before training, print rank 0's forecast for the --parallel layout on the launch's ranks (every hand policy and the plan, run on fake tensors over a fake process group: nothing allocated), with the largest micro-batch fitting --device-memory")
+    p.add_argument("--offload", nargs="?", const="", default=None, metavar="MIN_BYTES", help="with --remat budget=F|BYTES: a block's plan may also move what its SAVE regions keep to host memory (an ActivationOffloader, copying back one block ahead) where that is predicted to cost less step time than recomputing; tensors under MIN_BYTES stay on the device (default: 1 MiB, the offloader's)")
     p.add_argument("--verify-plan", action=argparse.BooleanOptionalAction, default=True, help="with --remat budget=...: run the chosen plan once and stop (status 2, naming each block whose bytes differ) if it keeps other bytes than predicted; --no-verify-plan installs the plan unchecked")
     p.add_argument("--device-memory", default=_Default("80GiB"), help="the device memory --forecast fits micro-batches into (e.g. 80GiB, 40GB); only with --forecast")
     p.add_argument("--steps", type=int, default=40, help="train up to this step (a resumed run continues to it)")
@@ -705,6 +730,17 @@ def parse_args(argv=None):
     if args.forecast and not args.remat.startswith("budget=") or args.remat == "budget=auto" and args.forecast:
         p.error("--forecast plans like --remat budget=F or budget=BYTES (e.g. --remat budget=0.3 "
                 "--forecast); budget=auto reads a device the forecast does not run on")
+    if args.offload is not None:
+        if not args.remat.startswith("budget="):
+            p.error(f"--offload is a choice the planner makes: it needs --remat budget=F|BYTES "
+                    f"(got --remat {args.remat}); e.g. --remat budget=0.3 --offload")
+        if "tp" in args.parallel:
+            p.error(f"--offload with --parallel {args.parallel}: tensor-parallel activations are "
+                    "DTensors, which the offloader does not move; offload under --parallel fsdp2, "
+                    "ddp or none, or drop --offload")
+        if args.offload and not args.offload.isdigit():
+            p.error(f"--offload {args.offload}: expected MIN_BYTES, an integer >= 0 (the smallest "
+                    "tensor moved to host memory), or nothing for the default")
     if args.keep_checkpoints < 0:
         p.error(f"--keep-checkpoints {args.keep_checkpoints}: expected K >= 0 (0: keep all)")
     return args
@@ -827,7 +863,7 @@ def main(argv=None) -> None:
         x, y = (t.to(device) for t in batches(step))
         if step == start + 1 and args.remat.startswith("budget="):
             planning = time.perf_counter()
-            plan_on_first_step(args.remat, model, x, y, rank, args.verify_plan)
+            plan_on_first_step(args.remat, model, x, y, rank, args.verify_plan, args.offload)
             t0 += time.perf_counter() - planning  # tok/s counts training steps only
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps
         with oom_dumps.guard(step=step) if oom_dumps else contextlib.nullcontext():

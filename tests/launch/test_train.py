@@ -132,6 +132,21 @@ def test_forecast_prints_the_forecast_before_training_and_then_the_measured_plan
     assert len(losses(result)) == 1
 
 
+def test_with_offload_the_forecast_and_the_first_step_plan_the_same_offloads(tmp_path):
+    # --offload 0: every kept tensor may move; the forecast weighs the copies with the
+    # launch device's calibrated profile, as the plan on the first step does
+    offloaded, out, err = train(tmp_path, "--steps", "2", "--remat", "budget=0.2", "--forecast",
+                                "--offload", "0")
+    plain, _, _ = train(tmp_path, "--steps", "2", "--remat", "none")
+    assert losses(offloaded) == losses(plain)  # (calibrating draws no dropout mask)
+    forecast, plan = out.index("remat forecast for 2 blocks"), out.index("\nremat plan for 2 blocks")
+    forecast_plan, first_step_plan = out[forecast:plan].split("remat plan for 2 blocks")[1], out[plan:]
+    for text in (forecast_plan, first_step_plan):
+        assert "offloaded to host: blocks.0" in text and "OFFLOAD: what it keeps" in text, out[-3000:]
+    assert forecast_plan.split("measured ")[1].split(" B")[0] == first_step_plan.split("measured ")[1].split(" B")[0]
+    assert "predicted added time (CPU (calibrated))" in out
+
+
 @pytest.mark.parametrize("args", [["--remat", "selective", "--forecast"], ["--remat", "budget=0.6", "--forecast", "--device-memory", "80 gigs"]])
 def test_forecast_usage_errors(args):
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), *args], cwd=ROOT,

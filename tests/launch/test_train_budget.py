@@ -42,6 +42,25 @@ def test_main_job_with_a_budget_exits_0_every_time(parallel):
         assert "Memory block of unknown size" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_with_offload_the_plan_moves_kept_tensors_to_host_and_trains_as_without():
+    # --offload 0: every tensor may move (the launcher's model has none of 1 MiB).
+    runs = {}
+    for extra in ((), ("--offload", "0")):
+        proc = run_sh("--parallel", "fsdp2", "--remat", "budget=0.1", "--steps", "2",
+                      "--no-report", *extra)
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        runs[extra] = proc.stdout
+    out = runs[("--offload", "0")]
+    assert "offloaded to host: blocks." in out and "OFFLOAD: what it keeps" in out, out[-3000:]
+    assert "measured " in out and "(equal)" in out, out[-3000:]
+    assert "nothing offloaded" not in out
+    assert "offloaded to host" not in runs[()]
+    # the same losses, bit for bit in their printed digits
+    losses = {k: [line.split("loss ")[1].split()[0] for line in v.splitlines() if " loss " in line]
+              for k, v in runs.items()}
+    assert losses[()] == losses[("--offload", "0")] and len(losses[()]) == 2, losses
+
+
 def test_a_plan_mismatch_on_one_rank_stops_every_rank_with_one_message():
     cmd = [
         sys.executable, str(ROOT / "launch" / "torchrun.py"), "--standalone",
