@@ -5,6 +5,7 @@ Python's ``random`` and NumPy's global generator. The replay sees what the forwa
 saw, and the module, the closure and the generators end where they would without
 remat."""
 
+import functools
 import random
 import types
 
@@ -723,6 +724,20 @@ class _Draws(random.Random):
     """A user's subclass of Python's generator."""
 
 
+class _Scaler:
+    def __init__(self):
+        self.scale = 1.0
+
+    def apply(self, t):
+        return t * self.scale
+
+
+class _ClassTable(nn.Module):
+    """A class attribute holding a list (a table shared by the class's instances)."""
+
+    scales = [1.0]
+
+
 class StateCase(nn.Module):
     """A block whose forward multiplies by a value read from the state ``kind``
     names, then applies sin (so the replay's saved tensors depend on it)."""
@@ -758,6 +773,18 @@ class StateCase(nn.Module):
             box = types.SimpleNamespace(scale=1.0)
             self.set_box = lambda v: setattr(box, "scale", v)
             self.lin.register_forward_hook(lambda mod, args, out: out * box.scale)
+        elif kind == "lambda attribute reading its closure's dict":
+            table = {"scale": 1.0}
+            self.table = None
+            self.scaled = lambda t: t * table["scale"]
+            self.set_table = lambda v: table.__setitem__("scale", v)
+        elif kind == "bound method of an object":
+            self.scaled = _Scaler().apply
+        elif kind == "functools.partial keyword":
+            self.scaled = functools.partial(torch.mul, other=1.0)
+        elif kind == "class attribute list":
+            _ClassTable.scales[0] = 1.0
+            self.table = _ClassTable()
 
     def value(self):
         k = self.kind
@@ -775,6 +802,8 @@ class StateCase(nn.Module):
             return self.cfg.scale
         if k == "list in a dict attribute":
             return self.cfg["scales"][0]
+        if k == "class attribute list":
+            return self.table.scales[0]
         return 1.0
 
     def change(self, i):
@@ -794,6 +823,14 @@ class StateCase(nn.Module):
             PRE_HOOK_SCALE = v
         elif k == "forward hook reading its closure":
             self.set_box(v)
+        elif k == "lambda attribute reading its closure's dict":
+            self.set_table(v)
+        elif k == "bound method of an object":
+            self.scaled.__self__.scale = v
+        elif k == "functools.partial keyword":
+            self.scaled.keywords["other"] = v
+        elif k == "class attribute list":
+            _ClassTable.scales[0] = v
 
     def generator_state(self):
         rng = getattr(self, "rng", None) or getattr(getattr(self, "cfg", None), "rng", None)
@@ -806,7 +843,11 @@ class StateCase(nn.Module):
         return rng.get_state()[1].tobytes()
 
     def forward(self, x):
-        return (self.lin(x) * (1 + self.value())).sin()
+        h = self.lin(x)
+        scaled = getattr(self, "scaled", None)
+        if scaled is not None:
+            h = scaled(h)
+        return (h * (1 + self.value())).sin()
 
 
 STATE_CASES = [
@@ -814,6 +855,8 @@ STATE_CASES = [
     "numpy RandomState attribute", "generator in a config object", "object two attributes away",
     "slotted object", "list in a dict attribute", "forward hook reading a module-level dict",
     "forward pre-hook reading a module-level number", "forward hook reading its closure",
+    "lambda attribute reading its closure's dict", "bound method of an object",
+    "functools.partial keyword", "class attribute list",
 ]
 
 

@@ -95,6 +95,9 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)
 # containers whose contents are recorded (exact types: a subclass may not be
 # refillable by clear() and update())
 _CONTAINERS = frozenset({list, dict, set})
+# callables a module may hold and its forward call (self.act = lambda t: ...,
+# obj.method, functools.partial): what they read is state too (visited like hooks)
+_CALLABLES = frozenset({types.FunctionType, types.MethodType, functools.partial})
 _NO_TYPES: frozenset[type] = frozenset()
 
 
@@ -441,10 +444,16 @@ def _roots(
             visit(obj.func, prefix, depth + 1)
             for a in (*obj.args, *obj.keywords.values()):
                 visit(a, prefix, depth + 1)
+            # its keywords (a dict the code may change) and the containers among
+            # its arguments: recorded with the containers (_held_state)
+            objects.append(obj.keywords)
+            objects.extend(a for a in obj.args if type(a) in _CONTAINERS)
             return
         owner = getattr(obj, "__self__", None)
-        if owner is not None and (isinstance(owner, nn.Module) or hasattr(owner, "__remat_module__")):
-            visit(owner, prefix, depth + 1)
+        if owner is not None and (
+            isinstance(owner, nn.Module) or hasattr(owner, "__remat_module__") or _is_plain(type(owner))
+        ):
+            visit(owner, prefix, depth + 1)  # (a bound method: the object it reads)
         func = getattr(obj, "__func__", None)
         if type(func) is types.FunctionType:
             functions.append(func)
@@ -612,6 +621,8 @@ def _module_slots(
             # hooks run inside the checkpoint: what they read is state too
             hooks.extend(m._forward_pre_hooks.values())
             hooks.extend(m._forward_hooks.values())
+        if not _CALLABLES.isdisjoint(kinds):
+            hooks.extend(v for v in map(d.__getitem__, extra) if type(v) in _CALLABLES)
         children = m._modules
         kids = tuple(children.items()) if children else None
         # the module's attributes (a shallow copy: a dict copy in C, cheaper than
@@ -742,11 +753,18 @@ class ModuleState:
         generators: list[Any] = []
         _held_state(held, n_local, seen, slots, others, containers, generators, user_classes)
         class_values: list[tuple[_ClassDict, dict]] = []
+        in_classes: list[Any] = []  # the lists, dicts and sets class attributes hold
         for c in user_classes:
             if id(c) not in seen:
                 seen.add(id(c))
                 d = _class_dict(c)
-                class_values.append((d, d.copy()))
+                entry = d.copy()
+                class_values.append((d, entry))
+                in_classes.extend(
+                    v for k, v in entry.items() if type(v) in _CONTAINERS and k[0] != "_"
+                )
+        if in_classes:
+            _held_state(in_classes, 0, seen, slots, others, containers, generators, [])
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
