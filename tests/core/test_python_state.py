@@ -11,6 +11,7 @@ import types
 
 import numpy as np
 import pytest
+import python_state_config as config
 import torch
 from helpers import recorded_replays
 from torch import nn
@@ -943,3 +944,92 @@ def test_a_generator_objects_draw_inside_a_save_region_is_not_replayed_and_later
     got, got_after = run(True)
     _same(expected, got)
     assert after == got_after  # the generator ends where it would without remat
+
+
+# ------------------------------------------- arguments, imported modules, classes named in code
+#
+# State the function reaches other than through its modules and closure: an
+# attribute of a module it imported (a config module), a plain object passed as an
+# argument, a class attribute read through the class's name (a classmethod), a
+# module-level dict read by a custom autograd Function's forward. Each gave wrong
+# gradients, silently, before.
+
+
+class _Config:
+    def __init__(self):
+        self.scale = 1.0
+
+
+class _ClassScale:
+    scale = 1.0
+
+    @classmethod
+    def apply(cls, t):
+        return t * cls.scale
+
+
+FUNCTION_TABLE = {"k": 1.0}
+
+
+class _TableMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        ctx.k = FUNCTION_TABLE["k"]
+        return t * FUNCTION_TABLE["k"]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k
+
+
+REACHED_CASES = [
+    "attribute of an imported module", "dict in an imported module", "plain object argument",
+    "class attribute through a classmethod", "dict read by an autograd.Function",
+]
+
+
+@pytest.mark.parametrize("kind", REACHED_CASES)
+def test_state_reached_through_arguments_imported_modules_and_named_classes_is_replayed(kind):
+    lin = _linear(23)
+
+    def scale(h, c):
+        if kind == "attribute of an imported module":
+            return h * config.SCALE
+        if kind == "dict in an imported module":
+            return h * config.TABLE["k"]
+        if kind == "class attribute through a classmethod":
+            return _ClassScale.apply(h)
+        if kind == "dict read by an autograd.Function":
+            return _TableMul.apply(h)
+        return h * c.scale  # (the object reaches the function only as an argument)
+
+    def block(x, c):
+        return scale(lin(x), c).sin()
+
+    def change(v):
+        config.SCALE = config.TABLE["k"] = _ClassScale.scale = FUNCTION_TABLE["k"] = v
+        for c in configs:
+            c.scale = v
+
+    configs = []
+
+    def run(fn):
+        configs[:] = [_Config()]
+        change(1.0)
+        lin.zero_grad()
+        xs = [_x(80 + i) for i in range(2)]
+        outs = []
+        for i, x in enumerate(xs):
+            outs.append(fn(x, configs[0]))
+            change(3.0 + i)
+        sum(o.sum() for o in outs).backward()
+        return [x.grad for x in xs] + [p.grad.clone() for p in lin.parameters()]
+
+    try:
+        expected = run(block)
+        with recorded_replays() as replayed:
+            got = run(remat.checkpoint(region_name="reached")(block))
+    finally:
+        change(1.0)
+    assert replayed == ["reached", "reached"]
+    _same(expected, got)

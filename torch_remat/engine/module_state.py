@@ -64,9 +64,11 @@ forwards set it, so names are qualified in the whole model).
 from __future__ import annotations
 
 import collections
+import dis
 import enum
 import functools
 import operator
+import sys
 import types
 import weakref
 from typing import Any
@@ -296,10 +298,67 @@ def _global_names(func: Any) -> tuple[str, ...]:
                 todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
             names = tuple(
                 n for n in found
-                if n in g and not isinstance(g[n], (types.ModuleType, type))
+                if n in g and not isinstance(g[n], types.ModuleType)
+                and not (isinstance(g[n], type) and _from_library(g[n]))
             )
         _GLOBAL_NAMES[code] = names
     return names
+
+
+_MODULE_ATTRS: dict[Any, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+
+
+def _module_attr_names(func: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``(global name, attribute names)`` of the user's modules ``func`` reads
+    attributes of (``config.SCALE``, ``config.TABLE["k"]``): what ``import config``
+    makes a module-level variable of another module. Library and standard-library
+    modules are left out."""
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return ()
+    found = _MODULE_ATTRS.get(code)
+    if found is None:
+        g = getattr(func, "__globals__", None)
+        module = getattr(func, "__module__", None) or ""
+        if type(g) is not dict or module == "torch" or module.startswith(("torch.", "torch_remat")):
+            _MODULE_ATTRS[code] = ()
+            return ()
+        pairs: dict[str, dict[str, None]] = {}
+        todo = [code]
+        while todo:
+            c = todo.pop()
+            todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            prev = None
+            for ins in dis.get_instructions(c):
+                if (
+                    prev is not None and prev.opname == "LOAD_GLOBAL"
+                    and ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
+                    and isinstance(g.get(prev.argval), types.ModuleType)
+                    and _user_module(g[prev.argval])
+                ):
+                    pairs.setdefault(prev.argval, {})[ins.argval] = None
+                prev = ins
+        found = _MODULE_ATTRS[code] = tuple((m, tuple(a)) for m, a in pairs.items())
+    return found
+
+
+# packages whose module attributes are not read as the user's state (besides the
+# standard library and _LIBRARY_MODULES)
+_LIBRARY_PACKAGES = frozenset({"torch_remat", "transformers", "numpy", "scipy", "accelerate"})
+
+
+def _user_module(module: types.ModuleType) -> bool:
+    return _user_module_name(getattr(module, "__name__", ""))
+
+
+def _user_module_name(name: Any) -> bool:
+    if not isinstance(name, str):
+        return False
+    top = name.partition(".")[0]
+    return not (
+        name.startswith(_LIBRARY_MODULES) or top in sys.stdlib_module_names
+        or top in _LIBRARY_PACKAGES
+    )
 
 
 def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], depth: int) -> None:
@@ -307,7 +366,8 @@ def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], d
     scale, a flag, a table), and of the plain functions it calls, ``depth`` deep
     (see :data:`_GLOBAL_NAMES`)."""
     names = _global_names(func)
-    if not names:
+    module_attrs = _module_attr_names(func)
+    if not names and not module_attrs:
         return
     g = func.__globals__
     for name in names:
@@ -318,6 +378,19 @@ def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], d
         if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
             seen.add(id(value))
             _read_globals(value, out, seen, depth + 1)
+    for module_name, attrs in module_attrs:
+        module = g.get(module_name)
+        if not isinstance(module, types.ModuleType):
+            continue
+        md = module.__dict__
+        for name in attrs:
+            value = md.get(name, _MISSING)
+            if value is _MISSING or isinstance(value, types.ModuleType):
+                continue
+            out.append((md, name, value))
+            if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
+                seen.add(id(value))
+                _read_globals(value, out, seen, depth + 1)
 
 
 def _contents(container: Any) -> Any:
@@ -699,10 +772,14 @@ class ModuleState:
         self.class_values: list[tuple[_ClassDict, dict]] = []
 
     @staticmethod
-    def capture(fn: Any, unwritten: BufferMemo) -> ModuleState | None:
+    def capture(fn: Any, unwritten: BufferMemo, leaves: Any = ()) -> ModuleState | None:
         """Record the slots when the checkpoint starts; None if there are none.
-        Buffers of the modules in ``unwritten`` are not copied."""
+        Buffers of the modules in ``unwritten`` are not copied. ``leaves``: the
+        call's flattened arguments, whose plain objects (a config) are state too."""
         modules, cells, values, functions, objects = _roots(fn)
+        for x in leaves:
+            if not isinstance(x, torch.Tensor) and _is_plain(type(x)):
+                objects.append(x)
         params: list[tuple] = []
         slots: list[_Slot] = []
         groups: list[tuple[nn.Module, list[_Slot]]] = []
@@ -734,6 +811,10 @@ class ModuleState:
             if id(f) not in read:
                 read.add(id(f))
                 _read_globals(f, global_values, read, 0)
+        for _, _, v in global_values:
+            # a class of the user's the code names (Config.k in a classmethod)
+            if isinstance(v, type) and v not in classes and _user_module_name(v.__module__):
+                classes[v] = None
         user_classes: list[type] = []
         for cls in classes:
             forward, users = _class_info(cls)
