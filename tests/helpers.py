@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import collections
+import array
 import contextlib
 import math
 import os
@@ -135,14 +135,14 @@ class SavedBytes:
 
 
 class UnseenCounter:
-    """An int counter kept in a ``collections.deque``: state remat does not record
-    by itself (a plain object's attributes, and the contents of a plain list, dict
-    or set, it does), so a replay sees the value the backward finds."""
+    """An int counter kept in an ``array.array``: state remat does not record by
+    itself (a plain object's attributes, and the contents of a list, dict, set or
+    deque, it does), so a replay sees the value the backward finds."""
 
     __slots__ = ("box",)
 
     def __init__(self) -> None:
-        self.box = collections.deque([0], maxlen=1)
+        self.box = array.array("q", [0])
 
     @property
     def value(self) -> int:

@@ -5,6 +5,7 @@ Python's ``random`` and NumPy's global generator. The replay sees what the forwa
 saw, and the module, the closure and the generators end where they would without
 remat."""
 
+import collections
 import functools
 import random
 import types
@@ -1033,3 +1034,215 @@ def test_state_reached_through_arguments_imported_modules_and_named_classes_is_r
         change(1.0)
     assert replayed == ["reached", "reached"]
     _same(expected, got)
+
+
+# ------------------------------------------- state held in tuples, arguments, defaults, helpers
+#
+# Each case: a function whose forward advances a counter (or draws from a
+# generator) that its output depends on, run for two steps (forward, then
+# backward); gradients and the state where the steps end must equal those without
+# remat. Each gave wrong gradients, silently, before: the state sat in a named
+# tuple, an argument that is a generator or a set, a default value, a class held
+# in a closure, a closure variable a SAVE body rebinds, a module kept in a list, a
+# bound method, partial or table of functions in a module-level variable, a method
+# of a plain object or a helper method of the module, or a user module whose name
+# starts with "torch".
+
+_Holder = collections.namedtuple("_Holder", "counts")
+
+
+class _Counter(nn.Module):  # kept in a plain list: not a registered submodule
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def forward(self, t):
+        self.n += 1
+        return t * (1.0 + 0.25 * self.n)
+
+
+class _Stepper:
+    def __init__(self):
+        self.n = 0
+
+    def bump(self):
+        self.n += 1
+        return 1.0 + 0.25 * self.n
+
+
+HELD_COUNT = {"n": 0}
+
+
+def _bump_held_count():
+    HELD_COUNT["n"] += 1
+    return 1.0 + 0.25 * HELD_COUNT["n"]
+
+
+def _scale_by_keyword(box):
+    box["n"] += 1
+    return 1.0 + 0.25 * box["n"]
+
+
+HELD_STEPPER = _Stepper()
+HELD_METHOD = HELD_STEPPER.bump
+HELD_PARTIAL_BOX = {"n": 0}
+HELD_PARTIAL = functools.partial(_scale_by_keyword, box=HELD_PARTIAL_BOX)
+HELD_OPS = {"scale": _bump_held_count}
+
+
+class _GlobalScaler:
+    def scale(self):
+        return _bump_held_count()
+
+
+class _HelperBlock(nn.Module):
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def scale(self):  # reads a module-level variable; forward does not name it
+        return _bump_held_count()
+
+    def forward(self, x):
+        return (self.lin(x) * self.scale()).sin()
+
+
+HELD_CASES = [
+    "list in a named tuple attribute", "torch.Generator argument", "random.Random argument",
+    "set argument", "mutable default value", "class held in a closure",
+    "closure variable rebound in a SAVE body", "module kept in a list",
+    "bound method in a module-level variable", "partial in a module-level variable",
+    "function in a module-level table", "method of a plain object reading a global",
+    "helper method of the module reading a global", "class of a user module named torch_*",
+    "dict subclass with attribute access", "defaultdict counter",
+]
+
+
+class _AttrDict(dict):
+    __getattr__ = dict.__getitem__
+
+
+def _held_case(kind, lin):
+    """``(function, extra arguments, state reader)`` for one case."""
+    import torch_user_blocks
+
+    HELD_COUNT["n"] = HELD_STEPPER.n = HELD_PARTIAL_BOX["n"] = 0
+    torch_user_blocks.Counted.calls = 0
+    if kind == "list in a named tuple attribute":
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = lin
+                self.state = _Holder([0])
+
+            def forward(self, x):
+                self.state.counts[0] += 1
+                return (self.lin(x) * (1.0 + 0.25 * self.state.counts[0])).sin()
+
+        m = Block()
+        return m, (), lambda: list(m.state.counts)
+    if kind in ("torch.Generator argument", "random.Random argument"):
+        torch_gen = kind.startswith("torch")
+        g = torch.Generator().manual_seed(5) if torch_gen else random.Random(5)
+
+        def drawn(x, g):
+            if torch_gen:
+                return (lin(x) * torch.rand(6, dtype=D, generator=g)).sin()
+            return (lin(x) * (1.0 + g.random())).sin()
+
+        return drawn, (g,), lambda: g.get_state().tolist() if torch_gen else g.getstate()
+    if kind == "set argument":
+        seen = set()
+
+        def with_set(x, s):
+            s.add(len(s))
+            return (lin(x) * (1.0 + 0.25 * len(s))).sin()
+
+        return with_set, (seen,), lambda: sorted(seen)
+    if kind == "mutable default value":
+        def with_default(x, state={"n": 0}):  # noqa: B006 (the case under test)
+            state["n"] += 1
+            return (lin(x) * (1.0 + 0.25 * state["n"])).sin()
+
+        return with_default, (), lambda: dict(with_default.__defaults__[0])
+    if kind == "class held in a closure":
+        class Scale:
+            calls = 0
+
+        def with_class(x):
+            Scale.calls += 1
+            return (lin(x) * (1.0 + 0.25 * Scale.calls)).sin()
+
+        return with_class, (), lambda: Scale.calls
+    if kind == "closure variable rebound in a SAVE body":
+        n = 0
+
+        def count(t):
+            nonlocal n
+            n += 1
+            return t * 2.0
+
+        def with_cell(x):
+            h = remat.recompute_needs_tensor(remat.region(count, "count", recompute=False)(lin(x)))
+            return (h * (1.0 + 0.25 * n)).sin()
+
+        return with_cell, (), lambda: n
+    if kind == "module kept in a list":
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = lin
+                self.helpers = [_Counter()]
+
+            def forward(self, x):
+                return self.helpers[0](self.lin(x)).sin()
+
+        m = Block()
+        return m, (), lambda: m.helpers[0].n
+    if kind == "helper method of the module reading a global":
+        return _HelperBlock(lin), (), lambda: HELD_COUNT["n"]
+    if kind == "class of a user module named torch_*":
+        counted = torch_user_blocks.Counted()
+        return (lambda x: counted.apply(lin(x)).sin()), (), lambda: torch_user_blocks.Counted.calls
+    if kind in ("dict subclass with attribute access", "defaultdict counter"):
+        counts = _AttrDict(n=0) if kind.startswith("dict") else collections.defaultdict(int)
+
+        def with_counts(x):
+            counts["n"] += 1
+            return (lin(x) * (1.0 + 0.25 * counts["n"])).sin()
+
+        return with_counts, (), lambda: dict(counts)
+    if kind == "method of a plain object reading a global":
+        scaler = _GlobalScaler()
+        return (lambda x: (lin(x) * scaler.scale()).sin()), (), lambda: HELD_COUNT["n"]
+    read = {
+        "bound method in a module-level variable": (lambda: HELD_METHOD(), lambda: HELD_STEPPER.n),
+        "partial in a module-level variable": (lambda: HELD_PARTIAL(), lambda: HELD_PARTIAL_BOX["n"]),
+        "function in a module-level table": (lambda: HELD_OPS["scale"](), lambda: HELD_COUNT["n"]),
+    }
+    scale, state = read[kind]
+    return (lambda x: (lin(x) * scale()).sin()), (), state
+
+
+@pytest.mark.parametrize("kind", HELD_CASES)
+def test_state_held_in_tuples_arguments_defaults_and_helpers_is_replayed(kind):
+    def run(ckpt):
+        lin = _linear(31)
+        fn, extra, state = _held_case(kind, lin)
+        if ckpt:
+            fn = remat.checkpoint(region_name="held")(fn)
+        grads, states = [], []
+        with recorded_replays() as replayed:
+            for i in range(2):
+                x = _x(90 + i)
+                fn(x, *extra).sum().backward()
+                grads += [x.grad] + [p.grad.clone() for p in lin.parameters()]
+                lin.zero_grad()
+                states.append(state())
+        assert replayed == (["held", "held"] if ckpt else [])
+        return grads, states
+
+    expected, expected_states = run(False)
+    got, got_states = run(True)
+    _same(expected, got)
+    assert got_states == expected_states

@@ -558,7 +558,7 @@ class CheckpointFrame:
 
     def _attributes_change(self) -> list[tuple[Any, Any, Any]] | None:
         state = self.module_state
-        if state is not None and (state.others or state.global_values):
+        if state is not None and (state.others or state.global_values or state.cell_values):
             return state.attributes_rebound()
         return None
 

@@ -97,6 +97,17 @@ _MODULE_KEYS = frozenset(nn.Module().__dict__)
 # containers whose contents are recorded (exact types: a subclass may not be
 # refillable by clear() and update())
 _CONTAINERS = frozenset({list, dict, set})
+# the container types recorded: these three, a deque, and subclasses of them that
+# keep their refill and read methods (an attribute dict, a defaultdict); joined as seen
+_CONTAINER_TYPES: set[type] = set(_CONTAINERS)
+_CONTAINER_CHECKED: dict[type, bool] = dict.fromkeys(_CONTAINERS, True)
+# tuple types seen (named tuples join as seen): looked inside for the containers,
+# objects and generators they hold
+_TUPLES: set[type] = {tuple}
+# what a module attribute may hold that _held_state looks into
+_HOLDERS: set[type] = set(_CONTAINERS) | _TUPLES
+# values of these types hold no state
+_SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 # callables a module may hold and its forward call (self.act = lambda t: ...,
 # obj.method, functools.partial): what they read is state too (visited like hooks)
 _CALLABLES = frozenset({types.FunctionType, types.MethodType, functools.partial})
@@ -108,16 +119,31 @@ _NOT_PLAIN = (
     types.BuiltinFunctionType, functools.partial, BaseException, enum.Enum,
 )
 # where the objects are library state, not the user's (hooks, loggers, wrappers)
-_LIBRARY_MODULES = (
-    "torch", "builtins", "numpy", "logging", "threading", "weakref", "collections",
-    "functools", "typing", "enum", "abc", "accelerate", "integrations.", "_pytest", "pytest",
-)
+_LIBRARY_MODULES = frozenset({
+    "torch", "torch_remat", "functorch", "torchvision", "torchaudio", "torchtext", "torchdata",
+    "torchtitan", "torchtune", "torchao", "torchmetrics", "torchrec", "triton",
+    "builtins", "numpy", "scipy", "logging", "threading", "weakref", "collections",
+    "functools", "typing", "enum", "abc", "accelerate", "transformers", "peft", "lightning",
+    "pytorch_lightning", "_pytest", "pytest",
+})
 _PLAIN: dict[type, bool] = {}
+
+
+def _library_name(module: str) -> bool:
+    """Whether ``module`` is one of :data:`_LIBRARY_MODULES` or inside one (a
+    user's ``torch_blocks`` is not ``torch``), or this project's integrations."""
+    return module.partition(".")[0] in _LIBRARY_MODULES or module.startswith("integrations.")
 
 
 def _from_library(cls: type) -> bool:
     module = getattr(cls, "__module__", None) or ""
-    return not isinstance(module, str) or module.startswith(_LIBRARY_MODULES)
+    return not isinstance(module, str) or _library_name(module)
+
+
+def _own_code(module: str) -> bool:
+    """torch's or this package's functions: their globals are not the user's state."""
+    top = module.partition(".")[0]
+    return top == "torch" or top == "torch_remat"
 
 
 def _is_plain(cls: type) -> bool:
@@ -238,19 +264,27 @@ def _attributes(obj: Any) -> list[Any]:
     return out
 
 
-_CLASS_INFO: dict[type, tuple[Any, tuple[type, ...]]] = {}
+_CLASS_INFO: dict[type, tuple[tuple[Any, ...], tuple[type, ...]]] = {}
 
 
-def _class_info(cls: type) -> tuple[Any, tuple[type, ...]]:
-    """``cls``'s ``forward`` if it is a plain function with globals to read (else
-    None), and the classes of its method resolution order that are the user's."""
+def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
+    """The methods of ``cls`` whose module-level variables are the user's state
+    (its ``forward`` and the helpers it calls: every plain function the user's
+    classes in its method resolution order define, static and class methods and
+    properties included, that reads any), and those classes."""
     info = _CLASS_INFO.get(cls)
     if info is None:
-        forward = getattr(cls, "forward", None)
-        if type(forward) is not types.FunctionType or not _global_names(forward):
-            forward = None
         users = tuple(c for c in cls.__mro__ if c is not object and not _from_library(c))
-        info = _CLASS_INFO[cls] = (forward, users)
+        methods: dict[int, Any] = {}
+        for c in users:
+            for v in list(vars(c).values()):
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                found = (v.fget, v.fset) if isinstance(v, property) else (v,)
+                for f in found:
+                    if type(f) is types.FunctionType and (_global_names(f) or _module_attr_names(f)):
+                        methods[id(f)] = f
+        info = _CLASS_INFO[cls] = (tuple(methods.values()), users)
     return info
 
 
@@ -287,7 +321,7 @@ def _global_names(func: Any) -> tuple[str, ...]:
     if names is None:
         module = getattr(func, "__module__", None) or ""
         g = getattr(func, "__globals__", None)
-        if module == "torch" or module.startswith(("torch.", "torch_remat")) or type(g) is not dict:
+        if _own_code(module) or type(g) is not dict:
             names = ()
         else:
             found: dict[str, None] = {}
@@ -320,7 +354,7 @@ def _module_attr_names(func: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     if found is None:
         g = getattr(func, "__globals__", None)
         module = getattr(func, "__module__", None) or ""
-        if type(g) is not dict or module == "torch" or module.startswith(("torch.", "torch_remat")):
+        if type(g) is not dict or _own_code(module):
             _MODULE_ATTRS[code] = ()
             return ()
         pairs: dict[str, dict[str, None]] = {}
@@ -342,11 +376,6 @@ def _module_attr_names(func: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     return found
 
 
-# packages whose module attributes are not read as the user's state (besides the
-# standard library and _LIBRARY_MODULES)
-_LIBRARY_PACKAGES = frozenset({"torch_remat", "transformers", "numpy", "scipy", "accelerate"})
-
-
 def _user_module(module: types.ModuleType) -> bool:
     return _user_module_name(getattr(module, "__name__", ""))
 
@@ -354,11 +383,8 @@ def _user_module(module: types.ModuleType) -> bool:
 def _user_module_name(name: Any) -> bool:
     if not isinstance(name, str):
         return False
-    top = name.partition(".")[0]
-    return not (
-        name.startswith(_LIBRARY_MODULES) or top in sys.stdlib_module_names
-        or top in _LIBRARY_PACKAGES
-    )
+    # (the standard library and _LIBRARY_MODULES are not the user's state)
+    return not (_library_name(name) or name.partition(".")[0] in sys.stdlib_module_names)
 
 
 def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], depth: int) -> None:
@@ -393,9 +419,60 @@ def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], d
                 _read_globals(value, out, seen, depth + 1)
 
 
+_HELD_CALLABLES = (types.MethodType, functools.partial)
+_SMALL = 64
+
+
+def _held_callables(global_values: list[tuple[dict, str, Any]]) -> list[Any]:
+    """The bound methods and partials among module-level values, and the functions,
+    bound methods and partials in the small lists and dicts there (a table of ops)."""
+    found = []
+    for _, _, v in global_values:
+        cls = type(v)
+        if cls in _HELD_CALLABLES:
+            found.append(v)
+        elif (cls is dict or cls is list) and len(v) <= _SMALL:
+            for item in (v.values() if cls is dict else v):
+                if type(item) in _CALLABLES:
+                    found.append(item)
+    return found
+
+
+# per base container, the methods a subclass must not override to be recorded
+_KEPT_METHODS = {
+    dict: ("clear", "update", "keys", "items", "values", "__iter__", "__len__", "__getitem__"),
+    list: ("__setitem__", "__iter__", "__len__", "__getitem__"),
+    set: ("clear", "update", "__iter__", "__len__"),
+}
+
+
+def _is_container(cls: type) -> bool:
+    """Whether values of ``cls`` are containers whose contents are recorded."""
+    known = _CONTAINER_CHECKED.get(cls)
+    if known is None:
+        known = cls is collections.deque
+        for base, names in _KEPT_METHODS.items():
+            if issubclass(cls, base):
+                known = all(getattr(cls, n, None) is getattr(base, n) for n in names)
+                break
+        _CONTAINER_CHECKED[cls] = known
+        if known:
+            _CONTAINER_TYPES.add(cls)
+            _HOLDERS.add(cls)
+    return known
+
+
 def _contents(container: Any) -> Any:
-    """A shallow copy of a list, dict or set."""
-    return list(container) if type(container) is list else container.copy()
+    """A shallow copy of a list, dict or set (a list of a deque's items), of the
+    plain type."""
+    cls = type(container)
+    if cls is list:
+        return list(container)
+    if cls is dict or cls is set:
+        return container.copy()
+    if isinstance(container, dict):
+        return dict(container)
+    return set(container) if isinstance(container, set) else list(container)
 
 
 class _Contents:
@@ -415,9 +492,12 @@ class _Contents:
 
 
 def _fill(container: Any, contents: Any) -> None:
-    """Make ``container`` (a list, dict or set) hold ``contents``."""
-    if type(container) is list:
+    """Make ``container`` (a list, dict, set or deque) hold ``contents``."""
+    if isinstance(container, list):
         container[:] = contents
+    elif isinstance(container, collections.deque):
+        container.clear()
+        container.extend(contents)
     else:
         container.clear()
         container.update(contents)
@@ -455,11 +535,11 @@ class _CellSlot:
     def __init__(self, cell: Any) -> None:
         self.cell = cell
 
-    def get(self, _key: Any) -> Any:
+    def get(self, _key: Any, default: Any = None) -> Any:
         try:
             return self.cell.cell_contents
         except ValueError:  # the variable was deleted
-            return None
+            return default
 
     def __setitem__(self, _key: Any, value: Any) -> None:
         self.cell.cell_contents = value
@@ -520,7 +600,7 @@ def _roots(
             # its keywords (a dict the code may change) and the containers among
             # its arguments: recorded with the containers (_held_state)
             objects.append(obj.keywords)
-            objects.extend(a for a in obj.args if type(a) in _CONTAINERS)
+            objects.extend(a for a in obj.args if _is_container(type(a)))
             return
         owner = getattr(obj, "__self__", None)
         if owner is not None and (
@@ -547,6 +627,10 @@ def _roots(
                 functions.append(call)
         closure = getattr(obj, "__closure__", None)
         if closure:
+            # a library's function (this package's wrappers, the planner's hooks): its
+            # closure leads to the user's modules and callables, its own values are
+            # not the user's state
+            own = _library_name(getattr(obj, "__module__", None) or "")
             for name, cell in zip(obj.__code__.co_freevars, closure):
                 if id(cell) in seen:
                     continue
@@ -560,7 +644,8 @@ def _roots(
                     continue
                 # any other value (a temperature, a flag, a submodule) may be rebound
                 # between the forward and its backward: the replay gets the forward's
-                values.append((cell, value))
+                if not own:
+                    values.append((cell, value))
                 if isinstance(value, nn.Module) or callable(value):
                     visit(value, f"{name}.", depth + 1)
 
@@ -586,20 +671,28 @@ def _held_state(
     containers: list[tuple[Any, Any]],
     generators: list[Any],
     user_classes: list[type],
+    modules: list[nn.Module] | None = None,
 ) -> None:
     """Record the state behind the values in ``held`` (the first ``n_local`` are
     closure values and containers in module attributes; then module-level
     variables and plain objects), and
     behind the values they hold in turn: generator objects (forked), plain objects
     (their attributes, the tensors among them version-checked), lists, dicts and
-    sets (their contents)."""
+    sets (their contents). Modules found among them (a module kept in a list, not
+    registered as a submodule) are added to ``modules``."""
     budget = _MAX_HELD
+    kinds = _HELD_KINDS
     i = 0
     while i < len(held):
         v = held[i]
         i += 1
         cls = type(v)
-        if cls in _CONTAINERS:
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = _held_kind(cls)
+        if kind == _SKIP:
+            continue
+        if kind == _HELD_CONTAINER:
             if id(v) in seen or (i > n_local and len(v) > _MAX_GLOBAL_ITEMS):
                 continue
             seen.add(id(v))
@@ -607,14 +700,19 @@ def _held_state(
             containers.append((v, entry))
             if len(entry) <= budget:
                 budget -= len(entry)
-                held.extend(entry.values() if cls is dict else entry)
-        elif cls in _non_tensor_types:
-            continue
-        elif is_generator_type(cls):
+                held.extend(entry.values() if type(entry) is dict else entry)
+        elif kind == _HELD_TUPLE:
+            # a tuple or named tuple: not changed itself, what it holds may be
+            if id(v) in seen or len(v) > budget:
+                continue
+            seen.add(id(v))
+            budget -= len(v)
+            held.extend(v)
+        elif kind == _HELD_GENERATOR:
             if id(v) not in seen:
                 seen.add(id(v))
                 generators.append(v)
-        elif _is_plain(cls):
+        elif kind == _HELD_PLAIN:
             if id(v) in seen:
                 continue
             seen.add(id(v))
@@ -628,6 +726,32 @@ def _held_state(
                 if len(entry) <= budget:
                     budget -= len(entry)
                     held.extend(entry.values())
+        elif modules is not None and id(v) not in seen:  # _HELD_MODULE
+            modules.append(v)
+
+
+# what _held_state does with a value, by its class (_held_kind)
+_SKIP, _HELD_CONTAINER, _HELD_TUPLE, _HELD_GENERATOR, _HELD_PLAIN, _HELD_MODULE = range(6)
+_HELD_KINDS: dict[type, int] = {}
+
+
+def _held_kind(cls: type) -> int:
+    if _is_container(cls):
+        kind = _HELD_CONTAINER
+    elif issubclass(cls, tuple):
+        kind = _HELD_TUPLE
+    elif is_generator_type(cls):
+        kind = _HELD_GENERATOR
+    elif _is_plain(cls):
+        kind = _HELD_PLAIN
+    elif issubclass(cls, nn.Module) and not _from_library(cls):
+        # (a torch module, nn.Tanh in a list of layers, keeps no Python state its
+        # forward changes: not looked at, which keeps each SAVE region's check short)
+        kind = _HELD_MODULE
+    else:
+        kind = _SKIP
+    _HELD_KINDS[cls] = kind
+    return kind
 
 
 def _module_slots(
@@ -670,6 +794,11 @@ def _module_slots(
                 elif _is_plain(type(t)) or is_generator_type(type(t)):
                     objects.append(t)  # (never in _non_tensor_types: always looked at)
                 else:
+                    if isinstance(t, tuple):
+                        _TUPLES.add(type(t))
+                        _HOLDERS.add(type(t))
+                    else:
+                        _is_container(type(t))  # (joins _HOLDERS if it is one)
                     _non_tensor_types.add(type(t))  # (Tensor's metaclass has no __instancecheck__)
         ps = m._parameters
         if ps:
@@ -701,11 +830,15 @@ def _module_slots(
         # the module's attributes (a shallow copy: a dict copy in C, cheaper than
         # picking out what might change) and submodules, as the forward starts
         others.append((d, d.copy(), children, kids))
-        # the user's lists, dicts and sets (recorded by _held_state)
-        if not _CONTAINERS.isdisjoint(kinds):
+        # the user's lists, dicts and sets (recorded by _held_state), and tuples
+        # holding any (not a Conv's kernel size)
+        if not _HOLDERS.isdisjoint(kinds):
             for k in extra:
                 v = d[k]
-                if type(v) in _CONTAINERS and k[0] != "_":
+                cls = type(v)
+                if cls in _HOLDERS and k[0] != "_" and (
+                    cls in _CONTAINER_TYPES or not _SCALARS.issuperset(map(type, v))
+                ):
                     containers.append(v)
         if kids:
             for k, c in reversed(kids):  # named_modules order
@@ -733,7 +866,7 @@ class ModuleState:
 
     __slots__ = (
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
-        "containers", "global_values", "class_values", "globals_seen",
+        "containers", "global_values", "class_values", "globals_seen", "cells_seen",
     )
 
     def __init__(
@@ -766,6 +899,8 @@ class ModuleState:
         self.global_values: list[tuple[dict, str, Any]] = []
         # their values as the last SAVE region left them (see attributes_rebound)
         self.globals_seen: list[Any] | None = None
+        # the closure values (cell_values) as the last SAVE region left them
+        self.cells_seen: list[Any] | None = None
         # (a user class's attributes, a copy of them) of the modules' and the objects'
         # classes (not looked at where a SAVE region returns: rebound in the forward
         # itself, a class attribute is replayed from its entry value)
@@ -776,9 +911,17 @@ class ModuleState:
         """Record the slots when the checkpoint starts; None if there are none.
         Buffers of the modules in ``unwritten`` are not copied. ``leaves``: the
         call's flattened arguments, whose plain objects (a config) are state too."""
-        modules, cells, values, functions, objects = _roots(fn)
+        # the modules among the arguments are read like the function's own
+        in_args = [x for x in leaves if isinstance(x, nn.Module)] if leaves else ()
+        modules, cells, values, functions, objects = _roots(fn, *in_args)
         for x in leaves:
-            if not isinstance(x, torch.Tensor) and _is_plain(type(x)):
+            # plain objects (a config), generator objects (forked) and sets (lists,
+            # dicts and tuples are flattened into leaves)
+            cls = type(x)
+            if cls is set or (
+                cls not in _non_tensor_types and not isinstance(x, torch.Tensor)
+                and (_is_plain(cls) or is_generator_type(cls))
+            ):
                 objects.append(x)
         params: list[tuple] = []
         slots: list[_Slot] = []
@@ -811,16 +954,45 @@ class ModuleState:
             if id(f) not in read:
                 read.add(id(f))
                 _read_globals(f, global_values, read, 0)
+        callables = _held_callables(global_values)
+        if callables:
+            # bound methods, partials and functions in module-level variables and in
+            # the small containers there (OPS["act"]): visited like hooks
+            more = _roots(*callables)
+            for prefix, module in more[0]:
+                _module_slots(
+                    prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
+                    classes, objects, [],
+                )
+            cells, values, objects = cells + more[1], values + more[2], objects + more[4]
+            for f in more[3]:
+                if id(f) not in read:
+                    read.add(id(f))
+                    _read_globals(f, global_values, read, 0)
+            functions = functions + more[3]
         for _, _, v in global_values:
             # a class of the user's the code names (Config.k in a classmethod)
             if isinstance(v, type) and v not in classes and _user_module_name(v.__module__):
                 classes[v] = None
+        for _, v in values:
+            # a class held in a closure (one defined in the enclosing function)
+            if isinstance(v, type) and v not in classes and _user_module_name(v.__module__):
+                classes[v] = None
+        for f in functions:
+            # mutable default values of the user's functions (def f(x, state={"n": 0}))
+            if not _user_module_name(f.__module__):
+                continue
+            if f.__defaults__:
+                objects.extend(f.__defaults__)
+            if f.__kwdefaults__:
+                objects.extend(f.__kwdefaults__.values())
         user_classes: list[type] = []
         for cls in classes:
-            forward, users = _class_info(cls)
-            if forward is not None and id(forward) not in read:
-                read.add(id(forward))
-                _read_globals(forward, global_values, read, 0)
+            methods, users = _class_info(cls)
+            for f in methods:
+                if id(f) not in read:
+                    read.add(id(f))
+                    _read_globals(f, global_values, read, 0)
             if users:
                 user_classes.extend(users)
         # values that hold further state: generator objects (forked), plain objects
@@ -832,7 +1004,42 @@ class ModuleState:
         held.extend(objects)
         containers: list[tuple[Any, Any]] = []
         generators: list[Any] = []
-        _held_state(held, n_local, seen, slots, others, containers, generators, user_classes)
+        found: list[nn.Module] = []
+        done = set(classes)  # the classes whose methods' module-level variables were read
+        done.update(user_classes)
+        _held_state(held, n_local, seen, slots, others, containers, generators, user_classes, found)
+        for _ in range(_MAX_DEPTH):
+            # the classes of the plain objects found (a method of a config reading a
+            # module-level variable), and modules held in a list or a plain object,
+            # not registered as submodules
+            new = [c for c in user_classes if c not in done]
+            if not found and not new:
+                break
+            more_held: list[Any] = []
+            more_objects: list[Any] = []
+            more_classes: dict[type, None] = dict.fromkeys(new)
+            for m in found:
+                _module_slots(
+                    f"{type(m).__name__}.", m, params, slots, groups, seen, others, unwritten,
+                    more_held, more_classes, more_objects, [],
+                )
+            n_more = len(more_held)
+            start = len(global_values)
+            for cls in more_classes:
+                if cls in done:
+                    continue
+                done.add(cls)
+                methods, users = _class_info(cls)
+                for f in methods:
+                    if id(f) not in read:
+                        read.add(id(f))
+                        _read_globals(f, global_values, read, 0)
+                user_classes.extend(users)
+                done.update(users)
+            more_held.extend(v for _, _, v in global_values[start:])
+            more_held.extend(more_objects)
+            found = []
+            _held_state(more_held, n_more, seen, slots, others, containers, generators, user_classes, found)
         class_values: list[tuple[_ClassDict, dict]] = []
         in_classes: list[Any] = []  # the lists, dicts and sets class attributes hold
         for c in user_classes:
@@ -841,9 +1048,12 @@ class ModuleState:
                 d = _class_dict(c)
                 entry = d.copy()
                 class_values.append((d, entry))
-                in_classes.extend(
-                    v for k, v in entry.items() if type(v) in _CONTAINERS and k[0] != "_"
-                )
+                checked = _CONTAINER_CHECKED
+                for k, v in entry.items():
+                    if k[0] != "_":
+                        known = checked.get(type(v))
+                        if known or (known is None and _is_container(type(v))):
+                            in_classes.append(v)
         if in_classes:
             _held_state(in_classes, 0, seen, slots, others, containers, generators, [])
         for name, cell in cells:
@@ -961,6 +1171,17 @@ class ModuleState:
                 if value is not last_values[i]:
                     changes = changes or []
                     changes.append((g, name, value))
+                    last_values[i] = value
+        if self.cell_values:
+            # closure variables (nonlocal n; n += 1 in the body)
+            if self.cells_seen is None:
+                self.cells_seen = [value for _, value in self.cell_values]
+            last_values = self.cells_seen
+            for i, (cell, _) in enumerate(self.cell_values):
+                value = _cell_contents(cell)
+                if value is not last_values[i]:
+                    changes = changes or []
+                    changes.append((_CellSlot(cell), None, value))
                     last_values[i] = value
         return changes
 
