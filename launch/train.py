@@ -211,9 +211,51 @@ def offload_options(offload: str | None):
     return OffloadOptions(min_bytes=int(offload)) if offload else OffloadOptions()
 
 
-def launch_profile(offload: str | None):
-    """With ``--offload``, the forecast's device profile: the launch device's, calibrated
-    (as ``plan_remat`` calibrates it when planning on the first step); None without."""
+_PROFILE_FIELDS = {"name", "flops", "memory_bandwidth", "host_link_bandwidth", "memory_bytes",
+                   "overlap_copies", "sources"}
+
+
+def device_profile(spec: str | None):
+    """``--device-profile NAME|FILE.json`` as the planner's ``profile=``: a published
+    profile's name, or a JSON file of ``DeviceProfile`` fields (``flops`` by dtype
+    name, bandwidths in bytes/s); None without. ``ValueError`` says what is wrong."""
+    if spec is None:
+        return None
+    from torch_remat.integrations.planner._time import PROFILES, DeviceProfile
+
+    if spec in PROFILES:
+        return PROFILES[spec]
+    if not spec.endswith(".json"):
+        raise ValueError(f"--device-profile {spec}: expected a published profile's name "
+                         f"({', '.join(sorted(PROFILES))}) or a .json file of its fields")
+    try:
+        fields = json.loads(pathlib.Path(spec).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--device-profile {spec}: cannot read it: {e}") from None
+    unknown = set(fields) - _PROFILE_FIELDS if isinstance(fields, dict) else set()
+    needed = {"name", "flops", "memory_bandwidth", "host_link_bandwidth"}
+    if not isinstance(fields, dict) or unknown or not needed <= set(fields):
+        raise ValueError(
+            f"--device-profile {spec}: expected a JSON object with {', '.join(sorted(needed))} "
+            f"(optional: memory_bytes, overlap_copies, sources)"
+            + (f"; unknown fields: {', '.join(sorted(unknown))}" if unknown else "")
+        )
+    flops = fields["flops"]
+    numbers = [fields["memory_bandwidth"], fields["host_link_bandwidth"]]
+    if not isinstance(flops, dict) or not flops or not all(
+        isinstance(v, (int, float)) and v > 0 for v in [*flops.values(), *numbers]
+    ):
+        raise ValueError(f"--device-profile {spec}: flops (FLOP/s by dtype name, e.g. "
+                         '{"float32": 1.5e11}) and the bandwidths (bytes/s) must be numbers > 0')
+    return DeviceProfile(**fields)
+
+
+def launch_profile(offload: str | None, spec: str | None = None):
+    """The forecast's device profile: ``--device-profile``'s if given; with
+    ``--offload``, the launch device's, calibrated (as ``plan_remat`` calibrates it
+    when planning on the first step); None otherwise."""
+    if spec is not None:
+        return device_profile(spec)
     if offload is None:
         return None
     from torch_remat.integrations.planner._time import calibrate
@@ -222,7 +264,7 @@ def launch_profile(offload: str | None):
 
 
 def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True,
-                       offload: str | None = None) -> None:
+                       offload: str | None = None, profile: str | None = None) -> None:
     """--remat budget=...: measure the options on the first batch, install the
     cheapest plan that fits, and print its table (measured bytes included). With
     ``--offload``, offloading a block's SAVE regions is among the options, and the
@@ -244,7 +286,7 @@ def plan_on_first_step(spec: str, model, x, y, rank: int, verify: bool = True,
     try:
         plan = plan_remat(
             model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear], verify=verify,
-            offload=offload_options(offload),
+            offload=offload_options(offload), profile=device_profile(profile),
         )
     except InfeasibleBudgetError as e:
         error = f"--remat {spec}: {e}"
@@ -321,7 +363,7 @@ def forecast_before_launch(args, vocab: int, rank: int, world: int) -> None:
         forecast = forecast_remat(
             model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear],
             device_memory=args.device_memory, layout=forecast_layout(args.parallel, world),
-            offload=offload_options(args.offload), profile=launch_profile(args.offload),
+            offload=offload_options(args.offload), profile=launch_profile(args.offload, args.device_profile),
         )
     except (ValueError, TypeError) as e:
         usage_error(f"--forecast: {e}", rank)
@@ -688,6 +730,7 @@ def parse_args(argv=None):
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
     p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES: before training, print rank 0's forecast for the --parallel layout on the launch's ranks (every hand policy and the plan, run on fake tensors over a fake process group: nothing allocated), with the largest micro-batch fitting --device-memory")
     p.add_argument("--offload", nargs="?", const="", default=None, metavar="MIN_BYTES", help="with --remat budget=F|BYTES: a block's plan may also move what its SAVE regions keep to host memory (an ActivationOffloader, copying back one block ahead) where that is predicted to cost less step time than recomputing; tensors under MIN_BYTES stay on the device (default: 1 MiB, the offloader's)")
+    p.add_argument("--device-profile", default=None, metavar="NAME|FILE.json", help="with --remat budget=F|BYTES: predict step times (and with --offload choose among keep, recompute and offload) for this device profile instead of calibrating the launch device: a published one's name (e.g. 'H100 SXM') or a JSON file of its fields (name, flops by dtype, memory_bandwidth and host_link_bandwidth in bytes/s, optional overlap_copies)")
     p.add_argument("--verify-plan", action=argparse.BooleanOptionalAction, default=True, help="with --remat budget=...: run the chosen plan once and stop (status 2, naming each block whose bytes differ) if it keeps other bytes than predicted; --no-verify-plan installs the plan unchecked")
     p.add_argument("--device-memory", default=_Default("80GiB"), help="the device memory --forecast fits micro-batches into (e.g. 80GiB, 40GB); only with --forecast")
     p.add_argument("--steps", type=int, default=40, help="train up to this step (a resumed run continues to it)")
@@ -741,6 +784,14 @@ def parse_args(argv=None):
         if args.offload and not args.offload.isdigit():
             p.error(f"--offload {args.offload}: expected MIN_BYTES, an integer >= 0 (the smallest "
                     "tensor moved to host memory), or nothing for the default")
+    if args.device_profile is not None:
+        if not args.remat.startswith("budget="):
+            p.error(f"--device-profile is what the planner predicts step times for: it needs "
+                    f"--remat budget=F|BYTES (got --remat {args.remat})")
+        try:
+            device_profile(args.device_profile)
+        except ValueError as e:
+            p.error(str(e))
     if args.keep_checkpoints < 0:
         p.error(f"--keep-checkpoints {args.keep_checkpoints}: expected K >= 0 (0: keep all)")
     return args
@@ -863,7 +914,8 @@ def main(argv=None) -> None:
         x, y = (t.to(device) for t in batches(step))
         if step == start + 1 and args.remat.startswith("budget="):
             planning = time.perf_counter()
-            plan_on_first_step(args.remat, model, x, y, rank, args.verify_plan, args.offload)
+            plan_on_first_step(args.remat, model, x, y, rank, args.verify_plan, args.offload,
+                               args.device_profile)
             t0 += time.perf_counter() - planning  # tok/s counts training steps only
         log_step = step == start + 1 or step % 10 == 0 or step == args.steps
         with oom_dumps.guard(step=step) if oom_dumps else contextlib.nullcontext():

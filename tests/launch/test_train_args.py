@@ -40,6 +40,11 @@ def usage_error(capsys, argv: list[str]) -> str:
         (["--remat", "budget=0.3", "--offload", "1MiB"], "--offload 1MiB: expected MIN_BYTES"),
         (["--remat", "budget=0.3", "--offload", "--parallel", "tp"],
          "--offload with --parallel tp: tensor-parallel activations are DTensors"),
+        (["--device-profile", "H100 SXM"], "--device-profile is what the planner predicts step times for"),
+        (["--remat", "budget=0.3", "--device-profile", "B300"],
+         "--device-profile B300: expected a published profile's name (A100 80GB SXM, "),
+        (["--remat", "budget=0.3", "--device-profile", "/nonexistent/p.json"],
+         "--device-profile /nonexistent/p.json: cannot read it: "),
     ],
 )
 def test_bad_values_are_usage_errors_naming_the_flag(capsys, argv, message):
@@ -188,3 +193,31 @@ def test_a_checkpoint_without_model_config_is_checked_by_its_tensors(capsys, tmp
         err = capsys.readouterr().err
         assert f"step2 holds a model of another shape than this run's ({detail}" in err
     assert train.load_checkpoint(tmp_path, *model_and_opt(2), rank=0, config=config) == 2
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"name": "x", "flops": {"float32": 1e9}}, "expected a JSON object with flops, host_link_bandwidth"),
+        ({"name": "x", "flops": {"float32": 1e9}, "memory_bandwidth": 1e9, "host_link_bandwidth": 1e9,
+          "tflops": 3}, "unknown fields: tflops"),
+        ({"name": "x", "flops": {"float32": 0}, "memory_bandwidth": 1e9, "host_link_bandwidth": 1e9},
+         "must be numbers > 0"),
+    ],
+)
+def test_a_device_profile_file_without_its_fields_is_a_usage_error(capsys, tmp_path, fields, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(fields))
+    err = usage_error(capsys, ["--remat", "budget=0.3", "--device-profile", str(path)])
+    assert f"train.py: error: --device-profile {path}: " in err and message in err, err
+
+
+def test_a_device_profile_is_read_from_its_name_or_its_file(tmp_path):
+    path = tmp_path / "profile.json"
+    fields = {"name": "mine", "flops": {"float32": 2e12}, "memory_bandwidth": 1e11,
+              "host_link_bandwidth": 2e10, "overlap_copies": True}
+    path.write_text(json.dumps(fields))
+    mine = train.device_profile(str(path))
+    assert (mine.name, dict(mine.flops), mine.host_link_bandwidth) == ("mine", {"float32": 2e12}, 2e10)
+    assert train.device_profile("H100 SXM").name == "H100 SXM"
+    assert train.device_profile(None) is None
