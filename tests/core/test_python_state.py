@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 import python_state_config as config
+import state_pkg
 import torch
 from helpers import recorded_replays
 from torch import nn
@@ -1115,6 +1116,7 @@ HELD_CASES = [
     "function in a module-level table", "method of a plain object reading a global",
     "helper method of the module reading a global", "class of a user module named torch_*",
     "dict subclass with attribute access", "defaultdict counter",
+    "counter in a submodule of an imported package",
 ]
 
 
@@ -1204,6 +1206,14 @@ def _held_case(kind, lin):
     if kind == "class of a user module named torch_*":
         counted = torch_user_blocks.Counted()
         return (lambda x: counted.apply(lin(x)).sin()), (), lambda: torch_user_blocks.Counted.calls
+    if kind == "counter in a submodule of an imported package":
+        state_pkg.sub.COUNT = 0
+
+        def with_package(x):
+            state_pkg.sub.COUNT += 1
+            return (lin(x) * (1.0 + 0.25 * state_pkg.sub.COUNT)).sin()
+
+        return with_package, (), lambda: state_pkg.sub.COUNT
     if kind in ("dict subclass with attribute access", "defaultdict counter"):
         counts = _AttrDict(n=0) if kind.startswith("dict") else collections.defaultdict(int)
 

@@ -339,14 +339,15 @@ def _global_names(func: Any) -> tuple[str, ...]:
     return names
 
 
-_MODULE_ATTRS: dict[Any, tuple[tuple[str, tuple[str, ...]], ...]] = {}
+_MODULE_ATTRS: dict[Any, tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]] = {}
 
 
-def _module_attr_names(func: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``(global name, attribute names)`` of the user's modules ``func`` reads
-    attributes of (``config.SCALE``, ``config.TABLE["k"]``): what ``import config``
-    makes a module-level variable of another module. Library and standard-library
-    modules are left out."""
+def _module_attr_names(func: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]:
+    """``(path, attribute names)`` of the user's modules ``func`` reads attributes
+    of (``config.SCALE``, ``config.TABLE["k"]``, ``config.COUNT += 1``,
+    ``pkg.sub.SCALE``): what ``import config`` makes a module-level variable of
+    another module. ``path``: the global's name, then the submodules' names.
+    Library and standard-library modules are left out."""
     code = getattr(func, "__code__", None)
     if code is None:
         return ()
@@ -357,21 +358,29 @@ def _module_attr_names(func: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
         if type(g) is not dict or _own_code(module):
             _MODULE_ATTRS[code] = ()
             return ()
-        pairs: dict[str, dict[str, None]] = {}
+        pairs: dict[tuple[str, ...], dict[str, None]] = {}
         todo = [code]
         while todo:
             c = todo.pop()
             todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-            prev = None
+            chain: tuple[tuple[str, ...], Any] | None = None  # (path, the module it names)
             for ins in dis.get_instructions(c):
-                if (
-                    prev is not None and prev.opname == "LOAD_GLOBAL"
-                    and ins.opname in ("LOAD_ATTR", "LOAD_METHOD")
-                    and isinstance(g.get(prev.argval), types.ModuleType)
-                    and _user_module(g[prev.argval])
-                ):
-                    pairs.setdefault(prev.argval, {})[ins.argval] = None
-                prev = ins
+                op = ins.opname
+                if op == "LOAD_GLOBAL":
+                    value = g.get(ins.argval)
+                    user = isinstance(value, types.ModuleType) and _user_module(value)
+                    chain = ((ins.argval,), value) if user else None
+                elif chain is not None and op in ("LOAD_ATTR", "LOAD_METHOD"):
+                    path, module = chain
+                    value = getattr(module, ins.argval, None)
+                    if isinstance(value, types.ModuleType) and _user_module(value):
+                        chain = ((*path, ins.argval), value)  # pkg.sub: a submodule
+                    else:
+                        pairs.setdefault(path, {})[ins.argval] = None
+                        chain = None
+                elif op not in ("COPY", "DUP_TOP", "CACHE", "EXTENDED_ARG"):
+                    # (COPY: config.COUNT += 1 reads the module it then writes)
+                    chain = None
         found = _MODULE_ATTRS[code] = tuple((m, tuple(a)) for m, a in pairs.items())
     return found
 
@@ -404,8 +413,10 @@ def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], d
         if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
             seen.add(id(value))
             _read_globals(value, out, seen, depth + 1)
-    for module_name, attrs in module_attrs:
-        module = g.get(module_name)
+    for path, attrs in module_attrs:
+        module = g.get(path[0])
+        for name in path[1:]:
+            module = getattr(module, name, None)
         if not isinstance(module, types.ModuleType):
             continue
         md = module.__dict__

@@ -1,0 +1,3 @@
+"""A submodule with a module-level counter."""
+
+COUNT = 0
