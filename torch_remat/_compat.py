@@ -590,3 +590,34 @@ def when_dynamo_imported(callback: Callable[[], None]) -> None:
     _after_dynamo.append(callback)
     if not any(isinstance(f, _DynamoImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _DynamoImportFinder())
+
+
+# ----------------------------------------------- torch.nn.utils.parametrize.cached()
+#
+# Under ``parametrize.cached()`` a parametrized weight is computed at its first read
+# and served from a module-level cache after that (``_cache_enabled``, ``_cache``:
+# private, named here). A forward that ran under it read some weights from the cache
+# and computed the others; its replay must do the same, whether the backward runs
+# inside that block (where the cache also holds what the forward computed) or
+# outside it (no cache): it runs with the cache as the forward found it.
+
+
+def parametrize_cache() -> dict | None:
+    """The parametrization cache's entries now, if ``parametrize.cached()`` is on."""
+    p = sys.modules.get("torch.nn.utils.parametrize")
+    if p is None or not getattr(p, "_cache_enabled", 0):
+        return None
+    return dict(p._cache)
+
+
+@contextlib.contextmanager
+def parametrize_cache_as(entries: dict):
+    """Run with ``parametrize.cached()`` on and its cache holding ``entries`` (from
+    :func:`parametrize_cache`); the caller's cache is back afterwards."""
+    p = sys.modules["torch.nn.utils.parametrize"]
+    enabled, cache = p._cache_enabled, p._cache
+    p._cache_enabled, p._cache = enabled + 1, dict(entries)
+    try:
+        yield
+    finally:
+        p._cache_enabled, p._cache = enabled, cache

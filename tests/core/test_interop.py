@@ -1,5 +1,6 @@
 """remat.checkpoint next to autocast and the user's own saved-tensor hooks."""
 
+import pytest
 import torch
 from helpers import Block, assert_bitwise_equal, grads
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -128,3 +129,40 @@ def test_torch_compile_around_a_checkpoint_traces_it_with_exact_gradients():
     assert torch.ops.higher_order.tag_activation_checkpoint in {n.target for gm in counter.graphs for n in gm.graph.nodes}
     # The recompute is part of the compiled backward, which re-runs no Python.
     assert_bitwise_equal(actual, expected, replays=0)
+
+
+@pytest.mark.parametrize("where", ["backward outside", "backward inside", "weight read before"])
+def test_a_forward_under_parametrize_cached_replays_with_the_cache_it_found(where):
+    # Under parametrize.cached() a weight is computed at its first read, then served
+    # from the cache. The replay ran without the cache (backward outside the block)
+    # or with what the forward had added to it (backward inside): it computed other
+    # weights and saved other tensors, which, all of one shape, went to the wrong
+    # places: silently wrong gradients.
+    from helpers import recorded_replays
+    from torch.nn.utils import parametrize
+
+    def run(ckpt):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(6, 6, bias=False, dtype=torch.float64)
+        parametrize.register_parametrization(lin, "weight", torch.nn.Tanh())
+        x = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+
+        def body(h):
+            return lin(lin(h).sin())
+
+        fn = remat.checkpoint(region_name="cached")(body) if ckpt else body
+        with recorded_replays() as replayed:
+            with parametrize.cached():
+                if where == "weight read before":
+                    lin.weight  # noqa: B018 (fills the cache before the checkpoint)
+                out = fn(x)
+                if where != "backward outside":
+                    out.sum().backward()
+            if where == "backward outside":
+                out.sum().backward()
+        assert replayed == (["cached"] if ckpt else [])
+        return [x.grad, lin.parametrizations.weight.original.grad]
+
+    expected, got = run(False), run(True)
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)

@@ -226,6 +226,8 @@ class CheckpointFrame:
         self.entry_states: list[Any] = []
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
+        # parametrize.cached()'s entries when the forward ran under it (None: off)
+        self.parametrize_cache: dict | None = None
         # (index, meta, payload) of the inputs packed at entry that the replay does
         # not read (records.unpack_unread); None when nothing was packed at entry
         self.unread_inputs: list | None = None
@@ -301,6 +303,7 @@ class CheckpointFrame:
         self.scratch.rng_entry = position(self.state_hooks, self.rng_checks) if self.rng_checks else None
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.parametrize_cache = _compat.parametrize_cache()
         around = top_hooks(False)
         if around is not None and _compat.is_torch_checkpoint_hooks(around):
             raise RematError(
@@ -805,6 +808,9 @@ class CheckpointFrame:
                 with torch.enable_grad(), self._autocast_context(), (
                     torch.profiler.record_function(f"remat.recompute:{self.name}")
                     if profiler_enabled() else _NO_RANGE
+                ), (
+                    _compat.parametrize_cache_as(self.parametrize_cache)
+                    if self.parametrize_cache is not None else _NO_RANGE
                 ):
                     self.fn(*args, **kwargs)
                 if self.rng_checks:
