@@ -255,3 +255,17 @@ def test_region_takes_its_callable_as_function_too_and_refuses_both_spellings():
         remat.region(torch.sin, "sin", recompute=False, function=torch.cos)
     with pytest.raises(TypeError, match="missing the callable"):
         remat.region(name="sin", recompute=False)
+
+
+def test_a_lazy_module_first_called_inside_a_checkpoint_is_told_to_run_a_forward_first():
+    lazy = torch.nn.LazyLinear(4)
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(remat.SavedTensorModifiedError) as e:
+        remat.checkpoint(region_name="lazy")(lazy)(x).sum().backward()
+    assert "the parameter 'weight' read by checkpoint 'lazy'" in str(e.value)
+    assert "A lazy module (nn.LazyLinear, nn.LazyConv2d) materializes its parameters" in str(e.value)
+    # one forward outside first, then checkpointed: exact
+    lazy(x)
+    expected = torch.autograd.grad(lazy(x).sum(), (x, lazy.weight))
+    got = torch.autograd.grad(remat.checkpoint(region_name="lazy")(lazy)(x).sum(), (x, lazy.weight))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

@@ -1300,13 +1300,22 @@ def _install_attributes(d: dict, entry: dict, undo: list[tuple[Any, Any, Any]]) 
 
 
 def _modified_in_forward(kind: str, name: str, checkpoint: str, version: int, t) -> Exception:
-    return modified_in_place(
-        f"the {kind} '{name}' read by checkpoint '{checkpoint}'",
-        "during the checkpoint's forward",
+    advice = (
         "The recompute in backward would read the updated value. Update "
         "it outside the checkpoint, or register it as a buffer of the "
         "checkpointed module (buffers updated in forward are replayed "
-        "from a copy).",
+        "from a copy)."
+    )
+    if kind == PARAMETER:
+        # a lazy module (nn.LazyLinear) fills its parameters in its first forward
+        advice += (
+            " A lazy module (nn.LazyLinear, nn.LazyConv2d) materializes its parameters "
+            "in its first forward: run one forward before checkpointing it."
+        )
+    return modified_in_place(
+        f"the {kind} '{name}' read by checkpoint '{checkpoint}'",
+        "during the checkpoint's forward",
+        advice,
         (version, version_of(t)),
     )
 
