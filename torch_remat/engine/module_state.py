@@ -947,9 +947,21 @@ class ModuleState:
                 prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
                 classes, objects, hooks,
             )
-        if hooks:
-            # forward hooks of the modules: their closures and module-level variables
-            more = _roots(*hooks)
+        # module-level variables the code reads: the functions', each module class's
+        # forward's (and the plain functions they call)
+        global_values: list[tuple[dict, str, Any]] = []
+        read: set[int] = set()
+
+        def read_globals(fs: Any) -> None:
+            for f in fs:
+                if id(f) not in read:
+                    read.add(id(f))
+                    _read_globals(f, global_values, read, 0)
+
+        def visit_callables(found: list[Any]) -> None:
+            # callables reached another way than from the function: visited like it
+            nonlocal cells, values, functions, objects
+            more = _roots(*found)
             for prefix, module in more[0]:
                 _module_slots(
                     prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
@@ -957,36 +969,19 @@ class ModuleState:
                 )
             cells, values = cells + more[1], values + more[2]
             functions, objects = functions + more[3], objects + more[4]
-        # module-level variables the code reads: the functions', each module class's
-        # forward's (and the plain functions they call)
-        global_values: list[tuple[dict, str, Any]] = []
-        read: set[int] = set()
-        for f in functions:
-            if id(f) not in read:
-                read.add(id(f))
-                _read_globals(f, global_values, read, 0)
+            read_globals(more[3])
+
+        if hooks:
+            visit_callables(hooks)  # the modules' forward hooks
+        read_globals(functions)
         callables = _held_callables(global_values)
         if callables:
             # bound methods, partials and functions in module-level variables and in
-            # the small containers there (OPS["act"]): visited like hooks
-            more = _roots(*callables)
-            for prefix, module in more[0]:
-                _module_slots(
-                    prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
-                    classes, objects, [],
-                )
-            cells, values, objects = cells + more[1], values + more[2], objects + more[4]
-            for f in more[3]:
-                if id(f) not in read:
-                    read.add(id(f))
-                    _read_globals(f, global_values, read, 0)
-            functions = functions + more[3]
-        for _, _, v in global_values:
-            # a class of the user's the code names (Config.k in a classmethod)
-            if isinstance(v, type) and v not in classes and _user_module_name(v.__module__):
-                classes[v] = None
-        for _, v in values:
-            # a class held in a closure (one defined in the enclosing function)
+            # the small containers there (OPS["act"])
+            visit_callables(callables)
+        for v in [v for _, _, v in global_values] + [v for _, v in values]:
+            # a class of the user's the code names (Config.k in a classmethod), or holds
+            # in a closure (a class defined in the enclosing function)
             if isinstance(v, type) and v not in classes and _user_module_name(v.__module__):
                 classes[v] = None
         for f in functions:
@@ -1000,10 +995,7 @@ class ModuleState:
         user_classes: list[type] = []
         for cls in classes:
             methods, users = _class_info(cls)
-            for f in methods:
-                if id(f) not in read:
-                    read.add(id(f))
-                    _read_globals(f, global_values, read, 0)
+            read_globals(methods)
             if users:
                 user_classes.extend(users)
         # values that hold further state: generator objects (forked), plain objects
@@ -1041,10 +1033,7 @@ class ModuleState:
                     continue
                 done.add(cls)
                 methods, users = _class_info(cls)
-                for f in methods:
-                    if id(f) not in read:
-                        read.add(id(f))
-                        _read_globals(f, global_values, read, 0)
+                read_globals(methods)
                 user_classes.extend(users)
                 done.update(users)
             more_held.extend(v for _, _, v in global_values[start:])
