@@ -243,10 +243,15 @@ def device_profile(spec: str | None):
     flops = fields["flops"]
     numbers = [fields["memory_bandwidth"], fields["host_link_bandwidth"]]
     if not isinstance(flops, dict) or not flops or not all(
-        isinstance(v, (int, float)) and v > 0 for v in [*flops.values(), *numbers]
+        type(v) in (int, float) and v > 0 for v in [*flops.values(), *numbers]
     ):
         raise ValueError(f"--device-profile {spec}: flops (FLOP/s by dtype name, e.g. "
                          '{"float32": 1.5e11}) and the bandwidths (bytes/s) must be numbers > 0')
+    if type(fields.get("overlap_copies", True)) is not bool or not (
+        type(fields.get("memory_bytes", 0)) is int and fields.get("memory_bytes", 0) >= 0
+    ):
+        raise ValueError(f"--device-profile {spec}: overlap_copies must be true or false, "
+                         "memory_bytes an integer >= 0")
     return DeviceProfile(**fields)
 
 

@@ -1256,3 +1256,87 @@ def test_state_held_in_tuples_arguments_defaults_and_helpers_is_replayed(kind):
     got, got_states = run(True)
     _same(expected, got)
     assert got_states == expected_states
+
+
+# ------------------------------------------- unusual user objects the capture meets
+
+
+class _RaisingTuple(tuple):
+    def __len__(self):
+        raise RuntimeError("len")
+
+    def __iter__(self):
+        raise RuntimeError("iter")
+
+
+class _EqualityMeta(type):  # __eq__ without __hash__: its classes are unhashable
+    def __eq__(cls, other):
+        return cls is other
+
+
+class _UnhashableConfig(metaclass=_EqualityMeta):
+    k = 2.0
+
+
+class _SlotsWithGetattr:
+    __slots__ = ("a", "b")  # b is never set
+
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+RAISING_TUPLE = _RaisingTuple((1, 2))
+LAZY_CONFIG = types.ModuleType("lazy_user_config")  # a module-level __getattr__ that raises
+exec("def __getattr__(name):\n    raise KeyError(name)\nSCALE = 2.0", LAZY_CONFIG.__dict__)
+
+
+def test_unusual_user_objects_are_read_without_errors_and_replayed_exactly():
+    # A tuple subclass whose length raises, a class with an unhashable metaclass, a
+    # module whose __getattr__ raises KeyError (read in a branch not taken), a slotted
+    # object with an unset slot and a raising __getattr__: the capture met each while
+    # looking for state, and raised.
+    lin = _linear(41)
+    slotted = _SlotsWithGetattr()
+    slotted.a = 1.5
+
+    def body(x, cfg, debug=False):
+        scale = LAZY_CONFIG.DEBUG_ONLY if debug else LAZY_CONFIG.SCALE
+        h = lin(x) * (scale * _UnhashableConfig.k * cfg.a)
+        return (h * (RAISING_TUPLE is not None)).sin()
+
+    def run(fn):
+        x = _x(120)
+        fn(x, slotted).sum().backward()
+        grads = [x.grad] + [p.grad.clone() for p in lin.parameters()]
+        lin.zero_grad()
+        return grads
+
+    expected = run(body)
+    with recorded_replays() as replayed:
+        got = run(remat.checkpoint(region_name="unusual")(body))
+    assert replayed == ["unusual"]
+    _same(expected, got)
+
+
+def test_a_window_deque_holds_the_callers_entries_after_the_replay():
+    # deque(maxlen=3): the replay's append, kept after the caller's entries, pushed
+    # the oldest one out, and the next step read another sum
+    def run(ckpt):
+        lin = _linear(43)
+        window = collections.deque([0.0], maxlen=3)
+
+        def body(x):
+            window.append(float(x.detach().sum()))
+            return (lin(x) * sum(window)).sin()
+
+        fn = remat.checkpoint(region_name="window")(body) if ckpt else body
+        grads = []
+        for i in range(3):
+            x = _x(130 + i)
+            fn(x).sum().backward()
+            grads.append(x.grad)
+        return grads, list(window)
+
+    (expected, expected_window), (got, got_window) = run(False), run(True)
+    _same(expected, got)
+    assert got_window == expected_window and len(got_window) == 3

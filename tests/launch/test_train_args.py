@@ -203,6 +203,10 @@ def test_a_checkpoint_without_model_config_is_checked_by_its_tensors(capsys, tmp
           "tflops": 3}, "unknown fields: tflops"),
         ({"name": "x", "flops": {"float32": 0}, "memory_bandwidth": 1e9, "host_link_bandwidth": 1e9},
          "must be numbers > 0"),
+        ({"name": "x", "flops": {"float32": True}, "memory_bandwidth": 1e9, "host_link_bandwidth": 1e9},
+         "must be numbers > 0"),
+        ({"name": "x", "flops": {"float32": 1e9}, "memory_bandwidth": 1e9, "host_link_bandwidth": 1e9,
+          "overlap_copies": "no"}, "overlap_copies must be true or false"),
     ],
 )
 def test_a_device_profile_file_without_its_fields_is_a_usage_error(capsys, tmp_path, fields, message):

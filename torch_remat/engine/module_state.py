@@ -132,6 +132,8 @@ _PLAIN: dict[type, bool] = {}
 def _library_name(module: str) -> bool:
     """Whether ``module`` is one of :data:`_LIBRARY_MODULES` or inside one (a
     user's ``torch_blocks`` is not ``torch``), or this project's integrations."""
+    if not isinstance(module, str):
+        return False
     return module.partition(".")[0] in _LIBRARY_MODULES or module.startswith("integrations.")
 
 
@@ -142,8 +144,10 @@ def _from_library(cls: type) -> bool:
 
 def _own_code(module: str) -> bool:
     """torch's or this package's functions: their globals are not the user's state."""
+    if not isinstance(module, str):
+        return False
     top = module.partition(".")[0]
-    return top == "torch" or top == "torch_remat"
+    return top == "torch" or top == "torch_remat" or module.startswith("integrations.")
 
 
 def _is_plain(cls: type) -> bool:
@@ -247,7 +251,10 @@ class _SlotValues(_AttributeView):
         out = {}
         obj = self.target
         for n in self.names:
-            value = getattr(obj, n, _MISSING)
+            try:
+                value = getattr(obj, n, _MISSING)
+            except Exception:  # a __getattr__ of the user's that raises otherwise
+                continue
             if value is not _MISSING:
                 out[n] = value
         return out
@@ -256,7 +263,10 @@ class _SlotValues(_AttributeView):
 def _attributes(obj: Any) -> list[Any]:
     """A plain object's attributes as ``dict``s: its ``__dict__``, and its slots
     through :class:`_SlotValues`."""
-    d = getattr(obj, "__dict__", None)
+    try:
+        d = getattr(obj, "__dict__", None)
+    except Exception:  # a __getattr__ of the user's that raises otherwise
+        d = None
     names = _slot_names(type(obj))
     out = [d] if type(d) is dict else []
     if names:
@@ -284,7 +294,12 @@ def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
                 for f in found:
                     if type(f) is types.FunctionType and (_global_names(f) or _module_attr_names(f)):
                         methods[id(f)] = f
-        info = _CLASS_INFO[cls] = (tuple(methods.values()), users)
+        # one merged read per module the methods live in (a class may define hundreds)
+        by_module: dict[int, list[Any]] = {}
+        for f in methods.values():
+            by_module.setdefault(id(f.__globals__), []).append(f)
+        reads = tuple(_MergedReads(fs[0].__globals__, fs) for fs in by_module.values())
+        info = _CLASS_INFO[cls] = (reads, users)
     return info
 
 
@@ -372,7 +387,10 @@ def _module_attr_names(func: Any) -> tuple[tuple[tuple[str, ...], tuple[str, ...
                     chain = ((ins.argval,), value) if user else None
                 elif chain is not None and op in ("LOAD_ATTR", "LOAD_METHOD"):
                     path, module = chain
-                    value = getattr(module, ins.argval, None)
+                    try:
+                        value = getattr(module, ins.argval, None)
+                    except Exception:  # a module-level __getattr__ that raises otherwise
+                        value = None
                     if isinstance(value, types.ModuleType) and _user_module(value):
                         chain = ((*path, ins.argval), value)  # pkg.sub: a submodule
                     else:
@@ -396,19 +414,45 @@ def _user_module_name(name: Any) -> bool:
     return not (_library_name(name) or name.partition(".")[0] in sys.stdlib_module_names)
 
 
-def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], depth: int) -> None:
+def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[Any], depth: int) -> None:
     """``(globals, name, value)`` of the module-level variables ``func`` reads (a
     scale, a flag, a table), and of the plain functions it calls, ``depth`` deep
     (see :data:`_GLOBAL_NAMES`)."""
+    if type(func) is _MergedReads:
+        _read_names(func.globals, func.names, func.module_attrs, out, seen, depth)
+        return
     names = _global_names(func)
     module_attrs = _module_attr_names(func)
-    if not names and not module_attrs:
-        return
-    g = func.__globals__
+    if names or module_attrs:
+        _read_names(func.__globals__, names, module_attrs, out, seen, depth)
+
+
+class _MergedReads:
+    """The module-level variables several functions of one module read (the
+    methods of a class), merged: read once per call, whatever their number."""
+
+    __slots__ = ("globals", "names", "module_attrs")
+
+    def __init__(self, g: dict, functions: list[Any]) -> None:
+        self.globals = g
+        self.names = tuple(dict.fromkeys(n for f in functions for n in _global_names(f)))
+        attrs: dict[tuple[str, ...], dict[str, None]] = {}
+        for f in functions:
+            for path, names in _module_attr_names(f):
+                attrs.setdefault(path, {}).update(dict.fromkeys(names))
+        self.module_attrs = tuple((path, tuple(names)) for path, names in attrs.items())
+
+
+def _read_names(
+    g: dict, names: tuple[str, ...], module_attrs: Any, out: list[tuple[dict, str, Any]],
+    seen: set[Any], depth: int,
+) -> None:
+    gid = id(g)
     for name in names:
         value = g.get(name, _MISSING)
-        if value is _MISSING:
+        if value is _MISSING or (gid, name) in seen:
             continue
+        seen.add((gid, name))  # (one entry per variable, however many functions read it)
         out.append((g, name, value))
         if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
             seen.add(id(value))
@@ -420,10 +464,12 @@ def _read_globals(func: Any, out: list[tuple[dict, str, Any]], seen: set[int], d
         if not isinstance(module, types.ModuleType):
             continue
         md = module.__dict__
+        mid = id(md)
         for name in attrs:
             value = md.get(name, _MISSING)
-            if value is _MISSING or isinstance(value, types.ModuleType):
+            if value is _MISSING or isinstance(value, types.ModuleType) or (mid, name) in seen:
                 continue
+            seen.add((mid, name))
             out.append((md, name, value))
             if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
                 seen.add(id(value))
@@ -499,6 +545,10 @@ class _Contents:
         self.entry = entry
 
     def __setitem__(self, _key: Any, before: Any) -> None:
+        if isinstance(self.container, collections.deque):
+            # a window (maxlen): the replay's entries would push out the caller's
+            _fill(self.container, before)
+            return
         _fill(self.container, _merged(self.entry, before, _contents(self.container)))
 
 
@@ -638,10 +688,10 @@ def _roots(
                 functions.append(call)
         closure = getattr(obj, "__closure__", None)
         if closure:
-            # a library's function (this package's wrappers, the planner's hooks): its
-            # closure leads to the user's modules and callables, its own values are
-            # not the user's state
-            own = _library_name(getattr(obj, "__module__", None) or "")
+            # this package's functions (its wrappers, the planner's hooks) and torch's:
+            # their closures lead to the user's modules and callables, their own
+            # values are not the user's state
+            own = _own_code(getattr(obj, "__module__", None) or "")
             for name, cell in zip(obj.__code__.co_freevars, closure):
                 if id(cell) in seen:
                     continue
@@ -698,9 +748,12 @@ def _held_state(
         v = held[i]
         i += 1
         cls = type(v)
-        kind = kinds.get(cls)
-        if kind is None:
-            kind = _held_kind(cls)
+        try:
+            kind = kinds.get(cls)
+            if kind is None:
+                kind = _held_kind(cls)
+        except TypeError:  # a class whose metaclass makes it unhashable
+            continue
         if kind == _SKIP:
             continue
         if kind == _HELD_CONTAINER:
@@ -714,7 +767,7 @@ def _held_state(
                 held.extend(entry.values() if type(entry) is dict else entry)
         elif kind == _HELD_TUPLE:
             # a tuple or named tuple: not changed itself, what it holds may be
-            if id(v) in seen or len(v) > budget:
+            if id(v) in seen or len(v) > _SMALL_TUPLE or len(v) > budget:
                 continue
             seen.add(id(v))
             budget -= len(v)
@@ -737,9 +790,24 @@ def _held_state(
                 if len(entry) <= budget:
                     budget -= len(entry)
                     held.extend(entry.values())
-        elif modules is not None and id(v) not in seen:  # _HELD_MODULE
+        elif modules is not None and id(v) not in seen and not v._modules and len(modules) < _MAX_FOUND:
+            # _HELD_MODULE: a small module of the user's kept in a list or an object,
+            # not registered (one with submodules is more likely a back-reference to a
+            # model, which would be walked at every block's call)
             modules.append(v)
 
+
+def _is_tuple_type(cls: type) -> bool:
+    """A tuple or a named tuple (a subclass that keeps tuple's length and iteration)."""
+    return cls is tuple or (
+        issubclass(cls, tuple) and cls.__len__ is tuple.__len__ and cls.__iter__ is tuple.__iter__
+    )
+
+
+_MAX_FOUND = 16
+"""How many unregistered modules one call records (see _held_state)."""
+_SMALL_TUPLE = 64
+"""Longer tuples (a schedule, a table of numbers) are not looked inside."""
 
 # what _held_state does with a value, by its class (_held_kind)
 _SKIP, _HELD_CONTAINER, _HELD_TUPLE, _HELD_GENERATOR, _HELD_PLAIN, _HELD_MODULE = range(6)
@@ -749,7 +817,7 @@ _HELD_KINDS: dict[type, int] = {}
 def _held_kind(cls: type) -> int:
     if _is_container(cls):
         kind = _HELD_CONTAINER
-    elif issubclass(cls, tuple):
+    elif _is_tuple_type(cls):
         kind = _HELD_TUPLE
     elif is_generator_type(cls):
         kind = _HELD_GENERATOR
@@ -805,7 +873,7 @@ def _module_slots(
                 elif _is_plain(type(t)) or is_generator_type(type(t)):
                     objects.append(t)  # (never in _non_tensor_types: always looked at)
                 else:
-                    if isinstance(t, tuple):
+                    if isinstance(t, tuple) and _is_tuple_type(type(t)):
                         _TUPLES.add(type(t))
                         _HOLDERS.add(type(t))
                     else:
@@ -848,7 +916,8 @@ def _module_slots(
                 v = d[k]
                 cls = type(v)
                 if cls in _HOLDERS and k[0] != "_" and (
-                    cls in _CONTAINER_TYPES or not _SCALARS.issuperset(map(type, v))
+                    cls in _CONTAINER_TYPES
+                    or (len(v) <= _SMALL_TUPLE and not _SCALARS.issuperset(map(type, v)))
                 ):
                     containers.append(v)
         if kids:
@@ -950,7 +1019,7 @@ class ModuleState:
         # module-level variables the code reads: the functions', each module class's
         # forward's (and the plain functions they call)
         global_values: list[tuple[dict, str, Any]] = []
-        read: set[int] = set()
+        read: set[Any] = set()  # functions read (ids) and variables recorded
 
         def read_globals(fs: Any) -> None:
             for f in fs:
@@ -982,8 +1051,11 @@ class ModuleState:
         for v in [v for _, _, v in global_values] + [v for _, v in values]:
             # a class of the user's the code names (Config.k in a classmethod), or holds
             # in a closure (a class defined in the enclosing function)
-            if isinstance(v, type) and v not in classes and _user_module_name(v.__module__):
-                classes[v] = None
+            if isinstance(v, type) and _user_module_name(v.__module__):
+                try:
+                    classes.setdefault(v, None)
+                except TypeError:  # a metaclass with __eq__ and no __hash__
+                    continue
         for f in functions:
             # mutable default values of the user's functions (def f(x, state={"n": 0}))
             if not _user_module_name(f.__module__):
