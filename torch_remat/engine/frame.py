@@ -51,7 +51,7 @@ from .._autograd_hooks import (
     unpack_packed,
     when_backward_ends,
 )
-from .._compat import autograd_sequence_nr, profiler_enabled, sequence_nr, version_of, view_base
+from .._compat import autograd_sequence_nr, profiler_enabled, sequence_nr, version_of
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -397,12 +397,8 @@ class CheckpointFrame:
         # A tensor the checkpoint keeps anyway fills its holder now, unless the
         # user's own hooks (offloading) were active around the checkpoint: then the
         # kept copy lives where those hooks put it, and the replay refills the holder.
-        # (SourceIndex.lookup, inlined: this runs for every saved tensor)
-        base = view_base(t)
-        root = t if base is None else base
-        entry = scratch.sources.by_root.get(id(root))
-        if entry is not None and entry[0]() is root:
-            sources = entry[1]
+        sources = scratch.sources.lookup(t)
+        if sources is not None:
             for s in sources:
                 s.mark_kept(t)
             # Kept tensors packed by hooks live where the hooks put them.

@@ -94,18 +94,15 @@ _non_tensor_types: set[type] = set(_NOT_TENSORS)
 # the keys every nn.Module's __dict__ holds (torch's own state, all but "training"
 # named with a leading underscore)
 _MODULE_KEYS = frozenset(nn.Module().__dict__)
-# containers whose contents are recorded (exact types: a subclass may not be
-# refillable by clear() and update())
+# the base containers whose contents are recorded
 _CONTAINERS = frozenset({list, dict, set})
 # the container types recorded: these three, a deque, and subclasses of them that
 # keep their refill and read methods (an attribute dict, a defaultdict); joined as seen
 _CONTAINER_TYPES: set[type] = set(_CONTAINERS)
 _CONTAINER_CHECKED: dict[type, bool] = dict.fromkeys(_CONTAINERS, True)
-# tuple types seen (named tuples join as seen): looked inside for the containers,
-# objects and generators they hold
-_TUPLES: set[type] = {tuple}
-# what a module attribute may hold that _held_state looks into
-_HOLDERS: set[type] = set(_CONTAINERS) | _TUPLES
+# what a module attribute may hold that _held_state looks into: containers, tuples
+# and named tuples (their types join as seen)
+_HOLDERS: set[type] = set(_CONTAINERS) | {tuple}
 # values of these types hold no state
 _SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 # callables a module may hold and its forward call (self.act = lambda t: ...,
@@ -278,10 +275,11 @@ _CLASS_INFO: dict[type, tuple[tuple[Any, ...], tuple[type, ...]]] = {}
 
 
 def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
-    """The methods of ``cls`` whose module-level variables are the user's state
-    (its ``forward`` and the helpers it calls: every plain function the user's
+    """The module-level variables of the user's state that the methods of ``cls``
+    read (its ``forward`` and the helpers it calls: every plain function the user's
     classes in its method resolution order define, static and class methods and
-    properties included, that reads any), and those classes."""
+    properties included), as :class:`_MergedReads`, one per module; and those
+    classes."""
     info = _CLASS_INFO.get(cls)
     if info is None:
         users = tuple(c for c in cls.__mro__ if c is not object and not _from_library(c))
@@ -874,7 +872,6 @@ def _module_slots(
                     objects.append(t)  # (never in _non_tensor_types: always looked at)
                 else:
                     if isinstance(t, tuple) and _is_tuple_type(type(t)):
-                        _TUPLES.add(type(t))
                         _HOLDERS.add(type(t))
                     else:
                         _is_container(type(t))  # (joins _HOLDERS if it is one)
@@ -1066,8 +1063,8 @@ class ModuleState:
                 objects.extend(f.__kwdefaults__.values())
         user_classes: list[type] = []
         for cls in classes:
-            methods, users = _class_info(cls)
-            read_globals(methods)
+            reads, users = _class_info(cls)
+            read_globals(reads)
             if users:
                 user_classes.extend(users)
         # values that hold further state: generator objects (forked), plain objects
@@ -1104,8 +1101,8 @@ class ModuleState:
                 if cls in done:
                     continue
                 done.add(cls)
-                methods, users = _class_info(cls)
-                read_globals(methods)
+                reads, users = _class_info(cls)
+                read_globals(reads)
                 user_classes.extend(users)
                 done.update(users)
             more_held.extend(v for _, _, v in global_values[start:])
