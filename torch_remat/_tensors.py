@@ -10,6 +10,9 @@ import torch
 from ._compat import storage_key, view_base
 
 
+_new_tuple = tuple.__new__
+
+
 class TensorMeta(NamedTuple):
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -20,8 +23,10 @@ class TensorMeta(NamedTuple):
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
-        return cls(
-            tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad
+        # (tuple.__new__ directly: a NamedTuple's own __new__ is a Python function,
+        # and this runs for every tensor a SAVE region saves or returns)
+        return _new_tuple(
+            cls, (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
         )
 
     def describe(self) -> str:

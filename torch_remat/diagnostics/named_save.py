@@ -108,12 +108,20 @@ def link_saved_outputs(record: RegionRecord) -> None:
     """Mark each tensor a SAVE region saved that shares storage with one of the
     region's outputs, so reports can say ``(output at idx i)`` after the forward.
     (Saved parameters are left out: reports do not list them.)"""
-    candidates = [saved for saved in record.live_saved() if not saved.parameter]
-    if not candidates:
+    # Runs where every SAVE region returns: plain loops, no list built for nothing.
+    candidates = None
+    for ref in record.saved:
+        saved = ref()
+        if saved is not None and not saved.parameter:
+            if candidates is None:
+                candidates = [saved]
+            else:
+                candidates.append(saved)
+    if candidates is None:
         return
     outputs: dict[int, int] = {}
     for src in record.outputs:
-        ref = getattr(src, "ref", None)
+        ref = getattr(src, "ref", None)  # (a Constant has none)
         out = ref() if callable(ref) else None
         if out is None:
             continue
@@ -125,7 +133,7 @@ def link_saved_outputs(record: RegionRecord) -> None:
         return
     for saved in candidates:
         # packed by the user's own hooks when .tensor is None: look inside
-        tensors = [saved.tensor] if saved.tensor is not None else tensors_in(saved.packed)
+        tensors = (saved.tensor,) if saved.tensor is not None else tensors_in(saved.packed)
         for t in tensors:
             try:
                 index = outputs.get(storage_key(t.untyped_storage()))

@@ -494,15 +494,15 @@ class CheckpointFrame:
                 # frame, this region reads its arguments in replayed code.
                 if outer.phase == FORWARD and not outer.in_save_region and outer.scratch.sources:
                     outer._consume_region_args(leaves, True, False)
-        observers = self.observers.regions
-        if not observers:
+        observers = self.observers
+        if not observers.regions:
             return self._run_region_body(fn, record, in_save, args, kwargs, leaves)
-        for observer in observers:
+        for observer in observers.entered:
             observer.region_entered(self, record)
         try:
             out = self._run_region_body(fn, record, in_save, args, kwargs, leaves)
         finally:
-            for observer in observers:
+            for observer in observers.exited:
                 observer.region_exited(self, record)
         return out
 
@@ -510,7 +510,13 @@ class CheckpointFrame:
         scratch = self.scratch
         recompute = record.recompute
         top_save = not recompute and not in_save
-        watch = SaveRegionWatch(self.module_state, leaves) if top_save else None
+        # A top-level SAVE region's body is skipped by the replay, which then writes
+        # what it changed: the tensor arguments it wrote in place (their versions
+        # now) and the buffers it updated (ModuleState.buffers_now).
+        if top_save:
+            versions = [(i, t, version_of(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+            module_state = self.module_state
+            buffers = module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
         written: list[tuple[int, torch.Tensor]] = []
         scratch.region_stack.append(record)
         rebuild = None
@@ -527,19 +533,21 @@ class CheckpointFrame:
                     out = fn(*args, **kwargs)
             else:
                 out = fn(*args, **kwargs)
-            if watch is not None:
-                updated = watch.updated_buffers()
-                if updated:
-                    self.region_buffers[len(self.replay_regions) - 1] = updated
-                written = watch.written_arguments()
+            if top_save:
+                if buffers:
+                    updated = module_state.updated_in_region(buffers)
+                    if updated:
+                        self.region_buffers[len(self.replay_regions) - 1] = updated
+                # (position, tensor) of the arguments written in place
+                # (nn.ReLU(inplace=True), a Function that marks its input dirty)
+                written = [(i, t) for i, t, version in versions if version_of(t) != version]
             ok = True
         except Exception as e:
             note_exception(e)
             if top_save:
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
-                record.returned(self._snapshot_after_region(), self._host_rng_change(),
-                                self._attributes_change(), raised=detached_copy(e))
+                self._region_returned(record, raised=detached_copy(e))
             raise
         finally:
             scratch.region_stack.pop()
@@ -551,25 +559,27 @@ class CheckpointFrame:
             self._record_region_outputs(record, out)
             if written:
                 self._record_written_arguments(record, written)
-            record.returned(self._snapshot_after_region(), self._host_rng_change(),
-                            self._attributes_change())
+            self._region_returned(record)
         return out
 
-    def _attributes_change(self) -> list[tuple[Any, Any, Any]] | None:
-        state = self.module_state
-        if state is not None and (state.others or state.global_values or state.cell_values):
-            return state.attributes_rebound()
-        return None
-
-    def _host_rng_change(self) -> tuple[Any, ...] | None:
-        # The replay skips this SAVE region: if Python's random or NumPy's generator
-        # moved since the last look (in the body or before it), the replay sets the
-        # state the forward had here, whatever the body drew.
-        state = self.host_state()
-        if state == self.scratch.host_last:
-            return None
-        self.scratch.host_last = state
-        return state
+    def _region_returned(self, record: RegionRecord, raised: BaseException | None = None) -> None:
+        """A top-level SAVE region's body returned (or raised ``raised``): note on
+        ``record`` what the replay sets where it skips the body. The state hooks'
+        snapshots; Python's random, NumPy's generator and the held generators if they
+        moved since the last look (in the body or before it: the replay sets the
+        state the forward had here, whatever the body drew); the module attributes,
+        module-level variables and closure values rebound since the last look."""
+        # (one call per region: this runs at every SAVE region's return)
+        states = self._snapshot_after_region() if self.state_hooks else _NO_STATES
+        scratch = self.scratch
+        host = host_rng_state() if not self.generators else self.host_state()
+        if host == scratch.host_last:
+            host = None
+        else:
+            scratch.host_last = host
+        module_state = self.module_state
+        attributes = module_state.attributes_rebound() if module_state is not None else None
+        record.returned(states, host, attributes, raised)
 
     def host_state(self) -> tuple[Any, ...]:
         """Python's random, NumPy's generator and the torch.Generator objects the
@@ -588,9 +598,7 @@ class CheckpointFrame:
     def _snapshot_after_region(self) -> list[Any]:
         # A state that did not change since the last snapshot (no random numbers
         # drawn in between) is shared rather than stored again: a CPU generator
-        # state is 5 KB per snapshot.
-        if not self.state_hooks:
-            return _NO_STATES
+        # state is 5 KB per snapshot. (Called only with state hooks.)
         states = []
         for hook, previous in zip(self.state_hooks, self.scratch.last_states):
             state = hook.snapshot()
@@ -885,18 +893,19 @@ class CheckpointFrame:
         """A top-level SAVE region returned: observe each output tensor as a source the
         replay may need (kept later if producer responsibility says so)."""
         leaves, spec = flatten_region_outputs(out, record.qualname, self.name)
-        pending = record.take_pending_keep()
-        hooks = self.scratch.kept_hooks.bind_outputs()
+        pending = record.take_pending_keep() if record.pending_keep else None
+        scratch = self.scratch
+        hooks = scratch.kept_hooks.bind_outputs()
         outputs: list[Any] = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 src = TensorSource(OUTPUT, i, leaf, record.qualname, hooks)
-                self.scratch.sources.add(leaf, src)
-                self.scratch.output_sources.append(src)
+                scratch.sources.add(leaf, src)
+                scratch.output_sources.append(src)
                 node = leaf.grad_fn
                 if node is not None:
                     seq = sequence_nr(node)
-                    self.scratch.save_output_seqs.add(seq)
+                    scratch.save_output_seqs.add(seq)
                     self.rebuilds.output_edges[(seq, leaf.output_nr)] = src
                 if pending and any(p is storage_root(leaf) for p in pending):
                     src.mark_kept(leaf)
@@ -935,32 +944,6 @@ class CheckpointFrame:
 
 
 _compat.mark_internal_pack_hook(CheckpointFrame, "scratch.outer_hooks")  # pushed only while the forward runs
-
-
-class SaveRegionWatch:
-    """Set up before a (top-level) SAVE region's body runs, checked after it.
-    ``leaves``: the call's arguments, flattened (``region_io.region_leaves``)."""
-
-    __slots__ = ("module_state", "arguments", "buffers")
-
-    def __init__(self, module_state: Any, leaves: Sequence[Any]) -> None:
-        self.module_state = module_state
-        # (position, tensor, version) of every tensor argument
-        self.arguments = [(i, t, version_of(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-        self.buffers = (
-            module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
-        )
-
-    def updated_buffers(self) -> list[Any]:
-        """Copies of the buffers the body updated."""
-        if self.buffers:
-            return self.module_state.updated_in_region(self.buffers)
-        return []
-
-    def written_arguments(self) -> list[tuple[int, torch.Tensor]]:
-        """``(position, tensor)`` of the arguments the body wrote in place
-        (``nn.ReLU(inplace=True)``, a Function that marks its input dirty)."""
-        return [(i, t) for i, t, version in self.arguments if version_of(t) != version]
 
 
 def mark_inputs_read_by_replayed_code(

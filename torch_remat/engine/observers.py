@@ -73,7 +73,7 @@ class ObserverSet:
     """The observers of one checkpoint, split by event so the engine loops only over
     those that implement it (an observer's no-op defaults are never called)."""
 
-    __slots__ = ("all", "created", "forward", "regions", "kept", "replay")
+    __slots__ = ("all", "created", "forward", "regions", "entered", "exited", "kept", "replay")
 
     def __init__(self, observers: tuple[Any, ...] = ()) -> None:
         self.all = observers
@@ -81,7 +81,9 @@ class ObserverSet:
         self.forward = tuple(
             o for o in observers if _overrides(o, "forward_entered") or _overrides(o, "forward_exited")
         )
-        self.regions = tuple(o for o in observers if _overrides(o, "region_entered") or _overrides(o, "region_exited"))
+        self.entered = tuple(o for o in observers if _overrides(o, "region_entered"))
+        self.exited = tuple(o for o in observers if _overrides(o, "region_exited"))
+        self.regions = bool(self.entered or self.exited)  # (one test per region call)
         self.kept = tuple(o for o in observers if _overrides(o, "tensor_kept"))
         self.replay = tuple(
             o for o in observers if _overrides(o, "replay_started") or _overrides(o, "replay_ended")

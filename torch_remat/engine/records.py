@@ -90,6 +90,8 @@ class Holder:
         self.kept: VersionedTensor | None = None
 
     def unpack(self) -> torch.Tensor:
+        if self.kept is None:  # (the common case, one call less: frame.take_refill)
+            return self.frame.take_refill(self)
         return self.frame.unpack_holder(self)
 
     def keep_value(self, d: torch.Tensor) -> None:
@@ -154,8 +156,9 @@ class RegionSaved:
             self.packed = pack_fn(d)
             self.witness = PackedVersion(self.version, t) if d is t else PackedVersion(self.version, t, d)
         # a leaf's copy made by pack hooks (save_on_cpu) is memory of its own
-        self.parameter = is_parameter(t) or (
-            held_anyway(t) and (self.packed is None or same_storage(self.packed, t))
+        # (held_anyway first: it is False for most saves, and covers parameters)
+        self.parameter = held_anyway(t) and (
+            self.packed is None or is_parameter(t) or same_storage(self.packed, t)
         )
 
 

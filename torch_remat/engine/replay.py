@@ -208,7 +208,8 @@ class ReplayPass:
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
         if self.unchecked:  # their ops have run: compared before the region's own checks
             self.check_saved()
-        self.settle_stop()
+        if self.stop_after is not None:
+            self.settle_stop()
         frame = self.frame
         qualname = qualified_name(self.region_stack, name)
         self.seen_regions.append((qualname, recompute))

@@ -345,8 +345,8 @@ def validate_state_hooks(hooks: Iterable[Any]) -> tuple[Any, ...]:
 # same numbers, and must not move the caller's stream. Their public state getters are
 # too slow to call around every checkpoint (``random.getstate()`` builds a tuple of 625
 # ints, ``np.random.get_state()`` an array and a tuple: tens of microseconds each), so
-# the raw Mersenne Twister state (2.5 KB each) is copied with one ``ctypes.string_at``
-# from where CPython and NumPy keep it, and compared. That layout is checked against
+# the raw Mersenne Twister state (2.5 KB each) is copied through a ctypes view of the memory
+# where CPython and NumPy keep it, and compared. That layout is checked against
 # the public getters once, and the public getters are used where it does not match.
 # Only a replay of a forward that drew sets a state, through the public setters.
 
@@ -381,10 +381,11 @@ def _python_random_reader() -> tuple[Any, Any] | None:
             return read_public, restore
     except Exception:
         return read_public, restore
-    string_at = ctypes.string_at
+    # a ctypes view of that memory: its ``raw`` copies it without a foreign call
+    words_now = (ctypes.c_char * 2500).from_address(address)
 
     def read() -> Any:
-        return string_at(address, 2500), inst.gauss_next
+        return words_now.raw, inst.gauss_next
 
     return read, restore
 
@@ -419,15 +420,15 @@ def _numpy_reader() -> tuple[Any, Any] | None:
         return read_public, restore
     state_at, aug_at = located
     bit_generator = state._bit_generator
-    string_at = ctypes.string_at
-    mt = bit_generator.ctypes.state_address
-    aug = id(state) + aug_at
+    # ctypes views of the key and of the cached gaussian (see _python_random_reader)
+    mt_now = (ctypes.c_char * 2500).from_address(bit_generator.ctypes.state_address)
+    aug_now = (ctypes.c_char * 16).from_address(id(state) + aug_at)
 
     def read() -> Any:
         if state._bit_generator is not bit_generator:  # replaced: start over
             _host_readers.clear()
             return read_public()
-        return string_at(mt, 2500), string_at(aug, 16)
+        return mt_now.raw, aug_now.raw
 
     return read, restore
 
