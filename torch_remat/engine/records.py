@@ -32,6 +32,7 @@ import torch
 from .. import _compat
 from .._autograd_hooks import VersionedTensor
 from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks, version_of
+from .._compat import view_base as _view_base
 from .._errors import RematError, modified_in_place
 from .._tensors import (
     TensorMeta,
@@ -632,7 +633,9 @@ class SourceIndex:
             entry[1][:] = [s for s in entry[1] if s is not source]
 
     def lookup(self, t: torch.Tensor) -> list[TensorSource] | None:
-        root = storage_root(t)
+        # (storage_root, written out: this runs at every save of every forward)
+        base = _view_base(t)
+        root = t if base is None else base
         entry = self.by_root.get(id(root))
         if entry is None or entry[0]() is not root:
             return None
