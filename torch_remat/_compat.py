@@ -90,6 +90,12 @@ hook)                                             caches through the user's hook
 ``autograd.Variable._execution_engine``           free refills a backward did not use when it
 ``.queue_callback``                               ends; before 2.15 only (from 2.15: the public
                                                   ``autograd.graph.queue_callback``)
+``_C._get/_set_`` of the float32 matmul           run the replay under the switches its
+precision, fp32 precision per backend, cuDNN,     forward ran under (TORCH_SETTINGS): they
+oneDNN, SDPA backends, deterministic algorithms   change what an op computes or saves
+``_C._len_torch_function_stack``, ``_get_         run the replay under the TorchFunctionModes
+function_stack_at``, ``_push_on/_pop_torch_       of its forward (a ``torch.device`` block)
+function_stack``
 ===============================================  =============================================
 
 The torch.distributed names are looked up on first use, so that ``import torch_remat``
@@ -621,3 +627,129 @@ def parametrize_cache_as(entries: dict):
         yield
     finally:
         p._cache_enabled, p._cache = enabled, cache
+
+
+# ----------------------------------------------- settings that decide what an op does
+#
+# Process-wide switches that change what an op computes or saves without changing
+# its inputs: the default dtype (factory functions), float32 matmul and convolution
+# precision (TF32, oneDNN's bf16), deterministic algorithms, cuDNN's and oneDNN's
+# use, the scaled-dot-product-attention backends. A replay run under other values
+# than its forward's recreates other values (silently wrong gradients) or other
+# saves. Each entry is (getter, setter): getters are C functions (read at every
+# checkpoint call, and by the replay: no Python frame), a setter takes what its
+# getter returned. Only those this torch has and that read without error or warning.
+
+def _with_warn_only(value: bool) -> None:
+    torch._C._set_deterministic_algorithms(torch._C._get_deterministic_algorithms(), warn_only=value)
+
+
+def _with_deterministic(value: bool) -> None:
+    torch._C._set_deterministic_algorithms(value, warn_only=torch._C._get_deterministic_algorithms_warn_only())
+
+
+def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
+    import warnings
+
+    C = torch._C
+    # the legacy matmul precision before the per-backend ones it also sets: applied
+    # in this order and undone in the reverse one, each ends as it was read
+    named = [
+        ("_get_float32_matmul_precision", "_set_float32_matmul_precision"),
+        ("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
+        ("_get_cudnn_enabled", "_set_cudnn_enabled"),
+        ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
+        ("_get_cudnn_benchmark", "_set_cudnn_benchmark"),
+        ("_get_mkldnn_enabled", "_set_mkldnn_enabled"),
+        ("_get_flash_sdp_enabled", "_set_sdp_use_flash"),
+        ("_get_mem_efficient_sdp_enabled", "_set_sdp_use_mem_efficient"),
+        ("_get_math_sdp_enabled", "_set_sdp_use_math"),
+        ("_get_cudnn_sdp_enabled", "_set_sdp_use_cudnn"),
+        ("_get_overrideable_sdp_enabled", "_set_sdp_use_overrideable"),
+        ("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"),
+    ]
+    table: list[tuple[Callable[[], Any], Callable[[Any], None]]] = [
+        (torch.get_default_dtype, torch.set_default_dtype),
+    ]
+    gpu = torch.version.cuda is not None or torch.version.hip is not None
+    if not gpu:  # (a CPU build: its cuDNN and CUDA switches change nothing)
+        named = [(g, s) for g, s in named if not g.startswith("_get_cudnn_") or "sdp" in g]
+    for get_name, set_name in named:
+        get, set_ = getattr(C, get_name, None), getattr(C, set_name, None)
+        if get is not None and set_ is not None:
+            table.append((get, set_))
+    if hasattr(C, "_get_fp32_precision_getter"):
+        for backend, op in (
+            ("generic", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"),
+            ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"),
+        ):
+            if backend == "cuda" and not gpu:
+                continue
+            table.append((
+                functools.partial(C._get_fp32_precision_getter, backend, op),
+                functools.partial(C._set_fp32_precision_setter, backend, op),
+            ))
+    if hasattr(C, "_get_deterministic_algorithms_warn_only"):
+        table.append((C._get_deterministic_algorithms, _with_deterministic))
+        table.append((C._get_deterministic_algorithms_warn_only, _with_warn_only))
+    usable = []
+    for get, set_ in table:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                get()
+            except Exception:  # a backend this build does not know
+                continue
+        if not caught:
+            usable.append((get, set_))
+    return tuple(usable)
+
+
+TORCH_SETTINGS = _settings_table()
+SETTING_GETTERS = tuple(get for get, _ in TORCH_SETTINGS)
+"""Read them all with ``tuple(map(call, SETTING_GETTERS))`` (``call``: below)."""
+
+call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", None) or (lambda f: f())
+"""``operator.call`` (3.11), a C function: reading the settings runs no Python frame."""
+
+function_mode_count = torch._C._len_torch_function_stack
+"""How many TorchFunctionModes are active (``torch.device`` as a context manager
+is one, and so is ``torch.set_default_device``)."""
+
+
+def function_modes() -> tuple[Any, ...]:
+    """The active TorchFunctionModes, innermost last (call where
+    :data:`function_mode_count` is not 0)."""
+    return tuple(torch._C._get_function_stack_at(i) for i in range(function_mode_count()))
+
+
+@contextlib.contextmanager
+def torch_settings_as(settings: tuple[Any, ...], modes: tuple[Any, ...]):
+    """Run with ``settings`` (read from :data:`SETTING_GETTERS`) and the
+    TorchFunctionModes ``modes`` active in place of the current ones; the current
+    ones are back afterwards."""
+    undo = []
+    try:
+        for (get, set_), value in zip(TORCH_SETTINGS, settings):
+            current = get()
+            if current != value:
+                undo.append((set_, current))
+                set_(value)
+        current_modes = function_modes() if function_mode_count() else ()
+        swap = current_modes != modes
+        if swap:
+            for _ in current_modes:
+                torch._C._pop_torch_function_stack()
+            for mode in modes:
+                torch._C._push_on_torch_function_stack(mode)
+        try:
+            yield
+        finally:
+            if swap:
+                for _ in modes:
+                    torch._C._pop_torch_function_stack()
+                for mode in current_modes:
+                    torch._C._push_on_torch_function_stack(mode)
+    finally:
+        for set_, value in reversed(undo):
+            set_(value)

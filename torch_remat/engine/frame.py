@@ -59,6 +59,9 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
+from .._compat import SETTING_GETTERS as _SETTING_GETTERS
+from .._compat import call as _call
+from .._compat import function_mode_count as _function_mode_count
 from .._tensors import CONSTANT_TYPES, describe_tensor, storage_root
 from .context import (
     FORWARD,
@@ -226,6 +229,11 @@ class CheckpointFrame:
         self.entry_states: list[Any] = []
         self.autocast: list[tuple[str, bool, torch.dtype]] = []
         self.autocast_cache = True
+        # torch's process-wide switches (_compat.TORCH_SETTINGS: default dtype, matmul
+        # precision, attention backends...) and the TorchFunctionModes active when the
+        # forward started: the replay runs under the same
+        self.torch_settings: tuple[Any, ...] = ()
+        self.function_modes: tuple[Any, ...] = ()
         # parametrize.cached()'s entries when the forward ran under it (None: off)
         self.parametrize_cache: dict | None = None
         # (index, meta, payload) of the inputs packed at entry that the replay does
@@ -303,6 +311,8 @@ class CheckpointFrame:
         self.scratch.rng_entry = position(self.state_hooks, self.rng_checks) if self.rng_checks else None
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.torch_settings = tuple(map(_call, _SETTING_GETTERS))
+        self.function_modes = _compat.function_modes() if _function_mode_count() else ()
         self.parametrize_cache = _compat.parametrize_cache()
         around = top_hooks(False)
         if around is not None and _compat.is_torch_checkpoint_hooks(around):
@@ -756,6 +766,16 @@ class CheckpointFrame:
             )
         return stack
 
+    def _settings_context(self) -> contextlib.AbstractContextManager:
+        """The forward's torch settings and function modes where they differ from the
+        current ones (``torch.set_default_dtype`` or a ``torch.device`` block around
+        the forward only, a matmul precision changed since)."""
+        if tuple(map(_call, _SETTING_GETTERS)) == self.torch_settings and not (
+            self.function_modes or _function_mode_count()
+        ):
+            return _NO_RANGE
+        return _compat.torch_settings_as(self.torch_settings, self.function_modes)
+
     def replay(self, key: Any) -> Recreated:
         """Replay the function for the backward ``key``: returns the store of what it
         recreated, which the frame holds until that backward ends."""
@@ -809,7 +829,7 @@ class CheckpointFrame:
         try:
             push_hooks(replay, replay_unpack)
             try:
-                with torch.enable_grad(), self._autocast_context(), (
+                with torch.enable_grad(), self._autocast_context(), self._settings_context(), (
                     torch.profiler.record_function(f"remat.recompute:{self.name}")
                     if profiler_enabled() else _NO_RANGE
                 ), (

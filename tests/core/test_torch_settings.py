@@ -1,0 +1,159 @@
+"""The replay runs under the torch settings and TorchFunctionModes its forward ran
+under: the default dtype, float32 matmul precision, the attention backends, and a
+``torch.device`` block or any other TorchFunctionMode, set around the forward only.
+Without that a replay recreates other values (silently wrong gradients) or other
+saves."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_bitwise_equal, grads
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+import torch_remat as remat
+
+
+@contextlib.contextmanager
+def default_dtype(dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@contextlib.contextmanager
+def matmul_precision(precision):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class DoubledSine(TorchFunctionMode):
+    """A mode that changes what an op returns (as a quantization mode would)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.sin else out
+
+
+def scaled(x):
+    # torch.full makes a tensor of the default dtype: 0.1 rounds differently
+    return (x * torch.full(x.shape[-1:], 0.1)).sin().exp()
+
+
+def sine(x):
+    return torch.sin(x * 1.5).exp()
+
+
+def attention(x):
+    return F.scaled_dot_product_attention(x, x * 1.5, x * 0.5).sin()
+
+
+def matmul(x):
+    return (x @ x.t()).sin()
+
+
+CASES = {
+    # name: (function, input, context around the forward only)
+    "default dtype": (scaled, lambda: torch.randn(3, 5, dtype=torch.float64), lambda: default_dtype(torch.float64)),
+    "function mode": (sine, lambda: torch.randn(3, 5), DoubledSine),
+    "attention backend": (attention, lambda: torch.randn(2, 2, 8, 16), lambda: sdpa_kernel([SDPBackend.MATH])),
+    "matmul precision": (matmul, lambda: torch.randn(64, 64), lambda: matmul_precision("medium")),
+}
+
+
+def forward_only(fn, context):
+    def loss(x):
+        with context():
+            out = fn(x)
+        return out.square().sum()  # backward runs outside the context
+
+    return loss
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_replay_runs_under_the_settings_of_the_forward(case):
+    fn, make, context = CASES[case]
+    torch.manual_seed(0)
+    x = make().requires_grad_()
+    expected = grads([], [x], forward_only(fn, context))
+    if case == "matmul precision":
+        plain = grads([], [x], lambda x: fn(x).square().sum())
+        if all(torch.equal(a, b) for a, b in zip(plain[1], expected[1])):
+            pytest.skip("this CPU computes float32 matmuls alike at every precision")
+    actual = grads([], [x], forward_only(remat.checkpoint(region_name="c")(fn), context))
+    assert_bitwise_equal(actual, expected)
+
+
+def test_the_callers_settings_and_modes_are_back_after_the_replay():
+    seen = []
+
+    def body(t):
+        if remat.is_recomputing():
+            seen.append((torch.get_default_dtype(), torch.overrides._get_current_function_mode_stack()))
+        return scaled(t) + torch.sin(t)
+
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    forward_mode = DoubledSine()
+    with default_dtype(torch.float64), forward_mode:
+        out = remat.checkpoint(region_name="c")(body)(x)
+    caller_mode = DoubledSine()
+    with caller_mode:
+        out.sum().backward()
+        stack = torch.overrides._get_current_function_mode_stack()
+    assert seen == [(torch.float64, [forward_mode])]
+    assert stack == [caller_mode]
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_mode_active_only_in_backward_is_not_seen_by_the_replay():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, requires_grad=True)
+    expected = grads([], [x], lambda t: sine(t).square().sum())
+    x.grad = None
+    out = remat.checkpoint(region_name="c")(sine)(x)
+    with DoubledSine():
+        out.square().sum().backward()
+    assert torch.equal(x.grad, expected[1][0])
+
+
+def test_a_backward_inside_the_forwards_block_replays_as_it_is():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, requires_grad=True)
+
+    def in_block(f):
+        def run(x):
+            with DoubledSine():
+                return f(x).square().sum()
+
+        return run
+
+    expected = grads([], [x], in_block(sine))
+    x.grad = None
+    with DoubledSine():
+        loss = remat.checkpoint(region_name="c")(sine)(x).square().sum()
+        loss.backward()
+        assert len(torch.overrides._get_current_function_mode_stack()) == 1
+    assert torch.equal(x.grad, expected[1][0])
+
+
+def test_settings_the_forward_changes_and_resets_itself_replay_exactly():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+
+    def body(t):
+        with default_dtype(torch.float64):
+            t = scaled(t)
+        return t * torch.full((5,), 0.1, dtype=torch.float64)
+
+    expected = grads([], [x], lambda t: body(t).sum())
+    actual = grads([], [x], lambda t: remat.checkpoint(region_name="c")(body)(t).sum())
+    assert_bitwise_equal(actual, expected)
