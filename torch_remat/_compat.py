@@ -93,6 +93,8 @@ hook)                                             caches through the user's hook
 ``_C._get/_set_`` of the float32 matmul           run the replay under the switches its
 precision, fp32 precision per backend, cuDNN,     forward ran under (TORCH_SETTINGS): they
 oneDNN, SDPA backends, deterministic algorithms   change what an op computes or saves
+``nn.modules.module._global_forward_*hooks*``    run the replay with the forward hooks of its
+(and a module's ``_forward_*hooks*`` dicts)        forward, added or removed since (hooks.py)
 ``_C._len_torch_function_stack``, ``_get_         run the replay under the TorchFunctionModes
 function_stack_at``, ``_push_on/_pop_torch_       of its forward (a ``torch.device`` block)
 function_stack``
@@ -753,3 +755,15 @@ def torch_settings_as(settings: tuple[Any, ...], modes: tuple[Any, ...]):
     finally:
         for set_, value in reversed(undo):
             set_(value)
+
+
+def global_forward_hook_dicts() -> tuple[dict, ...]:
+    """The dicts behind ``torch.nn.modules.module.register_module_forward_hook`` and
+    ``register_module_forward_pre_hook`` (and their kwargs and always-called flags):
+    hooks every module call runs."""
+    m = sys.modules["torch.nn.modules.module"]
+    names = (
+        "_global_forward_pre_hooks", "_global_forward_hooks",
+        "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
+    )
+    return tuple(getattr(m, n) for n in names if isinstance(getattr(m, n, None), dict))

@@ -28,6 +28,11 @@ tensor it holds and that tensor's version. Around the replay:
   from its own value (``self.center = 0.9 * self.center + ...``, ``self.calls +=
   1``), and one the forward added (absent in the replay). Values are compared by
   identity;
+* the forward hooks of every module that has some (their dicts, with the kwargs
+  and always-called flags) and the global forward hooks, if any: the replay runs
+  with the hooks the forward ran, and those registered on other modules since are
+  off while it runs (a hook that steered an activation for one forward and was
+  removed before backward, one registered after the forward);
 * the contents of every plain ``list``, ``dict`` and ``set`` in a module's public
   attribute, a closure cell, a plain object, another such container or (up to
   1,024 items) a module-level variable (a carried state ``self.state["h"] = h``,
@@ -944,6 +949,7 @@ class ModuleState:
     __slots__ = (
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
+        "hooks_at_entry",
     )
 
     def __init__(
@@ -978,6 +984,10 @@ class ModuleState:
         self.globals_seen: list[Any] | None = None
         # the closure values (cell_values) as the last SAVE region left them
         self.cells_seen: list[Any] | None = None
+        # (hook dict, its contents) of the modules that had forward hooks when the
+        # checkpoint started, and of the global forward hooks if there were any
+        # (see _hooks_at_entry): the replay runs with those hooks, no others
+        self.hooks_at_entry: list[tuple[dict, dict]] = []
         # (a user class's attributes, a copy of them) of the modules' and the objects'
         # classes (not looked at where a SAVE region returns: rebound in the forward
         # itself, a class attribute is replayed from its entry value)
@@ -1130,6 +1140,7 @@ class ModuleState:
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
         if params or slots or others or values or global_values or class_values:
             state = ModuleState(params, slots, groups, others, values)
+            state.hooks_at_entry = _hooks_at_entry(others)
             state.containers = containers
             state.global_values = global_values
             state.class_values = class_values
@@ -1286,6 +1297,7 @@ class ModuleState:
                         if current is not child:  # a replaced submodule
                             undo.append((children, key, current))
                             children[key] = child
+            _install_hooks(self.others, self.hooks_at_entry, undo)
             for cell, value in self.cell_values:
                 current = _cell_contents(cell)
                 if current is not value:
@@ -1335,6 +1347,68 @@ class ModuleState:
             restore(undo)
             raise
         return undo
+
+
+# A module's forward hook dicts (the hooks, their kwargs and always-called flags):
+# hooks registered or removed between the forward and backward (a hook that steers
+# an activation, registered for one forward and removed before backward) would make
+# the replay compute other values. Empty ones are not recorded: the replay clears
+# those that hold hooks since.
+_HOOK_KEYS = tuple(
+    k for k in (
+        "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+        "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    ) if k in _MODULE_KEYS
+)
+_GLOBAL_HOOKS = _compat.global_forward_hook_dicts()
+
+
+def _hooks_at_entry(others: list[tuple]) -> list[tuple[dict, dict]]:
+    """(hook dict, a copy of it) of the modules in ``others`` that have forward
+    hooks now, and of the global forward hooks if any are registered."""
+    out: list[tuple[dict, dict]] = []
+    for d, _, _, _ in others:
+        if d.get("_forward_hooks") or d.get("_forward_pre_hooks"):
+            for k in _HOOK_KEYS:
+                h = d.get(k)
+                if h is not None:
+                    out.append((h, h.copy()))
+    if any(_GLOBAL_HOOKS):
+        out.extend((h, h.copy()) for h in _GLOBAL_HOOKS)
+    return out
+
+
+class _Refill:
+    """An undo entry that gives a hook dict back the contents it held."""
+
+    __slots__ = ("container",)
+
+    def __init__(self, container: dict) -> None:
+        self.container = container
+
+    def __setitem__(self, _key: Any, before: dict) -> None:
+        _fill(self.container, before)
+
+
+def _install_hooks(others: list[tuple], entries: list[tuple[dict, dict]], undo: list) -> None:
+    """Before the replay: the forward hooks as the forward had them (``entries``:
+    :func:`_hooks_at_entry`); the caller's go in ``undo``."""
+    recorded = {id(h) for h, _ in entries} if entries else ()
+    for h, entry in entries:
+        if len(h) != len(entry) or not all(map(operator.is_, h.values(), entry.values())) or h.keys() != entry.keys():
+            undo.append((_Refill(h), None, h.copy()))
+            _fill(h, entry)
+    for d, _, _, _ in others:
+        for k in ("_forward_hooks", "_forward_pre_hooks"):
+            h = d.get(k)
+            if h and id(h) not in recorded:  # hooks registered since the forward
+                undo.append((_Refill(h), None, h.copy()))
+                h.clear()
+    if _GLOBAL_HOOKS and id(_GLOBAL_HOOKS[0]) not in recorded:
+        for h in _GLOBAL_HOOKS[:2]:
+            if h:
+                undo.append((_Refill(h), None, h.copy()))
+                h.clear()
 
 
 def _cell_contents(cell: Any) -> Any:
