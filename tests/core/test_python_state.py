@@ -1340,3 +1340,37 @@ def test_a_window_deque_holds_the_callers_entries_after_the_replay():
     (expected, expected_window), (got, got_window) = run(False), run(True)
     _same(expected, got)
     assert got_window == expected_window and len(got_window) == 3
+
+
+class _Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).sin()
+
+
+@pytest.mark.parametrize("frozen_in_forward", [False, True])
+def test_a_parameter_frozen_or_unfrozen_between_forward_and_backward_replays_as_in_forward(frozen_in_forward):
+    # the replay's ops would save other tensors for a weight that does not require
+    # grad (it raised, blaming an in-place change)
+    def run(use_remat):
+        torch.manual_seed(0)
+        block = _Frozen()
+        x = torch.randn(2, 4, requires_grad=True)
+        block.a.weight.requires_grad_(not frozen_in_forward)
+        f = remat.checkpoint(region_name="b")(block) if use_remat else block
+        with recorded_replays() as replayed:
+            out = f(x)
+            block.a.weight.requires_grad_(frozen_in_forward)
+            out.square().sum().backward()
+        grads = [p.grad for p in block.parameters()] + [x.grad]
+        return grads, block.a.weight.requires_grad, replayed
+
+    expected, flag, _ = run(False)
+    actual, actual_flag, replayed = run(True)
+    assert replayed == ["b"]
+    assert actual_flag == flag == frozen_in_forward  # the caller's flag is back
+    for e, a in zip(expected, actual):
+        assert (e is None and a is None) or torch.equal(e, a)

@@ -885,7 +885,7 @@ def _module_slots(
         if ps:
             for k, t in ps.items():
                 if t is not None:
-                    params.append((ps, k, t, version_of(t), p))
+                    params.append((ps, k, t, version_of(t), p, t.requires_grad))
         buffers = m._buffers
         if buffers:
             group = []
@@ -960,7 +960,8 @@ class ModuleState:
         others: list[tuple] | None = None,
         cell_values: list[tuple[Any, Any]] | None = None,
     ) -> None:
-        # parameters: (module._parameters, key, tensor, version, name prefix)
+        # parameters: (module._parameters, key, tensor, version, name prefix,
+        # requires_grad)
         self.params = params
         self.slots = slots  # buffers and closure cells
         # (module, its buffer slots): a module that updated one buffer in forward
@@ -1169,7 +1170,7 @@ class ModuleState:
                 for s in group:
                     s.copy = None
                 unwritten[id(module)] = weakref.ref(module)
-        for _, key, t, version, prefix in self.params:
+        for _, key, t, version, prefix, _ in self.params:
             if version_of(t) != version:
                 raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
         for s in self.slots:
@@ -1321,13 +1322,18 @@ class ModuleState:
                 # and what the replay added
                 undo.append((_Contents(container, entry), None, _contents(container)))
                 _fill(container, entry)
-            for owner, key, t, version, prefix in self.params:
+            for owner, key, t, version, prefix, requires_grad in self.params:
                 if version_of(t) != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
                 current = owner.get(key)
                 if current is not t:
                     undo.append((owner, key, current))
                     owner[key] = t
+                if t.requires_grad is not requires_grad:
+                    # frozen or unfrozen since the forward: the replay's ops would
+                    # save other tensors (none for a weight's gradient)
+                    undo.append((_RequiresGrad(t), None, not requires_grad))
+                    t.requires_grad_(requires_grad)
             for s in self.slots:
                 current = s.owner.get(s.key)
                 if s.copy is not None:
@@ -1376,6 +1382,18 @@ def _hooks_at_entry(others: list[tuple]) -> list[tuple[dict, dict]]:
     if any(_GLOBAL_HOOKS):
         out.extend((h, h.copy()) for h in _GLOBAL_HOOKS)
     return out
+
+
+class _RequiresGrad:
+    """An undo entry that sets a parameter's ``requires_grad`` back."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __setitem__(self, _key: Any, before: bool) -> None:
+        self.tensor.requires_grad_(before)
 
 
 class _Refill:
