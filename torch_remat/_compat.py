@@ -93,6 +93,8 @@ hook)                                             caches through the user's hook
 ``_C._get/_set_`` of the float32 matmul           run the replay under the switches its
 precision, fp32 precision per backend, cuDNN,     forward ran under (TORCH_SETTINGS): they
 oneDNN, SDPA backends, deterministic algorithms   change what an op computes or saves
+``aten._local_scalar_dense``                     the planner's fake run answers a value read
+                                                  where it knows the value
 ``nn.modules.module._global_forward_*hooks*``    run the replay with the forward hooks of its
 (and a module's ``_forward_*hooks*`` dicts)        forward, added or removed since (hooks.py)
 ``_C._len_torch_function_stack``, ``_get_         run the replay under the TorchFunctionModes
@@ -767,3 +769,8 @@ def global_forward_hook_dicts() -> tuple[dict, ...]:
         "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
     )
     return tuple(getattr(m, n) for n in names if isinstance(getattr(m, n, None), dict))
+
+
+local_scalar_dense = torch.ops.aten._local_scalar_dense.default
+"""The op a tensor's value read into Python runs (``.item()``, ``bool()`` of a
+0-d tensor): the planner's fake run answers it where it knows the value."""

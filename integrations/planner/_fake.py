@@ -52,6 +52,7 @@ from torch_remat._integration import (
     current_autograd_node,
     current_graph_task_id,
     first_input_metadata,
+    local_scalar_dense,
     profiler_enabled,
     replays_observed,
     sequence_nr,
@@ -276,6 +277,9 @@ class StorageLedger(TorchDispatchMode):
                     (lifted if fresh else self.converted).append(a)
                 self._see(a, allocated=fresh)
         before = self.current
+        answered, answer = read_known_value(func, args, kwargs)
+        if answered:
+            return answer
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
@@ -290,6 +294,8 @@ class StorageLedger(TorchDispatchMode):
             out = _as_run(func, args, kwargs, out, self.learned)
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
+        if self.fake_mode is not None:
+            carry_known_values(func, args, kwargs, out)
         candidates = self._in_place_candidates(func, args, kwargs, out)
         spike_key = _transient_key(func, args, kwargs) if candidates else None
         spiked = (self.spikes.get(spike_key, -1), self.spike_extras.get(spike_key, 0))
@@ -517,6 +523,214 @@ class StorageLedger(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.current
+
+
+# ------------------------------------------------- small values the fake run knows
+#
+# Model code reads some tensor values to choose its path: transformers skips an
+# attention mask of all ones (``padding_mask.sum() == padding_mask.numel()``) and
+# lets SDPA's ``is_causal`` mask instead, and on a fake tensor, whose values it cannot
+# read, builds the explicit mask, which the real run never makes (and, for grouped-
+# query attention, repeats K/V). The fake run therefore carries the real values of
+# small tensors whose values it can know: the arguments (an attention mask, token
+# ids), tensors made from Python numbers and shapes (``torch.ones(b, s)``,
+# ``arange``), and what ops on only such tensors compute from them. Each is computed
+# on a worker thread, where neither the fake mode nor the profiler that counts the
+# step's real allocations is active; a read of a value (``bool()``, ``.item()``)
+# answers from them, and transformers sees such a tensor as a plain one. Values made
+# from parameters, activations or random numbers stay unknown, as before.
+
+_KNOWN_NUMEL = 1 << 16
+"""Tensors of at most this many elements have their values carried."""
+
+_VALUE_FACTORIES = frozenset({
+    "ones", "zeros", "full", "arange", "scalar_tensor", "eye", "linspace", "tril_indices",
+    "triu_indices", "lift_fresh", "lift_fresh_copy",
+})
+"""Ops whose outputs' values follow from their Python arguments alone."""
+
+_SHAPE_FACTORIES = frozenset({
+    "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros", "new_full",
+})
+"""Ops whose outputs' values follow from their tensor arguments' shapes alone."""
+
+_VALUE_READS = frozenset({
+    local_scalar_dense,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+})
+
+_STALE: set[int] = set()
+"""Fake storages written by an op whose result the fake run could not know: the
+values carried for tensors in them are out of date."""
+
+_KNOWN: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+"""``id(fake) -> (a weak reference to it, the real value it stands for)``. The
+values live here only and die on the worker thread (:func:`_sweep`): freed on the
+profiled thread, a block allocated before the profiler started would make it warn."""
+
+_RETIRED: list[torch.Tensor] = []
+_worker: list[tuple[int, Any]] = []  # (process id, its executor)
+_faked_depth: list[bool] = []  # faked() blocks open
+
+
+def _pool() -> Any:
+    import os
+
+    if not _worker or _worker[0][0] != os.getpid():  # (a forked process has no thread of it)
+        import concurrent.futures
+
+        _worker[:] = [(os.getpid(), concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="remat-known"))]
+    return _worker[0][1]
+
+
+class _Layout:
+    """A shape factory's tensor argument, made on the worker (only its layout counts)."""
+
+    __slots__ = ("shape", "stride", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+
+
+class _Copy:
+    """A real tensor of the model's own (``torch.tensor(2)``), copied on the worker:
+    a value carried must not keep the model's tensor alive."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+
+
+def _on_worker(func: Any, flat: list[Any], spec: Any) -> Any:
+    """``func`` on the real arguments ``flat`` (``tree_flatten``'s, with ``spec``)
+    on the worker thread, where neither a dispatch mode nor the profiler is active."""
+
+    def run() -> Any:
+        leaves = [
+            torch.empty_strided(a.shape, a.stride, dtype=a.dtype, device=a.device)
+            if type(a) is _Layout else a.tensor.clone() if type(a) is _Copy else a
+            for a in flat
+        ]
+        args, kwargs = tree_unflatten(leaves, spec)
+        with torch.no_grad():
+            return func(*args, **kwargs)
+
+    return _pool().submit(run).result()
+
+
+def _sweep(everything: bool = False) -> None:
+    """Hand the values of dead fakes (all of them: ``everything``) to the worker,
+    which drops them."""
+    dead = [k for k, (ref, _) in _KNOWN.items() if everything or ref() is None]
+    for k in dead:
+        _RETIRED.append(_KNOWN.pop(k)[1])
+    if _RETIRED:
+        batch = _RETIRED[:]
+        _RETIRED.clear()
+        _pool().submit(batch.clear).result()
+
+
+def known_value(t: Any) -> torch.Tensor | None:
+    """The real value a fake tensor stands for, where the fake run knows it."""
+    entry = _KNOWN.get(id(t))
+    if entry is None or entry[0]() is not t:
+        return None
+    if _STALE and storage_key(t.untyped_storage()) in _STALE:
+        return None
+    return entry[1]
+
+
+def know(fake: torch.Tensor, value: torch.Tensor) -> None:
+    """Carry ``value`` (real) as what ``fake`` holds."""
+    old = _KNOWN.get(id(fake))
+    if old is not None:
+        _RETIRED.append(old[1])
+    _KNOWN[id(fake)] = (weakref.ref(fake), value)
+    if len(_KNOWN) % 256 == 0:
+        _sweep()
+
+
+def _forget_known(t: Any) -> None:
+    entry = _KNOWN.pop(id(t), None)
+    if entry is not None:
+        _RETIRED.append(entry[1])
+    if isinstance(t, FakeTensor):
+        st = t.untyped_storage()
+        key = storage_key(st)
+        if key not in _STALE:
+            _STALE.add(key)
+            weakref.finalize(st, _STALE.discard, key)  # (a later storage may get its key)
+
+
+def _real_leaf(a: Any) -> Any:
+    """A tensor argument's real value: known, or a small real tensor itself
+    (``torch.tensor(2)`` lifted into the fake run); None if unknown."""
+    if isinstance(a, FakeTensor):
+        return known_value(a)
+    if type(a) is torch.Tensor and a.device.type != "meta" and a.numel() <= _KNOWN_NUMEL:
+        return _Copy(a)
+    return None
+
+
+def read_known_value(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+    """``(True, answer)`` for a read of a value the fake run knows (``bool(t)``,
+    ``t.item()``), else ``(False, None)``."""
+    if func not in _VALUE_READS:
+        return False, None
+    flat, spec = tree_flatten((args, kwargs))
+    real = []
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            a = _real_leaf(a)
+            if a is None:
+                return False, None
+        real.append(a)
+    return True, _on_worker(func, real, spec)
+
+
+def carry_known_values(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """After an op ran on fakes: carry the real values of its outputs where the
+    fake run can know them; forget those of the arguments it wrote otherwise."""
+    name = func.overloadpacket.__name__
+    flat, spec = tree_flatten((args, kwargs))
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    shape_only = name in _SHAPE_FACTORIES
+    real: list[Any] = []
+    knowable = (
+        torch.Tag.nondeterministic_seeded not in func.tags
+        and bool(outs)
+        and all(isinstance(o, FakeTensor) and o.numel() <= _KNOWN_NUMEL for o in outs)
+    )
+    has_tensor = False
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            has_tensor = True
+            value = _real_leaf(a) if knowable else None
+            if value is None:
+                if not shape_only:
+                    knowable = False
+                    break
+                value = _Layout(a)
+            a = value
+        real.append(a)
+    if knowable and not has_tensor:
+        knowable = name in _VALUE_FACTORIES
+    if not knowable:
+        if func._schema.is_mutable:
+            for a in flat:
+                if isinstance(a, torch.Tensor):
+                    _forget_known(a)
+        return
+    try:
+        real_out = _on_worker(func, real, spec)
+    except Exception:  # noqa: BLE001 (the values stay unknown)
+        return
+    real_outs = [o for o in tree_flatten(real_out)[0] if isinstance(o, torch.Tensor)]
+    if len(real_outs) == len(outs):
+        for fake, value in zip(outs, real_outs):
+            know(fake, value)
 
 
 _LIFT_FRESH_OPS = frozenset(
@@ -1015,7 +1229,11 @@ def _transformers_real_paths() -> Iterator[None]:
     explicit causal mask, which in turn repeats K/V for grouped-query attention
     instead of passing ``enable_gqa``: more bytes than the real run keeps. While
     active, fake position ids are taken as one sequence per row (the position ids
-    the model makes itself, ``arange``), the real path for an unpacked batch."""
+    the model makes itself, ``arange``), the real path for an unpacked batch,
+    unless the fake run knows their values; and a fake whose values it knows
+    (:func:`known_value`: an attention mask of ones) is not taken for a fake by
+    transformers' ``is_fake_tensor``, so transformers reads it as it reads a real
+    tensor."""
     import sys
 
     masking = sys.modules.get("transformers.masking_utils")
@@ -1023,17 +1241,27 @@ def _transformers_real_paths() -> Iterator[None]:
     if find is None:
         yield
         return
+    utils = sys.modules.get("transformers.utils.import_utils")
+    is_fake = getattr(utils, "is_fake_tensor", None)
 
     def find_packed_sequence_indices(position_ids: torch.Tensor) -> Any:
-        if isinstance(position_ids, FakeTensor):
+        if isinstance(position_ids, FakeTensor) and known_value(position_ids) is None:
             return None
         return find(position_ids)
 
+    def is_fake_tensor(x: Any) -> bool:
+        # a fake whose values the fake run knows reads as the real tensor would
+        return is_fake(x) and known_value(x) is None
+
     masking.find_packed_sequence_indices = find_packed_sequence_indices
+    if is_fake is not None:
+        utils.is_fake_tensor = is_fake_tensor
     try:
         yield
     finally:
         masking.find_packed_sequence_indices = find
+        if is_fake is not None:
+            utils.is_fake_tensor = is_fake
 
 
 @contextlib.contextmanager
@@ -1086,7 +1314,11 @@ def faked(
             if not isinstance(a, torch.Tensor) or isinstance(a, FakeTensor):
                 return a
             f = _to_fake(mode, a, dev)
+            if type(a) is torch.Tensor and a.device.type != "meta" and a.numel() <= _KNOWN_NUMEL:
+                know(f, a.detach().clone())  # (an attention mask, token ids: see known_value)
             return f.requires_grad_(a.requires_grad) if a.is_leaf else f
+
+        _faked_depth.append(True)
 
         with _transformers_real_paths(), _quiet_refused_fake_kernels():
             yield mode, tuple(tree_map(arg, list(args)))
@@ -1094,6 +1326,11 @@ def faked(
         mode.allow_non_fake_inputs = allowed
         for module, kind, name, t in reversed(swapped):
             getattr(module, kind)[name] = t
+        if _faked_depth:
+            _faked_depth.pop()
+        if not _faked_depth:  # the outermost: no fake of this run is used again
+            _sweep(everything=True)
+            _STALE.clear()
 
 
 def resized(args: Sequence[Any], mode: FakeTensorMode, batch: int, batch_dim: int = 0) -> tuple:
