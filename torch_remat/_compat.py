@@ -114,6 +114,7 @@ import importlib.util
 import logging
 import operator
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -656,10 +657,11 @@ def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], 
     import warnings
 
     C = torch._C
-    # the legacy matmul precision before the per-backend ones it also sets: applied
-    # in this order and undone in the reverse one, each ends as it was read
+    per_backend = hasattr(C, "_get_fp32_precision_getter")
     named = [
-        ("_get_float32_matmul_precision", "_set_float32_matmul_precision"),
+        # the legacy matmul precision only where the per-backend ones are missing:
+        # they hold what it sets, and it raises once they disagree
+        *([] if per_backend else [("_get_float32_matmul_precision", "_set_float32_matmul_precision")]),
         ("_get_cudnn_allow_tf32", "_set_cudnn_allow_tf32"),
         ("_get_cudnn_enabled", "_set_cudnn_enabled"),
         ("_get_cudnn_deterministic", "_set_cudnn_deterministic"),
@@ -682,7 +684,7 @@ def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], 
         get, set_ = getattr(C, get_name, None), getattr(C, set_name, None)
         if get is not None and set_ is not None:
             table.append((get, set_))
-    if hasattr(C, "_get_fp32_precision_getter"):
+    if per_backend:
         for backend, op in (
             ("generic", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"),
             ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"),
@@ -727,36 +729,47 @@ def function_modes() -> tuple[Any, ...]:
     return tuple(torch._C._get_function_stack_at(i) for i in range(function_mode_count()))
 
 
+_SETTINGS_LOCK = threading.RLock()
+"""Held by a replay that swaps the process-wide settings (see torch_settings_as)."""
+
+
 @contextlib.contextmanager
-def torch_settings_as(settings: tuple[Any, ...], modes: tuple[Any, ...]):
-    """Run with ``settings`` (read from :data:`SETTING_GETTERS`) and the
-    TorchFunctionModes ``modes`` active in place of the current ones; the current
-    ones are back afterwards."""
-    undo = []
-    try:
-        for (get, set_), value in zip(TORCH_SETTINGS, settings):
-            current = get()
-            if current != value:
-                undo.append((set_, current))
-                set_(value)
-        current_modes = function_modes() if function_mode_count() else ()
-        swap = current_modes != modes
-        if swap:
-            for _ in current_modes:
-                torch._C._pop_torch_function_stack()
-            for mode in modes:
-                torch._C._push_on_torch_function_stack(mode)
+def torch_settings_as(settings: tuple[Any, ...] | None, modes: tuple[Any, ...]):
+    """Run with ``settings`` (read from :data:`SETTING_GETTERS`; None: as they are)
+    and the TorchFunctionModes ``modes`` active in place of the current ones; the current
+    ones are back afterwards, each as it was read before anything was set. The
+    settings are process-wide: a replay that swaps them holds a lock, so that two
+    such replays in two threads do not undo each other's."""
+    current_modes = function_modes() if function_mode_count() else ()
+    swap_modes = current_modes != modes
+    swap_settings = settings is not None
+    lock = _SETTINGS_LOCK if swap_settings else contextlib.nullcontext()
+    with lock:
+        before = tuple(map(call, SETTING_GETTERS)) if swap_settings else ()
+        entered: list[Any] = []
+        left: list[Any] = []
         try:
+            for (get, set_), value in zip(TORCH_SETTINGS, settings if swap_settings else ()):
+                if get() != value:
+                    set_(value)
+            if swap_modes:
+                # through __exit__/__enter__: a torch.device block also sets the
+                # default device torch.get_default_device() reports
+                for mode in reversed(current_modes):
+                    mode.__exit__(None, None, None)
+                    left.append(mode)
+                for mode in modes:
+                    mode.__enter__()
+                    entered.append(mode)
             yield
         finally:
-            if swap:
-                for _ in modes:
-                    torch._C._pop_torch_function_stack()
-                for mode in current_modes:
-                    torch._C._push_on_torch_function_stack(mode)
-    finally:
-        for set_, value in reversed(undo):
-            set_(value)
+            for mode in reversed(entered):
+                mode.__exit__(None, None, None)
+            for mode in reversed(left):
+                mode.__enter__()
+            for (get, set_), value in zip(TORCH_SETTINGS, before):
+                if get() != value:
+                    set_(value)
 
 
 def global_forward_hook_dicts() -> tuple[dict, ...]:

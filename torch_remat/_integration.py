@@ -31,6 +31,7 @@ from ._compat import (
     tree_flatten,
     tree_map,
     tree_unflatten,
+    version_of,
 )
 from .diagnostics.format import format_bytes
 from .engine.frame import CheckpointFrame
@@ -115,6 +116,7 @@ __all__ = [
     "tree_map",
     "tree_flatten",
     "tree_unflatten",
+    "version_of",
     "run_fsdp_policy",
     "storage_key",
     "current_graph_task_id",

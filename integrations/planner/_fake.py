@@ -25,6 +25,7 @@ FLOPs and aten ops of the recompute come from the same counter as ``measure``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -60,6 +61,7 @@ from torch_remat._integration import (
     tree_flatten,
     tree_map,
     tree_unflatten,
+    version_of,
 )
 from torch_remat._integration import disable_current_modes as _disable_current_modes
 
@@ -295,7 +297,8 @@ class StorageLedger(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
         if self.fake_mode is not None:
-            carry_known_values(func, args, kwargs, out)
+            flat, spec = tree_flatten((args, kwargs))
+            carry_known_values(func, flat, spec, [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
         candidates = self._in_place_candidates(func, args, kwargs, out)
         spike_key = _transient_key(func, args, kwargs) if candidates else None
         spiked = (self.spikes.get(spike_key, -1), self.spike_extras.get(spike_key, 0))
@@ -554,8 +557,13 @@ _SHAPE_FACTORIES = frozenset({
 })
 """Ops whose outputs' values follow from their tensor arguments' shapes alone."""
 
+_ABSOLUTE_LAYOUT_OPS = frozenset({"as_strided", "as_strided_", "as_strided_scatter", "set_"})
+"""Ops that read a tensor's storage offset and strides as they are: a value carried
+laid out otherwise (an argument's compact copy) does not answer them."""
+
 _VALUE_READS = frozenset({
     local_scalar_dense,
+    torch.ops.aten.item.default,  # (undecomposed under inference_mode)
     torch.ops.aten.is_nonzero.default,
     torch.ops.aten.equal.default,
 })
@@ -564,10 +572,15 @@ _STALE: set[int] = set()
 """Fake storages written by an op whose result the fake run could not know: the
 values carried for tensors in them are out of date."""
 
-_KNOWN: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-"""``id(fake) -> (a weak reference to it, the real value it stands for)``. The
+_KNOWN: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
+"""``id(fake) -> (a weak reference to it, the real value it stands for, the fake's
+version then)``: a write through any view of its storage, seen or not, bumps the
+version its views share, and the value is no longer known. The
 values live here only and die on the worker thread (:func:`_sweep`): freed on the
 profiled thread, a block allocated before the profiler started would make it warn."""
+
+_BY_STORAGE: dict[int, set[int]] = {}
+"""Fake storage key -> ids of the fakes in it with values carried."""
 
 _RETIRED: list[torch.Tensor] = []
 _worker: list[tuple[int, Any]] = []  # (process id, its executor)
@@ -623,19 +636,31 @@ def _on_worker(func: Any, flat: list[Any], spec: Any) -> Any:
 def _sweep(everything: bool = False) -> None:
     """Hand the values of dead fakes (all of them: ``everything``) to the worker,
     which drops them."""
-    dead = [k for k, (ref, _) in _KNOWN.items() if everything or ref() is None]
+    dead = [k for k, (ref, _, _) in _KNOWN.items() if everything or ref() is None]
     for k in dead:
         _RETIRED.append(_KNOWN.pop(k)[1])
+    if everything:
+        _BY_STORAGE.clear()
+    elif dead:
+        gone = set(dead)
+        for key in [key for key, ids in _BY_STORAGE.items() if not ids.difference_update(gone) and not ids]:
+            del _BY_STORAGE[key]
     if _RETIRED:
         batch = _RETIRED[:]
         _RETIRED.clear()
         _pool().submit(batch.clear).result()
 
 
+def _version(t: torch.Tensor) -> int | None:
+    # (an inference tensor has no version counter, and cannot be written outside
+    # inference mode)
+    return None if t.is_inference() else version_of(t)
+
+
 def known_value(t: Any) -> torch.Tensor | None:
     """The real value a fake tensor stands for, where the fake run knows it."""
     entry = _KNOWN.get(id(t))
-    if entry is None or entry[0]() is not t:
+    if entry is None or entry[0]() is not t or _version(t) != entry[2]:
         return None
     if _STALE and storage_key(t.untyped_storage()) in _STALE:
         return None
@@ -647,7 +672,8 @@ def know(fake: torch.Tensor, value: torch.Tensor) -> None:
     old = _KNOWN.get(id(fake))
     if old is not None:
         _RETIRED.append(old[1])
-    _KNOWN[id(fake)] = (weakref.ref(fake), value)
+    _KNOWN[id(fake)] = (weakref.ref(fake), value, _version(fake))
+    _BY_STORAGE.setdefault(storage_key(fake.untyped_storage()), set()).add(id(fake))
     if len(_KNOWN) % 256 == 0:
         _sweep()
 
@@ -687,16 +713,21 @@ def read_known_value(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
             if a is None:
                 return False, None
         real.append(a)
-    return True, _on_worker(func, real, spec)
+    try:
+        return True, _on_worker(func, real, spec)
+    except Exception:  # noqa: BLE001 (answered as before: from the fake op)
+        return False, None
 
 
-def carry_known_values(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """After an op ran on fakes: carry the real values of its outputs where the
+def carry_known_values(func: Any, flat: list[Any], spec: Any, outs: list[Any]) -> None:
+    """After an op ran on fakes (``flat``, ``spec``: its arguments, flattened;
+    ``outs``: its output tensors): carry the real values of its outputs where the
     fake run can know them; forget those of the arguments it wrote otherwise."""
     name = func.overloadpacket.__name__
-    flat, spec = tree_flatten((args, kwargs))
-    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    if not _KNOWN and name not in _VALUE_FACTORIES and name not in _SHAPE_FACTORIES:
+        return  # (nothing known yet: no argument's value is)
     shape_only = name in _SHAPE_FACTORIES
+    absolute = name in _ABSOLUTE_LAYOUT_OPS
     real: list[Any] = []
     knowable = (
         torch.Tag.nondeterministic_seeded not in func.tags
@@ -713,24 +744,58 @@ def carry_known_values(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
                     knowable = False
                     break
                 value = _Layout(a)
+            elif absolute and type(value) is not _Copy and (
+                value.storage_offset() != a.storage_offset() or value.stride() != a.stride()
+            ):
+                knowable = False  # the value is laid out otherwise in its storage
+                break
             a = value
         real.append(a)
     if knowable and not has_tensor:
         knowable = name in _VALUE_FACTORIES
+    real_out = None
+    if knowable:
+        try:
+            real_out = _on_worker(func, real, spec)
+        except Exception:  # noqa: BLE001 (the values stay unknown)
+            knowable = False
     if not knowable:
         if func._schema.is_mutable:
             for a in flat:
                 if isinstance(a, torch.Tensor):
                     _forget_known(a)
         return
-    try:
-        real_out = _on_worker(func, real, spec)
-    except Exception:  # noqa: BLE001 (the values stay unknown)
-        return
     real_outs = [o for o in tree_flatten(real_out)[0] if isinstance(o, torch.Tensor)]
     if len(real_outs) == len(outs):
         for fake, value in zip(outs, real_outs):
             know(fake, value)
+    if func._schema.is_mutable:
+        # it wrote arguments, and their values alike on the worker, where the values
+        # of the other tensors in those storages (views of one another there as
+        # here) changed with them. Autograd bumps the version those views share once
+        # the op has returned: expected one higher.
+        for a in _written_arguments(func, flat, spec):
+            key = storage_key(a.untyped_storage())
+            for i in list(_BY_STORAGE.get(key, ())):
+                entry = _KNOWN.get(i)
+                t = entry[0]() if entry is not None else None
+                if t is not None and storage_key(t.untyped_storage()) == key:
+                    version = _version(t)
+                    _KNOWN[i] = (entry[0], entry[1], None if version is None else version + 1)
+
+
+def _written_arguments(func: Any, flat: list[Any], spec: Any) -> list[torch.Tensor]:
+    """The fake tensors an op writes in place (its schema's written arguments)."""
+    args, kwargs = tree_unflatten(flat, spec)
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, FakeTensor):
+                out.append(t)
+    return out
 
 
 _LIFT_FRESH_OPS = frozenset(
@@ -1291,6 +1356,7 @@ def faked(
     # The engine's real tensors (a checkpoint's copy of the RNG state) meet fakes.
     allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
     swapped: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+    _faked_depth.append(True)
     # One fake per tensor object: a parameter tied in two modules (an embedding and
     # its head) stays one parameter, with one gradient and one optimizer state.
     fakes: dict[int, torch.Tensor] = {}
@@ -1310,15 +1376,24 @@ def faked(
                     swapped.append((module, kind, name, t))
                     table[name] = fake
 
+        # arguments sharing a storage with another are not given values: copied
+        # apart, a write through one would not reach the other's value
+        storages = collections.Counter(
+            storage_key(a.untyped_storage()) for a in tree_flatten(list(args))[0]
+            if type(a) is torch.Tensor and a.device.type != "meta"
+        )
+
         def arg(a: Any) -> Any:
             if not isinstance(a, torch.Tensor) or isinstance(a, FakeTensor):
                 return a
             f = _to_fake(mode, a, dev)
-            if type(a) is torch.Tensor and a.device.type != "meta" and a.numel() <= _KNOWN_NUMEL:
+            if (
+                type(a) is torch.Tensor and a.device.type != "meta" and a.numel() <= _KNOWN_NUMEL
+                and storages[storage_key(a.untyped_storage())] == 1
+            ):
                 know(f, a.detach().clone())  # (an attention mask, token ids: see known_value)
             return f.requires_grad_(a.requires_grad) if a.is_leaf else f
 
-        _faked_depth.append(True)
 
         with _transformers_real_paths(), _quiet_refused_fake_kernels():
             yield mode, tuple(tree_map(arg, list(args)))

@@ -157,3 +157,45 @@ def test_settings_the_forward_changes_and_resets_itself_replay_exactly():
     expected = grads([], [x], lambda t: body(t).sum())
     actual = grads([], [x], lambda t: remat.checkpoint(region_name="c")(body)(t).sum())
     assert_bitwise_equal(actual, expected)
+
+
+@contextlib.contextmanager
+def oneDNN_matmul_precision(precision):
+    # the per-backend switch (torch 2.9+); the legacy getter raises while it differs
+    backend = torch.backends.mkldnn.matmul
+    before = backend.fp32_precision
+    backend.fp32_precision = precision
+    try:
+        yield
+    finally:
+        backend.fp32_precision = before
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C, "_get_fp32_precision_getter"), reason="torch without per-backend fp32 precision"
+)
+def test_a_per_backend_precision_is_read_and_replayed_without_the_legacy_getter():
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    expected = grads([], [x], forward_only(matmul, lambda: oneDNN_matmul_precision("bf16")))
+    actual = grads([], [x], forward_only(remat.checkpoint(region_name="c")(matmul),
+                                         lambda: oneDNN_matmul_precision("bf16")))
+    assert_bitwise_equal(actual, expected)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C, "_get_fp32_precision_getter"), reason="torch without per-backend fp32 precision"
+)
+def test_the_settings_are_back_exactly_as_the_caller_had_them():
+    names = [("generic", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv")]
+
+    def now():
+        return [torch._C._get_fp32_precision_getter(b, o) for b, o in names], torch.get_default_dtype()
+
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    with matmul_precision("medium"), default_dtype(torch.float64):
+        out = remat.checkpoint(region_name="c")(lambda t: scaled(matmul(t)))(x)
+    with oneDNN_matmul_precision("none"):  # inherit the generic setting, as untouched
+        caller = now()
+        out.sum().backward()
+        assert now() == caller

@@ -232,7 +232,7 @@ class CheckpointFrame:
         # torch's process-wide switches (_compat.TORCH_SETTINGS: default dtype, matmul
         # precision, attention backends...) and the TorchFunctionModes active when the
         # forward started: the replay runs under the same
-        self.torch_settings: tuple[Any, ...] = ()
+        self.torch_settings: tuple[Any, ...] | None = ()
         self.function_modes: tuple[Any, ...] = ()
         # parametrize.cached()'s entries when the forward ran under it (None: off)
         self.parametrize_cache: dict | None = None
@@ -311,7 +311,10 @@ class CheckpointFrame:
         self.scratch.rng_entry = position(self.state_hooks, self.rng_checks) if self.rng_checks else None
         self.autocast = autocast_state(leaves)
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.torch_settings = tuple(map(_call, _SETTING_GETTERS))
+        try:
+            self.torch_settings = tuple(map(_call, _SETTING_GETTERS))
+        except Exception:  # a getter this torch refuses in some state: not replayed
+            self.torch_settings = None
         self.function_modes = _compat.function_modes() if _function_mode_count() else ()
         self.parametrize_cache = _compat.parametrize_cache()
         around = top_hooks(False)
@@ -770,11 +773,14 @@ class CheckpointFrame:
         """The forward's torch settings and function modes where they differ from the
         current ones (``torch.set_default_dtype`` or a ``torch.device`` block around
         the forward only, a matmul precision changed since)."""
-        if tuple(map(_call, _SETTING_GETTERS)) == self.torch_settings and not (
-            self.function_modes or _function_mode_count()
-        ):
+        settings = self.torch_settings
+        try:
+            same = settings is None or tuple(map(_call, _SETTING_GETTERS)) == settings
+        except Exception:  # (see run_forward)
+            same = True
+        if same and not (self.function_modes or _function_mode_count()):
             return _NO_RANGE
-        return _compat.torch_settings_as(self.torch_settings, self.function_modes)
+        return _compat.torch_settings_as(None if same else settings, self.function_modes)
 
     def replay(self, key: Any) -> Recreated:
         """Replay the function for the backward ``key``: returns the store of what it
