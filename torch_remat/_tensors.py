@@ -9,7 +9,6 @@ import torch
 
 from ._compat import storage_key, view_base
 
-
 _new_tuple = tuple.__new__
 
 

@@ -51,7 +51,10 @@ from .._autograd_hooks import (
     unpack_packed,
     when_backward_ends,
 )
+from .._compat import SETTING_GETTERS as _SETTING_GETTERS
 from .._compat import autograd_sequence_nr, profiler_enabled, sequence_nr, version_of
+from .._compat import call as _call
+from .._compat import function_mode_count as _function_mode_count
 from .._errors import (
     CLONE_FIRST,
     RecomputeMismatchError,
@@ -59,9 +62,6 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
-from .._compat import SETTING_GETTERS as _SETTING_GETTERS
-from .._compat import call as _call
-from .._compat import function_mode_count as _function_mode_count
 from .._tensors import CONSTANT_TYPES, describe_tensor, storage_root
 from .context import (
     FORWARD,
