@@ -93,6 +93,8 @@ hook)                                             caches through the user's hook
 ``_C._get/_set_`` of the float32 matmul           run the replay under the switches its
 precision, fp32 precision per backend, cuDNN,     forward ran under (TORCH_SETTINGS): they
 oneDNN, SDPA backends, deterministic algorithms   change what an op computes or saves
+``autograd.forward_ad._current_level``          say that a replay differs because its forward
+                                                  ran on dual tensors
 ``aten._local_scalar_dense``                     the planner's fake run answers a value read
                                                   where it knows the value
 ``nn.modules.module._global_forward_*hooks*``    run the replay with the forward hooks of its
@@ -787,3 +789,8 @@ def global_forward_hook_dicts() -> tuple[dict, ...]:
 local_scalar_dense = torch.ops.aten._local_scalar_dense.default
 """The op a tensor's value read into Python runs (``.item()``, ``bool()`` of a
 0-d tensor): the planner's fake run answers it where it knows the value."""
+
+
+def forward_ad_level() -> int:
+    """The innermost forward-mode AD dual level open now (-1: none)."""
+    return sys.modules["torch.autograd.forward_ad"]._current_level

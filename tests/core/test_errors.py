@@ -269,3 +269,18 @@ def test_a_lazy_module_first_called_inside_a_checkpoint_is_told_to_run_a_forward
     expected = torch.autograd.grad(lazy(x).sum(), (x, lazy.weight))
     got = torch.autograd.grad(remat.checkpoint(region_name="lazy")(lazy)(x).sum(), (x, lazy.weight))
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_forward_on_dual_tensors_is_named_when_its_replay_differs():
+    import torch.autograd.forward_ad as fwAD
+
+    x = torch.randn(3, requires_grad=True)
+    f = remat.checkpoint(region_name="dual")(lambda t: t.sin().exp())
+    with fwAD.dual_level():
+        y = f(fwAD.make_dual(x, torch.ones(3)))
+        primal = fwAD.unpack_dual(y).primal
+        with pytest.raises(remat.RecomputeMismatchError) as e:
+            primal.sum().backward()
+    text = str(e.value)
+    assert "'dual'" in text and "forward-mode AD dual level" in text
+    assert "in separate calls" in text  # what to do instead

@@ -234,6 +234,8 @@ class CheckpointFrame:
         # forward started: the replay runs under the same
         self.torch_settings: tuple[Any, ...] | None = ()
         self.function_modes: tuple[Any, ...] = ()
+        # whether the forward ran inside a forward-mode AD dual level (for messages)
+        self.dual_level = False
         # parametrize.cached()'s entries when the forward ran under it (None: off)
         self.parametrize_cache: dict | None = None
         # (index, meta, payload) of the inputs packed at entry that the replay does
@@ -316,6 +318,7 @@ class CheckpointFrame:
         except Exception:  # a getter this torch refuses in some state: not replayed
             self.torch_settings = None
         self.function_modes = _compat.function_modes() if _function_mode_count() else ()
+        self.dual_level = _compat.forward_ad_level() >= 0
         self.parametrize_cache = _compat.parametrize_cache()
         around = top_hooks(False)
         if around is not None and _compat.is_torch_checkpoint_hooks(around):
@@ -769,6 +772,18 @@ class CheckpointFrame:
             )
         return stack
 
+    def path_advice(self) -> str:
+        """The end of a message saying that the replay took another path."""
+        if self.dual_level:
+            return (
+                " Its forward ran inside a forward-mode AD dual level "
+                "(torch.autograd.forward_ad): on dual tensors ops save more for backward "
+                "(their tangents' graph), and the replay runs on the primal values only. "
+                "Take forward-mode and reverse-mode gradients of a checkpointed function "
+                "in separate calls, or call it without remat.checkpoint inside the dual level."
+            )
+        return " The replay must take the same path as the forward."
+
     def _settings_context(self) -> contextlib.AbstractContextManager:
         """The forward's torch settings and function modes where they differ from the
         current ones (``torch.set_default_dtype`` or a ``torch.device`` block around
@@ -879,7 +894,7 @@ class CheckpointFrame:
                 f"{len(self.holders)} outside SAVE regions, so {needed - replay.filled} "
                 "needed tensor(s) were never recreated. "
                 + replay.region_sequences()
-                + " The replay must take the same path as the forward."
+                + self.path_advice()
             )
         # Tensors the replay saved for backward keep its pack hook, and so the pass,
         # alive as long as their graph; a graph the backward never reaches (a

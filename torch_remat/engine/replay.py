@@ -117,8 +117,7 @@ class ReplayPass:
             raise RecomputeMismatchError(
                 f"torch_remat: the recompute of checkpoint '{frame.name}' saved more "
                 f"tensors for backward than its forward did ({len(frame.holders)} outside "
-                f"SAVE regions). {self.region_sequences()} The replay must take the same "
-                "path as the forward."
+                f"SAVE regions). {self.region_sequences()}{frame.path_advice()}"
             )
         holder = holders[i]()
         if holder is None or holder.kept is not None or i in self.store.tensors:
