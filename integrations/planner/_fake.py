@@ -690,12 +690,17 @@ def _forget_known(t: Any) -> None:
             weakref.finalize(st, _STALE.discard, key)  # (a later storage may get its key)
 
 
+def _small_plain(a: Any) -> bool:
+    """A plain real tensor small enough for its values to be carried."""
+    return type(a) is torch.Tensor and a.device.type != "meta" and a.numel() <= _KNOWN_NUMEL
+
+
 def _real_leaf(a: Any) -> Any:
     """A tensor argument's real value: known, or a small real tensor itself
     (``torch.tensor(2)`` lifted into the fake run); None if unknown."""
     if isinstance(a, FakeTensor):
         return known_value(a)
-    if type(a) is torch.Tensor and a.device.type != "meta" and a.numel() <= _KNOWN_NUMEL:
+    if _small_plain(a):
         return _Copy(a)
     return None
 
@@ -1387,10 +1392,7 @@ def faked(
             if not isinstance(a, torch.Tensor) or isinstance(a, FakeTensor):
                 return a
             f = _to_fake(mode, a, dev)
-            if (
-                type(a) is torch.Tensor and a.device.type != "meta" and a.numel() <= _KNOWN_NUMEL
-                and storages[storage_key(a.untyped_storage())] == 1
-            ):
+            if _small_plain(a) and storages[storage_key(a.untyped_storage())] == 1:
                 know(f, a.detach().clone())  # (an attention mask, token ids: see known_value)
             return f.requires_grad_(a.requires_grad) if a.is_leaf else f
 
