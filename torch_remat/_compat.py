@@ -102,6 +102,9 @@ oneDNN, SDPA backends, deterministic algorithms   change what an op computes or 
 ``_C._len_torch_function_stack``, ``_get_         run the replay under the TorchFunctionModes
 function_stack_at``, ``_push_on/_pop_torch_       of its forward (a ``torch.device`` block)
 function_stack``
+the memory layout of ``CPUGeneratorImpl``        tell whether a random number was drawn from
+(its mt19937 words and cached normal samples,     the CPU generator without ``get_state()``
+found and checked at first use)                   (a 5 KB tensor) twice per checkpoint call
 ===============================================  =============================================
 
 The torch.distributed names are looked up on first use, so that ``import torch_remat``
@@ -794,3 +797,142 @@ local_scalar_dense = torch.ops.aten._local_scalar_dense.default
 def forward_ad_level() -> int:
     """The innermost forward-mode AD dual level open now (-1: none)."""
     return sys.modules["torch.autograd.forward_ad"]._current_level
+
+
+# ---------------------------------------------- the CPU generator's state, read in place
+#
+# ``Generator.get_state()`` builds a 5 KB tensor (an allocation and a conversion of
+# 624 words) and the RNG guard reads the CPU generator twice per checkpoint call. A
+# ``torch.Generator``'s Python object holds an ``at::Generator``, a pointer to the
+# ``CPUGeneratorImpl``, whose ``at::mt19937`` keeps ``seed_``, ``left_``,
+# ``seeded_``, ``next_`` and ``state_[624]`` (uint32) in that order, followed by the
+# cached normal samples ``std::optional<float>`` and ``std::optional<double>``. The
+# words are found by their values and every field is checked against ``get_state()``
+# on a scratch generator and then on the default one; padding bytes are not read (a
+# ``set_state`` may rewrite them). Any mismatch leaves ``get_state()`` in use.
+
+_MT_WORDS = 624
+
+
+def _generator_impl_address(g: torch.Generator) -> int:
+    import ctypes
+
+    return ctypes.c_void_p.from_address(id(g) + object.__basicsize__).value or 0
+
+
+def _legacy_fields(state: torch.Tensor) -> tuple[Any, ...]:
+    """(seed, left, next, words, double sample valid, double sample, float sample
+    valid, float sample) from a CPU ``get_state()``."""
+    import struct
+
+    raw = bytes(state.untyped_storage())
+    seed, left, _seeded, nxt = struct.unpack_from("QiiQ", raw, 0)
+    words = struct.unpack_from(f"{_MT_WORDS}Q", raw, 24)
+    at = 24 + 8 * _MT_WORDS
+    _x, y, _rho, valid = struct.unpack_from("dddi", raw, at)
+    fvalue, fvalid = struct.unpack_from("f?", raw, at + 28)
+    return seed, left, nxt, words, bool(valid), y, bool(fvalid), fvalue
+
+
+def _cpu_generator_fields(g: torch.Generator) -> tuple[int, int, int] | None:
+    """The offsets of ``state_`` and of the ``optional<float>`` and
+    ``optional<double>`` normal samples in
+    ``g``'s ``CPUGeneratorImpl``, checked against ``get_state()``; None if not found."""
+    import ctypes
+    import struct
+
+    base = _generator_impl_address(g)
+    if not base:
+        return None
+    fields = _legacy_fields(g.get_state())
+    probe = struct.pack("8I", *fields[3][:8])
+    head = ctypes.string_at(base, 512)
+    at = head.find(probe)
+    if at < 24 or at % 4:
+        return None
+    # the mt19937 fields take 20 + 2496 bytes, padded to the 8-byte alignment of
+    # seed_; the optional<float> follows, then the optional<double>, 8-byte aligned
+    float_at = at - 20 + (20 + 4 * _MT_WORDS + 7) // 8 * 8
+    return at, float_at, (float_at + 8 + 7) // 8 * 8
+
+
+def _read_fields(base: int, at: int, float_at: int, double_at: int) -> tuple[Any, ...]:
+    import ctypes
+    import struct
+
+    seed, left = struct.unpack("Qi", ctypes.string_at(base + at - 20, 12))
+    nxt = struct.unpack("I", ctypes.string_at(base + at - 4, 4))[0]
+    words = struct.unpack(f"{_MT_WORDS}I", ctypes.string_at(base + at, 4 * _MT_WORDS))
+    fvalue, fvalid = struct.unpack("f?", ctypes.string_at(base + float_at, 5))
+    dvalue, dvalid = struct.unpack("d?", ctypes.string_at(base + double_at, 9))
+    return seed, left, nxt, words, dvalid, dvalue, fvalid, fvalue
+
+
+def _fields_agree(g: torch.Generator, base: int, at: int, float_at: int, double_at: int) -> bool:
+    want = _legacy_fields(g.get_state())
+    got = _read_fields(base, at, float_at, double_at)
+    # a sample's value is only meaningful while it is valid
+    same = want[:5] == got[:5] and want[6] == got[6]
+    return same and (not want[4] or want[5] == got[5]) and (not want[6] or want[7] == got[7])
+
+
+def _field_views(base: int, at: int, float_at: int, double_at: int) -> Callable[[], Any]:
+    """Read the fields in place: ctypes views (padding left out), whose ``raw``
+    copies without a foreign call."""
+    import ctypes
+
+    head = (ctypes.c_char * 12).from_address(base + at - 20)  # seed_, left_
+    words = (ctypes.c_char * (4 + 4 * _MT_WORDS)).from_address(base + at - 4)  # next_, state_
+    float_sample = (ctypes.c_char * 5).from_address(base + float_at)
+    double_sample = (ctypes.c_char * 9).from_address(base + double_at)
+
+    def read() -> Any:
+        # a sample's value bytes count only while its flag is set (assigning an
+        # empty optional may copy any value bytes)
+        f, d = float_sample.raw, double_sample.raw
+        return head.raw, words.raw, f if f[4] else None, d if d[8] else None
+
+    return read
+
+
+def cpu_generator_reader(g: torch.Generator) -> Callable[[], Any] | None:
+    """A function returning ``g``'s state, comparable with ``==`` (equal iff no
+    number was drawn and no other state set in between), read in place; None where
+    the layout is not the one checked for (then use ``get_state()``)."""
+    try:
+        scratch = torch.Generator()
+        scratch.manual_seed(20240531)
+        found = _cpu_generator_fields(scratch)
+        if found is None:
+            return None
+        sbase = _generator_impl_address(scratch)
+        read_scratch = _field_views(sbase, *found)
+        # (step, whether it changes the state)
+        checks = [
+            (lambda: None, False),
+            (lambda: torch.randn(1, generator=scratch, dtype=torch.float64), True),  # caches a sample
+            (lambda: scratch.set_state(scratch.get_state()), False),
+            (lambda: torch.rand(3, generator=scratch), True),
+            (lambda: torch.randn(1, generator=scratch, dtype=torch.float64), True),
+            (lambda: torch.randn(1, generator=scratch), True),
+            (lambda: torch.randint(0, 10, (700,), generator=scratch), True),  # past a twist
+            (lambda: scratch.set_state(scratch.get_state()), False),
+            (lambda: scratch.manual_seed(7), True),
+        ]
+        seen_valid = False
+        for step, changes in checks:
+            before = read_scratch()
+            step()
+            if (read_scratch() != before) is not changes or not _fields_agree(scratch, sbase, *found):
+                return None
+            seen_valid |= _legacy_fields(scratch.get_state())[4]
+        if not seen_valid:
+            return None
+        base = _generator_impl_address(g)
+        if not base or not _fields_agree(g, base, *found):
+            return None
+    except Exception:
+        return None
+    read = _field_views(base, *found)
+    read.generator = g  # type: ignore[attr-defined]  # (keeps the generator alive)
+    return read

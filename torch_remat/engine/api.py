@@ -17,7 +17,7 @@ from .._errors import RematError
 from . import compiled
 from .context import current_pass, current_prefixes, prefixed_name, without_prefixes
 from .frame import CheckpointFrame
-from .module_state import BufferMemo
+from .module_state import BufferMemo, CaptureMemo
 from .observers import thread_observers
 from .records import RegionRecord
 from .rng import unhooked_generators, validate_state_hooks
@@ -259,6 +259,7 @@ class CheckpointedFunction:
         self.options = options
         self.flop_memo: dict[tuple, int] = {}
         self.unwritten_buffers: BufferMemo = {}
+        self.capture_memo = CaptureMemo()  # its last module-state capture, reused where valid
         # Built here, not while Dynamo traces (see compiled.option_refusal).
         self.compile_refusal = compiled.option_refusal(name, options.state_hooks, options.kept_hooks)
         # An ActivationOffloader as saved_tensors_hooks: what compiled regions offload.

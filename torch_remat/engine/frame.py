@@ -343,7 +343,10 @@ class CheckpointFrame:
                 src.pack_at_entry(kept_hooks.inputs)
             self.unread_inputs = []
         self.scratch.start_seq = _compat.autograd_sequence_nr()
-        self.module_state = ModuleState.capture(self.fn, self.checkpointed.unwritten_buffers, leaves)
+        checkpointed = self.checkpointed
+        self.module_state = ModuleState.capture(
+            self.fn, checkpointed.unwritten_buffers, leaves, checkpointed.capture_memo
+        )
         self.scratch.rng_start = fingerprints(self.checkpointed.options.guarded_generators)
         if self.module_state is not None:
             self.generators = self.module_state.generators

@@ -72,6 +72,7 @@ import collections
 import dis
 import enum
 import functools
+import itertools
 import operator
 import sys
 import types
@@ -446,14 +447,25 @@ class _MergedReads:
         self.module_attrs = tuple((path, tuple(names)) for path, names in attrs.items())
 
 
+# put in the ``seen`` set of a capture by _read_names: a name that was not there, and
+# module attributes read (config.SCALE); then the capture is not reused (_Reuse)
+_NAME_MISSED = object()
+_MODULE_ATTRIBUTES_READ = object()
+
+
 def _read_names(
     g: dict, names: tuple[str, ...], module_attrs: Any, out: list[tuple[dict, str, Any]],
     seen: set[Any], depth: int,
 ) -> None:
     gid = id(g)
+    if module_attrs:
+        seen.add(_MODULE_ATTRIBUTES_READ)
     for name in names:
         value = g.get(name, _MISSING)
-        if value is _MISSING or (gid, name) in seen:
+        if value is _MISSING:
+            seen.add(_NAME_MISSED)
+            continue
+        if (gid, name) in seen:
             continue
         seen.add((gid, name))  # (one entry per variable, however many functions read it)
         out.append((g, name, value))
@@ -849,6 +861,7 @@ def _module_slots(
     classes: dict[type, None],
     objects: list[Any],
     hooks: list[Any],
+    visited: list[nn.Module] | None = None,
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -861,6 +874,8 @@ def _module_slots(
             continue
         seen.add(i)
         classes[type(m)] = None
+        if visited is not None:
+            visited.append(m)
         d = m.__dict__
         # The attributes torch's Module sets (flags, hook dicts) hold no tensor,
         # generator or user container: only the others are looked at, their value
@@ -943,6 +958,130 @@ BufferMemo = dict
 of one checkpointed function did not write (``CheckpointedFunction`` holds it)."""
 
 
+class CaptureMemo:
+    """What a checkpointed function keeps of its last capture (``CheckpointedFunction``
+    holds one): a :class:`_Reuse`, or None."""
+
+    __slots__ = ("reuse",)
+
+    def __init__(self) -> None:
+        self.reuse: _Reuse | None = None
+
+
+_values = dict.values
+_from_iterables = itertools.chain.from_iterable
+
+
+class _Reuse:
+    """A capture of a module called on tensors, for the calls after it: where every
+    dict the walk read (each module's ``__dict__``, ``_parameters``, ``_buffers`` and
+    ``_modules``, the user's classes' attributes) holds the same keys and the same
+    objects, every module is of the same class, its forward hook dicts are still
+    empty, no global forward hook is registered and the module-level variables read
+    are bound as they were, a walk would find what this one found. Then the
+    attribute copies, module-level variables and class copies are shared with the
+    new state (none of them is changed after the capture) and only the tensors'
+    versions, ``requires_grad`` and the buffer copies are taken anew.
+
+    Only captures made from the modules alone are reused: no closure, plain object,
+    container, generator, forward hook or callable among what was read, and no
+    module-level variable missing or read through another module."""
+
+    __slots__ = (
+        "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
+        "params", "slots", "groups", "others", "global_values", "class_values",
+    )
+
+    def __init__(self, fn: nn.Module, modules: list[nn.Module], state: ModuleState) -> None:
+        # (holds the objects it compares by identity: none of them can be freed and
+        # its id reused while the comparison stands)
+        self.fn = fn
+        self.modules = tuple(modules)
+        self.types = tuple(map(type, modules))
+        dicts: list[Any] = []
+        hook_dicts: list[dict] = []
+        for m in modules:
+            dicts.extend((m.__dict__, m._parameters, m._buffers, m._modules))
+            hook_dicts.extend((m._forward_hooks, m._forward_pre_hooks))
+        self.dicts = tuple(dicts)
+        # (the classes' attributes, read through their mappingproxy)
+        self.class_dicts = tuple(d.target.__dict__ for d, _ in state.class_values)
+        self.keys = self._keys_now()
+        self.values = self._values_now()
+        self.hook_dicts = tuple(hook_dicts)
+        # what a call's state is built from: the slots without their versions and copies
+        self.params = [(ps, k, t, p) for ps, k, t, _, p, _ in state.params]
+        in_groups = {id(s) for _, group in state.buffer_groups for s in group}
+        # (owner, key, tensor, prefix, kind), None for a buffer (taken from groups)
+        self.slots = [
+            None if id(s) in in_groups else (s.owner, s.key, s.tensor, s.prefix, s.kind)
+            for s in state.slots
+        ]
+        self.groups = [
+            (m, [(s.owner, s.key, s.tensor, s.prefix) for s in group])
+            for m, group in state.buffer_groups
+        ]
+        self.others = state.others
+        self.global_values = state.global_values
+        self.class_values = state.class_values
+
+    def _values_now(self) -> list[Any]:
+        now = list(_from_iterables(map(_values, self.dicts)))
+        for d in self.class_dicts:
+            now.extend(d.values())
+        return now
+
+    def _keys_now(self) -> list[Any]:
+        now = list(_from_iterables(self.dicts))
+        for d in self.class_dicts:
+            now.extend(d)
+        return now
+
+    def state_now(self, leaves: Any, unwritten: BufferMemo) -> ModuleState | None:
+        """The capture of this call, or None where it must be walked again."""
+        for x in leaves:
+            if not isinstance(x, torch.Tensor) and (
+                isinstance(x, nn.Module) or type(x) is set or type(x) not in _non_tensor_types
+            ):
+                return None  # (what capture looks at among the arguments)
+        values = self.values
+        now = self._values_now()
+        if (
+            len(now) != len(values) or not all(map(operator.is_, now, values))
+            or self._keys_now() != self.keys
+            or not all(map(operator.is_, map(type, self.modules), self.types))
+            or any(self.hook_dicts) or any(_GLOBAL_HOOKS)
+        ):
+            return None
+        for g, name, value in self.global_values:
+            if g.get(name, _MISSING) is not value:
+                return None
+        params = [(ps, k, t, version_of(t), p, t.requires_grad) for ps, k, t, p in self.params]
+        groups: list[tuple[nn.Module, list[_Slot]]] = []
+        buffers: list[_Slot] = []
+        for m, group in self.groups:
+            known = unwritten.get(id(m))
+            copy_them = known is None or known() is not m or _updates_buffers_unseen(m)
+            fresh = []
+            for owner, key, t, prefix in group:
+                copy = None
+                if copy_them:
+                    copy = t.detach().clone() if t.requires_grad else t.clone()
+                fresh.append(_Slot(owner, key, t, version_of(t), prefix, BUFFER, copy))
+            groups.append((m, fresh))
+            buffers.extend(fresh)
+        # the tensor attributes and the buffers, in the walk's order
+        next_buffer = iter(buffers).__next__
+        slots = [
+            next_buffer() if spec is None else _Slot(*spec[:3], version_of(spec[2]), *spec[3:])
+            for spec in self.slots
+        ]
+        state = ModuleState(params, slots, groups, self.others)
+        state.global_values = self.global_values
+        state.class_values = self.class_values
+        return state
+
+
 class ModuleState:
     """The tensors behind one checkpoint call (see the module docstring)."""
 
@@ -995,10 +1134,21 @@ class ModuleState:
         self.class_values: list[tuple[_ClassDict, dict]] = []
 
     @staticmethod
-    def capture(fn: Any, unwritten: BufferMemo, leaves: Any = ()) -> ModuleState | None:
+    def capture(
+        fn: Any, unwritten: BufferMemo, leaves: Any = (), memo: CaptureMemo | None = None
+    ) -> ModuleState | None:
         """Record the slots when the checkpoint starts; None if there are none.
         Buffers of the modules in ``unwritten`` are not copied. ``leaves``: the
-        call's flattened arguments, whose plain objects (a config) are state too."""
+        call's flattened arguments, whose plain objects (a config) are state too.
+        ``memo``: the checkpointed function's, whose last capture is reused where
+        everything it was built from is as it was (:class:`_Reuse`)."""
+        if memo is not None:
+            reuse = memo.reuse
+            if reuse is not None and reuse.fn is fn:
+                state = reuse.state_now(leaves, unwritten)
+                if state is not None:
+                    return state
+                memo.reuse = None
         # the modules among the arguments are read like the function's own
         in_args = [x for x in leaves if isinstance(x, nn.Module)] if leaves else ()
         modules, cells, values, functions, objects = _roots(fn, *in_args)
@@ -1019,11 +1169,19 @@ class ModuleState:
         in_modules: list[Any] = []  # the lists, dicts and sets in module attributes
         classes: dict[type, None] = {}
         hooks: list[Any] = []
+        visited: list[nn.Module] = []
         for prefix, module in modules:
             _module_slots(
                 prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
-                classes, objects, hooks,
+                classes, objects, hooks, visited,
             )
+        # what the modules alone gave (see _Reuse)
+        plain_call = (
+            memo is not None and isinstance(fn, nn.Module) and len(modules) == 1 and not cells
+            and not values and not functions and not objects and not in_modules and not hooks
+            and not in_args
+        )
+        n_others, n_slots = len(others), len(slots)
         # module-level variables the code reads: the functions', each module class's
         # forward's (and the plain functions they call)
         global_values: list[tuple[dict, str, Any]] = []
@@ -1139,6 +1297,7 @@ class ModuleState:
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
+        state = None
         if params or slots or others or values or global_values or class_values:
             state = ModuleState(params, slots, groups, others, values)
             state.hooks_at_entry = _hooks_at_entry(others)
@@ -1150,8 +1309,17 @@ class ModuleState:
                 state.generators = tuple(
                     {id(g): g for g in generators if id(g) not in defaults}.values()
                 )
-            return state
-        return None
+        if memo is not None:
+            memo.reuse = None
+            if (
+                plain_call and state is not None and not state.hooks_at_entry and not containers
+                and not generators and not found and len(others) == n_others
+                and len(slots) == n_slots and _NAME_MISSED not in read
+                and _MODULE_ATTRIBUTES_READ not in read
+                and not _held_callables(global_values)
+            ):
+                memo.reuse = _Reuse(fn, visited, state)
+        return state
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
         """End of the forward: keep copies of the buffers it updated, drop the rest

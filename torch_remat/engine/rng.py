@@ -81,6 +81,9 @@ class DefaultGenerator:
         if self.device.type == "cuda":
             g = torch.cuda.default_generators[self.device.index]
             return g.initial_seed(), g.get_offset()
+        read = _cpu_reader[0] if _cpu_reader else _find_cpu_reader()
+        if read is not None:
+            return read()
         # The state's bytes, read without numpy (an optional dependency of torch) and
         # without an aten op, so that no dispatch mode (gradient_checkpoint_scope's
         # recording mode) sees the state tensor: get_state() dispatches nothing.
@@ -97,6 +100,16 @@ class DefaultGenerator:
             torch.cuda.set_rng_state(state, self.device)
         else:
             torch.default_generator.set_state(state)
+
+
+# the CPU generator's state read in place (_compat.cpu_generator_reader), or None
+# where its layout is not the one checked for; found at the first fingerprint
+_cpu_reader: list[Any] = []
+
+
+def _find_cpu_reader() -> Any:
+    _cpu_reader[:] = [_compat.cpu_generator_reader(torch.default_generator)]
+    return _cpu_reader[0]
 
 
 _CPU = DefaultGenerator(torch.device("cpu"))

@@ -1,0 +1,199 @@
+"""A checkpointed module's state capture, reused by its next calls where nothing it
+was built from changed (module_state._Reuse). Every change a walk would see makes
+the call walk again, and each call, reused or not, replays exactly what its forward
+read: compared with the same calls run without remat, with torch.equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import recorded_replays
+from torch import nn
+from torch.nn.utils import parametrize
+
+import torch_remat as remat
+from torch_remat.engine import module_state
+
+D = torch.float64
+SCALE = 1.0  # read by Block.forward: a module-level variable is state too
+
+
+class Block(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1 = nn.Linear(5, 7, dtype=D)
+        self.fc2 = nn.Linear(7, 5, dtype=D)
+        self.norm = nn.BatchNorm1d(7, dtype=D)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, dtype=D, generator=g))
+        self.temperature = 1.0
+        self.tag = None
+
+    def forward(self, x):
+        h = self.norm(self.fc1(x)) / self.temperature
+        return self.fc2(torch.tanh(h)) * SCALE
+
+
+def _x(seed: int) -> torch.Tensor:
+    return torch.randn(4, 5, dtype=D, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+def _walks(monkeypatch) -> list[int]:
+    """Counts the full walks of the capture (each visits the module tree)."""
+    walks: list[int] = []
+    full = module_state._module_slots
+
+    def counted(*args, **kwargs):
+        walks.append(1)
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(module_state, "_module_slots", counted)
+    return walks
+
+
+def _step(model, x, between=None):
+    """forward, ``between(model)``, backward: the gradients and the model's state."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = model(x)
+    if between is not None:
+        between(model)
+    y.sum().backward()
+    return [x.grad, *(p.grad for p in model.parameters())], [b.clone() for b in model.buffers()]
+
+
+def _compare(changes, betweens=None):
+    """Runs the steps with and without remat: ``changes[i](model)`` before step i,
+    ``betweens[i](model)`` between its forward and its backward."""
+    betweens = betweens or [None] * len(changes)
+    plain, wrapped = Block(), Block()
+    ckpt = remat.checkpoint(region_name="block")(wrapped)
+    results = []
+    for model, call in ((plain, plain), (wrapped, ckpt)):
+        _set_scale(1.0)
+        out = []
+        for i, (change, between) in enumerate(zip(changes, betweens)):
+            if change is not None:
+                change(model)
+            out.append(_step(_Call(model, call), _x(i), between and (lambda c, b=between: b(c.model))))
+        results.append(out)
+    for i, ((eg, eb), (gg, gb)) in enumerate(zip(*results)):
+        for j, (e, g) in enumerate(zip(eg, gg)):
+            assert (e is None) == (g is None) and (e is None or torch.equal(e, g)), f"step {i} grad {j}"
+        for j, (e, g) in enumerate(zip(eb, gb)):
+            assert torch.equal(e, g), f"step {i} buffer {j}"
+    return wrapped, ckpt
+
+
+class _Call(nn.Module):
+    """Runs ``call`` (the model or its checkpoint) with the model's parameters."""
+
+    def __init__(self, model, call):
+        super().__init__()
+        self.model = model
+        self.call = call
+
+    def forward(self, x):
+        return self.call(x)
+
+
+def test_the_second_call_reuses_the_capture_and_replays_exactly(monkeypatch):
+    walks = _walks(monkeypatch)
+    with recorded_replays() as replayed:
+        _, ckpt = _compare([None, None, None])
+    assert replayed == ["block"] * 3
+    assert ckpt.capture_memo.reuse is not None
+    # the first call walks (plus nothing else); the next two reuse
+    assert len(walks) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda m: setattr(m, "temperature", 2.0), id="attribute-rebound"),
+        pytest.param(
+            lambda m: setattr(m.fc1, "weight", nn.Parameter(m.fc1.weight.detach() * 2)),
+            id="parameter-replaced",
+        ),
+        pytest.param(lambda m: setattr(m, "fc2", _clone_linear(m.fc2, 3.0)), id="submodule-replaced"),
+        pytest.param(lambda m: m.eval(), id="eval"),
+        pytest.param(
+            lambda m: m.fc1.register_forward_hook(lambda mod, args, out: out * 1.5),
+            id="hook-added",
+        ),
+        pytest.param(
+            lambda m: parametrize.register_parametrization(m.fc1, "weight", _Doubled()),
+            id="class-changed-by-parametrize",
+        ),
+        pytest.param(lambda m: _rename(m, "tag", "label"), id="attribute-renamed-same-value"),
+        pytest.param(lambda m: _set_scale(0.5), id="global-rebound"),
+    ],
+)
+def test_a_change_between_calls_is_walked_again_and_replayed_exactly(monkeypatch, request, change):
+    walks = _walks(monkeypatch)
+    try:
+        _compare([None, None, change, None])
+    finally:
+        _set_scale(1.0)
+    # first call, then the changed one walk; the others reuse
+    # (a module with forward hooks is walked at every call: the hooks are state)
+    assert len(walks) == (3 if request.node.callspec.id == "hook-added" else 2)
+
+
+def test_a_change_between_forward_and_backward_of_a_reused_call_is_undone_for_the_replay(monkeypatch):
+    # the reused state installs the forward's values like a walked one
+    walks = _walks(monkeypatch)
+    seen = []
+
+    def swap(m):
+        seen.append(len(walks))
+        m.fc1.weight = nn.Parameter(m.fc1.weight.detach() + 1)
+        m.temperature = 3.0
+
+    with recorded_replays() as replayed:
+        _compare([None, None], [None, swap])
+    assert replayed == ["block"] * 2
+    # at the swap: no walk yet in the run without remat; one (the first call's) with
+    # remat, whose second call reused it
+    assert seen == [0, 1]
+
+
+def test_buffers_updated_in_forward_are_copied_at_every_reused_call():
+    # BatchNorm in training mode: its running statistics replayed from a copy taken
+    # at each call's start, so they advance once per step
+    _compare([None] * 4)
+
+
+def test_a_module_among_the_arguments_is_walked_at_every_call(monkeypatch):
+    walks = _walks(monkeypatch)
+    block = Block()
+    ckpt = remat.checkpoint(region_name="pair")(lambda m, x: m(x))
+    for i in range(3):
+        ckpt(block, _x(i)).sum().backward()
+    assert len(walks) == 3
+
+
+def _clone_linear(lin: nn.Linear, factor: float) -> nn.Linear:
+    new = nn.Linear(lin.in_features, lin.out_features, dtype=D)
+    with torch.no_grad():
+        new.weight.copy_(lin.weight * factor)
+        new.bias.copy_(lin.bias)
+    return new
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+def _rename(m, old, new):
+    value = getattr(m, old)
+    delattr(m, old)
+    setattr(m, new, value)
+
+
+def _set_scale(value):
+    global SCALE
+    SCALE = value
