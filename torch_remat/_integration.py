@@ -36,7 +36,7 @@ from ._compat import (
 from .diagnostics.format import format_bytes
 from .engine.frame import CheckpointFrame
 from .engine.observers import CheckpointObserver, observe
-from .engine.rng import DefaultGenerator, RNGUse, fingerprints
+from .engine.rng import DefaultGenerator, RNGUse, cpu_fingerprint_allocates, fingerprints
 
 
 def generator_positions() -> list[Any]:
@@ -73,9 +73,11 @@ def cpu_rng_state_reads(
 ) -> Iterator[None]:
     """While active, the engine's reads of the CPU generator's state are reported:
     ``kept(state)`` for each copy it takes (a checkpoint's snapshot, a real tensor
-    allocated outside the dispatcher), ``read()`` before each fingerprint (a copy
-    read and freed at once)."""
+    allocated outside the dispatcher), ``read()`` before each fingerprint that
+    copies the state (read and freed at once; where the state's layout is known it
+    is read in place, with no copy)."""
     get_state, fingerprint = DefaultGenerator.get_state, DefaultGenerator.fingerprint
+    copies = cpu_fingerprint_allocates()
 
     def reported_get_state(self: DefaultGenerator) -> Any:
         state = get_state(self)
@@ -84,7 +86,7 @@ def cpu_rng_state_reads(
         return state
 
     def reported_fingerprint(self: DefaultGenerator) -> Any:
-        if self.device.type == "cpu":
+        if copies and self.device.type == "cpu":
             read()
         return fingerprint(self)
 

@@ -59,6 +59,13 @@ tensor it holds and that tensor's version. Around the replay:
   again). Training-mode batch norm, whose kernels update the running statistics
   without a version bump, is always copied.
 
+A checkpointed module called on tensors reuses its last call's capture where
+nothing the walk read changed (:class:`_Reuse`: every ``__dict__``, parameter,
+buffer and submodule dict of its modules holds the same keys and objects, their
+classes and the user's class attributes are the same, no forward hook exists and
+the module-level variables read are bound as before); the tensors' versions,
+``requires_grad`` and the buffer copies are taken anew at every call.
+
 The modules behind a function: the function itself if it is an ``nn.Module``, the
 object of a bound method, the callable and arguments of a ``functools.partial``,
 what ``__wrapped__`` points to, modules in the closure, and the module named by a

@@ -112,6 +112,13 @@ def _find_cpu_reader() -> Any:
     return _cpu_reader[0]
 
 
+def cpu_fingerprint_allocates() -> bool:
+    """Whether a fingerprint of the CPU generator allocates a copy of its state (a
+    real tensor outside the dispatcher), where its layout was not found."""
+    read = _cpu_reader[0] if _cpu_reader else _find_cpu_reader()
+    return read is None
+
+
 _CPU = DefaultGenerator(torch.device("cpu"))
 _cuda_generators: list[DefaultGenerator] = []
 
