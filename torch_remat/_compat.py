@@ -102,6 +102,8 @@ oneDNN, SDPA backends, deterministic algorithms   change what an op computes or 
 ``_C._len_torch_function_stack``, ``_get_         run the replay under the TorchFunctionModes
 function_stack_at``, ``_push_on/_pop_torch_       of its forward (a ``torch.device`` block)
 function_stack``
+``_C._is_any_autocast_enabled``                  skip reading each device's autocast state at
+                                                  every checkpoint call when none is on
 the memory layout of ``CPUGeneratorImpl``        tell whether a random number was drawn from
 (its mt19937 words and cached normal samples,     the CPU generator without ``get_state()``
 found and checked at first use)                   (a 5 KB tensor) twice per checkpoint call
@@ -936,3 +938,8 @@ def cpu_generator_reader(g: torch.Generator) -> Callable[[], Any] | None:
     read = _field_views(base, *found)
     read.generator = g  # type: ignore[attr-defined]  # (keeps the generator alive)
     return read
+
+
+def any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device type (one C call)."""
+    return torch._C._is_any_autocast_enabled()

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import Block, assert_bitwise_equal, grads
+from helpers import Block, assert_bitwise_equal, grads, recorded_replays
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_remat as remat
@@ -26,6 +26,32 @@ def test_autocast_is_replayed_in_backward():
     expected = grads(params, [x], loss_of(block))
     actual = grads(params, [x], loss_of(remat.checkpoint(region_name="c")(block)))
     assert_bitwise_equal(actual, expected)
+
+
+@pytest.mark.parametrize("forward_autocast", [False, True])
+def test_a_backward_inside_autocast_replays_with_the_forwards_autocast(forward_autocast):
+    # the forward ran with autocast off everywhere and the backward inside a CPU
+    # autocast block, or the other way round: the replay runs as the forward ran
+    torch.manual_seed(0)
+    block = Block(dim=16, heads=2, dropout=0.0, dtype=torch.float32)
+    params = list(block.parameters())
+    x = torch.randn(2, 5, 16, requires_grad=True)
+
+    def run(f):
+        for p in [*params, x]:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=forward_autocast):
+            out = f(x).float().square().sum()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not forward_autocast):
+            out.backward()
+        return [p.grad for p in [x, *params]]
+
+    expected = run(block)
+    with recorded_replays() as replayed:
+        actual = run(remat.checkpoint(region_name="c")(block))
+    assert replayed == ["c"]
+    for e, a in zip(expected, actual):
+        assert torch.equal(e, a)
 
 
 class CountingHooks(torch.autograd.graph.saved_tensors_hooks):

@@ -147,8 +147,16 @@ def _autocast_devices(leaves: Sequence[Any]) -> list[str]:
     return devices
 
 
-def autocast_state(leaves: Sequence[Any]) -> list[tuple[str, bool, torch.dtype]]:
-    """Autocast settings of every device the arguments live on (and CPU, CUDA)."""
+# the device types autocast has a dispatch key for: where a replay whose forward ran
+# with autocast off everywhere turns it off (see CheckpointFrame._autocast_context)
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps", "xla", "privateuseone", "mtia", "maia", "ipu")
+
+
+def autocast_state(leaves: Sequence[Any]) -> list[tuple[str, bool, torch.dtype]] | None:
+    """Autocast settings of every device the arguments live on (and CPU, CUDA);
+    None when autocast is off on every device (one call, the common case)."""
+    if not _compat.any_autocast_enabled():
+        return None
     return [
         (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         for dev in _autocast_devices(leaves)
@@ -227,7 +235,8 @@ class CheckpointFrame:
         self.leaves: list[Any] = []
         self.spec = None
         self.entry_states: list[Any] = []
-        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+        # (device, enabled, dtype) per device; None: off on every device
+        self.autocast: list[tuple[str, bool, torch.dtype]] | None = None
         self.autocast_cache = True
         # torch's process-wide switches (_compat.TORCH_SETTINGS: default dtype, matmul
         # precision, attention backends...) and the TorchFunctionModes active when the
@@ -760,6 +769,18 @@ class CheckpointFrame:
 
     def _autocast_context(self) -> contextlib.AbstractContextManager:
         """The forward's autocast settings where they differ from the current ones."""
+        if self.autocast is None:  # off everywhere in the forward
+            if not _compat.any_autocast_enabled():
+                return _NO_RANGE
+            stack = contextlib.ExitStack()
+            for dev in _AUTOCAST_DEVICES:
+                try:
+                    on = torch.is_autocast_enabled(dev)
+                except RuntimeError:  # a device type this build does not know
+                    continue
+                if on:
+                    stack.enter_context(torch.autocast(dev, enabled=False))
+            return stack
         changed = [
             (dev, enabled, dtype)
             for dev, enabled, dtype in self.autocast
