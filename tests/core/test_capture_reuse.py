@@ -197,3 +197,125 @@ def _rename(m, old, new):
 def _set_scale(value):
     global SCALE
     SCALE = value
+
+
+class Counting(nn.Module):
+    """A SAVE region whose body rebinds module attributes (a counter, a tensor
+    attribute, a renamed flag) that the code after it reads, on the calls whose
+    input says so: the calls before one that rebinds leave the module as it was, so
+    that call's capture is reused."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Block()
+        self.calls = 0
+        self.shift = torch.zeros(7, dtype=D)
+        self.flag = None
+
+    def _body(self, x):
+        if float(x[0, 0].detach()) > 0:
+            self.calls += 1
+            self.shift = self.shift + 0.25
+            if self.calls % 2:  # (renamed, same value: only the keys tell)
+                del self.flag
+                self.marker = None
+            else:
+                del self.marker
+                self.flag = None
+        return self.inner.fc1(x)
+
+    def forward(self, x):
+        h = remat.recompute_needs_tensor(remat.region(self._body, "body", recompute=False)(x))
+        scale = (1.0 + self.calls) * (2.0 if hasattr(self, "marker") else 1.0)
+        # (the replay recomputes tanh's output, saved for backward, from them)
+        return self.inner.fc2(torch.tanh(h + self.shift * scale))
+
+
+SIGNS = [-1, -1, 1, -1, -1, 1, 1]  # the calls whose body rebinds: 3rd, 6th, 7th
+
+
+def _counting_steps(model, call):
+    out = []
+    for i, sign in enumerate(SIGNS):
+        model.zero_grad(set_to_none=True)
+        x = _x(i).detach()
+        x[0, 0] = sign
+        x.requires_grad_()
+        call(x).sum().backward()
+        out.append([x.grad, *(p.grad for p in model.parameters()), model.shift.clone()])
+    return out, model.calls
+
+
+def test_attributes_a_save_regions_body_rebinds_are_seen_in_reused_calls(monkeypatch):
+    walks = _walks(monkeypatch)
+    plain, wrapped = Counting(), Counting()
+    expected, calls = _counting_steps(plain, plain)
+    ckpt = remat.checkpoint(region_name="counting")(wrapped)
+    with recorded_replays() as replayed:
+        got, got_calls = _counting_steps(wrapped, ckpt)
+    assert replayed == ["counting"] * len(SIGNS)
+    assert got_calls == calls == 3
+    for i, (e, g) in enumerate(zip(expected, got)):
+        for j, (a, b) in enumerate(zip(e, g)):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"step {i} item {j}"
+    # walked: the first call and each call after one that rebound (4th, 7th)
+    assert len(walks) == 3
+
+
+def test_a_reused_calls_replay_still_checks_what_no_dict_version_shows(monkeypatch):
+    # an in-place update of a parameter (its version), a flipped requires_grad, a
+    # rebound module-level variable and hooks registered between the forward and its
+    # backward: each is seen by the replay of a call whose capture was reused
+    def step(model, ckpt, between):
+        model.zero_grad(set_to_none=True)
+        y = ckpt(_x(0))
+        between(model)
+        y.sum().backward()
+
+    def inplace(m):
+        with torch.no_grad():
+            m.fc1.weight.add_(1)
+
+    model = Block()
+    ckpt = remat.checkpoint(region_name="block")(model)
+    step(model, ckpt, lambda m: None)
+    with pytest.raises(remat.SavedTensorModifiedError, match="fc1.weight"):
+        step(model, ckpt, inplace)
+    assert ckpt.capture_memo.reuse is not None
+
+    for between in (
+        lambda m: m.fc2.weight.requires_grad_(False),
+        lambda m: _set_scale(4.0),
+        lambda m: m.fc1.register_forward_hook(lambda mod, args, out: out * 3),
+        lambda m: nn.modules.module.register_module_forward_hook(lambda mod, args, out: out * 3),
+    ):
+        plain, wrapped = Block(), Block()
+        ckpt = remat.checkpoint(region_name="block")(wrapped)
+        handles = []
+        try:
+            results = []
+            for model, call in ((plain, plain), (wrapped, ckpt)):
+                _set_scale(1.0)
+                for h in handles:
+                    h.remove()
+                handles.clear()
+                grads = []
+                for i in range(2):
+                    model.zero_grad(set_to_none=True)
+                    x = _x(i)
+                    y = call(x)
+                    if i == 1:
+                        h = between(model)
+                        if hasattr(h, "remove") and not isinstance(h, torch.Tensor):
+                            handles.append(h)
+                    y.sum().backward()
+                    grads.append([x.grad, *(p.grad for p in model.parameters())])
+                results.append(grads)
+            assert ckpt.capture_memo.reuse is not None
+            for e, g in zip(*results):
+                for a, b in zip(e, g):
+                    assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        finally:
+            for h in handles:
+                h.remove()
+            _set_scale(1.0)

@@ -124,6 +124,71 @@ _CALLABLES = frozenset({types.FunctionType, types.MethodType, functools.partial}
 _NO_TYPES: frozenset[type] = frozenset()
 
 
+def _dict_version_offset() -> int | None:
+    """Where a ``dict`` keeps its version tag (PEP 509: a number that changes at
+    every insertion, deletion or rebinding of a value), checked on dicts written
+    every way a module's or an object's attributes are; None where this CPython
+    has none (3.14 removed it) or keeps it elsewhere."""
+    import ctypes
+    import struct
+
+    if sys.version_info >= (3, 14) or hasattr(sys, "_is_gil_enabled"):
+        return None
+    offset = object.__basicsize__ + struct.calcsize("n")  # after ma_used
+
+    def tag(d: dict) -> int:
+        return ctypes.c_uint64.from_address(id(d) + offset).value
+
+    class Probe:
+        pass
+
+    try:
+        d: dict = {}
+        m, obj = nn.Module(), Probe()
+        md, od = m.__dict__, obj.__dict__
+        writes = [
+            (d, lambda: d.__setitem__("a", 1)),
+            (d, lambda: d.__setitem__("a", 2)),
+            (d, lambda: d.pop("a")),
+            (md, lambda: setattr(m, "scale", 1.0)),
+            (md, lambda: setattr(m, "scale", 2.0)),
+            (md, lambda: delattr(m, "scale")),
+            (md, lambda: m.train(False)),
+            (m._buffers, lambda: m.register_buffer("b", None)),
+            (m._buffers, lambda: setattr(m, "b", torch.zeros(1))),
+        ]
+        for i in range(16):  # (after the interpreter specializes the stores)
+            writes.append((od, lambda i=i: setattr(obj, "n", i)))
+        for target, write in writes:
+            before = tag(target)
+            if tag(target) != before:
+                return None
+            write()
+            if tag(target) == before:
+                return None
+    except Exception:
+        return None
+    return offset
+
+
+_DICT_VERSION_AT = _dict_version_offset()
+
+
+def dict_version_views(dicts: Any) -> list[Any] | None:
+    """A view of each dict's version tag (read its ``value``); None where this
+    CPython has no tag (see _dict_version_offset)."""
+    if _DICT_VERSION_AT is None:
+        return None
+    import ctypes
+
+    at = _DICT_VERSION_AT
+    from_address = ctypes.c_uint64.from_address
+    return [from_address(id(d) + at) for d in dicts]
+
+
+_tag_of = operator.attrgetter("value")
+
+
 _NOT_PLAIN = (
     nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
     types.BuiltinFunctionType, functools.partial, BaseException, enum.Enum,
@@ -312,6 +377,15 @@ def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
         reads = tuple(_MergedReads(fs[0].__globals__, fs) for fs in by_module.values())
         info = _CLASS_INFO[cls] = (reads, users)
     return info
+
+
+def _class_dict_of(view: Any) -> dict | None:
+    """The dict behind a class's attributes (its ``__dict__`` is a read-only proxy
+    of it); None if not found."""
+    import gc
+
+    refs = gc.get_referents(view.target.__dict__)
+    return refs[0] if len(refs) == 1 and type(refs[0]) is dict else None
 
 
 class _ClassDict(_AttributeView):
@@ -996,7 +1070,7 @@ class _Reuse:
 
     __slots__ = (
         "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
-        "params", "slots", "groups", "others", "global_values", "class_values",
+        "params", "slots", "groups", "others", "global_values", "class_values", "versions",
     )
 
     def __init__(self, fn: nn.Module, modules: list[nn.Module], state: ModuleState) -> None:
@@ -1031,6 +1105,14 @@ class _Reuse:
         self.others = state.others
         self.global_values = state.global_values
         self.class_values = state.class_values
+        # the version tags of every dict compared, modules' attributes first (one per
+        # module, in ``others`` order), then their parameters', buffers' and
+        # submodules', then the classes' (kept alive by ``dicts`` and ``class_values``)
+        class_dicts = [_class_dict_of(d) for d, _ in state.class_values]
+        self.versions = None if None in class_dicts else dict_version_views(
+            [*self.dicts[0::4], *(d for i, d in enumerate(self.dicts) if i % 4),
+             *self.hook_dicts, *class_dicts]
+        )
 
     def _values_now(self) -> list[Any]:
         now = list(_from_iterables(map(_values, self.dicts)))
@@ -1086,6 +1168,9 @@ class _Reuse:
         state = ModuleState(params, slots, groups, self.others)
         state.global_values = self.global_values
         state.class_values = self.class_values
+        if self.versions is not None:
+            state.versions = self.versions
+            state.versions_at_entry = list(map(_tag_of, self.versions))
         return state
 
 
@@ -1095,7 +1180,7 @@ class ModuleState:
     __slots__ = (
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
-        "hooks_at_entry",
+        "hooks_at_entry", "versions", "versions_at_entry", "versions_seen",
     )
 
     def __init__(
@@ -1139,6 +1224,13 @@ class ModuleState:
         # classes (not looked at where a SAVE region returns: rebound in the forward
         # itself, a class attribute is replayed from its entry value)
         self.class_values: list[tuple[_ClassDict, dict]] = []
+        # a reused capture's (_Reuse) views of the version tags of the dicts it
+        # compared, modules' attributes first, and their values at entry and at the
+        # last look (attributes_rebound); None where unknown (then every dict is
+        # compared entry by entry)
+        self.versions: list[Any] | None = None
+        self.versions_at_entry: list[int] = []
+        self.versions_seen: list[int] | None = None
 
     @staticmethod
     def capture(
@@ -1407,9 +1499,24 @@ class ModuleState:
         if self.seen is None:
             self.seen = [entry for _, entry, _, _ in self.others]
         changes = None
-        for i, (d, _, _, _) in enumerate(self.others):
+        versions = self.versions
+        if versions is not None:
+            # a module whose attributes' dict kept its version tag rebound nothing
+            n = len(self.others)
+            now = list(map(_tag_of, versions[:n]))
+            last_versions = self.versions_seen or self.versions_at_entry
+            if now == last_versions[:n]:
+                check = ()
+            else:
+                check = [i for i in range(n) if now[i] != last_versions[i]]
+            self.versions_seen = now + last_versions[n:]
+        else:
+            check = range(len(self.others))
+        others = self.others
+        for i in check:
+            d = others[i][0]
             last = self.seen[i]
-            if len(d) == len(last) and all(map(operator.is_, d.values(), last.values())):
+            if len(d) == len(last) and all(map(operator.is_, d.values(), last.values())) and d.keys() == last.keys():
                 continue
             changes = changes or []
             for key, value in d.items():
@@ -1460,8 +1567,17 @@ class ModuleState:
         them, fresh copies of updated buffers in place of the buffers. Returns what
         :meth:`restore` puts back."""
         undo: list[tuple[Any, Any, Any]] = []
+        # a reused capture whose dicts all kept their version tags since the forward
+        # started, with no global forward hook: every attribute, submodule, parameter
+        # slot, hook dict and class attribute is as it was (the versions of the
+        # tensors, their requires_grad and the module-level variables are checked)
+        versions = self.versions
+        unchanged = (
+            versions is not None and list(map(_tag_of, versions)) == self.versions_at_entry
+            and not any(_GLOBAL_HOOKS)
+        )
         try:
-            for d, entry, children, kids in self.others:
+            for d, entry, children, kids in () if unchanged else self.others:
                 # attributes rebound since the forward started, by the forward itself
                 # (self.calls += 1) or by the caller (model.eval(), a temperature set
                 # per micro-batch), and attributes added since: as at entry
@@ -1473,7 +1589,8 @@ class ModuleState:
                         if current is not child:  # a replaced submodule
                             undo.append((children, key, current))
                             children[key] = child
-            _install_hooks(self.others, self.hooks_at_entry, undo)
+            if not unchanged:
+                _install_hooks(self.others, self.hooks_at_entry, undo)
             for cell, value in self.cell_values:
                 current = _cell_contents(cell)
                 if current is not value:
@@ -1483,7 +1600,7 @@ class ModuleState:
                         del slot[None]
                     else:
                         slot[None] = value
-            for d, entry in self.class_values:
+            for d, entry in () if unchanged else self.class_values:
                 if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
                     _install_attributes(d, entry, undo)
             for g, name, value in self.global_values:
