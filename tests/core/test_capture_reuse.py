@@ -319,3 +319,47 @@ def test_a_reused_calls_replay_still_checks_what_no_dict_version_shows(monkeypat
             for h in handles:
                 h.remove()
             _set_scale(1.0)
+
+
+def test_attributes_rebound_in_later_save_regions_of_one_call_are_replayed():
+    # a function (not a module: its capture is walked at every call) with three
+    # SAVE regions; the first look compares every attribute, the later ones read the
+    # dicts' version tags first
+    def build():
+        m = Block()
+        m.shift = torch.zeros(7, dtype=D)
+
+        def region_a(h):
+            return m.fc1(h)
+
+        def region_b(h):
+            m.temperature = m.temperature + 1.0
+            return h * 1.5
+
+        def region_c(h):
+            m.shift = m.shift + 0.5
+            del m.tag
+            m.label = None  # (renamed, same value)
+            return h - 1.0
+
+        def fn(x):
+            h = remat.region(region_a, "a", recompute=False)(x)
+            h = remat.recompute_needs_tensor(remat.region(region_b, "b", recompute=False)(h))
+            g = torch.tanh(h / m.temperature)  # (tanh's output is saved: replayed)
+            g = remat.recompute_needs_tensor(remat.region(region_c, "c", recompute=False)(g))
+            k = 2.0 if hasattr(m, "label") else 1.0
+            return m.fc2(torch.tanh(g + m.shift * k))
+
+        return m, fn
+
+    results = []
+    for wrap in (False, True):
+        m, fn = build()
+        call = remat.checkpoint(region_name="fn")(fn) if wrap else fn
+        x = _x(0)
+        with recorded_replays() as replayed:
+            call(x).sum().backward()
+        assert replayed == (["fn"] if wrap else [])
+        results.append([x.grad, *(p.grad for p in m.parameters()), m.shift, m.temperature])
+    for a, b in zip(*results):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b

@@ -1171,6 +1171,9 @@ class _Reuse:
         if self.versions is not None:
             state.versions = self.versions
             state.versions_at_entry = list(map(_tag_of, self.versions))
+            n = len(self.others)
+            state.attr_versions = self.versions[:n]
+            state.versions_seen = state.versions_at_entry[:n]
         return state
 
 
@@ -1180,7 +1183,7 @@ class ModuleState:
     __slots__ = (
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
-        "hooks_at_entry", "versions", "versions_at_entry", "versions_seen",
+        "hooks_at_entry", "versions", "versions_at_entry", "attr_versions", "versions_seen",
     )
 
     def __init__(
@@ -1230,6 +1233,9 @@ class ModuleState:
         # compared entry by entry)
         self.versions: list[Any] | None = None
         self.versions_at_entry: list[int] = []
+        # views of the version tags of the dicts in ``others`` alone (any capture
+        # whose ``others`` are all dicts), their values at the last look
+        self.attr_versions: list[Any] | None = None
         self.versions_seen: list[int] | None = None
 
     @staticmethod
@@ -1499,19 +1505,24 @@ class ModuleState:
         if self.seen is None:
             self.seen = [entry for _, entry, _, _ in self.others]
         changes = None
-        versions = self.versions
+        versions = self.attr_versions
         if versions is not None:
             # a module whose attributes' dict kept its version tag rebound nothing
-            n = len(self.others)
-            now = list(map(_tag_of, versions[:n]))
-            last_versions = self.versions_seen or self.versions_at_entry
-            if now == last_versions[:n]:
+            now = list(map(_tag_of, versions))
+            last_versions = self.versions_seen
+            if now == last_versions:
                 check = ()
             else:
-                check = [i for i in range(n) if now[i] != last_versions[i]]
-            self.versions_seen = now + last_versions[n:]
+                check = [i for i, (a, b) in enumerate(zip(now, last_versions)) if a != b]
+            self.versions_seen = now
         else:
             check = range(len(self.others))
+            others = self.others
+            if others and _DICT_VERSION_AT is not None and all(type(o[0]) is dict for o in others):
+                # from the next SAVE region on, the version tags tell which to compare
+                # (read now: the loop below writes nothing)
+                self.attr_versions = dict_version_views([o[0] for o in others])
+                self.versions_seen = list(map(_tag_of, self.attr_versions))
         others = self.others
         for i in check:
             d = others[i][0]
