@@ -363,3 +363,25 @@ def test_attributes_rebound_in_later_save_regions_of_one_call_are_replayed():
         results.append([x.grad, *(p.grad for p in m.parameters()), m.shift, m.temperature])
     for a, b in zip(*results):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_dict_version_tags_are_read_on_this_python():
+    # (CPython 3.10 to 3.13 keep PEP 509's tag; without it every dict is compared)
+    import sys
+
+    if sys.version_info >= (3, 14):
+        pytest.skip("CPython 3.14 has no dict version tag")
+    assert module_state._DICT_VERSION_AT is not None
+    d = {"a": 1}
+    (view,) = module_state.dict_version_views([d])
+    before = view.value
+    d["a"] = 1  # (the same object again: nothing rebound)
+    assert view.value == before
+    d["a"] = 2
+    assert view.value != before
+    block = Block()
+    ckpt = remat.checkpoint(region_name="block")(block)
+    for i in range(2):
+        ckpt(_x(i)).sum().backward()
+    reuse = ckpt.capture_memo.reuse
+    assert reuse is not None and reuse.versions is not None

@@ -131,9 +131,10 @@ def _dict_version_offset() -> int | None:
     has none (3.14 removed it) or keeps it elsewhere."""
     import ctypes
     import struct
+    import sysconfig
 
-    if sys.version_info >= (3, 14) or hasattr(sys, "_is_gil_enabled"):
-        return None
+    if sys.version_info >= (3, 14) or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None  # (a free-threaded build lays dicts out otherwise)
     offset = object.__basicsize__ + struct.calcsize("n")  # after ma_used
 
     def tag(d: dict) -> int:
