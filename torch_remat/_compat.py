@@ -940,6 +940,6 @@ def cpu_generator_reader(g: torch.Generator) -> Callable[[], Any] | None:
     return read
 
 
-def any_autocast_enabled() -> bool:
-    """Whether autocast is on for any device type (one C call)."""
-    return torch._C._is_any_autocast_enabled()
+any_autocast_enabled = torch._C._is_any_autocast_enabled
+"""Whether autocast is on for any device type (the C function itself: no Python
+frame of this module on the replay's path)."""
