@@ -107,6 +107,8 @@ function_stack``
 the memory layout of ``CPUGeneratorImpl``        tell whether a random number was drawn from
 (its mt19937 words and cached normal samples,     the CPU generator without ``get_state()``
 found and checked at first use)                   (a 5 KB tensor) twice per checkpoint call
+``_C.DisableTorchFunction``                       run those checks' ops outside the caller's
+                                                  TorchFunctionModes (a ``torch.device`` block)
 ===============================================  =============================================
 
 The torch.distributed names are looked up on first use, so that ``import torch_remat``
@@ -825,9 +827,10 @@ def _generator_impl_address(g: torch.Generator) -> int:
 def _legacy_fields(state: torch.Tensor) -> tuple[Any, ...]:
     """(seed, left, next, words, double sample valid, double sample, float sample
     valid, float sample) from a CPU ``get_state()``."""
+    import ctypes
     import struct
 
-    raw = bytes(state.untyped_storage())
+    raw = ctypes.string_at(state.data_ptr(), state.nbytes)  # (no aten op)
     seed, left, _seeded, nxt = struct.unpack_from("QiiQ", raw, 0)
     words = struct.unpack_from(f"{_MT_WORDS}Q", raw, 24)
     at = 24 + 8 * _MT_WORDS
@@ -901,8 +904,15 @@ def cpu_generator_reader(g: torch.Generator) -> Callable[[], Any] | None:
     """A function returning ``g``'s state, comparable with ``==`` (equal iff no
     number was drawn and no other state set in between), read in place; None where
     the layout is not the one checked for (then use ``get_state()``)."""
+    # (no mode of the caller's sees the checks' ops: no dispatch mode, explicit CPU)
+    with disable_current_modes(), torch._C.DisableTorchFunction():
+        return _checked_cpu_reader(g)
+
+
+def _checked_cpu_reader(g: torch.Generator) -> Callable[[], Any] | None:
+    cpu = torch.device("cpu")
     try:
-        scratch = torch.Generator()
+        scratch = torch.Generator(device=cpu)
         scratch.manual_seed(20240531)
         found = _cpu_generator_fields(scratch)
         if found is None:
@@ -912,12 +922,12 @@ def cpu_generator_reader(g: torch.Generator) -> Callable[[], Any] | None:
         # (step, whether it changes the state)
         checks = [
             (lambda: None, False),
-            (lambda: torch.randn(1, generator=scratch, dtype=torch.float64), True),  # caches a sample
+            (lambda: torch.randn(1, generator=scratch, dtype=torch.float64, device=cpu), True),  # caches a sample
             (lambda: scratch.set_state(scratch.get_state()), False),
-            (lambda: torch.rand(3, generator=scratch), True),
-            (lambda: torch.randn(1, generator=scratch, dtype=torch.float64), True),
-            (lambda: torch.randn(1, generator=scratch), True),
-            (lambda: torch.randint(0, 10, (700,), generator=scratch), True),  # past a twist
+            (lambda: torch.rand(3, generator=scratch, device=cpu), True),
+            (lambda: torch.randn(1, generator=scratch, dtype=torch.float64, device=cpu), True),
+            (lambda: torch.randn(1, generator=scratch, device=cpu), True),
+            (lambda: torch.randint(0, 10, (700,), generator=scratch, device=cpu), True),  # past a twist
             (lambda: scratch.set_state(scratch.get_state()), False),
             (lambda: scratch.manual_seed(7), True),
         ]

@@ -110,3 +110,17 @@ def test_a_draw_in_the_forward_is_still_seen_with_the_in_place_reader():
         assert "noisy" in str(e)
     else:
         raise AssertionError("a replay drawing other numbers than its forward was not refused")
+
+
+def test_finding_the_in_place_reader_runs_no_op_a_callers_mode_sees(monkeypatch):
+    # the layout is found at the first fingerprint, which may run inside a dispatch
+    # mode (gradient_checkpoint_scope's recording) or a torch.device block
+    monkeypatch.setattr(rng, "_cpu_reader", [])
+    with _Ops() as ops:
+        rng.DefaultGenerator(torch.device("cpu")).fingerprint()
+    assert ops.seen == []
+    assert rng._cpu_reader[0] is not None
+    monkeypatch.setattr(rng, "_cpu_reader", [])
+    with torch.device("meta"):
+        rng.DefaultGenerator(torch.device("cpu")).fingerprint()
+    assert rng._cpu_reader[0] is not None

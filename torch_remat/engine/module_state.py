@@ -1052,13 +1052,14 @@ class CaptureMemo:
 
 _values = dict.values
 _from_iterables = itertools.chain.from_iterable
+_dict_of = operator.attrgetter("__dict__")
 
 
 class _Reuse:
     """A capture of a module called on tensors, for the calls after it: where every
     dict the walk read (each module's ``__dict__``, ``_parameters``, ``_buffers`` and
     ``_modules``, the user's classes' attributes) holds the same keys and the same
-    objects, every module is of the same class, its forward hook dicts are still
+    objects, every module still has that ``__dict__`` and is of the same class, its forward hook dicts are still
     empty, no global forward hook is registered and the module-level variables read
     are bound as they were, a walk would find what this one found. Then the
     attribute copies, module-level variables and class copies are shared with the
@@ -1140,6 +1141,8 @@ class _Reuse:
             len(now) != len(values) or not all(map(operator.is_, now, values))
             or self._keys_now() != self.keys
             or not all(map(operator.is_, map(type, self.modules), self.types))
+            # (a module given a new __dict__ object: the walk would read that one)
+            or not all(map(operator.is_, map(_dict_of, self.modules), self.dicts[0::4]))
             or any(self.hook_dicts) or any(_GLOBAL_HOOKS)
         ):
             return None
