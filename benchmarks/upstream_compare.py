@@ -26,6 +26,7 @@ that each sample points at its package. Gradients of the two are compared with
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import os
 import re
@@ -108,12 +109,11 @@ class _Uses:
         gpt_module.remat = self.package
 
 
-def _w2(upstream: Any) -> tuple[dict, dict, list[torch.Tensor]]:
+def _w2(upstream: Any) -> tuple[dict, dict, dict]:
     torch.manual_seed(0)
-    stack = GPTStack(W2_FULL)
-    x = stack.example_input()
-    preallocate_grads(stack, x)
-    steps, setups, calls = {}, {}, {}
+    base = GPTStack(W2_FULL)
+    x = base.example_input()
+    steps, setups, params = {}, {}, {}
     # upstream keeps a SAVE output only for a region consumer or
     # recompute_needs_tensor, not for an op that saves it, and replays to the end:
     # the GELU reads fc1's
@@ -121,33 +121,24 @@ def _w2(upstream: Any) -> tuple[dict, dict, list[torch.Tensor]]:
     save_linears = replace(M.SAVE_LINEARS, keep=M.SAVE_LINEARS.keep | {"fc1", "fc2"})
     for label, policy in (("full", M.REMAT_FULL.policy), ("save linears", save_linears)):
         for side, package in (("ours", remat), ("upstream", upstream)):
+            # Each mode steps its own copy of the stack (same weights), set up once,
+            # as a training loop runs one configuration: one stack switched between
+            # modes would rebind the blocks' attributes every sample.
+            stack = copy.deepcopy(base)
+            preallocate_grads(stack, x)
             gpt_module.remat = package
             for b in stack.blocks:
                 b.set_policy(policy)
-            wrapped = [
+            stack.block_calls = [
                 package.checkpoint(region_name=f"blocks.{i}")(b) for i, b in enumerate(stack.blocks)
             ]
             name = f"W2 {label} [{side}]"
-            calls[name] = ([b._wrapped for b in stack.blocks], [b._keep for b in stack.blocks], wrapped)
+            steps[name] = (lambda stack=stack: stack(x).sum().backward())
             setups[name] = _Uses(package)
+            params[name] = list(stack.parameters())
+    return steps, setups, params
 
-    def make(name: str):
-        wrapped_sites, keeps, blocks = calls[name]
-
-        def step() -> None:
-            for b, w, k in zip(stack.blocks, wrapped_sites, keeps):
-                b._wrapped, b._keep = w, k
-            stack.block_calls = blocks
-            stack(x).sum().backward()
-
-        return step
-
-    for name in calls:
-        steps[name] = make(name)
-    return steps, setups, list(stack.parameters())
-
-
-def _w3(upstream: Any) -> tuple[dict, dict, list[torch.Tensor]]:
+def _w3(upstream: Any) -> tuple[dict, dict, dict]:
     torch.manual_seed(0)
     n, width, batch, k = 64, 64, 32, 8
     layers = nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(width, width), nn.Tanh())])
@@ -155,6 +146,7 @@ def _w3(upstream: Any) -> tuple[dict, dict, list[torch.Tensor]]:
     preallocate_grads(layers)
     per = n // k
     steps, setups = {}, {}
+    params = list(layers.parameters())
     for side, package in (("ours", remat), ("upstream", upstream)):
         def segment(j: int, package: Any = package):
             mods = list(layers[2 * j * per: 2 * (j + 1) * per])
@@ -182,7 +174,7 @@ def _w3(upstream: Any) -> tuple[dict, dict, list[torch.Tensor]]:
 
         name = f"W3 many regions [{side}]"
         steps[name], setups[name] = step, _Uses(package)
-    return steps, setups, list(layers.parameters())
+    return steps, setups, {name: params for name in steps}
 
 
 def _grads(step, params) -> list[torch.Tensor]:
@@ -202,17 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     w3_steps, w3_setups, w3_params = _w3(upstream)
     steps = {**w2_steps, **w3_steps}
     setups = {**w2_setups, **w3_setups}
+    params = {**w2_params, **w3_params}
     # the two sides must compute the same gradients before their times mean anything
     for name in steps:
         setups[name]()
         steps[name]()  # warm-up
     for name in [n for n in steps if n.endswith("[ours]")]:
         peer = name.replace("[ours]", "[upstream]")
-        params = w3_params if name.startswith("W3") else w2_params
         setups[name]()
-        ours = _grads(steps[name], params)
+        ours = _grads(steps[name], params[name])
         setups[peer]()
-        theirs = _grads(steps[peer], params)
+        theirs = _grads(steps[peer], params[peer])
         if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
             print(f"{name}: gradients differ from upstream's", file=sys.stderr)
             return 1
