@@ -16,7 +16,8 @@ SAVE-region policies, and SAVE policies whose kept tensors the
   alone is the last call of its step, which prefetch 1 keeps resident, so its
   parts hold the offloader's bookkeeping and no copies.
 * **measured** added step time: whole steps, the options interleaved in an order
-  rotated every round (``--rounds``), the garbage collector off;
+  rotated every round (``--rounds``), each on its own copy of the stack installed
+  once, the garbage collector off;
   ``_time.added_step_seconds``: the mean of the option's fastest fifth of steps
   minus no remat's (the least-disturbed steps: on a shared machine other work only
   adds; a fifth moves less between runs than the minimum, ``--fastest 0``).

@@ -900,12 +900,19 @@ def _field_views(base: int, at: int, float_at: int, double_at: int) -> Callable[
     return read
 
 
+@contextlib.contextmanager
+def outside_modes():
+    """Run the engine's own checks outside the caller's dispatch and function modes."""
+    with disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
 def cpu_generator_reader(g: torch.Generator) -> Callable[[], Any] | None:
     """A function returning ``g``'s state, comparable with ``==`` (equal iff no
     number was drawn and no other state set in between), read in place; None where
     the layout is not the one checked for (then use ``get_state()``)."""
     # (no mode of the caller's sees the checks' ops: no dispatch mode, explicit CPU)
-    with disable_current_modes(), torch._C.DisableTorchFunction():
+    with outside_modes():
         return _checked_cpu_reader(g)
 
 

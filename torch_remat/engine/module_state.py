@@ -98,6 +98,7 @@ PARAMETER = "parameter"
 BUFFER = "buffer"
 CLOSURE = "closure variable"
 ATTRIBUTE = "tensor attribute"
+GLOBAL = "module-level tensor"
 
 _MAX_DEPTH = 4
 _MISSING = object()
@@ -350,7 +351,13 @@ def _attributes(obj: Any) -> list[Any]:
     return out
 
 
-_CLASS_INFO: dict[type, tuple[tuple[Any, ...], tuple[type, ...]]] = {}
+_CLASS_INFO: dict[type, tuple[tuple[Any, ...], tuple[type, ...], tuple[Any, ...], list[Any]]] = {}
+_METHOD_TYPES = (types.FunctionType, staticmethod, classmethod, property)
+
+
+def _class_methods(users: tuple[type, ...]) -> list[Any]:
+    """The functions, static and class methods and properties the classes define."""
+    return [v for c in users for v in list(vars(c).values()) if isinstance(v, _METHOD_TYPES)]
 
 
 def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
@@ -358,26 +365,35 @@ def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
     read (its ``forward`` and the helpers it calls: every plain function the user's
     classes in its method resolution order define, static and class methods and
     properties included), as :class:`_MergedReads`, one per module; and those
-    classes."""
+    classes. Looked at again when a method was defined, replaced or removed since
+    (``Block.forward = patched``), or the method resolution order changed."""
     info = _CLASS_INFO.get(cls)
-    if info is None:
-        users = tuple(c for c in cls.__mro__ if c is not object and not _from_library(c))
-        methods: dict[int, Any] = {}
-        for c in users:
-            for v in list(vars(c).values()):
-                if isinstance(v, (staticmethod, classmethod)):
-                    v = v.__func__
-                found = (v.fget, v.fset) if isinstance(v, property) else (v,)
-                for f in found:
-                    if type(f) is types.FunctionType and (_global_names(f) or _module_attr_names(f)):
-                        methods[id(f)] = f
-        # one merged read per module the methods live in (a class may define hundreds)
-        by_module: dict[int, list[Any]] = {}
-        for f in methods.values():
-            by_module.setdefault(id(f.__globals__), []).append(f)
-        reads = tuple(_MergedReads(fs[0].__globals__, fs) for fs in by_module.values())
-        info = _CLASS_INFO[cls] = (reads, users)
-    return info
+    if info is not None:
+        reads, users, mro, defined = info
+        if mro is cls.__mro__ or mro == cls.__mro__:
+            now = _class_methods(users)
+            if len(now) == len(defined) and all(map(operator.is_, now, defined)):
+                return reads, users
+    users = tuple(c for c in cls.__mro__ if c is not object and not _from_library(c))
+    defined = _class_methods(users)
+    methods: dict[int, Any] = {}
+    for v in defined:
+        if isinstance(v, (staticmethod, classmethod)):
+            v = v.__func__
+        found = (v.fget, v.fset) if isinstance(v, property) else (v,)
+        for f in found:
+            # (and the method behind a decorator: @torch.no_grad(), functools.wraps)
+            while type(f) is types.FunctionType and id(f) not in methods:
+                if _global_names(f) or _module_attr_names(f):
+                    methods[id(f)] = f
+                f = f.__dict__.get("__wrapped__")
+    # one merged read per module the methods live in (a class may define hundreds)
+    by_module: dict[int, list[Any]] = {}
+    for f in methods.values():
+        by_module.setdefault(id(f.__globals__), []).append(f)
+    reads = tuple(_MergedReads(fs[0].__globals__, fs) for fs in by_module.values())
+    _CLASS_INFO[cls] = (reads, users, cls.__mro__, defined)
+    return reads, users
 
 
 def _class_dict_of(view: Any) -> dict | None:
@@ -409,9 +425,13 @@ def _class_dict(cls: type) -> _ClassDict:
 
 
 _GLOBAL_NAMES: dict[Any, tuple[str, ...]] = {}
-"""Per code object, the names it (and the code nested in it: comprehensions,
-lambdas) reads that its module defined when it was first looked at, modules and
-classes aside; empty for torch's and torch_remat's own code."""
+"""Per code object, the module-level names it (and the code nested in it:
+comprehensions, lambdas, inner functions) reads, modules and the library's classes
+aside, and builtins its module does not shadow; a name its module does not define
+yet is among them (read where it is defined by the time of a later call); empty for
+torch's and torch_remat's own code."""
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
 def _global_names(func: Any) -> tuple[str, ...]:
@@ -429,12 +449,16 @@ def _global_names(func: Any) -> tuple[str, ...]:
             todo = [code]
             while todo:
                 c = todo.pop()
-                found.update(dict.fromkeys(c.co_names))
+                found.update((ins.argval, None) for ins in dis.get_instructions(c) if ins.opname in _GLOBAL_OPS)
                 todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+            builtins = g.get("__builtins__", {})
+            if isinstance(builtins, types.ModuleType):
+                builtins = builtins.__dict__
             names = tuple(
                 n for n in found
-                if n in g and not isinstance(g[n], types.ModuleType)
-                and not (isinstance(g[n], type) and _from_library(g[n]))
+                if (n in g and not isinstance(g[n], types.ModuleType)
+                    and not (isinstance(g[n], type) and _from_library(g[n])))
+                or (n not in g and n not in builtins)
             )
         _GLOBAL_NAMES[code] = names
     return names
@@ -554,6 +578,7 @@ def _read_names(
         if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
             seen.add(id(value))
             _read_globals(value, out, seen, depth + 1)
+            _read_wrapped(value, out, seen, depth + 1)
     for path, attrs in module_attrs:
         module = g.get(path[0])
         for name in path[1:]:
@@ -571,6 +596,30 @@ def _read_names(
             if type(value) is types.FunctionType and depth < _MAX_DEPTH and id(value) not in seen:
                 seen.add(id(value))
                 _read_globals(value, out, seen, depth + 1)
+                _read_wrapped(value, out, seen, depth + 1)
+
+
+def _read_wrapped(func: Any, out: list[tuple[dict, str, Any]], seen: set[Any], depth: int) -> None:
+    """The functions behind a decorated one (``functools.wraps``' ``__wrapped__``,
+    the functions in a wrapper's closure, as a decorator holds the one it wraps):
+    their module-level variables are read too, the decorator's own code (torch's
+    ``compiler.disable`` among them) aside or not."""
+    behind: list[Any] = []
+    wrapped = func.__dict__.get("__wrapped__") if hasattr(func, "__dict__") else None
+    if type(wrapped) is types.FunctionType:
+        behind.append(wrapped)
+    for cell in func.__closure__ or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if type(v) is types.FunctionType:
+            behind.append(v)
+    for f in behind:
+        if depth <= _MAX_DEPTH and id(f) not in seen:
+            seen.add(id(f))
+            _read_globals(f, out, seen, depth)
+            _read_wrapped(f, out, seen, depth + 1)
 
 
 _HELD_CALLABLES = (types.MethodType, functools.partial)
@@ -1025,6 +1074,12 @@ def _module_slots(
                     push((p + k + ".", c))
 
 
+_WRITES_UNSEEN: weakref.WeakSet = weakref.WeakSet()
+"""Modules a forward was seen to update a buffer of without bumping its version (a
+plain module calling ``F.batch_norm`` on buffers of its own): their buffers are
+copied at every call."""
+
+
 def _updates_buffers_unseen(m: nn.Module) -> bool:
     # The batch-norm kernels update running_mean/var in place without bumping their
     # versions; only num_batches_tracked (updated in Python) shows the update.
@@ -1032,7 +1087,24 @@ def _updates_buffers_unseen(m: nn.Module) -> bool:
         isinstance(m, _compat.BatchNormBase)
         and m.training
         and m.track_running_stats
-    )
+    ) or m in _WRITES_UNSEEN
+
+
+def _written_unseen(group: list[_Slot]) -> bool:
+    """A buffer of ``group`` holds other values than its copy at the start though its
+    version did not move (written by a kernel that does not bump it). Compared on
+    plain tensors with values only, outside the caller's dispatch and function modes
+    (a forecast's fake mode, a FLOP counter: the engine's own comparison is none of
+    theirs)."""
+    compared = [
+        s for s in group
+        if s.copy is not None and type(s.tensor) is torch.Tensor and type(s.copy) is torch.Tensor
+        and not s.tensor.is_meta
+    ]
+    if not compared:
+        return False
+    with _compat.outside_modes(), torch.no_grad():
+        return any(not torch.equal(s.copy, s.tensor) for s in compared)
 
 
 BufferMemo = dict
@@ -1340,11 +1412,28 @@ class ModuleState:
             if f.__kwdefaults__:
                 objects.extend(f.__kwdefaults__.values())
         user_classes: list[type] = []
+
+        def named_classes(entries: list[tuple[dict, str, Any]]) -> list[type]:
+            # the user's classes that the methods read name (Config.SCALE in a
+            # forward): their attributes are state, and their methods are read in
+            # turn (the loop below)
+            named = []
+            for _, _, v in entries:
+                if isinstance(v, type) and _user_module_name(v.__module__):
+                    try:
+                        if v not in classes:
+                            named.extend(_class_info(v)[1])
+                    except TypeError:  # a metaclass with __eq__ and no __hash__
+                        continue
+            return named
+
+        start = len(global_values)
         for cls in classes:
             reads, users = _class_info(cls)
             read_globals(reads)
             if users:
                 user_classes.extend(users)
+        named = named_classes(global_values[start:])
         # values that hold further state: generator objects (forked), plain objects
         # (their attributes), lists, dicts and sets (their contents)
         held: list[Any] = [v for _, v in values]
@@ -1357,6 +1446,7 @@ class ModuleState:
         found: list[nn.Module] = []
         done = set(classes)  # the classes whose methods' module-level variables were read
         done.update(user_classes)
+        user_classes.extend(named)
         _held_state(held, n_local, seen, slots, others, containers, generators, user_classes, found)
         for _ in range(_MAX_DEPTH):
             # the classes of the plain objects found (a method of a config reading a
@@ -1383,6 +1473,7 @@ class ModuleState:
                 read_globals(reads)
                 user_classes.extend(users)
                 done.update(users)
+            user_classes.extend(named_classes(global_values[start:]))
             more_held.extend(v for _, _, v in global_values[start:])
             more_held.extend(more_objects)
             found = []
@@ -1406,6 +1497,11 @@ class ModuleState:
         for name, cell in cells:
             t = cell.cell_contents
             slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
+        for g, name, v in global_values:
+            # a module-level tensor (a mask, a table): refused if updated in place
+            # before the replay, as the forward's value if rebound
+            if isinstance(v, torch.Tensor):
+                slots.append(_Slot(g, name, v, version_of(v), "", GLOBAL))
         state = None
         if params or slots or others or values or global_values or class_values:
             state = ModuleState(params, slots, groups, others, values)
@@ -1435,7 +1531,10 @@ class ModuleState:
         (and remember their modules in ``unwritten``); refuse parameters and closure
         tensors it updated in place, and buffers it updated without a copy."""
         for module, group in self.buffer_groups:
-            if any(version_of(s.tensor) != s.version for s in group) or _updates_buffers_unseen(module):
+            if (
+                any(version_of(s.tensor) != s.version for s in group) or _updates_buffers_unseen(module)
+                or (_written_unseen(group) and _WRITES_UNSEEN.add(module) is None)
+            ):
                 unwritten.pop(id(module), None)
                 if any(s.copy is None for s in group):
                     changed = [s for s in group if version_of(s.tensor) != s.version] or group

@@ -1,0 +1,231 @@
+"""What the walk of a checkpointed module's Python state reaches: a user class its
+forward names, a module-level helper behind a decorator, a method or a module-level
+variable that appears after the first call, a buffer a plain module updates through
+a kernel that leaves its version alone, and a module-level tensor. Each is changed
+between a call's forward and its backward (or is updated by the forward itself);
+the gradients and buffers must equal those of the same steps without remat, bit
+for bit, over calls that reuse the checkpoint's capture."""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from helpers import recorded_replays
+from torch import nn
+
+import torch_remat as remat
+
+D = torch.float64
+
+
+def _steps(make, between, *, calls=2, reset=lambda m: None, ckpt):
+    """``calls`` steps of a fresh ``make()``; ``between(m)`` runs after each forward,
+    before its backward. Returns every step's input gradient, parameter gradients
+    and buffers."""
+    torch.manual_seed(0)
+    m = make()
+    f = remat.checkpoint(region_name="blk")(m) if ckpt else m
+    out = []
+    for i in range(calls):
+        reset(m)
+        x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        y = f(x)
+        between(m)
+        m.zero_grad(set_to_none=True)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=D).view_as(y)).sum().backward()
+        out.append([x.grad] + [p.grad for p in m.parameters()] + [b.clone() for b in m.buffers()])
+    return out
+
+
+def _same_as_without_remat(make, between, **kw):
+    expected = _steps(make, between, ckpt=False, **kw)
+    with recorded_replays() as replayed:
+        got = _steps(make, between, ckpt=True, **kw)
+    assert replayed == ["blk"] * len(got)
+    for step, (e, g) in enumerate(zip(expected, got)):
+        assert len(e) == len(g)
+        for i, (a, b) in enumerate(zip(e, g)):
+            assert torch.equal(a, b), f"step {step}: tensor {i} differs"
+
+
+class Config:
+    SCALE = 2.0
+
+
+class NamesAClass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * Config.SCALE)
+
+
+def test_an_attribute_of_a_class_the_forward_names_is_replayed_as_the_forward_saw_it():
+    def reset(m):
+        Config.SCALE = 2.0
+
+    def between(m):
+        Config.SCALE = 5.0
+
+    try:
+        _same_as_without_remat(NamesAClass, between, reset=reset, calls=3)
+    finally:
+        Config.SCALE = 2.0
+
+
+SCALE = 2.0
+
+
+def _passes_through(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_passes_through
+def _scaled_tanh(x):
+    return torch.tanh(x * SCALE)
+
+
+class CallsADecoratedHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+
+    def forward(self, x):
+        return _scaled_tanh(self.lin(x))
+
+
+def _set_scale(value):
+    globals()["SCALE"] = value
+
+
+def test_a_module_level_variable_a_decorated_helper_reads_is_replayed_as_the_forward_saw_it():
+    try:
+        _same_as_without_remat(
+            CallsADecoratedHelper, lambda m: _set_scale(5.0), reset=lambda m: _set_scale(2.0), calls=3
+        )
+    finally:
+        _set_scale(2.0)
+
+
+class Patched(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _scaled_forward(self, x):
+    return torch.tanh(self.lin(x) * SCALE)
+
+
+def test_a_forward_replaced_after_the_class_was_first_walked_is_walked_anew():
+    # a first checkpointed call walks the class with its first forward
+    warm = remat.checkpoint(region_name="warm")(Patched())
+    warm(torch.randn(2, 8, dtype=D, requires_grad=True)).sum().backward()
+    original = Patched.forward
+    Patched.forward = _scaled_forward
+    try:
+        _same_as_without_remat(Patched, lambda m: _set_scale(5.0), reset=lambda m: _set_scale(2.0))
+    finally:
+        Patched.forward = original
+        _set_scale(2.0)
+
+
+class ReadsALaterVariable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.use_extra = False
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        if self.use_extra:
+            y = torch.tanh(y * EXTRA)  # noqa: F821 (defined by the test after the first call)
+        return y
+
+
+def test_a_module_level_variable_defined_after_the_first_call_is_replayed_as_the_forward_saw_it():
+    m = ReadsALaterVariable()
+    f = remat.checkpoint(region_name="first")(m)
+    f(torch.randn(2, 8, dtype=D, requires_grad=True)).sum().backward()  # walks without EXTRA
+
+    def make():
+        m = ReadsALaterVariable()
+        m.use_extra = True
+        return m
+
+    def set_extra(value):
+        globals()["EXTRA"] = value
+
+    try:
+        _same_as_without_remat(make, lambda m: set_extra(5.0), reset=lambda m: set_extra(2.0), calls=3)
+    finally:
+        globals().pop("EXTRA", None)
+
+
+class OwnBatchNorm(nn.Module):
+    """Running statistics as buffers of a plain module, updated by ``F.batch_norm``
+    (whose kernel writes them in place without bumping their versions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.register_buffer("running_mean", torch.zeros(8, dtype=D))
+        self.register_buffer("running_var", torch.ones(8, dtype=D))
+
+    def forward(self, x):
+        return torch.tanh(F.batch_norm(self.lin(x), self.running_mean, self.running_var, training=True, momentum=0.1))
+
+
+def test_buffers_a_kernel_updates_without_a_version_bump_are_updated_once_per_step():
+    _same_as_without_remat(OwnBatchNorm, lambda m: None, calls=3)
+
+
+BIAS = torch.zeros(8, dtype=D)
+
+
+class ReadsAModuleLevelTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + BIAS)
+
+
+def test_a_module_level_tensor_updated_in_place_after_the_forward_is_refused_by_name():
+    m = ReadsAModuleLevelTensor()
+    f = remat.checkpoint(region_name="blk")(m)
+    for _ in range(2):  # the second call reuses the capture
+        y = f(torch.randn(4, 8, dtype=D, requires_grad=True))
+        with torch.no_grad():
+            BIAS.add_(1.0)
+        try:
+            y.sum().backward()
+        except remat.SavedTensorModifiedError as e:
+            assert "BIAS" in str(e)
+        else:
+            raise AssertionError("the replay ran on a module-level tensor updated after the forward")
+        finally:
+            with torch.no_grad():
+                BIAS.zero_()
+
+
+def test_a_module_level_tensor_rebound_after_the_forward_is_replayed_as_the_forward_saw_it():
+    def between(m):
+        globals()["BIAS"] = torch.ones(8, dtype=D)
+
+    def reset(m):
+        globals()["BIAS"] = torch.zeros(8, dtype=D)
+
+    try:
+        _same_as_without_remat(ReadsAModuleLevelTensor, between, reset=reset, calls=3)
+    finally:
+        globals()["BIAS"] = torch.zeros(8, dtype=D)
