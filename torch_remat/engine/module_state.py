@@ -17,8 +17,10 @@ tensor it holds and that tensor's version. Around the replay:
   counter, the ``training`` flag), its submodules, every closure value of the
   function, the module-level variables its code reads (the function's, each
   module class's ``forward``, the modules' forward hooks, and the plain functions
-  they call, by name; modules and classes aside, and torch's own code), the
-  attributes of the user's plain objects found in those and in turn in theirs (a
+  they call, by name, and the functions behind a decorated one; modules aside, and
+  torch's own code; a name defined only after a first call is read once it is),
+  the attributes of the user's classes named there, those of the user's plain
+  objects found in those and in turn in theirs (a
   config, a callable object: a shallow copy of their ``__dict__`` or
   ``__slots__``) and of the user's classes of the modules and objects are recorded
   too; generator objects among them (``torch.Generator``, ``random.Random``,
@@ -57,7 +59,13 @@ tensor it holds and that tensor's version. Around the replay:
   its starting value exists and the forward raises
   :class:`SavedTensorModifiedError` naming the buffer (the next call copies it
   again). Training-mode batch norm, whose kernels update the running statistics
-  without a version bump, is always copied.
+  without a version bump, is always copied, and so, from then on, are the buffers
+  of a module whose forward was seen to change a buffer's values without moving
+  its version (a plain module calling ``F.batch_norm`` on buffers of its own: the
+  copies are compared with the buffers when such a forward ends);
+* a module-level tensor the code reads (a mask, a table) is checked like a
+  closure tensor: updated in place after the forward, the replay refuses it by
+  name; rebound, the replay gets the forward's tensor.
 
 A checkpointed module called on tensors reuses its last call's capture where
 nothing the walk read changed (:class:`_Reuse`: every ``__dict__``, parameter,
