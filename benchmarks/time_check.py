@@ -223,8 +223,10 @@ def check_size(
         # A part (a block's forward or backward, 1 to 10 ms) is often undisturbed:
         # its least run.
         costs = _time.checkpoint_overhead_seconds(first, part_inputs, repeats=repeats, between=between)
+        # (and receives the block before's output, an intermediate result, where the
+        # first receives the step's leaf input)
         costs |= _time.checkpoint_overhead_seconds(
-            parts, part_inputs, repeats=repeats, between=between, warm=True
+            parts, part_inputs, repeats=repeats, between=between, warm=True, history=True
         )
         fwd = sum(c.forward for c in costs.values())
         bwd = sum(c.backward for c in costs.values())

@@ -218,6 +218,30 @@ def test_a_warm_overhead_runs_each_timed_forward_after_an_untimed_one_of_the_sam
     assert entered.count("plain") == entered.count("remat") == 3
 
 
+def test_an_overhead_with_history_hands_each_call_an_intermediate_result_as_a_later_block_receives():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    got: list[torch.Tensor] = []
+
+    def seen(fn):
+        def call(x):
+            got.append(x)
+            return fn(x)
+
+        return call
+
+    calls = {"layers.0": (seen(layer), seen(remat.checkpoint()(layer)))}
+    inputs = {"layers.0": torch.randn(4, 8)}
+    with recorded_replays() as replayed:
+        _time.checkpoint_overhead_seconds(calls, inputs, repeats=2, history=True)
+    assert len(got) == 2 * 3 and len(replayed) == 3
+    # a tensor with autograd history, not a leaf, equal to the input given
+    assert all(x.requires_grad and x.grad_fn is not None and torch.equal(x, inputs["layers.0"]) for x in got)
+    got.clear()
+    _time.checkpoint_overhead_seconds(calls, inputs, repeats=2)
+    assert all(x.requires_grad and x.grad_fn is None for x in got)
+
+
 def _counted(fn, label: str, entered: list[str]):
     def call(x):
         entered.append(label)
