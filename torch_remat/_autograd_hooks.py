@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import _compat
-from ._compat import version_of
+from ._compat import INFERENCE_VERSION, any_version, version_of
 
 push_hooks = _compat.push_saved_tensors_hooks
 pop_hooks = _compat.pop_saved_tensors_hooks
@@ -93,15 +93,18 @@ class VersionedTensor:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.data = t
-        self.version = version_of(t)
+        try:
+            self.version = version_of(t)
+        except RuntimeError:  # an inference tensor: never updated outside inference mode
+            self.version = any_version(t)
 
     def intact(self) -> bool:
         """False once the tensor was modified in place since it was held."""
-        return version_of(self.data) == self.version
+        return self.version == INFERENCE_VERSION or version_of(self.data) == self.version
 
     def unpack(self) -> torch.Tensor:
         t = self.data
-        if version_of(t) != self.version:
+        if self.version != INFERENCE_VERSION and version_of(t) != self.version:
             from ._errors import CLONE_FIRST, modified_in_place
             from ._tensors import describe_tensor
 

@@ -121,6 +121,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import math
 import operator
 import sys
 import threading
@@ -510,6 +511,18 @@ def quiet_own_context_fn_warning(own: object) -> None:
 # attrgetter objects run in C, as fast as the attribute access they name.
 version_of = operator.attrgetter("_version")
 """A tensor's version counter (bumped by every in-place write to it or a view)."""
+
+INFERENCE_VERSION = -1
+"""What :func:`any_version` reads for an inference tensor (made under
+``torch.inference_mode()``): it has no version counter (reading one raises), and
+outside inference mode nothing can update it in place."""
+
+
+def any_version(t: torch.Tensor) -> int:
+    """:data:`version_of` for a tensor that may be an inference tensor: a checkpoint
+    input, a buffer or another tensor the code reads (a rotary table built under
+    ``inference_mode``), a region's argument."""
+    return INFERENCE_VERSION if t.is_inference() else t._version
 view_base = operator.attrgetter("_base")
 """The tensor a view was taken of (None for a tensor that is not a view)."""
 storage_key = operator.attrgetter("_cdata")
@@ -662,6 +675,13 @@ def _with_deterministic(value: bool) -> None:
     torch._C._set_deterministic_algorithms(value, warn_only=torch._C._get_deterministic_algorithms_warn_only())
 
 
+_SMALLEST_DENORMAL = 5e-324
+
+
+def _with_flush_denormal(state: tuple[float, int]) -> None:
+    torch.set_flush_denormal(state[1] == 0)
+
+
 def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
     import warnings
 
@@ -707,6 +727,12 @@ def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], 
     if hasattr(C, "_get_deterministic_algorithms_warn_only"):
         table.append((C._get_deterministic_algorithms, _with_deterministic))
         table.append((C._get_deterministic_algorithms_warn_only, _with_warn_only))
+    # torch.set_flush_denormal has no getter. The calling thread's flag (a CPU
+    # control register) shows in Python's own float arithmetic: math.frexp of the
+    # smallest denormal reads (0.5, -1073) while denormals are kept and (0.0, 0)
+    # while they are flushed. (Its exponent, an int, tells them apart: comparing the
+    # denormal itself with 0.0 is true while flushing.)
+    table.append((functools.partial(math.frexp, _SMALLEST_DENORMAL), _with_flush_denormal))
     usable = []
     for get, set_ in table:
         with warnings.catch_warnings(record=True) as caught:

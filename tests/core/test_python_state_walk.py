@@ -6,8 +6,10 @@ between a call's forward and its backward (or is updated by the forward itself);
 the gradients and buffers must equal those of the same steps without remat, bit
 for bit, over calls that reuse the checkpoint's capture."""
 
+import collections
 import functools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import recorded_replays
@@ -229,3 +231,119 @@ def test_a_module_level_tensor_rebound_after_the_forward_is_replayed_as_the_forw
         _same_as_without_remat(ReadsAModuleLevelTensor, between, reset=reset, calls=3)
     finally:
         globals()["BIAS"] = torch.zeros(8, dtype=D)
+
+
+# ------------------------------------------------ containers of more kinds
+
+
+class ReadsAHolder(nn.Module):
+    """Scales by a number it reads from a holder in attribute ``attr``."""
+
+    def __init__(self, attr, make, read):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.attr, self.read = attr, read
+        setattr(self, attr, make())
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * float(self.read(getattr(self, self.attr))))
+
+
+_HOLDERS = {
+    "OrderedDict": (lambda: collections.OrderedDict(k=2.0), lambda c: c["k"], lambda c: c.__setitem__("k", 5.0)),
+    "Counter": (lambda: collections.Counter(k=2), lambda c: c["k"], lambda c: c.__setitem__("k", 5)),
+    "UserDict": (lambda: collections.UserDict(k=2.0), lambda c: c["k"], lambda c: c.__setitem__("k", 5.0)),
+    "UserList": (lambda: collections.UserList([2.0]), lambda c: c[0], lambda c: c.__setitem__(0, 5.0)),
+    "ChainMap": (lambda: collections.ChainMap({"k": 2.0}), lambda c: c["k"], lambda c: c.__setitem__("k", 5.0)),
+    "dict": (lambda: {"k": 2.0}, lambda c: c["k"], lambda c: c.__setitem__("k", 5.0)),
+    "list of dicts": (lambda: [{"k": 2.0}], lambda c: c[0]["k"], lambda c: c[0].__setitem__("k", 5.0)),
+    "deque": (lambda: collections.deque([2.0]), lambda c: c[0], lambda c: c.__setitem__(0, 5.0)),
+}
+
+
+@pytest.mark.parametrize("attr", ["cfg", "_cfg"])
+@pytest.mark.parametrize("kind", sorted(_HOLDERS))
+def test_a_value_in_a_container_changed_before_the_backward_is_replayed_as_the_forward_saw_it(kind, attr):
+    # Before: the standard library's ordered dict, counter, UserDict, UserList and
+    # ChainMap, and every container in a private attribute, were not recorded: the
+    # replay read 5.0 where the forward had read 2.0 (a gradient off by up to 2.3)
+    make, read, change = _HOLDERS[kind]
+
+    def reset(m):
+        setattr(m, attr, make())
+
+    _same_as_without_remat(lambda: ReadsAHolder(attr, make, read), lambda m: change(getattr(m, attr)),
+                           reset=reset, calls=3)
+
+
+class CountsCalls(nn.Module):
+    """Counts its calls in a Counter and logs each input's sum in an OrderedDict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.calls = collections.Counter()
+        self._log = collections.OrderedDict()
+
+    def forward(self, x):
+        self.calls["forward"] += 1
+        self._log[f"call {len(self._log)}"] = float(x.detach().sum())
+        return torch.tanh(self.lin(x) * (1.0 + len(self._log)))
+
+
+def test_counts_and_logs_the_forward_keeps_in_stdlib_containers_are_left_as_without_remat():
+    # the replay runs on the contents the forward started from; afterwards each
+    # holds what the forward left (a count once per step, an entry per step)
+    got = {}
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        m = CountsCalls()
+        f = remat.checkpoint(region_name="blk")(m) if ckpt else m
+        grads = []
+        for i in range(3):
+            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+            f(x).sum().backward()
+            grads.append(x.grad)
+        got[ckpt] = (grads, dict(m.calls), list(m._log.items()))
+    assert got[True][1] == got[False][1] == {"forward": 3}
+    assert got[True][2] == got[False][2]
+    assert all(torch.equal(a, b) for a, b in zip(got[True][0], got[False][0]))
+
+
+class KeepsPrivateTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self._table = {"scale": torch.tanh}
+
+    def forward(self, x):
+        return self._table["scale"](self.lin(x)) * 2
+
+
+def test_a_private_container_keeps_the_capture_reused_while_it_holds_the_same_objects():
+    m = KeepsPrivateTable()
+    f = remat.checkpoint(region_name="blk")(m)
+    x = torch.randn(4, 8, dtype=D, requires_grad=True)
+    f(x).sum().backward()
+    reuse = f.capture_memo.reuse
+    assert reuse is not None and [c for c, _ in reuse.containers] == [m._table]
+    f(x).sum().backward()
+    assert f.capture_memo.reuse is reuse  # the same objects: reused
+    m._table["scale"] = torch.sigmoid  # another function: walked again, and replayed as read
+    y = f(x)
+    assert f.capture_memo.reuse is not reuse
+    m._table["scale"] = torch.tanh
+    x.grad = None
+    y.sum().backward()
+    x2 = x.detach().requires_grad_()
+    (torch.sigmoid(m.lin(x2)) * 2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_private_containers_of_torch_modules_are_not_recorded():
+    # nn.LSTM keeps its weights in private lists: torch's bookkeeping, not user state
+    from torch_remat.engine.module_state import ModuleState
+
+    lstm = nn.LSTM(4, 4)
+    state = ModuleState.capture(lstm, {})
+    assert state is not None and state.containers == []

@@ -52,7 +52,7 @@ from .._autograd_hooks import (
     when_backward_ends,
 )
 from .._compat import SETTING_GETTERS as _SETTING_GETTERS
-from .._compat import autograd_sequence_nr, profiler_enabled, sequence_nr, version_of
+from .._compat import any_version, autograd_sequence_nr, profiler_enabled, sequence_nr, version_of
 from .._compat import call as _call
 from .._compat import function_mode_count as _function_mode_count
 from .._errors import (
@@ -542,7 +542,7 @@ class CheckpointFrame:
         # what it changed: the tensor arguments it wrote in place (their versions
         # now) and the buffers it updated (ModuleState.buffers_now).
         if top_save:
-            versions = [(i, t, version_of(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+            versions = [(i, t, any_version(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
             module_state = self.module_state
             buffers = module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
         written: list[tuple[int, torch.Tensor]] = []
@@ -568,7 +568,7 @@ class CheckpointFrame:
                         self.region_buffers[len(self.replay_regions) - 1] = updated
                 # (position, tensor) of the arguments written in place
                 # (nn.ReLU(inplace=True), a Function that marks its input dirty)
-                written = [(i, t) for i, t, version in versions if version_of(t) != version]
+                written = [(i, t) for i, t, version in versions if any_version(t) != version]
             ok = True
         except Exception as e:
             note_exception(e)

@@ -35,8 +35,9 @@ tensor it holds and that tensor's version. Around the replay:
   with the hooks the forward ran, and those registered on other modules since are
   off while it runs (a hook that steered an activation for one forward and was
   removed before backward, one registered after the forward);
-* the contents of every plain ``list``, ``dict`` and ``set`` in a module's public
-  attribute, a closure cell, a plain object, another such container or (up to
+* the contents of every plain ``list``, ``dict`` and ``set`` (an ``OrderedDict``,
+  a ``Counter``; those a ``UserDict``, ``UserList`` or ``ChainMap`` holds) in a
+  module's attribute (a private one too, in a module of the user's), a closure cell, a plain object, another such container or (up to
   1,024 items) a module-level variable (a carried state ``self.state["h"] = h``,
   a history the forward reads ``self.hist[-1]`` and extends, a dict of counters)
   are recorded too (a shallow copy each; see :func:`_held_state`). The replay runs on the contents
@@ -71,7 +72,8 @@ A checkpointed module called on tensors reuses its last call's capture where
 nothing the walk read changed (:class:`_Reuse`: every ``__dict__``, parameter,
 buffer and submodule dict of its modules holds the same keys and objects, their
 classes and the user's class attributes are the same, no forward hook exists and
-the module-level variables read are bound as before); the tensors' versions,
+the module-level variables read are bound as before, and the containers in
+private attributes hold the same objects); the tensors' versions,
 ``requires_grad`` and the buffer copies are taken anew at every call.
 
 The modules behind a function: the function itself if it is an ``nn.Module``, the
@@ -98,7 +100,7 @@ import torch
 from torch import nn
 
 from .. import _compat
-from .._compat import version_of
+from .._compat import INFERENCE_VERSION, any_version, version_of
 from .._errors import modified_in_place
 from .rng import default_generators, is_generator_type
 
@@ -211,7 +213,10 @@ _LIBRARY_MODULES = frozenset({
     "functools", "typing", "enum", "abc", "accelerate", "transformers", "peft", "lightning",
     "pytorch_lightning", "_pytest", "pytest",
 })
-_PLAIN: dict[type, bool] = {}
+# the standard library's containers that keep their contents in a container of
+# their own (``data``, ``maps``): recorded as plain objects, through those
+_STDLIB_PLAIN = frozenset({collections.UserDict, collections.UserList, collections.ChainMap})
+_PLAIN: dict[type, bool] = {cls: True for cls in _STDLIB_PLAIN}
 
 
 def _library_name(module: str) -> bool:
@@ -650,7 +655,13 @@ def _held_callables(global_values: list[tuple[dict, str, Any]]) -> list[Any]:
 
 
 # per base container, the methods a subclass must not override to be recorded
+# (the standard library's ordered dict and counter first: refilled key by key
+# through their own ``__setitem__``, see _fill)
 _KEPT_METHODS = {
+    collections.OrderedDict: ("clear", "keys", "items", "values", "__iter__", "__len__",
+                              "__getitem__", "__setitem__"),
+    collections.Counter: ("clear", "keys", "items", "values", "__iter__", "__len__",
+                          "__getitem__", "__setitem__"),
     dict: ("clear", "update", "keys", "items", "values", "__iter__", "__len__", "__getitem__"),
     list: ("__setitem__", "__iter__", "__len__", "__getitem__"),
     set: ("clear", "update", "__iter__", "__len__"),
@@ -671,6 +682,11 @@ def _is_container(cls: type) -> bool:
             _CONTAINER_TYPES.add(cls)
             _HOLDERS.add(cls)
     return known
+
+
+# (OrderedDict is among _NOT_TENSORS, so a module's attribute scan never asks)
+_is_container(collections.OrderedDict)
+_is_container(collections.Counter)
 
 
 def _contents(container: Any) -> Any:
@@ -713,9 +729,28 @@ def _fill(container: Any, contents: Any) -> None:
     elif isinstance(container, collections.deque):
         container.clear()
         container.extend(contents)
-    else:
+    elif type(container).update is dict.update or not isinstance(container, dict):
         container.clear()
         container.update(contents)
+    else:
+        # an OrderedDict (its order: insertion), a Counter (whose update adds)
+        container.clear()
+        for key, value in contents.items():
+            container[key] = value
+
+
+def _holds(container: Any, entry: Any) -> bool:
+    """Whether ``container`` holds what its recorded contents ``entry``
+    (:func:`_contents`) hold: the same objects, in the same order."""
+    if len(container) != len(entry):
+        return False
+    if type(entry) is dict:
+        return all(map(operator.is_, container, entry)) and all(
+            map(operator.is_, container.values(), entry.values())
+        )
+    if type(entry) is set:
+        return container == entry
+    return all(map(operator.is_, container, entry))
 
 
 def _merged(entry: Any, before: Any, after: Any) -> Any:
@@ -940,7 +975,7 @@ def _held_state(
                 others.append((d, entry, None, None))
                 for k, t in entry.items():
                     if isinstance(t, torch.Tensor):
-                        slots.append(_Slot(d, k, t, version_of(t), f"{cls.__name__}.", ATTRIBUTE))
+                        slots.append(_Slot(d, k, t, any_version(t), f"{cls.__name__}.", ATTRIBUTE))
                 if len(entry) <= budget:
                     budget -= len(entry)
                     held.extend(entry.values())
@@ -1001,6 +1036,7 @@ def _module_slots(
     objects: list[Any],
     hooks: list[Any],
     visited: list[nn.Module] | None = None,
+    private: list[Any] | None = None,
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -1026,7 +1062,7 @@ def _module_slots(
                 if k not in extra:
                     continue
                 if isinstance(t, torch.Tensor):
-                    slots.append(_Slot(d, k, t, version_of(t), p, ATTRIBUTE))
+                    slots.append(_Slot(d, k, t, any_version(t), p, ATTRIBUTE))
                 elif _is_plain(type(t)) or is_generator_type(type(t)):
                     objects.append(t)  # (never in _non_tensor_types: always looked at)
                 else:
@@ -1049,9 +1085,9 @@ def _module_slots(
                 if t is not None:
                     # a copy, not a node of the graph (buffers rarely require grad)
                     copy = None
-                    if copy_them:
+                    if copy_them and not t.is_inference():  # (an inference tensor is never written)
                         copy = t.detach().clone() if t.requires_grad else t.clone()
-                    group.append(_Slot(buffers, k, t, version_of(t), p, BUFFER, copy))
+                    group.append(_Slot(buffers, k, t, any_version(t), p, BUFFER, copy))
             slots.extend(group)
             buffer_groups.append((m, group))
         if m._forward_hooks or m._forward_pre_hooks:
@@ -1071,11 +1107,18 @@ def _module_slots(
             for k in extra:
                 v = d[k]
                 cls = type(v)
-                if cls in _HOLDERS and k[0] != "_" and (
-                    cls in _CONTAINER_TYPES
-                    or (len(v) <= _SMALL_TUPLE and not _SCALARS.issuperset(map(type, v)))
-                ):
+                if k[0] != "_":
+                    if cls in _HOLDERS and (
+                        cls in _CONTAINER_TYPES
+                        or (len(v) <= _SMALL_TUPLE and not _SCALARS.issuperset(map(type, v)))
+                    ):
+                        containers.append(v)
+                elif cls in _CONTAINER_TYPES and not _from_library(type(m)):
+                    # a private one of the user's module (self._cache): recorded too;
+                    # torch's and libraries' own bookkeeping is not the user's state
                     containers.append(v)
+                    if private is not None:
+                        private.append(v)
         if kids:
             for k, c in reversed(kids):  # named_modules order
                 if c is not None:
@@ -1148,11 +1191,15 @@ class _Reuse:
 
     Only captures made from the modules alone are reused: no closure, plain object,
     container, generator, forward hook or callable among what was read, and no
-    module-level variable missing or read through another module."""
+    module-level variable missing or read through another module. The containers in
+    the modules' private attributes are the exception when nothing they hold is
+    walked in turn (a table of functions): the capture is reused while each holds
+    the same objects, its recorded contents with it."""
 
     __slots__ = (
         "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
         "params", "slots", "groups", "others", "global_values", "class_values", "versions",
+        "containers",
     )
 
     def __init__(self, fn: nn.Module, modules: list[nn.Module], state: ModuleState) -> None:
@@ -1187,6 +1234,9 @@ class _Reuse:
         self.others = state.others
         self.global_values = state.global_values
         self.class_values = state.class_values
+        # (container, its contents) of the private containers of the modules (their
+        # items walked no further): reused while each holds the same objects
+        self.containers = state.containers
         # the version tags of every dict compared, modules' attributes first (one per
         # module, in ``others`` order), then their parameters', buffers' and
         # submodules', then the classes' (kept alive by ``dicts`` and ``class_values``)
@@ -1229,6 +1279,9 @@ class _Reuse:
         for g, name, value in self.global_values:
             if g.get(name, _MISSING) is not value:
                 return None
+        for container, entry in self.containers:
+            if not _holds(container, entry):
+                return None
         params = [(ps, k, t, version_of(t), p, t.requires_grad) for ps, k, t, p in self.params]
         groups: list[tuple[nn.Module, list[_Slot]]] = []
         buffers: list[_Slot] = []
@@ -1238,20 +1291,21 @@ class _Reuse:
             fresh = []
             for owner, key, t, prefix in group:
                 copy = None
-                if copy_them:
+                if copy_them and not t.is_inference():
                     copy = t.detach().clone() if t.requires_grad else t.clone()
-                fresh.append(_Slot(owner, key, t, version_of(t), prefix, BUFFER, copy))
+                fresh.append(_Slot(owner, key, t, any_version(t), prefix, BUFFER, copy))
             groups.append((m, fresh))
             buffers.extend(fresh)
         # the tensor attributes and the buffers, in the walk's order
         next_buffer = iter(buffers).__next__
         slots = [
-            next_buffer() if spec is None else _Slot(*spec[:3], version_of(spec[2]), *spec[3:])
+            next_buffer() if spec is None else _Slot(*spec[:3], any_version(spec[2]), *spec[3:])
             for spec in self.slots
         ]
         state = ModuleState(params, slots, groups, self.others)
         state.global_values = self.global_values
         state.class_values = self.class_values
+        state.containers = self.containers
         if self.versions is not None:
             state.versions = self.versions
             state.versions_at_entry = list(map(_tag_of, self.versions))
@@ -1359,16 +1413,17 @@ class ModuleState:
         classes: dict[type, None] = {}
         hooks: list[Any] = []
         visited: list[nn.Module] = []
+        private: list[Any] = []  # those of in_modules in private attributes
         for prefix, module in modules:
             _module_slots(
                 prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
-                classes, objects, hooks, visited,
+                classes, objects, hooks, visited, private,
             )
         # what the modules alone gave (see _Reuse)
         plain_call = (
             memo is not None and isinstance(fn, nn.Module) and len(modules) == 1 and not cells
-            and not values and not functions and not objects and not in_modules and not hooks
-            and not in_args
+            and not values and not functions and not objects and len(in_modules) == len(private)
+            and not hooks and not in_args
         )
         n_others, n_slots = len(others), len(slots)
         # module-level variables the code reads: the functions', each module class's
@@ -1504,12 +1559,12 @@ class ModuleState:
             _held_state(in_classes, 0, seen, slots, others, containers, generators, [])
         for name, cell in cells:
             t = cell.cell_contents
-            slots.append(_Slot(_CellSlot(cell), None, t, version_of(t), name, CLOSURE))
+            slots.append(_Slot(_CellSlot(cell), None, t, any_version(t), name, CLOSURE))
         for g, name, v in global_values:
             # a module-level tensor (a mask, a table): refused if updated in place
             # before the replay, as the forward's value if rebound
             if isinstance(v, torch.Tensor):
-                slots.append(_Slot(g, name, v, version_of(v), "", GLOBAL))
+                slots.append(_Slot(g, name, v, any_version(v), "", GLOBAL))
         state = None
         if params or slots or others or values or global_values or class_values:
             state = ModuleState(params, slots, groups, others, values)
@@ -1525,8 +1580,9 @@ class ModuleState:
         if memo is not None:
             memo.reuse = None
             if (
-                plain_call and state is not None and not state.hooks_at_entry and not containers
-                and not generators and not found and len(others) == n_others
+                plain_call and state is not None and not state.hooks_at_entry
+                # (private containers holding nothing that is walked in turn)
+                and len(containers) == len(private) and not generators and not found and len(others) == n_others
                 and len(slots) == n_slots and _NAME_MISSED not in read
                 and _MODULE_ATTRIBUTES_READ not in read
                 and not _held_callables(global_values)
@@ -1540,16 +1596,18 @@ class ModuleState:
         tensors it updated in place, and buffers it updated without a copy."""
         for module, group in self.buffer_groups:
             if (
-                any(version_of(s.tensor) != s.version for s in group) or _updates_buffers_unseen(module)
+                any(any_version(s.tensor) != s.version for s in group) or _updates_buffers_unseen(module)
                 or (_written_unseen(group) and _WRITES_UNSEEN.add(module) is None)
             ):
                 unwritten.pop(id(module), None)
-                if any(s.copy is None for s in group):
-                    changed = [s for s in group if version_of(s.tensor) != s.version] or group
+                # (an inference tensor has no copy: nothing writes it outside inference mode)
+                if any(s.copy is None and s.version != INFERENCE_VERSION for s in group):
+                    changed = [s for s in group if any_version(s.tensor) != s.version] or group
                     s = changed[0]
                     raise _written_without_copy(s.name, checkpoint, s.version, s.tensor)
                 for s in group:
-                    _compat.set_version_counters((s.copy,), (s.version,))
+                    if s.copy is not None:
+                        _compat.set_version_counters((s.copy,), (s.version,))
             else:
                 for s in group:
                     s.copy = None
@@ -1563,7 +1621,7 @@ class ModuleState:
                 # The forward rebinds it (self.center = 0.9 * self.center + ...): the
                 # replay starts from the tensor it held at entry, kept here.
                 continue
-            if version_of(t) != s.version and s.kind != BUFFER:
+            if any_version(t) != s.version and s.kind != BUFFER:
                 raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
 
     def buffers_now(self) -> list[tuple[Any, int]]:
@@ -1572,7 +1630,7 @@ class ModuleState:
         for _, group in self.buffer_groups:
             for s in group:
                 t = s.owner.get(s.key)
-                out.append((t, -1 if t is None else version_of(t)))
+                out.append((t, -1 if t is None else any_version(t)))
         return out
 
     def updated_in_region(self, before: list[tuple[Any, int]]) -> list[tuple[_Slot, Any, int]]:
@@ -1588,13 +1646,13 @@ class ModuleState:
                 i += 1
                 t = s.owner.get(s.key)
                 now.append(t)
-                if t is not t0 or (t is not None and version_of(t) != v):
+                if t is not t0 or (t is not None and any_version(t) != v):
                     changed = True
             if not changed:
                 continue
             with torch.no_grad():
                 for s, t in zip(group, now):
-                    out.append((s, None if t is None else t.detach().clone(), 0 if t is None else version_of(t)))
+                    out.append((s, None if t is None else t.detach().clone(), 0 if t is None else any_version(t)))
         return out
 
     @staticmethod
@@ -1758,7 +1816,7 @@ class ModuleState:
                     s.owner[s.key] = replayed
                     continue
                 t = s.tensor
-                if version_of(t) != s.version:
+                if any_version(t) != s.version:
                     raise _modified_before_replay(s.kind, s.name, checkpoint, s.version, t)
                 if current is not t:
                     undo.append((s.owner, s.key, current))
@@ -1880,7 +1938,7 @@ def _modified_in_forward(kind: str, name: str, checkpoint: str, version: int, t)
         f"the {kind} '{name}' read by checkpoint '{checkpoint}'",
         "during the checkpoint's forward",
         advice,
-        (version, version_of(t)),
+        (version, any_version(t)),
     )
 
 
@@ -1892,7 +1950,7 @@ def _written_without_copy(name: str, checkpoint: str, version: int, t) -> Except
         "This step cannot be replayed exactly; the next call copies the buffer again. "
         "If the forward updates it only on some steps, assign the new value instead "
         "(self.buf = new, which needs no copy) or update it outside the checkpoint.",
-        (version, version_of(t)),
+        (version, any_version(t)),
     )
 
 
@@ -1904,7 +1962,7 @@ def _modified_before_replay(kind: str, name: str, checkpoint: str, version: int,
         "The recompute would read the new value and the gradients "
         "would be wrong. Run backward before updating it (e.g. "
         "optimizer.step() after loss.backward()), or update a clone.",
-        (version, version_of(t)),
+        (version, any_version(t)),
     )
 
 

@@ -31,7 +31,14 @@ import torch
 
 from .. import _compat
 from .._autograd_hooks import VersionedTensor
-from .._compat import make_saved_tensor, neg_view, top_saved_tensors_hooks, version_of
+from .._compat import (
+    INFERENCE_VERSION,
+    any_version,
+    make_saved_tensor,
+    neg_view,
+    top_saved_tensors_hooks,
+    version_of,
+)
 from .._compat import view_base as _view_base
 from .._errors import RematError, modified_in_place
 from .._tensors import (
@@ -432,7 +439,7 @@ class TensorSource:
         self.ref = t if kind == INPUT else weakref.ref(t)
         self.kept_tensor: torch.Tensor | None = None
         self.kept_is_root = False
-        self.version = version_of(t)
+        self.version = version_of(t) if kind != INPUT else any_version(t)
         self.keep = False
         self.save_consumed = False
         self.saved = None
@@ -461,7 +468,7 @@ class TensorSource:
     def keep_if_modified(self) -> None:
         """No replay will read this input: kept only if it was modified in place
         (storing it then reports the modification)."""
-        self.keep = version_of(self.ref) != self.version
+        self.keep = any_version(self.ref) != self.version
 
     def consumed_by_save(self) -> None:
         """An input handed to a SAVE region (kept only if replayed code reads it)."""
@@ -513,7 +520,7 @@ class TensorSource:
             t, self.kept_tensor, self.ref = self.kept_tensor, None, None
         if not self.keep:
             return
-        if version_of(t) != self.version:
+        if any_version(t) != self.version:
             raise self._modified_error(checkpoint)
         if self.saved is not None:
             return  # an input packed when the checkpoint started
@@ -599,7 +606,7 @@ class TensorSource:
                 t = neg_view(t)
         # A copy made by the user's own hooks (offloading) starts at version 0; give
         # it the version the forward saw, which the replay's in-place check expects.
-        for _ in range(self.version - version_of(t)):
+        for _ in range(self.version - version_of(t) if self.version != INFERENCE_VERSION else 0):
             torch.autograd.graph.increment_version(t)
         if meta.requires_grad:
             t.requires_grad_()

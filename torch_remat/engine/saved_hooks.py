@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from .._autograd_hooks import PackedPayload, pop_hooks, push_hooks, top_hooks
-from .._compat import version_of
+from .._compat import any_version
 from .._tensors import is_parameter
 from .context import _tls as _engine_tls
 
@@ -316,9 +316,9 @@ class PackedVersion:
         since the pack, else None."""
         for ref in self.refs:
             t = ref()
-            if t is not None and version_of(t) != self.version:
+            if t is not None and any_version(t) != self.version:
                 if unpacked is t or _same_storage(unpacked, t):
-                    return version_of(t)
+                    return any_version(t)
         return None
 
 
