@@ -10,6 +10,7 @@ a closure's variables) and ``torch.Generator`` objects the model holds.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import types
@@ -64,10 +65,13 @@ _MISSING = object()
 
 
 def _items(value: Any) -> Any:
-    """A shallow copy of a builtin container (None: not one)."""
+    """A shallow copy of a builtin container (None: not one). An ordered dict too:
+    a module's hook tables are ordered dicts, and a library that registers hooks at
+    a model's first call (transformers' output capturing) would otherwise leave a
+    second set behind after planning, with its flag put back."""
     if type(value) is list:
         return list(value)
-    if type(value) is dict:
+    if type(value) is dict or type(value) is collections.OrderedDict:
         return dict(value)
     if type(value) is set:
         return set(value)

@@ -349,6 +349,79 @@ def test_planning_leaves_python_attributes_hooks_and_generators_as_found(planner
     assert [m.steps for m in model] == [1, 1] and hook.calls == closure_calls == 1
 
 
+class HooksAtFirstCall(nn.Module):
+    """Registers a forward hook on its first call and sets a flag (as transformers
+    installs its output-capturing hooks), and the hook records each call's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.captured: list = []
+
+    def forward(self, x):
+        if not getattr(self, "_hooks_installed", False):
+            self.lin.register_forward_hook(lambda m, a, out: self.captured.append(out))
+            self._hooks_installed = True
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("planner", ["plan_remat", "forecast_remat", "activation_bytes"])
+def test_hooks_a_model_registers_at_its_first_call_are_gone_with_their_flag_after_planning(planner):
+    # Before: the flag was put back and the hooks stayed, so the next call installed
+    # another set (a stock Llama with output_hidden_states returned 15 hidden states
+    # instead of 3 after one plan_remat; a Mixtral router 10 router logits, not 2)
+    from torch_remat.integrations.planner import activation_bytes
+
+    model = nn.Sequential(HooksAtFirstCall(), HooksAtFirstCall())
+    x = torch.randn(4, 8)
+    run = {"plan_remat": lambda: plan_remat(model, x, budget=1.0),
+           "forecast_remat": lambda: forecast_remat(model, x, budget=1.0),
+           "activation_bytes": lambda: activation_bytes(model, (x,), lambda o: o.sum())}[planner]
+    run()
+    assert [len(b.lin._forward_hooks) for b in model] == [0, 0]
+    assert not any(hasattr(b, "_hooks_installed") for b in model)
+    model(x)
+    assert [len(b.captured) for b in model] == [1, 1]
+
+
+class WritesItsArgument(nn.Module):
+    """A SAVE-region candidate that scales its argument in place (Mixtral's router
+    jitter: ``hidden_states *= noise``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x *= 1.5
+        return self.lin(x)
+
+
+class WritingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = WritesItsArgument()
+
+    def forward(self, x):
+        h = self.norm(x)
+        # the replay reads h after the region wrote it: it must write it too
+        return x + self.mlp(h) * h.sigmoid()
+
+
+def test_a_region_that_writes_its_argument_forecasts_the_replays_copy_as_run():
+    # Before: the replay writes the region's values into its argument with a copy_
+    # skipped where the two share memory, told by data pointer: every fake tensor's
+    # reads the same, so the forecast counted one op fewer than the real run
+    torch.manual_seed(0)
+    model = nn.Sequential(WritingBlock(), WritingBlock())
+    x = torch.randn(4, 8)
+    plan = plan_remat(model, x, budget=1.0, candidates=["mlp"])
+    forecast = forecast_remat(model, x, budget=1.0, candidates=["mlp"])
+    _same_table(plan, forecast)
+    assert any(m.option.save for opts in plan.table for m in opts)
+
+
 @pytest.mark.slow
 def test_planning_and_forecasting_print_nothing_on_stderr(pytestconfig):
     # the profiler the planners measure with logs each start and stop on stderr

@@ -1791,7 +1791,10 @@ class ModuleState:
                     g[name] = value
             for container, entry in self.containers:
                 # the contents the forward started from; afterwards, the caller's
-                # and what the replay added
+                # and what the replay added (a dict or set holding them still is
+                # left as the replay leaves it: that is what the merge would give)
+                if type(entry) is not list and _holds(container, entry):
+                    continue
                 undo.append((_Contents(container, entry), None, _contents(container)))
                 _fill(container, entry)
             for owner, key, t, version, prefix, requires_grad in self.params:

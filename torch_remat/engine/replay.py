@@ -30,7 +30,7 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
-from .._tensors import format_dtype
+from .._tensors import format_dtype, same_storage
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
 from .records import (
@@ -282,9 +282,9 @@ def write_arguments(checkpoint: str, written: list, args: tuple, kwargs: dict) -
         value = source.replay_value(checkpoint)
         if isinstance(value, Placeholder):
             continue
-        if t.untyped_storage().data_ptr() != value.untyped_storage().data_ptr() or (
-            t.storage_offset() != value.storage_offset()
-        ):
+        # (storages compared by identity: a fake tensor's data pointer reads the same
+        # for all, so a forecast would skip the copy a real replay runs)
+        if not same_storage(t, value) or t.storage_offset() != value.storage_offset():
             with torch.no_grad():
                 t.copy_(value)
         _compat.set_version_counters((t,), (version,))
