@@ -1199,7 +1199,7 @@ class _Reuse:
     __slots__ = (
         "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
         "params", "slots", "groups", "others", "global_values", "class_values", "versions",
-        "containers",
+        "containers", "tags_valid",
     )
 
     def __init__(self, fn: nn.Module, modules: list[nn.Module], state: ModuleState) -> None:
@@ -1245,6 +1245,9 @@ class _Reuse:
             [*self.dicts[0::4], *(d for i, d in enumerate(self.dicts) if i % 4),
              *self.hook_dicts, *class_dicts]
         )
+        # the dicts' version tags when their contents were last found as walked:
+        # every change to a dict gives it a new tag, so equal tags need no comparison
+        self.tags_valid = None if self.versions is None else list(map(_tag_of, self.versions))
 
     def _values_now(self) -> list[Any]:
         now = list(_from_iterables(map(_values, self.dicts)))
@@ -1265,15 +1268,21 @@ class _Reuse:
                 isinstance(x, nn.Module) or type(x) is set or type(x) not in _non_tensor_types
             ):
                 return None  # (what capture looks at among the arguments)
-        values = self.values
-        now = self._values_now()
+        tags = None if self.versions is None else list(map(_tag_of, self.versions))
+        if tags is None or tags != self.tags_valid:
+            values = self.values
+            now = self._values_now()
+            if (
+                len(now) != len(values) or not all(map(operator.is_, now, values))
+                or self._keys_now() != self.keys or any(self.hook_dicts)
+            ):
+                return None
+            self.tags_valid = tags
         if (
-            len(now) != len(values) or not all(map(operator.is_, now, values))
-            or self._keys_now() != self.keys
-            or not all(map(operator.is_, map(type, self.modules), self.types))
+            not all(map(operator.is_, map(type, self.modules), self.types))
             # (a module given a new __dict__ object: the walk would read that one)
             or not all(map(operator.is_, map(_dict_of, self.modules), self.dicts[0::4]))
-            or any(self.hook_dicts) or any(_GLOBAL_HOOKS)
+            or any(_GLOBAL_HOOKS)
         ):
             return None
         for g, name, value in self.global_values:
@@ -1306,9 +1315,9 @@ class _Reuse:
         state.global_values = self.global_values
         state.class_values = self.class_values
         state.containers = self.containers
-        if self.versions is not None:
+        if tags is not None:
             state.versions = self.versions
-            state.versions_at_entry = list(map(_tag_of, self.versions))
+            state.versions_at_entry = tags
             n = len(self.others)
             state.attr_versions = self.versions[:n]
             state.versions_seen = state.versions_at_entry[:n]
