@@ -31,7 +31,8 @@ def ddp_with_remat(
 
     Args:
         blocks: the modules to checkpoint: a class, a tuple of classes or a predicate.
-        remat: how to checkpoint (default :class:`RematConfig()`); None applies none.
+        remat: how to checkpoint (None: the default :class:`RematConfig()`;
+            ``RematConfig(enabled=False)`` checkpoints nothing).
         **ddp_kwargs: passed to ``DistributedDataParallel`` unchanged
             (``device_ids``, ``static_graph``, ``find_unused_parameters``, ...).
     """

@@ -54,7 +54,8 @@ def fully_shard_with_remat(
             ``fully_shard``'s defaults). ``reshard_after_forward`` applies to the
             blocks; the root gets FSDP2's default (None: kept unsharded, since
             backward needs it first).
-        remat: how to checkpoint (default :class:`RematConfig()`); None applies none.
+        remat: how to checkpoint (None: the default :class:`RematConfig()`;
+            ``RematConfig(enabled=False)`` checkpoints nothing).
         compile: True, or ``torch.compile`` keyword arguments: ``block.compile``
             each block after remat and before sharding (its checkpoint is traced
             into the block's graph).

@@ -347,3 +347,45 @@ def test_private_containers_of_torch_modules_are_not_recorded():
     lstm = nn.LSTM(4, 4)
     state = ModuleState.capture(lstm, {})
     assert state is not None and state.containers == []
+
+
+class ScalesFromAPrivateDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self._scales = {"k": 2.0}
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self._scales["k"])
+
+
+@pytest.mark.distributed
+def test_a_private_container_of_a_module_fsdp2_shards_is_recorded_and_its_own_state_is_not():
+    # fully_shard gives the module a class made in torch, with the user's as a base,
+    # and adds dicts of its own state ("__composable_api_state_key_...")
+    import torch.distributed as dist
+
+    from torch_remat.engine.module_state import ModuleState
+    from torch_remat.integrations import RematConfig, fully_shard_with_remat
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grads = []
+        for enabled in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(ScalesFromAPrivateDict(), ScalesFromAPrivateDict())
+            fully_shard_with_remat(model, ScalesFromAPrivateDict, remat=RematConfig(enabled=enabled))
+            if enabled:
+                state = ModuleState.capture(model[0], {})
+                assert [c for c, _ in state.containers] == [model[0]._scales]
+            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            with recorded_replays() as replayed:
+                y = model(x)
+                for block in model:
+                    block._scales["k"] = 5.0
+                y.sum().backward()
+            assert len(replayed) == (2 if enabled else 0)
+            grads.append([x.grad] + [p.grad.full_tensor() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        dist.destroy_process_group()

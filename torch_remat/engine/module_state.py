@@ -232,6 +232,19 @@ def _from_library(cls: type) -> bool:
     return not isinstance(module, str) or _library_name(module)
 
 
+_USERS_MODULE_CLASS: dict[type, bool] = {}
+
+
+def _users_module_class(cls: type) -> bool:
+    """Whether ``cls`` is a module class of the user's, or one a library derived
+    from one (FSDP2's ``fully_shard`` gives a module a class of its own, made in
+    torch, with the user's class as a base)."""
+    known = _USERS_MODULE_CLASS.get(cls)
+    if known is None:
+        known = _USERS_MODULE_CLASS[cls] = any(not _from_library(c) for c in cls.__mro__)
+    return known
+
+
 def _own_code(module: str) -> bool:
     """torch's or this package's functions: their globals are not the user's state."""
     if not isinstance(module, str):
@@ -1113,9 +1126,10 @@ def _module_slots(
                         or (len(v) <= _SMALL_TUPLE and not _SCALARS.issuperset(map(type, v)))
                     ):
                         containers.append(v)
-                elif cls in _CONTAINER_TYPES and not _from_library(type(m)):
+                elif cls in _CONTAINER_TYPES and not k.startswith("__") and _users_module_class(type(m)):
                     # a private one of the user's module (self._cache): recorded too;
                     # torch's and libraries' own bookkeeping is not the user's state
+                    # (nor the "__composable_api_state_key_..." dicts FSDP2 adds)
                     containers.append(v)
                     if private is not None:
                         private.append(v)
