@@ -398,15 +398,15 @@ def offload_tagged_saves_when_partitioning(refine_error=None) -> None:
 
 
 def save_tensors_of_multi_output_must_saves() -> None:
-    """Under an activation memory budget below 1, torch 2.13's partitioner adds every
-    ``MUST_SAVE`` node to what the forward saves, a multi-output op's too (a
+    """Under an activation memory budget below 1, torch 2.13's partitioner adds
+    ``MUST_SAVE`` nodes to what the forward saves, a multi-output op's too (a
     ``native_layer_norm`` in a SAVE region, a ``native_dropout`` kept under a
     budget): the forward would then hand backward a tuple, which AOTAutograd refuses
     at run time. Its other paths save such an op's ``getitem`` outputs instead; so
     does this wrapper of its choice of saved values, for exactly the nodes whose
-    value is not a tensor and whose users are ``getitem`` s. A choice without such a
-    node is returned as is. Installed once; does nothing on a torch without that
-    step."""
+    value is not a tensor and whose users are ``getitem`` s. It also saves the
+    outputs of such a node that backward needs where the choice left it out (see
+    ``choose``). Installed once; does nothing on a torch without that step."""
     try:
         from torch._functorch import partitioners
         from torch.utils.checkpoint import CheckpointPolicy
@@ -427,15 +427,27 @@ def save_tensors_of_multi_output_must_saves() -> None:
             and all(user.target is operator.getitem for user in node.users)
         )
 
-    def choose(*args, **kwargs):
-        saved = original(*args, **kwargs)
-        if not any(multi_output(n) for n in saved):
-            return saved
+    def needed_in_backward(node) -> bool:
+        return getattr(node, "dist_from_bw", 0) < int(1e9)
+
+    def choose(joint_graph, *args, **kwargs):
+        saved = original(joint_graph, *args, **kwargs)
         chosen: list = []
         for node in saved:
             for n in sorted(node.users, key=lambda u: u.args[1]) if multi_output(node) else (node,):
                 if n not in chosen:
                     chosen.append(n)
+        # Where the budget's knapsack decides, torch 2.13 keeps a MUST_SAVE node only if
+        # its storage is not an input's; a multi-output op has no storage (None), and
+        # once the graph's inputs include a symbolic size (a recompile for another
+        # shape) None is among the inputs' storages: the op (a native_dropout kept
+        # under a budget) was then recomputed in backward, drawing a new mask. Its
+        # outputs that backward needs are saved here instead.
+        for node in joint_graph.nodes:
+            if multi_output(node) and needed_in_backward(node):
+                for n in sorted(node.users, key=lambda u: u.args[1]):
+                    if n not in chosen and needed_in_backward(n):
+                        chosen.append(n)
         return chosen
 
     choose.torch_remat_multi_output = True  # type: ignore[attr-defined]

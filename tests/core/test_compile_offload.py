@@ -232,6 +232,43 @@ def test_under_a_small_budget_dropout_keeps_its_forward_mask_and_a_save_region_i
     assert "attn" in {region_of(n) for n in outputs[1:] if isinstance(n, torch.fx.Node)}
 
 
+@pytest.mark.parametrize("budget", [0.5, 0.1])
+def test_a_recompile_for_another_shape_keeps_the_dropout_mask_under_a_budget(budget):
+    # Before: on the recompile with symbolic sizes torch's knapsack dropped the
+    # native_dropout it must save (a multi-output op: no storage of its own, and
+    # None was among the symbolic inputs' storages); backward drew a new mask
+    # (gradients off by up to 10)
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(8, 16, dtype=DTYPE)
+            self.fc2 = torch.nn.Linear(16, 8, dtype=DTYPE)
+
+        def up(self, h):
+            return torch.nn.functional.dropout(torch.tanh(self.fc1(h)), 0.25, self.training)
+
+        def forward(self, x):
+            a = remat.region(self.up, "up", recompute=False)(x)
+            return self.fc2(torch.nn.functional.gelu(a + a.exp()))
+
+    def run(checkpointed: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = Block()
+        if checkpointed:
+            block.forward = remat.checkpoint(region_name="blk", memory_budget=budget)(block.forward)
+        block.compile(backend="aot_eager")
+        torch.manual_seed(1)
+        out = []
+        for n in (10, 14):  # the second call recompiles with symbolic sizes
+            x = torch.randn(n, 8, dtype=DTYPE, requires_grad=True)
+            block(x).sum().backward()
+            out.append(x.grad)
+        return out + [p.grad for p in block.parameters()] + [torch.get_rng_state()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
 def test_a_budget_that_does_not_cover_the_compiled_graph_is_refused_naming_the_checkpoint():
     lin = torch.nn.Linear(16, 16, dtype=DTYPE)
     ckpt = remat.checkpoint(region_name="layers.0", memory_budget=0.5)(lambda t: lin(t).tanh())
@@ -241,6 +278,34 @@ def test_a_budget_that_does_not_cover_the_compiled_graph_is_refused_naming_the_c
     with pytest.raises(Exception, match=r"checkpoint 'layers.0' \(memory_budget=0.5\).*block.compile") as raised:
         step(x)
     assert "RematCompileError" in str(raised.value)
+
+
+@pytest.mark.parametrize("case", ["batch norm", "float changed"])
+def test_a_budget_refused_for_ops_torch_adds_itself_says_what_they_are_and_what_to_do(case):
+    # Before: the advice was to compile the block by itself, which it already was
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8, dtype=DTYPE)
+            self.bn = torch.nn.BatchNorm1d(8, dtype=DTYPE)
+            self.scale = 1.0
+
+        def forward(self, x):
+            a = remat.region(lambda t: self.fc(t).tanh(), "up", recompute=False)(x)
+            a = a + a.exp() * self.scale
+            return (self.bn(a) if case == "batch norm" else a).sin()
+
+    torch._dynamo.reset()
+    block = Block()
+    block.forward = remat.checkpoint(region_name="blk", memory_budget=0.5)(block.forward)
+    block.compile(backend="aot_eager")
+    expected = {"batch norm": "BatchNorm's running statistics", "float changed": "specialize_float = True"}
+    with pytest.raises(Exception, match=r"'blk' \(memory_budget=0.5\)") as raised:
+        for step in range(2):
+            block.scale = 1.0 + step  # (a recompile on the second step)
+            block(torch.randn(10, 8, dtype=DTYPE, requires_grad=True)).sum().backward()
+    assert "RematCompileError" in str(raised.value)
+    assert expected[case] in str(raised.value) and "torch added ops of its own" in str(raised.value)
 
 
 def test_a_memory_budget_is_refused_eagerly_naming_the_checkpoint_and_the_option():

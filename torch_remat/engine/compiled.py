@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -342,6 +343,14 @@ def _budget_error(joint: Any, error: RuntimeError) -> Exception | None:
     if not budgets:
         return None
     named = ", ".join(f"'{name}' (memory_budget={b})" for name, b in budgets.items())
+    hints = _unbudgeted_op_hints(joint, str(error))
+    if hints:
+        return RematCompileError(
+            f"torch_remat: checkpoint {named} runs under torch.compile in a graph torch's "
+            "partitioner cannot budget: its budget must cover every forward op of the "
+            "graph, and torch added ops of its own outside the checkpoint's traced body: "
+            + "; ".join(hints) + f". torch said: {error}"
+        )
     return RematCompileError(
         f"torch_remat: checkpoint {named} runs under torch.compile in a graph torch's "
         "partitioner cannot budget: it applies one activation memory budget to a whole "
@@ -351,6 +360,41 @@ def _budget_error(joint: Any, error: RuntimeError) -> Exception | None:
         "code into the checkpoint, or separate it with torch._dynamo.graph_break(). "
         f"torch said: {error}"
     )
+
+
+def _unbudgeted_op_hints(joint: Any, error: str) -> list[str]:
+    """What the ops torch's refusal lists as unannotated are, where torch adds them
+    itself (no placement of the checkpoint helps), and what to do about each."""
+    found = re.search(r"Unannotated ops: \[(.*?)\]", error)
+    names = re.findall(r"'([^']+)'", found.group(1)) if found else []
+    hints = []
+    if any(n.startswith("inductor_seeds") for n in names):
+        hints.append(
+            "inductor's seeds for the block's random ops (dropout); a budget cannot cover "
+            "them under inductor: compile with backend='aot_eager', or drop memory_budget "
+            "for blocks with random ops"
+        )
+    if any(n.startswith("copy_") for n in names):
+        hints.append(
+            "the in-place updates of the block's buffers or inputs (a training-mode "
+            "BatchNorm's running statistics), which torch applies after the traced body: "
+            "drop memory_budget for blocks that update buffers"
+        )
+    # (Dynamo hands a float that changed between calls to the recompiled graph as a
+    # 0-d tensor input, which the unannotated ops convert and use)
+    unannotated = [n for n in joint.graph.nodes if n.name in names]
+    if any(
+        getattr(a, "op", None) == "placeholder" and isinstance(a.meta.get("val"), torch.Tensor)
+        and a.meta["val"].dim() == 0
+        for n in unannotated for a in n.args
+    ):
+        hints.append(
+            "the arithmetic on a Python number the block reads (a float attribute or "
+            "module-level variable) that changed between calls and became an input of the "
+            "recompiled graph: keep it constant, or set "
+            "torch._dynamo.config.specialize_float = True"
+        )
+    return hints
 
 
 @_compat.assume_constant_result
