@@ -170,7 +170,9 @@ def parse_budget(value: str) -> float | int | str:
     if value == "auto" or (value.isdigit() and int(value) > 0):
         return value if value == "auto" else int(value)
     with contextlib.suppress(ValueError):
-        if 0 < float(value) < math.inf:
+        # (a fraction is at most 1: budget=2.0 or budget=1e9 is more likely meant as
+        # bytes, which are written as an integer)
+        if 0 < float(value) <= 1:
             return float(value)
     raise ValueError(value)
 
@@ -197,8 +199,8 @@ def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
     raise ValueError(
         f"--remat {spec}: expected none, full, selective, keep=NAMES with NAMES "
         f"a comma-separated subset of {','.join(SUBLAYERS)}, or budget=F (a fraction "
-        "> 0 of the no-remat activation bytes, e.g. budget=0.3), budget=BYTES (an "
-        "integer > 0) or budget=auto (CUDA)"
+        "in (0, 1] of the no-remat activation bytes, e.g. budget=0.3), budget=BYTES (an "
+        "integer > 0, e.g. budget=2000000) or budget=auto (CUDA)"
     )
 
 
@@ -434,9 +436,10 @@ def build(args, vocab: int, device: torch.device, world: int):
     if mode == "fsdp2+tp":
         tp = 2 if world % 2 == 0 else 1
         mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        model = fully_shard_with_remat(
-            model, Block, mesh=mesh["dp"], remat=config, tp_mesh=mesh["tp"], tp_plan=tp_plan()
-        )
+        # (tp=1, an odd number of ranks: FSDP2 alone, as the layout line says; a plan
+        # on a one-rank mesh would only make every block's tensors DTensors)
+        parallel = dict(tp_mesh=mesh["tp"], tp_plan=tp_plan()) if tp > 1 else {}
+        model = fully_shard_with_remat(model, Block, mesh=mesh["dp"], remat=config, **parallel)
         return model, mesh["dp"].get_local_rank(), world // tp
     raise ValueError(mode)
 
@@ -541,12 +544,21 @@ def _set_rng_states(state: dict) -> None:
 
 
 MODEL_FLAGS = (("layers", "--layers"), ("dim", "--dim"), ("heads", "--heads"), ("seq_len", "--seq-len"))
+# what else a resume must share with the run it continues to be that run: its batches
+# (the seed orders them), their size and the learning rate
+TRAINING_FLAGS = (("seed", "--seed"), ("batch_size", "--batch-size"), ("lr", "--lr"))
 
 
-def model_config(args, vocab: int) -> dict:
-    """The model's shape, as a checkpoint folder records it (model_config.json)."""
-    return {"layers": args.layers, "dim": args.dim, "heads": args.heads,
-            "seq_len": args.seq_len, "vocab": vocab}
+def model_config(args, vocab: int, world: int | None = None) -> dict:
+    """The model's shape, as a checkpoint folder records it (model_config.json), and
+    with ``world`` (the number of ranks) the run's training settings and layout,
+    compared at resume too."""
+    config = {"layers": args.layers, "dim": args.dim, "heads": args.heads,
+              "seq_len": args.seq_len, "vocab": vocab}
+    if world is not None:
+        config.update(seed=args.seed, batch_size=args.batch_size, lr=args.lr,
+                      parallel=args.parallel, ranks=world)
+    return config
 
 
 def write_run_metadata(folder: pathlib.Path, config: dict, log: Log) -> None:
@@ -591,8 +603,10 @@ def check_saved_shapes(directory: pathlib.Path, step: int, model_state: dict, ra
 
 def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: int) -> bool:
     """Usage error if the checkpoint of ``step`` holds a model of another shape than
-    this run's (loading it would take some of its tensors, or fail on every one).
-    False when the checkpoint does not record its shape."""
+    this run's (loading it would take some of its tensors, or fail on every one), or
+    was trained with another seed, batch size or learning rate (the resumed run would
+    not be the one it continues); a line on rank 0 where its layout (--parallel, the
+    number of ranks) differs. False when the checkpoint does not record its shape."""
     path = directory / f"step{step}" / "model_config.json"
     try:
         saved = json.loads(path.read_text())
@@ -611,6 +625,26 @@ def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: i
         usage_error(f"--checkpoint-dir {directory}: its checkpoints were saved with a vocabulary "
                     f"of {saved['vocab']} characters and this corpus has {config['vocab']}; "
                     "choose another --checkpoint-dir (nothing there was changed)", rank)
+    # (a checkpoint written before these were recorded holds none of them)
+    changed = [(flag, saved[key], config[key]) for key, flag in TRAINING_FLAGS
+               if key in config and key in saved and saved[key] != config[key]]
+    if changed:
+        usage_error(f"--checkpoint-dir {directory}: this run has "
+                    f"{', '.join(f'{flag} {now}' for flag, _, now in changed)}, but the checkpoints "
+                    f"there were saved with {', '.join(f'{flag} {was}' for flag, was, _ in changed)}; "
+                    "a resume continues that run exactly: pass "
+                    f"{' '.join(f'{flag} {was}' for flag, was, _ in changed)} to resume it, or choose "
+                    "another --checkpoint-dir for a new run (nothing there was changed)", rank)
+    layout = [(k, saved[k], config[k]) for k in ("parallel", "ranks")
+              if k in config and k in saved and saved[k] != config[k]]
+    if layout and rank == 0:
+        was = dict((k, v) for k, v, _ in layout)
+        print(f"torch_remat train: {path.parent} was saved with --parallel "
+              f"{was.get('parallel', config['parallel'])} on {was.get('ranks', config['ranks'])} "
+              f"rank(s), and this run is --parallel {config['parallel']} on {config['ranks']}: "
+              "the model and optimizer states are resharded on loading; each rank's batches "
+              "(and dropout masks) after the resume differ from those of the run saved there",
+              flush=True)
     return True
 
 
@@ -877,13 +911,14 @@ def main(argv=None) -> None:
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     elif args.parallel != "none":
-        sys.exit(f"--parallel {args.parallel} needs torchrun (launch/run.sh)")
+        usage_error(f"--parallel {args.parallel} needs torchrun (launch/run.sh), or pass "
+                    "--parallel none to train in this one process")
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
     text = load_text()
-    config = model_config(args, len(sorted(set(text))))
+    config = model_config(args, len(sorted(set(text))), world)
     model, dp_rank, dp_size = build(args, config["vocab"], device, world)
     batches = Batches(text, args.seq_len, args.batch_size, args.seed, dp_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -125,6 +125,56 @@ def test_a_checkpoint_of_another_model_shape_is_refused_naming_flag_and_values(c
     train.check_model_config(tmp_path, 10, saved, rank=0)  # the same: fine
 
 
+def _run_config(world=2, **changes):
+    args = train.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in changes.items()])
+    return train.model_config(args, vocab=90, world=world)
+
+
+def test_a_resume_with_another_seed_batch_size_or_learning_rate_is_refused_naming_them(capsys, tmp_path):
+    # Before: only the model's shape was compared; a resume with --seed 5 trained seed
+    # 5's batches on seed 0's weights, and one whose --steps the folder had reached
+    # said "this run is finished" for a run never trained
+    (tmp_path / "step10").mkdir()
+    (tmp_path / "step10" / "model_config.json").write_text(json.dumps(_run_config(parallel="fsdp2")))
+    for changes, message in (
+        ({"seed": 5}, "--seed 5, but the checkpoints there were saved with --seed 0"),
+        ({"batch_size": 4, "lr": 1.0}, "--batch-size 4, --lr 1.0, but the checkpoints there were "
+                                       "saved with --batch-size 8, --lr 0.003"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            train.check_model_config(tmp_path, 10, _run_config(**changes), rank=0)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "to resume it" in err
+    # another layout resumes (the states are resharded), saying so
+    assert train.check_model_config(tmp_path, 10, _run_config(world=3, parallel="ddp"), rank=0)
+    out = capsys.readouterr().out
+    assert "saved with --parallel fsdp2 on 2 rank(s), and this run is --parallel ddp on 3" in out
+    assert train.check_model_config(tmp_path, 10, _run_config(parallel="fsdp2"), rank=0)  # the same: silent
+    assert capsys.readouterr().out == ""
+    # a checkpoint that recorded only the model's shape resumes as before
+    (tmp_path / "step10" / "model_config.json").write_text(json.dumps(_config()))
+    assert train.check_model_config(tmp_path, 10, _run_config(seed=5), rank=0)
+
+
+@pytest.mark.parametrize("budget", ["2.0", "1e9", "1.5"])
+def test_a_budget_above_one_that_is_not_an_integer_is_refused_as_neither_fraction_nor_bytes(budget, capsys):
+    # Before: budget=2.0 planned with no budget and budget=1e9 as a fraction of 10^9
+    with pytest.raises(SystemExit) as info:
+        train.parse_args([f"--remat=budget={budget}"])
+    assert info.value.code == 2
+    assert "a fraction in (0, 1]" in capsys.readouterr().err
+    assert train.parse_budget("1.0") == 1.0 and train.parse_budget("2000000") == 2000000
+
+
+def test_a_parallel_mode_without_torchrun_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as info:
+        train.main(["--parallel", "fsdp2", "--steps", "1"])
+    assert info.value.code == 2
+    assert "train.py: error: --parallel fsdp2 needs torchrun" in capsys.readouterr().err
+
+
 def test_a_checkpoint_saves_the_model_config_and_the_log_up_to_its_step(tmp_path):
     log = train.Log(str(tmp_path / "log.json"), 0, 1)
     log.losses.update({1: 4.0, 2: 3.5})
