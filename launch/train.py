@@ -166,14 +166,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_budget(value: str) -> float | int | str:
     """``--remat budget=VALUE`` -> plan_remat's budget: a fraction of the no-remat
-    activation bytes (a float), bytes (an int) or "auto" (the free CUDA memory)."""
+    activation bytes (a float in (0, 1]), bytes (an int: a whole number above 1,
+    however written) or "auto" (the free CUDA memory)."""
     if value == "auto" or (value.isdigit() and int(value) > 0):
         return value if value == "auto" else int(value)
-    with contextlib.suppress(ValueError):
-        # (a fraction is at most 1: budget=2.0 or budget=1e9 is more likely meant as
-        # bytes, which are written as an integer)
-        if 0 < float(value) <= 1:
-            return float(value)
+    with contextlib.suppress(ValueError, OverflowError):
+        number = float(value)
+        if 0 < number <= 1:
+            return number
+        # a whole number above 1 is bytes however written (budget=2.0 as budget=2,
+        # budget=1e9); a fraction is at most 1 (budget=1.5 is neither)
+        if 1 < number < math.inf and number == int(number):
+            return int(number)
     raise ValueError(value)
 
 
@@ -199,8 +203,8 @@ def remat_policy(spec: str) -> tuple[bool, frozenset[str]]:
     raise ValueError(
         f"--remat {spec}: expected none, full, selective, keep=NAMES with NAMES "
         f"a comma-separated subset of {','.join(SUBLAYERS)}, or budget=F (a fraction "
-        "in (0, 1] of the no-remat activation bytes, e.g. budget=0.3), budget=BYTES (an "
-        "integer > 0, e.g. budget=2000000) or budget=auto (CUDA)"
+        "in (0, 1] of the no-remat activation bytes, e.g. budget=0.3), budget=BYTES (a "
+        "whole number > 1, e.g. budget=2000000 or budget=2e6) or budget=auto (CUDA)"
     )
 
 

@@ -157,14 +157,16 @@ def test_a_resume_with_another_seed_batch_size_or_learning_rate_is_refused_namin
     assert train.check_model_config(tmp_path, 10, _run_config(seed=5), rank=0)
 
 
-@pytest.mark.parametrize("budget", ["2.0", "1e9", "1.5"])
-def test_a_budget_above_one_that_is_not_an_integer_is_refused_as_neither_fraction_nor_bytes(budget, capsys):
-    # Before: budget=2.0 planned with no budget and budget=1e9 as a fraction of 10^9
+def test_a_whole_number_budget_is_bytes_however_written_and_a_fraction_is_at_most_one(capsys):
+    # Before: budget=2 was 2 bytes but budget=2.0 a fraction (no budget), and
+    # budget=1e9 a fraction of 10^9
+    assert train.parse_budget("2.0") == train.parse_budget("2") == 2
+    assert train.parse_budget("1e9") == 1_000_000_000
+    assert train.parse_budget("1.0") == 1.0 and train.parse_budget("0.3") == 0.3
     with pytest.raises(SystemExit) as info:
-        train.parse_args([f"--remat=budget={budget}"])
+        train.parse_args(["--remat=budget=1.5"])
     assert info.value.code == 2
     assert "a fraction in (0, 1]" in capsys.readouterr().err
-    assert train.parse_budget("1.0") == 1.0 and train.parse_budget("2000000") == 2000000
 
 
 def test_a_parallel_mode_without_torchrun_is_a_usage_error(capsys, monkeypatch):
