@@ -4,11 +4,14 @@ launch/train.py checks its arguments on every rank and exits with status 2 on a
 bad one, printing why on rank 0 (a bad --remat, an unwritable --checkpoint-dir, a
 budget no plan fits). torchrun would follow that with its failure report and a
 traceback of its own; here the launch ends with status 2 and the worker's message
-alone. Any other failure is reported as torchrun reports it.
+alone (torchrun's lines about ending the other workers and about the failed one
+are left out). Any other failure is reported as torchrun reports it, but for its
+notice that it ends the other workers.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -16,7 +19,18 @@ from torch.distributed.run import main
 
 USAGE_ERROR = 2
 
+
+class _UsageErrorLines(logging.Filter):
+    """torchrun's own log lines around a worker's usage error: its notice that it
+    ends the other workers, and its report of the failed one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "closing signal" not in message and f"(exitcode: {USAGE_ERROR})" not in message
+
+
 if __name__ == "__main__":
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_UsageErrorLines())
     try:
         main()
     except ChildFailedError as e:
