@@ -37,7 +37,8 @@ tensor it holds and that tensor's version. Around the replay:
   removed before backward, one registered after the forward);
 * the contents of every plain ``list``, ``dict`` and ``set`` (an ``OrderedDict``,
   a ``Counter``; those a ``UserDict``, ``UserList`` or ``ChainMap`` holds) in a
-  module's attribute (a private one too, in a module of the user's), a closure cell, a plain object, another such container or (up to
+  module's attribute (a private one too, in a module of the user's), a closure
+  cell, a plain object, another such container or (up to
   1,024 items) a module-level variable (a carried state ``self.state["h"] = h``,
   a history the forward reads ``self.hist[-1]`` and extends, a dict of counters)
   are recorded too (a shallow copy each; see :func:`_held_state`). The replay runs on the contents
