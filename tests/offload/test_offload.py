@@ -127,13 +127,15 @@ def test_the_offloader_as_a_checkpoint_option():
     assert off.held_tensors() == 0
 
 
-def test_a_permuted_tensor_comes_back_with_its_strides_a_strided_one_contiguous():
+def test_a_permuted_tensor_comes_back_with_its_strides_a_strided_one_dense_in_its_order():
     off = offloader(prefetch=0, min_bytes=0)
     permuted = torch.randn(DIM, B, dtype=D).t()
     strided = torch.randn(B, 2 * DIM, dtype=D)[:, ::2]
-    back = [off.unpack_hook(off.pack_hook(t)) for t in (permuted, strided)]
+    column = torch.randn(2 * DIM, B, dtype=D).t()[:, ::2]  # gaps, column-major
+    back = [off.unpack_hook(off.pack_hook(t)) for t in (permuted, strided, column)]
     assert back[0].stride() == permuted.stride() and torch.equal(back[0], permuted)
     assert back[1].is_contiguous() and torch.equal(back[1], strided)
+    assert back[2].stride() == (1, B) and torch.equal(back[2], column)
 
 
 def test_bad_prefetch_is_refused():

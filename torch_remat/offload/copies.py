@@ -14,8 +14,11 @@ class CopyLayout:
     A tensor whose elements fill its storage span without gaps (dense, a permuted
     view, or a broadcast view with stride 0) moves that span, and comes back with
     its own strides: a mask expanded to (B, H, S, S) moves its (S, S) storage. A
-    tensor with gaps (a strided slice) moves its elements, and comes back
-    contiguous."""
+    tensor with gaps (a strided slice) moves its elements, and comes back dense with
+    its dimensions in the order of its strides (a column of a transposed matrix
+    stays column-major): kernels that follow the input's layout, as elementwise ops
+    and reductions do, then add in the order they did in the forward, so the
+    gradient is the same to the bit."""
 
     __slots__ = ("count", "shape", "stride", "span")
 
@@ -25,7 +28,7 @@ class CopyLayout:
         if span <= t.numel():
             self.count, self.stride, self.span = span, t.stride(), True
         else:
-            self.count, self.stride, self.span = t.numel(), _contiguous_strides(t.shape), False
+            self.count, self.stride, self.span = t.numel(), dense_strides(t.shape, t.stride()), False
 
     def nbytes(self, t: torch.Tensor) -> int:
         return self.count * t.element_size()
@@ -35,11 +38,11 @@ class CopyLayout:
         return buffer[: self.nbytes(t)].view(t.dtype)
 
     def source(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(what to copy from, shape of the host view)``: the span of ``t``'s
-        storage, or ``t`` itself copied into a contiguous view."""
+        """``(what to copy from, (shape, strides) of the host view)``: the span of
+        ``t``'s storage, or ``t`` itself copied into a dense view of its layout."""
         if self.span:
             return t.as_strided((self.count,), (1,), t.storage_offset()), None
-        return t, self.shape
+        return t, (self.shape, self.stride)
 
     def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.as_strided(self.shape, self.stride)
@@ -55,12 +58,16 @@ def storage_span(t: torch.Tensor) -> int:
     return span
 
 
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def dense_strides(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of a tensor of ``shape`` without gaps whose dimensions lie in memory
+    in the order of ``strides`` (the innermost has the smallest stride; ties keep
+    the later dimension innermost, as a contiguous tensor has it)."""
+    order = sorted(range(len(shape)), key=lambda d: (abs(strides[d]), -d))
+    out, step = [0] * len(shape), 1
+    for d in order:
+        out[d] = step
+        step *= max(shape[d], 1)
+    return tuple(out)
 
 
 class SyncCopier:
@@ -70,8 +77,8 @@ class SyncCopier:
     tensor that was saved (``copy_`` into an empty one would leave it at 1)."""
 
     def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: CopyLayout) -> Any:
-        src, shape = layout.source(t)
-        (host if shape is None else host.view(shape)).copy_(src)
+        src, view = layout.source(t)
+        (host if view is None else host.as_strided(*view)).copy_(src)
         return None
 
     def to_device(self, host: torch.Tensor, device: torch.device, layout: CopyLayout) -> tuple[torch.Tensor, Any]:
@@ -92,8 +99,8 @@ class CudaCopier:
     def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: CopyLayout) -> Any:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            src, shape = layout.source(t)
-            (host if shape is None else host.view(shape)).copy_(src, non_blocking=True)
+            src, view = layout.source(t)
+            (host if view is None else host.as_strided(*view)).copy_(src, non_blocking=True)
             # The allocator must not reuse t's memory before the copy has read it.
             t.record_stream(self.stream)
             done = torch.cuda.Event()
