@@ -66,6 +66,23 @@ def test_saves_inside_the_scope_are_replayed_too():
     )
 
 
+@pytest.mark.parametrize("view", ["conj", "conj resolved", "imag of conj (negative bit)"])
+def test_conjugate_and_negative_views_are_replayed_with_their_bits(view):
+    # a.exp().conj() is a lazy view of exp's storage: the replay rebuilds the view
+    # from the storage, and without the bit it read the unconjugated values
+    (a,) = [torch.randn(4, 4, dtype=torch.complex128, generator=torch.Generator().manual_seed(5)).requires_grad_()]
+
+    def loss(use):
+        with scope_or_not(use):
+            e = a.exp()
+            c = {"conj": e.conj(), "conj resolved": e.conj().resolve_conj(),
+                 "imag of conj (negative bit)": e.conj().imag}[view]
+        return ((c * a).abs() if c.is_complex() else c * a.real).sum()
+
+    assert_bitwise_equal(grads([a], [], lambda: loss(True), scope=True), grads([a], [], lambda: loss(False)))
+    assert replays(lambda: loss(True).backward()) == 1
+
+
 def test_dropout_is_replayed_with_the_rng_state_it_saw():
     a, c = leaves((64,), (64,))
 

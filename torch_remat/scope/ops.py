@@ -52,7 +52,7 @@ def version_of(t: torch.Tensor) -> int | None:
 
 
 class View:
-    __slots__ = ("sid", "dtype", "size", "stride", "offset")
+    __slots__ = ("sid", "dtype", "size", "stride", "offset", "conj", "neg")
 
     def __init__(self, sid: int, t: torch.Tensor) -> None:
         self.sid = sid
@@ -60,6 +60,10 @@ class View:
         self.size = tuple(t.shape)
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        # a lazy conjugate or negative view (a.conj(), a.conj().imag): the bits the
+        # storage does not hold
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
 
 
 class Ext:

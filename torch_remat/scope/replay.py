@@ -18,7 +18,7 @@ import torch
 
 from .._autograd_hooks import graph_task_key as _graph_task_key
 from .._autograd_hooks import when_backward_ends
-from .._compat import tree_flatten, tree_unflatten, version_of
+from .._compat import neg_view, tree_flatten, tree_unflatten, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
 from .._tensors import describe_tensor
 from ..engine.context import profiler_range
@@ -37,6 +37,8 @@ class ScopeRecipe:
         "size",
         "stride",
         "offset",
+        "conj",
+        "neg",
         "values",
         "consumed",
         "__weakref__",
@@ -50,6 +52,8 @@ class ScopeRecipe:
         self.size = tuple(t.shape)
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
         # graph-task key -> recomputed tensor, popped when backward unpacks it
         self.values: dict[Any, torch.Tensor] | None = None
         self.consumed: set[Any] = set()
@@ -59,10 +63,18 @@ class ScopeRecipe:
 
 
 def view_of(base: torch.Tensor, d: Any) -> torch.Tensor:
+    """The view ``d`` (a :class:`View` or a recipe) of the storage of ``base``, with
+    the conjugate and negative bits ``d`` had."""
     if base.dtype == d.dtype:
-        return base.as_strided(d.size, d.stride, d.offset)
-    out = torch.empty((0,), dtype=d.dtype, device=base.device)
-    return out.set_(base.untyped_storage(), d.offset, d.size, d.stride)
+        out = base.as_strided(d.size, d.stride, d.offset)
+    else:
+        out = torch.empty((0,), dtype=d.dtype, device=base.device)
+        out = out.set_(base.untyped_storage(), d.offset, d.size, d.stride)
+    if out.is_conj() is not d.conj:
+        out = out.conj()  # (toggles the bit: a view)
+    if out.is_neg() is not d.neg:
+        out = neg_view(out)
+    return out
 
 
 def unpack_recipe(record: Any, recipe: ScopeRecipe) -> torch.Tensor:
