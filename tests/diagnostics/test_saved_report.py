@@ -232,6 +232,28 @@ def test_offloaded_saves_are_counted_where_they_live(memory_probe):
     )
 
 
+@pytest.mark.parametrize("hooks", ["none", "identity", "moving"])
+def test_an_unread_leaf_input_is_billed_only_when_hooks_copied_it(hooks):
+    # x is a leaf that requires grad: autograd holds it for x.grad anyway. The
+    # replay does not read it (a SAVE region only), so hooks pack it at the start
+    # and hold the payload until backward: x itself (identity hooks) is not billed,
+    # a copy the hooks made is.
+    x = torch.randn(64, 64, requires_grad=True)
+    pair = {
+        "none": None,
+        "identity": (lambda t: t, lambda t: t),
+        "moving": (lambda t: t.detach().clone(), lambda t: t),
+    }[hooks]
+    kw = {} if pair is None else {"saved_tensors_hooks": pair}
+    y = remat.checkpoint(region_name="layers.0", **kw)(
+        lambda t: remat.region(torch.exp, "exp", recompute=False)(t)
+    )(x)
+    report = remat.saved_tensors_report(y.sum())
+    extra = 64 * 64 * 4 if hooks == "moving" else 0
+    assert report.total_bytes == 64 * 64 * 4 + extra  # exp's output, saved for its backward
+    assert ("(inputs)" in report.checkpoints[0].format()) == (hooks == "moving")
+
+
 def test_to_dict_is_machine_readable():
     x = torch.randn(3, 4, requires_grad=True)
     d = remat.saved_tensors_report(two_sq_layers(x)).to_dict()

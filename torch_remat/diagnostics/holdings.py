@@ -21,7 +21,7 @@ import torch
 
 from .._tensors import TensorMeta, storage_ptr
 from .registry import FrameEntry
-from .storage import is_parameter, tensors_in
+from .storage import tensors_in
 
 if TYPE_CHECKING:
     from ..engine.frame import CheckpointFrame
@@ -142,11 +142,14 @@ def frame_holdings(frame: CheckpointFrame, serial: int = -1) -> Holdings:
             held = s.held_anyway
             param = held is not None and all(storage_ptr(t) == held for t in tensors)
             inputs.items.append(HeldItem(f"(input {s.index})", s.meta, tensors, parameter=param))
-    for index, meta, payload in frame.unread_inputs or ():
-        # packed by hooks when the checkpoint started; held until backward unpacks it
+    for index, meta, payload, held in frame.unread_inputs or ():
+        # packed by hooks when the checkpoint started; held until backward unpacks
+        # it: billed unless the hooks kept the input itself, and it is a parameter or
+        # a leaf that requires grad (a copy the hooks made is memory of its own)
         tensors = tensors_in(payload.data)
         if tensors:
-            inputs.items.append(HeldItem(f"(input {index})", meta, tensors, parameter=is_parameter(tensors[0])))
+            param = held is not None and all(storage_ptr(t) == held for t in tensors)
+            inputs.items.append(HeldItem(f"(input {index})", meta, tensors, parameter=param))
     pending: dict[int, list[Any]] = {}
     rebuilt, storages = 0, {}
     for s in frame.rebuilds.live_saves():

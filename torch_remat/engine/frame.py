@@ -688,7 +688,7 @@ class CheckpointFrame:
         unread = self.unread_inputs
         for s in self.inputs:
             if unread is not None and not s.keep:
-                unread.append((s.index, s.meta, s.saved))
+                unread.append((s.index, s.meta, s.saved, s.held_anyway))
                 s.drop_saved()
             s.store(self.name)
         for s in scratch.output_sources:

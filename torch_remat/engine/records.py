@@ -211,7 +211,7 @@ class RegionSaved:
 
 def unpack_unread(unread: list) -> None:
     """Unpack (and drop) the payloads of checkpoint inputs that hooks packed and the
-    replay does not read, ``(index, meta, payload)`` each: the hooks see an unpack
+    replay does not read, ``(index, meta, payload, held_anyway)`` each: the hooks see an unpack
     for every pack, as with torch's checkpoint, when backward first reaches the
     checkpoint."""
     while unread:
