@@ -254,6 +254,31 @@ def test_an_unread_leaf_input_is_billed_only_when_hooks_copied_it(hooks):
     assert ("(inputs)" in report.checkpoints[0].format()) == (hooks == "moving")
 
 
+def test_a_checkpoint_nested_in_replayed_code_holds_nothing_and_is_not_listed():
+    # The inner checkpoint runs in the outer one's replayed code: the outer packs the
+    # inner's save and drops it (its replay runs the inner one again), so only the
+    # outer's SAVE output is held.
+    def inner(t):
+        return remat.region(torch.exp, "iexp", recompute=False)(t)
+
+    def outer(t):
+        h = remat.region(torch.sin, "osin", recompute=False)(t)
+        return remat.checkpoint(region_name="inner")(inner)(h).tanh()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    y = remat.checkpoint(region_name="outer")(outer)(x)
+    report = remat.saved_tensors_report(y.sum())
+    assert [c.name for c in report.checkpoints] == ["outer"]
+    assert report.format().startswith(
+        "saved for backward: 64 B resident -- 1 region(s) 64 B, outside regions 0 B\n\n"
+        "regions:\n  64 B  x1  outer  (1 storage)\n"
+    )
+    y.sum().backward()
+    plain = x.detach().clone().requires_grad_()
+    plain.sin().exp().tanh().sum().backward()
+    assert torch.equal(x.grad, plain.grad)
+
+
 def test_to_dict_is_machine_readable():
     x = torch.randn(3, 4, requires_grad=True)
     d = remat.saved_tensors_report(two_sq_layers(x)).to_dict()

@@ -60,6 +60,19 @@ def test_the_labeller_falls_back_to_the_innermost_frame_when_all_are_library_fra
     assert remat.memory_snapshot_annotate(snapshot_of(block(t, [])))(t) is None
 
 
+def test_blocks_without_an_address_lie_where_the_block_before_ended():
+    # a segment's blocks tile it in order; a snapshot may give only the segment's
+    # address (as label_memory_snapshot accepts)
+    t = torch.zeros(64)
+    start = t.untyped_storage().data_ptr()
+    free = {"state": "inactive", "size": 256}
+    held = {"state": "active_allocated", "size": t.untyped_storage().nbytes(), "frames": MODEL_FRAMES}
+    snap = {"segments": [{"device": 0, "address": start - 256, "blocks": [free, held]}]}
+    annotate = remat.memory_snapshot_annotate(snap)
+    assert annotate(t) == "attn.py:42 forward"
+    assert annotate(torch.zeros(4)) is None
+
+
 def _kept_by_a_save_region():
     kept = []
     x = torch.randn(3, 4, dtype=D, requires_grad=True)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._tensors import TensorMeta, storage_ptr
+from ..engine.records import Holder
 from .registry import FrameEntry
 from .storage import tensors_in
 
@@ -69,8 +70,12 @@ def _source_tensors(src: Any, forward_done: bool) -> list[torch.Tensor]:
     return [] if t is None else [t]
 
 
-def _saved_item(rs: Any) -> HeldItem:
+def _saved_item(rs: Any) -> HeldItem | None:
     tensors = [rs.tensor] if rs.tensor is not None else tensors_in(rs.packed)
+    if not tensors and type(rs.packed) is Holder:
+        # the save of a checkpoint nested in an outer one's replayed code, dropped
+        # by the outer one (whose replay runs the nested one again): held nowhere
+        return None
     return HeldItem(
         rs.name,
         rs.meta,
@@ -84,7 +89,9 @@ def _saved_item(rs: Any) -> HeldItem:
 def _region_group(rec: Any, forward_done: bool, pending: list[Any] = ()) -> HeldGroup:
     group = HeldGroup(rec.qualname)
     for rs in rec.live_saved():
-        group.items.append(_saved_item(rs))
+        item = _saved_item(rs)
+        if item is not None:
+            group.items.append(item)
     for s in pending:
         # Held until the forward ends, when it becomes a rebuilt save.
         name = f"(argument {s.arg.index}, rebuilt on recompute)"

@@ -128,12 +128,17 @@ def memory_snapshot_annotate(
         )
     blocks = []
     for segment in snapshot.get("segments", ()):
+        # a block without an address starts where the one before it ended (as in
+        # SnapshotIndex): the segment's blocks tile it in order
+        address = segment.get("address", 0)
         for b in segment.get("blocks", ()):
+            start = b.get("address", address)
+            address = start + b.get("size", 0)
             if b.get("state") != "active_allocated":
                 continue
             site = site_from_frames(b.get("frames"))
             if site is not None:
-                blocks.append((b["address"], b["address"] + b["size"], site))
+                blocks.append((start, address, site))
     blocks.sort()
     starts = [start for start, _, _ in blocks]
 

@@ -106,6 +106,12 @@ class Holder:
         """Hold ``d``, a tensor the checkpoint keeps anyway: no replay needs to refill it."""
         self.kept = VersionedTensor(d)
 
+    def _remat_resident_tensors(self) -> list[torch.Tensor]:
+        """What the reports count for a save packed as this holder (by an outer
+        checkpoint, when it is the save of a nested one): the kept tensor, or
+        nothing; the replay recreates a dropped one."""
+        return [] if self.kept is None else [self.kept.data]
+
 tree_flatten = _compat.tree_flatten
 
 if TYPE_CHECKING:
