@@ -53,9 +53,32 @@ def test_annotate_labels_the_block_holding_a_kept_tensor_with_checkpoint_region_
     assert remat.diagnostics.label_memory_snapshot(snapshot, device_type="cpu") is snapshot
     free, active = snapshot["segments"][0]["blocks"]
     assert "remat" not in free
-    assert active["remat"] == [
-        {"checkpoint": "layers.0", "region": "proj", "tensor": "saved.0", "nbytes": 96}
+    assert active["remat"] == [  # exp's result: saved, and the region's output
+        {"checkpoint": "layers.0", "region": "proj", "tensor": "saved.0 (output at idx 0)", "nbytes": 96}
     ]
+    loss.backward()
+
+
+def test_labels_name_storages_as_the_report_rows_do_and_their_bytes_add_up_to_the_report():
+    # "sq" keeps y (exp's result, saved for its backward and returned) on one
+    # storage; "twice" saves y twice (y * y), a storage counted in "sq"
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    seen = []
+
+    def fn(t):
+        y = remat.region(lambda u: u.exp(), "sq", recompute=False)(t)
+        seen.append(y)
+        return remat.region(lambda u: u * u, "twice", recompute=False)(y).sum()
+
+    loss = remat.checkpoint(region_name="layer.0")(fn)(x)
+    snapshot = synthetic_snapshot(seen[0])
+    remat.diagnostics.label_memory_snapshot(snapshot, device_type="cpu")
+    labels = snapshot["segments"][0]["blocks"][1]["remat"]
+    assert labels == [
+        {"checkpoint": "layer.0", "region": "sq", "tensor": "saved.0 (output at idx 0)", "nbytes": 96},
+        {"checkpoint": "layer.0", "region": "twice", "tensor": "saved.0, saved.1", "nbytes": 0},
+    ]
+    assert sum(lab["nbytes"] for lab in labels) == remat.saved_tensors_report(loss).total_bytes == 96
     loss.backward()
 
 

@@ -28,33 +28,40 @@ from .. import _compat
 from .._errors import RematError
 from .alloc_sites import SnapshotIndex, cached_snapshot, format_site, is_user_file
 from .holdings import entry_holdings
+from .memory_report import Ledger, checkpoint_block
 from .registry import live_entries
-from .storage import storages_of
 
 
 def held_storage_labels(device_type: str) -> list[tuple[int, int, dict[str, Any]]]:
     """``(device index, data_ptr, label)`` of every storage on ``device_type`` that a
-    live checkpoint holds (parameters excluded), in registry order."""
+    live checkpoint holds (parameters excluded), in registry order: one label per
+    storage and region, named as the saved-tensors report's rows name what lies on
+    it (``"saved.0, saved.1"``, ``"y (output at idx 0)"``), with the bytes the
+    report counts for it there (0 where it counts the storage in another region),
+    so the labels' bytes add up to the report's."""
     out = []
+    ledger = Ledger()
     for entry in live_entries():
         holdings = entry_holdings(entry)
         if holdings is None:
             continue
-        for group in holdings.groups:
-            for item in group.items:
-                if item.parameter:
-                    continue
-                for t in item.tensors:
-                    for info in storages_of(t):
-                        if info.device.type != device_type:
-                            continue
-                        label = {
-                            "checkpoint": holdings.name,
-                            "region": group.region,
-                            "tensor": item.name,
-                            "nbytes": info.nbytes,
-                        }
-                        out.append((info.device.index or 0, info.data_ptr, label))
+        for region in checkpoint_block(holdings, ledger).regions:
+            here: dict[int, dict[str, Any]] = {}
+            for row in region.rows:
+                for info in row.storages:
+                    if info.device.type != device_type:
+                        continue
+                    label = here.get(info.key)
+                    if label is not None:  # a view of a storage labelled above
+                        label["tensor"] += f", {row.name}"
+                        continue
+                    here[info.key] = label = {
+                        "checkpoint": holdings.name,
+                        "region": region.region,
+                        "tensor": row.name,
+                        "nbytes": info.nbytes if row.kind == "storage" else 0,
+                    }
+                    out.append((info.device.index or 0, info.data_ptr, label))
     return out
 
 
