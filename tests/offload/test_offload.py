@@ -152,10 +152,10 @@ def test_reports_count_the_host_buffer_of_an_offloaded_save_not_the_offloader():
     with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
         loss = remat.checkpoint(region_name="c")(fn)(make_input())
     report = remat.saved_tensors_report(loss)
-    # the 4096 B pool buffer holding exp's result, and the checkpoint's input, which
-    # the offloader (kinds: BACKWARD only) hands back as is when it is packed at the
-    # checkpoint's start: held until backward unpacks it
-    assert report.checkpoint_bytes == ACT + make_input().nbytes
+    # the 4096 B pool buffer holding exp's result; the checkpoint's input, which the
+    # offloader (kinds: BACKWARD only) hands back as is when it is packed at the
+    # checkpoint's start, is a leaf that requires grad, held by autograd anyway
+    assert report.checkpoint_bytes == ACT
     loss.backward()
 
 
@@ -165,6 +165,22 @@ def test_the_worked_example_of_the_hooks_page_prints_what_it_quotes(docs_check, 
     torch.manual_seed(0)
     exec(compile(example, "ex_hooks.py", "exec"), {"__name__": "ex_hooks"})
     docs_check.check("hooks-worked-example", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("what", ["weight", "activation"])
+def test_as_a_block_a_save_it_leaves_resident_is_still_refused_once_modified_in_place(what):
+    # Outside checkpoints a hook that hands a tensor back as is loses autograd's
+    # version check; the offloader keeps it (optimizer.step() before backward).
+    off = ActivationOffloader(1 << 20, prefetch=0)  # min_bytes 1 MiB: all stays resident
+    lin = torch.nn.Linear(DIM, DIM, dtype=D)
+    x = torch.randn(B, DIM, dtype=D, requires_grad=True)
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        e = lin(x).exp()  # exp saves its result; linear its input and weight
+        loss = (e * 2).sum()
+    with torch.no_grad():
+        (lin.weight if what == "weight" else e).add_(1)
+    with pytest.raises(remat.SavedTensorModifiedError, match="modified in place"):
+        loss.backward()
 
 
 @pytest.mark.parametrize("regions, moved", [(("*",), True), (("*attn*",), False)])

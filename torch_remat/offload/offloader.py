@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import SavedTensorKind, current_saved_tensor_info
+from .._autograd_hooks import VersionedTensor
 from .._compat import version_of
 from .copies import CopyLayout, CudaCopier, SyncCopier
 from .pool import HostPool
@@ -199,18 +200,18 @@ class ActivationOffloader:
         kind = SavedTensorKind.BACKWARD if info is None else info.kind
         region = None if info is None else info.region
         if kind not in self.kinds or (info is not None and info.is_parameter):
-            return t
+            return _resident(t, info)
         if not any(fnmatch.fnmatchcase(region or "", p) for p in self.regions):
-            return t
+            return _resident(t, info)
         if self._some_checkpoints and not any(
             fnmatch.fnmatchcase((info.checkpoint if info is not None else None) or "", p)
             for p in self.checkpoints
         ):
-            return t
+            return _resident(t, info)
         layout = CopyLayout(t)
         if layout.nbytes(t) < self.min_bytes:
             self.stats.resident_small += 1
-            return t
+            return _resident(t, info)
         with self._lock:
             group = self._group_for(None if info is None else info.call)
             handle = _Handle(self, group, region, t, layout)
@@ -220,7 +221,7 @@ class ActivationOffloader:
 
     def unpack_hook(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
-            return packed
+            return packed.unpack() if type(packed) is VersionedTensor else packed
         with self._lock:
             group = packed.group
             if not group.unpacked:
@@ -319,3 +320,13 @@ class ActivationOffloader:
         """Tensors the offloader still holds (on the host or the device)."""
         with self._lock:
             return sum(len(g.live()) for g in self._groups.values())
+
+
+def _resident(t: torch.Tensor, info: Any) -> Any:
+    """What the pack hook returns for a tensor it leaves where it is. Inside a
+    checkpoint the tensor itself (the checkpoint checks its version); outside one,
+    held with its version (:class:`VersionedTensor`), so that an update in place
+    before backward (``optimizer.step()`` on a saved weight) is refused as
+    autograd refuses it without hooks: a tensor handed back as is by a hook is
+    not version-checked by autograd."""
+    return t if info is not None and info.checkpoint is not None else VersionedTensor(t)
