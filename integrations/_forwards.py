@@ -350,8 +350,8 @@ class SaveRegionForward(_ModuleForward):
             out = remat.region(self.original_forward, self.region_name, recompute=False)(
                 *args, **kwargs
             )
-        if remat.is_recomputing():
-            return out
+        # (also while recomputing: the outer checkpoint's replay runs a nested
+        # checkpoint's forward again, which must keep what it kept the first time)
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 remat.recompute_needs_tensor(leaf)

@@ -4,6 +4,7 @@ import gc
 import threading
 import weakref
 
+import pytest
 import torch
 from helpers import Block, UnseenCounter, assert_bitwise_equal, grads, recorded_replays
 
@@ -453,6 +454,66 @@ def test_nested_checkpoint_gives_exact_gradients():
     expected = grads([w], [x], lambda x: remat.region(torch.exp, "e", recompute=True)(x).mul(2).matmul(w).tanh().sin().sum())
     actual = grads([w], [x], lambda x: remat.checkpoint(region_name="outer")(fn)(x).sum())
     assert_bitwise_equal(actual, expected)
+
+
+def _nested_stage(keep_while_recomputing: bool):
+    """Two checkpointed blocks nested in a checkpointed stage; each block keeps its
+    norms' outputs (SAVE regions) by recompute_needs_tensor, skipped under
+    is_recomputing() unless ``keep_while_recomputing``: the stage's replay runs the
+    blocks' forwards again, and skipping it there keeps other tensors than the
+    forward did, of the same shapes."""
+    g = torch.Generator().manual_seed(0)
+    inp = torch.nn.Linear(8, 8, dtype=torch.float64)
+    blocks = [
+        torch.nn.ModuleDict(dict(n1=torch.nn.LayerNorm(8), f1=torch.nn.Linear(8, 8), n2=torch.nn.LayerNorm(8),
+                                 f2=torch.nn.Linear(8, 8))).double()
+        for _ in range(2)
+    ]
+    x0 = torch.randn(4, 8, dtype=torch.float64, generator=g)
+
+    def save(mod, name, t):
+        out = remat.region(mod, name, recompute=False)(t)
+        if keep_while_recomputing or not remat.is_recomputing():
+            remat.recompute_needs_tensor(out)
+        return out
+
+    def block(x, b):
+        h = save(b["n1"], "n1", x).permute(1, 0).contiguous().permute(1, 0)
+        x = x + b["f1"](h)
+        return x + b["f2"](save(b["n2"], "n2", x))
+
+    inner = [remat.checkpoint(region_name=f"stage.blocks.{i}")(block) for i in range(2)]
+
+    def stage(x, nested):
+        for i, b in enumerate(blocks):
+            x = inner[i](x, b) if nested else block(x, b)
+        return x
+
+    params = list(inp.parameters()) + [p for b in blocks for p in b.parameters()]
+
+    def loss(nested):
+        x = inp(x0)
+        out = remat.checkpoint(region_name="stage")(stage)(x, True) if nested else stage(x, False)
+        return out.square().sum()
+
+    return params, loss
+
+
+def test_a_nested_checkpoint_keeping_the_same_tensors_in_the_recompute_is_exact():
+    params, loss = _nested_stage(keep_while_recomputing=True)
+    expected = grads(params, [], lambda: loss(False))
+    with recorded_replays() as replayed:
+        actual = grads(params, [], lambda: loss(True))
+    assert_bitwise_equal(actual, expected)
+    assert replayed[0] == "stage" and "stage.blocks.1" in replayed
+
+
+def test_a_nested_checkpoint_keeping_other_tensors_in_the_recompute_is_refused():
+    # (the same shapes: without the check the stage's replay handed backward the
+    # wrong tensors, and gradients were off by up to 31)
+    params, loss = _nested_stage(keep_while_recomputing=False)
+    with pytest.raises(remat.RecomputeMismatchError, match="kept by nested checkpoint 'stage.blocks.0'"):
+        loss(True).backward()
 
 
 def test_partial_backward_then_full_backward():

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from tests.helpers import assert_bitwise_equal, grads, recorded_replays
-from torch_remat.integrations import apply_remat, remove_remat
+from torch_remat.integrations import RematConfig, apply_remat, remove_remat
 
 
 class Attn(nn.Module):
@@ -56,6 +56,25 @@ class Net(nn.Module):
 def _net():
     torch.manual_seed(0)
     return Net().double()
+
+
+
+@pytest.mark.parametrize("save", [nn.Linear, MLP])
+def test_nested_checkpoints_with_save_modules_are_exact(save):
+    # layers and their attention both checkpointed: the attention's checkpoint runs
+    # again in each layer's replay, and must keep what it kept in the forward
+    reference = _net()
+    model = _net()
+    names = apply_remat(
+        model, check_fn=lambda m: isinstance(m, (Layer, Attn)), remat=RematConfig(save_modules=save)
+    )
+    assert "layers.0" in names and "layers.0.attn" in names
+    x = torch.randn(4, 8, dtype=torch.float64)
+    expected = grads(list(reference.parameters()), [], lambda: reference(x).square().sum())
+    with recorded_replays() as replayed:
+        actual = grads(list(model.parameters()), [], lambda: model(x).square().sum())
+    assert_bitwise_equal(actual, expected)
+    assert "layers.0" in replayed
 
 
 @pytest.mark.parametrize("form", [set, frozenset, list, tuple])

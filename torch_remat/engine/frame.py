@@ -173,7 +173,7 @@ class ForwardScratch:
         "region_stack", "save_depth", "region_names", "sources", "walk_roots",
         "save_output_seqs", "last_states", "host_last", "start_seq", "rng_start",
         "rng_entry", "outer_hooks", "kept_hooks", "output_sources", "unsummed",
-        "last_needed_seq",
+        "last_needed_seq", "nested_tag",
     )
 
     def __init__(self) -> None:
@@ -201,6 +201,11 @@ class ForwardScratch:
         # the autograd sequence number at the last save outside SAVE regions that a
         # replay must recreate (Rebuilds.settle: where early stop would end it)
         self.last_needed_seq = 0
+        # what a checkpoint nested in this one is handing to this one's pack hook
+        # (see set_nested_tag): noted with each save (holder_meta), so that a replay
+        # whose nested checkpoints keep other tensors than in the forward is refused
+        # rather than misaligned
+        self.nested_tag: tuple | None = None
 
 
 class CheckpointFrame:
@@ -438,7 +443,7 @@ class CheckpointFrame:
         holders.append(weakref.ref(holder))
         stack = scratch.region_stack
         self.holder_meta.append(
-            (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, version_of(t))
+            (t.shape, t.dtype, t.device, stack[-1].qualname if stack else None, version_of(t), scratch.nested_tag)
         )
         if self.bitwise_check:
             from .replay import (  # looked up at the call: tests count its calls
@@ -485,9 +490,20 @@ class CheckpointFrame:
                     saved = RebuiltSave(self, arg, self.scratch.region_stack[-1], t)
                     arg.saves.append(weakref.ref(saved))
                     return saved
-        region = self.scratch.region_stack[-1]
-        hooks = self.scratch.kept_hooks.region_save(region.qualname, t) or self.scratch.outer_hooks
-        saved = RegionSaved(region, f"saved.{len(region.saved)}", t, hooks, self.unread_inputs)
+        scratch = self.scratch
+        region = scratch.region_stack[-1]
+        name = f"saved.{len(region.saved)}"
+        kept_hooks = scratch.kept_hooks
+        if kept_hooks.nested:  # packed by the outer checkpoint's pass
+            outer = scratch.outer_hooks[0]
+            set_nested_tag(outer, (self.name, "saved", region.qualname, name))
+            try:
+                saved = RegionSaved(region, name, t, scratch.outer_hooks, self.unread_inputs)
+            finally:
+                set_nested_tag(outer, None)
+        else:
+            hooks = kept_hooks.region_save(region.qualname, t) or scratch.outer_hooks
+            saved = RegionSaved(region, name, t, hooks, self.unread_inputs)
         region.add_saved(saved)
         for observer in self.observers.kept:
             observer.tensor_kept(self, saved, t)
@@ -686,13 +702,20 @@ class CheckpointFrame:
             for s in self.inputs:
                 s.keep_if_modified()
         unread = self.unread_inputs
+        outer = scratch.outer_hooks[0] if scratch.kept_hooks.nested else None
         for s in self.inputs:
             if unread is not None and not s.keep:
                 unread.append((s.index, s.meta, s.saved, s.held_anyway))
                 s.drop_saved()
+            if outer is not None:
+                set_nested_tag(outer, (self.name, s.kind, s.region, s.index))
             s.store(self.name)
         for s in scratch.output_sources:
+            if outer is not None:
+                set_nested_tag(outer, (self.name, s.kind, s.region, s.index))
             s.store(self.name)
+        if outer is not None:
+            set_nested_tag(outer, None)
         self.scratch = None
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
@@ -751,7 +774,7 @@ class CheckpointFrame:
     def describe_holder(self, index: int) -> str:
         """``tensor #3 saved for backward by region 'attn' of checkpoint 'layers.0'
         (shape (2, 4), float32)``."""
-        shape, dtype, _, region, _ = self.holder_meta[index]
+        shape, dtype, _, region, _, _ = self.holder_meta[index]
         return (
             f"tensor #{index} saved for backward by {describe_region(region)} of checkpoint "
             f"'{self.name}' ({describe_tensor(shape, dtype)})"
@@ -1009,6 +1032,18 @@ class CheckpointFrame:
 
 
 _compat.mark_internal_pack_hook(CheckpointFrame, "scratch.outer_hooks")  # pushed only while the forward runs
+
+
+def set_nested_tag(outer: Any, tag: tuple | None) -> None:
+    """Say to ``outer``, the pass whose pack hook a nested checkpoint's kept tensors
+    go through (the outer checkpoint's forward or replay), what the next pack is:
+    ``(checkpoint, kind, region, name)``, None once it is done."""
+    if type(outer) is CheckpointFrame:
+        scratch = outer.scratch
+        if scratch is not None:
+            scratch.nested_tag = tag
+    elif type(outer) is ReplayPass:
+        outer.nested_tag = tag
 
 
 def mark_inputs_read_by_replayed_code(

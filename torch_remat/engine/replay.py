@@ -92,6 +92,7 @@ class ReplayPass:
         self.module_undo: list[tuple[Any, Any, Any]] = []
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
+        self.nested_tag: tuple | None = None  # as ForwardScratch.nested_tag
 
     def release(self) -> None:
         """The replay is over: drop what it refers to (see its end in ``frame.replay``)."""
@@ -126,7 +127,17 @@ class ReplayPass:
             raise PlaceholderReadError(
                 read_error_message(t._origin, "code outside SAVE regions saved for backward a tensor that")
             )
-        shape, dtype, device, region, version = frame.holder_meta[i]
+        shape, dtype, device, region, version, nested = frame.holder_meta[i]
+        if nested != self.nested_tag:
+            raise RecomputeMismatchError(
+                f"torch_remat: tensor #{i} saved for backward in checkpoint '{frame.name}' "
+                f"was {_nested_what(nested)} in forward but {_nested_what(self.nested_tag)} "
+                "in the recompute: a checkpoint nested in it kept other tensors when the "
+                "recompute ran it again. Code in a nested checkpoint must keep the same "
+                "tensors while remat.is_recomputing() is True: call remat.region and "
+                "remat.recompute_needs_tensor the same way in both (recompute_needs_tensor "
+                f"costs nothing in a recompute). {self.region_sequences()}"
+            )
         if version_of(t) != version:
             # The replay recreates fresh tensors with the versions the forward saw;
             # a differing version means a tensor both passes share (a closure tensor,
@@ -269,6 +280,15 @@ class ReplayPass:
     def keep(self, t: torch.Tensor) -> bool:
         return True
 
+
+
+def _nested_what(tag: tuple | None) -> str:
+    """How a replay mismatch names what a save was (see ``set_nested_tag``)."""
+    if tag is None:
+        return "saved by its own code"
+    checkpoint, kind, region, name = tag
+    where = f" of region '{region}'" if region else ""
+    return f"kept by nested checkpoint '{checkpoint}' ({kind} {name}{where})"
 
 
 def write_arguments(checkpoint: str, written: list, args: tuple, kwargs: dict) -> None:
