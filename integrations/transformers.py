@@ -32,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from ._forwards import SaveRegionForward, _ModuleForward, install_save_regions, installed_forward
+from ._repeated_calls import run_counting_calls
 from .apply import RematConfig, remat_module_names
 from .rng import default_rng_state_hooks
 
@@ -125,7 +126,9 @@ class _LayerCall:
         return None if module is None else (self.region_name, module)
 
     def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
-        return function(*args, **kwargs)
+        # a save_modules match called twice in the layer (a dropout) gets its own
+        # region names for each call, counted afresh in the forward and each replay
+        return run_counting_calls(function, args, kwargs)
 
 
 def _module_of(function: Any) -> nn.Module | None:

@@ -133,6 +133,38 @@ def test_attention_as_save_region_keeps_gradients_exact():
     assert sorted(replayed) == sorted(LAYERS)
 
 
+def test_a_save_module_called_twice_in_a_layer_gets_a_region_name_per_call():
+    # Segformer's MixFFN calls its one dropout twice: the second call's regions are
+    # named call1/..., as under apply_remat, in the forward and the replay alike
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    def build():
+        torch.manual_seed(0)
+        return SegformerForSemanticSegmentation(SegformerConfig(
+            num_encoder_blocks=1, depths=[1], sr_ratios=[2], hidden_sizes=[8], patch_sizes=[7], strides=[4],
+            num_attention_heads=[1], mlp_ratios=[2], decoder_hidden_size=8, hidden_dropout_prob=0.1,
+            attention_probs_dropout_prob=0.1, num_labels=3,
+        )).train()
+
+    g = torch.Generator().manual_seed(1)
+    pixels, labels = torch.randn(2, 3, 16, 16, generator=g), torch.randint(0, 3, (2, 16, 16), generator=g)
+
+    def grads_of(model):
+        torch.manual_seed(2)
+        model(pixel_values=pixels, labels=labels).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    expected = grads_of(build())
+    model = build()
+    assert enable_remat(model, remat=RematConfig(save_modules=nn.Dropout)) == ["segformer.stages.0.blocks.0"]
+    with remat.collect_trace() as trace, recorded_replays() as replayed:
+        actual = grads_of(model)
+    assert "call1/mlp.dropout: save" in trace.format()
+    assert replayed == ["segformer.stages.0.blocks.0"]
+    assert actual.keys() == expected.keys()
+    assert all(torch.equal(actual[n], expected[n]) for n in expected)
+
+
 def test_forward_keeps_fewer_bytes_than_without_checkpointing_exactly_like_transformers():
     plain = forward_bytes(tiny_llama())
     hf = tiny_llama()
