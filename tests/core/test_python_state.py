@@ -255,6 +255,45 @@ def _two_micro_batches(fn, params):
     return [x.grad for x in xs] + [p.grad for p in params]
 
 
+MODEL: nn.Module | None = None  # a model kept in a module-level variable
+
+
+def _reads_the_global_model(x):
+    return MODEL(x).tanh()
+
+
+def test_a_model_in_a_module_level_variable_has_its_buffers_replayed_and_updated_once():
+    # The function reads MODEL, a module-level variable: its batch norm's running
+    # statistics and spectral norm's power-iteration vectors are updated in the
+    # forward. Before, the replay updated them again and read them updated:
+    # gradients off by 0.03, every buffer moved twice.
+    global MODEL
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.utils.spectral_norm(nn.Linear(6, 6)), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6)
+        ).double().train()
+
+    def run(ckpt):
+        global MODEL
+        MODEL = build()
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+        fn = remat.checkpoint(region_name="global_model")(_reads_the_global_model) if ckpt else _reads_the_global_model
+        with recorded_replays() as replayed:
+            fn(x).sum().backward()
+        state = {k: v.clone() for k, v in MODEL.state_dict().items()}
+        return [x.grad] + [p.grad for p in MODEL.parameters()], state, replayed
+
+    expected, expected_state, _ = run(False)
+    actual, state, replayed = run(True)
+    MODEL = None
+    assert replayed == ["global_model"]
+    assert len(actual) == len(expected) and all(torch.equal(a, e) for a, e in zip(actual, expected))
+    assert state.keys() == expected_state.keys()
+    assert all(torch.equal(state[k], expected_state[k]) for k in state)
+
+
 @pytest.mark.parametrize("how", ["function", "module", "apply_remat"])
 def test_a_module_level_variable_rebound_between_forward_and_backward_is_replayed_as_the_forward_saw_it(how):
     # Before, the replay read SCALE as the backward found it (9.0): wrong gradients,

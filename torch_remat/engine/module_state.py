@@ -654,16 +654,18 @@ _SMALL = 64
 
 
 def _held_callables(global_values: list[tuple[dict, str, Any]]) -> list[Any]:
-    """The bound methods and partials among module-level values, and the functions,
-    bound methods and partials in the small lists and dicts there (a table of ops)."""
+    """The modules, bound methods and partials among module-level values, and the
+    modules, functions, bound methods and partials in the small lists and dicts
+    there (a table of ops): a model kept in a module-level variable
+    (``MODEL = Net()``) has its parameters and buffers recorded as a closure's."""
     found = []
     for _, _, v in global_values:
         cls = type(v)
-        if cls in _HELD_CALLABLES:
+        if cls in _HELD_CALLABLES or isinstance(v, nn.Module):
             found.append(v)
         elif (cls is dict or cls is list) and len(v) <= _SMALL:
             for item in (v.values() if cls is dict else v):
-                if type(item) in _CALLABLES:
+                if type(item) in _CALLABLES or isinstance(item, nn.Module):
                     found.append(item)
     return found
 
