@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bitwise_equal, grads
+from helpers import assert_bitwise_equal, grads, recorded_replays
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -250,3 +250,54 @@ def test_flushing_denormals_is_back_as_the_caller_had_it_after_the_replay():
             torch.set_flush_denormal(False)
         assert seen.pop() is forward_flushes
         assert after is (not forward_flushes)
+
+
+# ------------------------------------------- what a skipped SAVE region's body left set
+
+
+def test_grad_mode_a_save_region_leaves_off_is_off_after_it_in_the_replay_too():
+    # The body switches grad off and leaves it off; the code after the region runs
+    # without grad until it switches grad on. The replay skips the body: before, it
+    # ran that code with grad, which saved more tensors of the same shapes, and the
+    # saves matched by position handed backward wrong ones (off by 1.2).
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def frozen(z):
+        torch.set_grad_enabled(False)
+        return (z @ w).sin()
+
+    def block(x):
+        y = remat.region(frozen, "scorer", recompute=False)(x.exp())
+        a = x.cos() * 2  # without grad, in the forward and the replay
+        torch.set_grad_enabled(True)
+        return (y * x.tanh()).sum() + (x.sin() ** 2).sum() + a.sum()
+
+    x = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    expected = grads([w], [x], block)
+    with recorded_replays() as replayed:
+        actual = grads([w], [x], remat.checkpoint(region_name="blk")(block))
+    assert replayed == ["blk"]
+    assert_bitwise_equal(actual, expected)
+    assert torch.is_grad_enabled()
+
+
+def test_a_default_dtype_a_save_region_leaves_set_is_set_after_it_in_the_replay_and_given_back():
+    def body(z):
+        torch.set_default_dtype(torch.float64)
+        return z.exp()
+
+    def block(x):
+        y = remat.region(body, "s", recompute=False)(x)
+        remat.recompute_needs_tensor(y)
+        out = y * torch.full((4,), 1.5)  # float64 in the forward: so is what sin saves
+        torch.set_default_dtype(torch.float32)
+        return out.sin().sum()
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    expected = grads([], [x], block)
+    with recorded_replays() as replayed:
+        actual = grads([], [x], remat.checkpoint(region_name="dt")(block))
+    assert replayed == ["dt"]
+    assert_bitwise_equal(actual, expected)
+    assert torch.get_default_dtype() is torch.float32

@@ -108,6 +108,9 @@ from .rng import (
 )
 from .saved_hooks import KeptTensorHooks, next_call_serial, remat_machinery, torch_hooks_around
 
+_grad_enabled = torch.is_grad_enabled
+_default_dtype = torch.get_default_dtype
+
 if TYPE_CHECKING:
     from .api import CheckpointedFunction
 
@@ -561,6 +564,7 @@ class CheckpointFrame:
             versions = [(i, t, any_version(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
             module_state = self.module_state
             buffers = module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
+            modes = (_grad_enabled(), _default_dtype())
         written: list[tuple[int, torch.Tensor]] = []
         scratch.region_stack.append(record)
         rebuild = None
@@ -585,6 +589,11 @@ class CheckpointFrame:
                 # (position, tensor) of the arguments written in place
                 # (nn.ReLU(inplace=True), a Function that marks its input dirty)
                 written = [(i, t) for i, t, version in versions if any_version(t) != version]
+                # grad mode or the default dtype left switched by the body: the code
+                # after it runs so, and so must the replay, which skips the body
+                left = (_grad_enabled(), _default_dtype())
+                if left != modes:
+                    record.modes_exit = left
             ok = True
         except Exception as e:
             note_exception(e)
@@ -922,6 +931,8 @@ class CheckpointFrame:
             tls.prefixes = caller_prefixes
             if module_undo:
                 restore_module_state(module_undo)
+            if replay.caller_dtype is not None:  # a skipped region set the forward's
+                torch.set_default_dtype(replay.caller_dtype)
             for record in self.replay_regions:
                 release_traceback(record.raised)
             for h, s in zip(hooks, caller_states):

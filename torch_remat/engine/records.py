@@ -312,6 +312,7 @@ class RegionRecord:
         "written",
         "pending_keep",
         "raised",
+        "modes_exit",
     )
 
     def __init__(self, checkpoint: str | None, name: str, qualname: str, recompute: bool) -> None:
@@ -337,6 +338,8 @@ class RegionRecord:
         self.pending_keep: list[weakref.ref] = []
         # the exception a SAVE region's body raised in forward (re-raised in replay)
         self.raised: BaseException | None = None
+        # a SAVE region's: (grad mode, default dtype) its body left switched, else None
+        self.modes_exit: tuple[bool, torch.dtype] | None = None
 
     @property
     def kind(self) -> str:

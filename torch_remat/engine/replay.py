@@ -93,6 +93,8 @@ class ReplayPass:
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
         self.nested_tag: tuple | None = None  # as ForwardScratch.nested_tag
+        # the caller's default dtype, where a skipped SAVE region set the forward's
+        self.caller_dtype: torch.dtype | None = None
 
     def release(self) -> None:
         """The replay is over: drop what it refers to (see its end in ``frame.replay``)."""
@@ -244,6 +246,15 @@ class ReplayPass:
                 frame.set_host_state(expected.host_exit)
             if expected.attributes_exit:
                 frame.module_state.skip_attributes(expected.attributes_exit, self.module_undo)
+            if expected.modes_exit is not None:
+                # the grad mode and default dtype the body left (the replay's grad
+                # mode ends with it; the caller's default dtype is set back)
+                grad, dtype = expected.modes_exit
+                torch.set_grad_enabled(grad)
+                if dtype is not torch.get_default_dtype():
+                    if self.caller_dtype is None:
+                        self.caller_dtype = torch.get_default_dtype()
+                    torch.set_default_dtype(dtype)
             updated = frame.region_buffers.get(pos)
             if updated:
                 frame.module_state.skip_region(updated)
