@@ -1413,3 +1413,48 @@ def test_a_parameter_frozen_or_unfrozen_between_forward_and_backward_replays_as_
     assert actual_flag == flag == frozen_in_forward  # the caller's flag is back
     for e, a in zip(expected, actual):
         assert (e is None and a is None) or torch.equal(e, a)
+
+
+@pytest.mark.parametrize("where", ["closure", "attribute", "module-level"])
+@pytest.mark.parametrize("switch_to", [True, False])
+def test_a_tensor_switched_to_require_grad_or_not_before_backward_is_replayed_as_the_forward_saw_it(where, switch_to):
+    # A plain tensor the function reads (not a parameter) switched to require grad,
+    # or not, between the forward and backward: the replay's ops saved other tensors
+    # (more of the same shapes: gradients off by 0.8; fewer: a count error).
+    global _SCALE
+    lin = _linear(4)
+    holder = nn.Module()
+
+    def run(ckpt):
+        global _SCALE
+        scale = torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+        scale.requires_grad_(not switch_to)
+        holder.scale = scale
+        _SCALE = scale
+        read = {
+            "closure": lambda: scale,
+            "attribute": lambda: holder.scale,
+            "module-level": lambda: _SCALE,
+        }[where]
+
+        def block(x):
+            h = lin(x).sin()
+            return (h * read()).tanh() * (h * 2).exp()
+
+        fn = remat.checkpoint(region_name="flip")(block) if ckpt else block
+        x = _x(11)
+        for p in lin.parameters():
+            p.grad = None
+        with recorded_replays() as replayed:
+            out = fn(x).pow(2).sum()
+            scale.requires_grad_(switch_to)
+            out.backward()
+        return [x.grad, lin.weight.grad, scale.grad], replayed
+
+    expected, _ = run(False)
+    actual, replayed = run(True)
+    assert replayed == ["flip"]
+    assert all((a is None and e is None) or torch.equal(a, e) for a, e in zip(actual, expected))
+
+
+_SCALE = None

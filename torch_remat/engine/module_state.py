@@ -815,13 +815,16 @@ class _CellSlot:
 
 
 class _Slot:
-    __slots__ = ("owner", "key", "tensor", "version", "prefix", "kind", "copy")
+    __slots__ = ("owner", "key", "tensor", "version", "prefix", "kind", "copy", "requires_grad")
 
     def __init__(self, owner, key, tensor, version, prefix, kind, copy=None) -> None:
         self.owner = owner
         self.key = key
         self.tensor = tensor
         self.version = version
+        # at this call: a tensor switched to require grad (or not) before the replay
+        # would make the replay's ops save other tensors
+        self.requires_grad = tensor.requires_grad
         self.prefix = prefix  # the qualified name is prefix + key (closures: prefix only)
         self.kind = kind
         # buffers: the value at the checkpoint's start while the forward runs; kept
@@ -1850,6 +1853,10 @@ class ModuleState:
                 if current is not t:
                     undo.append((s.owner, s.key, current))
                     s.owner[s.key] = t
+                if t.requires_grad is not s.requires_grad and t.is_leaf:
+                    # (a leaf: one with history requires grad whatever is set)
+                    undo.append((_RequiresGrad(t), None, not s.requires_grad))
+                    t.requires_grad_(s.requires_grad)
         except BaseException:
             restore(undo)
             raise
