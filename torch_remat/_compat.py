@@ -26,6 +26,8 @@ default_hooks``                                   per checkpoint (the pack path 
 ``Node._sequence_nr``                             to their storage root; tell storages apart
                                                   without reading data pointers (fake tensors);
                                                   which autograd nodes a checkpoint created
+``Tensor._backward_hooks``,                        remove the hooks a replay registers on
+``Tensor._post_accumulate_grad_hooks``            tensors it did not create (a parameter's)
 ``_C._autograd._unsafe_set_version_counter``      give a buffer's replay copy the version the
                                                   forward saw (saved-tensor checks compare it)
 ``_C._disabled_torch_function_impl``              a placeholder's torch_function after its in-place check
@@ -998,3 +1000,12 @@ def _checked_cpu_reader(g: torch.Generator) -> Callable[[], Any] | None:
 any_autocast_enabled = torch._C._is_any_autocast_enabled
 """Whether autocast is on for any device type (the C function itself: no Python
 frame of this module on the replay's path)."""
+
+
+tensor_hook_dicts: Callable[[torch.Tensor], tuple[Any, Any]] = operator.attrgetter(
+    "_backward_hooks", "_post_accumulate_grad_hooks"
+)
+"""``tensor_hook_dicts(t)``: the dicts ``register_hook`` and
+``register_post_accumulate_grad_hook`` add a tensor's hooks to (None before the
+first; removing a key removes the hook, as its handle's ``remove`` does). A C
+callable: the replay reads it, and its first unpack passes no frame of this module."""

@@ -114,3 +114,54 @@ def test_hooks_present_in_forward_and_backward_run_in_the_replay_too():
     x = torch.randn(2, 4, requires_grad=True)
     remat.checkpoint(region_name="b")(block)(x).sum().backward()
     assert calls == [False, True]
+
+
+# ------------------------------------- tensor hooks registered inside the function
+
+
+@pytest.mark.parametrize("where", ["parameter", "parameter, post-accumulate", "closure tensor with history",
+                                   "in a RECOMPUTE region"])
+def test_a_tensor_hook_the_function_registers_runs_once_as_without_remat(where):
+    # The replay runs the registration again on a tensor it did not create: before,
+    # the hook ran twice in backward (the weight's gradient doubled; torch's
+    # checkpoint does the same). The hooks the replay registers are removed as it ends.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4, dtype=torch.float64)
+    base = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    handles = []
+
+    def double(p):
+        p.grad.mul_(2)
+
+    def register():
+        if where == "parameter, post-accumulate":
+            handles.append(lin.weight.register_post_accumulate_grad_hook(double))
+        elif where == "closure tensor with history":
+            handles.append(scale.register_hook(lambda g: g * 3))
+        else:
+            handles.append(lin.weight.register_hook(lambda g: g * 2))
+
+    def block(x):
+        if where == "in a RECOMPUTE region":
+            remat.region(register, "reg", recompute=True)()
+        else:
+            register()
+        return (lin(x) * scale).sin().tanh()
+
+    def run(fn):
+        global scale
+        for h in handles:
+            h.remove()
+        handles.clear()
+        base.grad = None
+        scale = base * 2  # a closure-like module-level tensor with autograd history
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        return grads([lin.weight, lin.bias, base], [x], lambda x: fn(x).pow(2).sum())
+
+    expected = run(block)
+    actual = run(remat.checkpoint(region_name="hooked")(block))
+    assert actual.replays == ["hooked"]
+    assert_bitwise_equal(actual, expected)
+
+
+scale = None

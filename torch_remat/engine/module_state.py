@@ -1857,6 +1857,10 @@ class ModuleState:
                     # (a leaf: one with history requires grad whatever is set)
                     undo.append((_RequiresGrad(t), None, not s.requires_grad))
                     t.requires_grad_(s.requires_grad)
+            # hooks the replay registers on tensors it did not create (a parameter's
+            # register_hook inside the forward) are removed when it ends: the
+            # forward's registration is the one backward runs
+            undo.append((_TensorHooks(self), None, None))
         except BaseException:
             restore(undo)
             raise
@@ -1902,6 +1906,39 @@ class _RequiresGrad:
 
     def __setitem__(self, _key: Any, before: bool) -> None:
         self.tensor.requires_grad_(before)
+
+
+def _hook_keys(hooks: Any) -> tuple[Any, ...]:
+    return tuple(hooks) if hooks else ()
+
+
+class _TensorHooks:
+    """An undo entry that removes the tensor hooks (``register_hook``,
+    ``register_post_accumulate_grad_hook``) registered during the replay on the
+    parameters and the tensors the module state holds."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, state: ModuleState) -> None:
+        tensors = [p[2] for p in state.params]
+        tensors.extend(s.tensor for s in state.slots if s.copy is None)
+        self.entries = []
+        for t in tensors:
+            backward, post = _compat.tensor_hook_dicts(t)
+            self.entries.append((t, _hook_keys(backward), _hook_keys(post)))
+
+    def __setitem__(self, _key: Any, _before: Any) -> None:
+        for t, backward_before, post_before in self.entries:
+            backward, post = _compat.tensor_hook_dicts(t)
+            if backward and len(backward) != len(backward_before):
+                _drop_added(backward, backward_before)
+            if post and len(post) != len(post_before):
+                _drop_added(post, post_before)
+
+
+def _drop_added(hooks: dict, before: tuple[Any, ...]) -> None:
+    for k in [k for k in hooks if k not in before]:
+        del hooks[k]
 
 
 class _Refill:
