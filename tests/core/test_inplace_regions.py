@@ -123,6 +123,51 @@ def test_a_save_region_writing_the_output_of_an_earlier_save_region():
     assert BODY_RUNS == ["relu"]
 
 
+def test_a_save_region_writing_a_tensor_an_earlier_save_region_returned_as_is():
+    # "pass" returns its argument itself (and a new tensor); "scale" then writes that
+    # tensor in place. Before, the first region's output counted as a SAVE output of
+    # its own, so the replay thought it had no value of it to write into: it skipped
+    # the write and exp recomputed from the unscaled tensor (off by 3.3, silently).
+    def fn(x, w):
+        y = (x @ w).sin()  # replayed
+        remat.region(lambda t: (t, t * 1.0), "pass", recompute=False)(y)
+        remat.region(lambda t: t.mul_(2.0) * 1.0, "scale", recompute=False)(y)
+        return y.exp()
+
+    _same(_grads(fn, False), _grads(fn, True))
+
+
+def test_an_output_that_is_the_regions_argument_is_the_same_object_in_the_replay():
+    # A nested checkpoint receiving (a, h) where a is h: the replay hands back the
+    # argument itself, so the nested one sees one tensor twice in both runs (it
+    # kept one input in the forward and two in the replay: a count mismatch).
+    seen = []
+
+    def inner(a, b):
+        seen.append(a is b)
+        return a * b
+
+    def fn(x, w):
+        h = (x @ w).sin()
+        a = remat.region(lambda t: t, "ident", recompute=False)(h)
+        remat.recompute_needs_tensor(a)
+        return remat.checkpoint(region_name="inner")(inner)(a, h)
+
+    def run(ckpt):
+        x, w = _x(), _w()
+        f = remat.checkpoint(region_name="blk")(fn) if ckpt else fn
+        with recorded_replays() as replayed:
+            f(x, w).sum().backward()
+        return [x.grad, w.grad], replayed
+
+    expected, _ = run(False)
+    seen.clear()
+    got, replayed = run(True)
+    _same(expected, got)
+    assert replayed == ["blk", "inner"]
+    assert seen == [True, True, True]  # the forward, the outer replay, the inner one
+
+
 def test_a_second_backward_of_an_in_place_save_region_replays_identically():
     def fn(x, w):
         h = (x @ w).sin()

@@ -78,6 +78,7 @@ from .records import (
     ARGUMENT,
     INPUT,
     OUTPUT,
+    ArgumentOutput,
     Constant,
     Holder,
     Recreated,
@@ -609,7 +610,7 @@ class CheckpointFrame:
             if rebuild is not None:
                 self.rebuilds.close(self, rebuild, ok)
         if top_save:
-            self._record_region_outputs(record, out)
+            self._record_region_outputs(record, out, leaves, written)
             if written:
                 self._record_written_arguments(record, written)
             self._region_returned(record)
@@ -988,9 +989,13 @@ class CheckpointFrame:
                         s.consumed_by_save()
 
 
-    def _record_region_outputs(self, record: RegionRecord, out: Any) -> None:
+    def _record_region_outputs(
+        self, record: RegionRecord, out: Any, arguments: Sequence[Any], written: Sequence[tuple[int, Any]]
+    ) -> None:
         """A top-level SAVE region returned: observe each output tensor as a source the
-        replay may need (kept later if producer responsibility says so)."""
+        replay may need (kept later if producer responsibility says so); an output
+        that is one of its ``arguments`` itself, not ``written`` by it, is handed back
+        as that argument."""
         leaves, spec = flatten_region_outputs(out, record.qualname, self.name)
         pending = record.take_pending_keep() if record.pending_keep else None
         scratch = self.scratch
@@ -998,6 +1003,12 @@ class CheckpointFrame:
         outputs: list[Any] = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
+                j = next((j for j, a in enumerate(arguments) if a is leaf), None)
+                if j is not None and not any(w == j for w, _ in written):
+                    outputs.append(ArgumentOutput(j))
+                    if pending and any(p is storage_root(leaf) for p in pending):
+                        self.keep(leaf)  # (as the argument's: it is the argument)
+                    continue
                 src = TensorSource(OUTPUT, i, leaf, record.qualname, hooks)
                 scratch.sources.add(leaf, src)
                 scratch.output_sources.append(src)

@@ -294,6 +294,19 @@ class Constant:
         self.value = value
 
 
+class ArgumentOutput:
+    """An output leaf of a SAVE region that is one of the region's tensor arguments
+    itself (``return x, y``): no source of its own (what it holds is the argument's,
+    kept or replayed as the argument is); the replay hands back its own argument at
+    that position, so code after the region sees the same object twice, as in the
+    forward."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 class RegionRecord:
     """One call of ``remat.region`` during a checkpoint's forward."""
 

@@ -34,6 +34,7 @@ from .._tensors import format_dtype, same_storage
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
 from .records import (
+    ArgumentOutput,
     Recreated,
     RegionRecord,
     TensorSource,
@@ -271,10 +272,17 @@ class ReplayPass:
             if expected.written:
                 # after the refills above: those are the arguments as the body got them
                 write_arguments(frame.name, expected.written, args, kwargs)
-            leaves = [
-                o.replay_value(frame.name) if isinstance(o, TensorSource) else o.value
-                for o in expected.outputs
-            ]
+            arguments = None
+            leaves = []
+            for o in expected.outputs:
+                if isinstance(o, TensorSource):
+                    leaves.append(o.replay_value(frame.name))
+                elif type(o) is ArgumentOutput:  # the argument itself, as in the forward
+                    if arguments is None:
+                        arguments = region_leaves(args, kwargs)
+                    leaves.append(arguments[o.index])
+                else:
+                    leaves.append(o.value)
             if expected.output_spec is None:
                 return leaves[0]
             return tree_unflatten(leaves, expected.output_spec)
