@@ -168,7 +168,7 @@ def parse_budget(value: str) -> float | int | str:
     """``--remat budget=VALUE`` -> plan_remat's budget: a fraction of the no-remat
     activation bytes (a float in (0, 1]), bytes (an int: a whole number above 1,
     however written) or "auto" (the free CUDA memory)."""
-    if value == "auto" or (value.isdigit() and int(value) > 0):
+    if value == "auto" or (value.isdigit() and int(value) > 1):
         return value if value == "auto" else int(value)
     with contextlib.suppress(ValueError, OverflowError):
         number = float(value)

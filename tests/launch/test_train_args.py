@@ -163,6 +163,9 @@ def test_a_whole_number_budget_is_bytes_however_written_and_a_fraction_is_at_mos
     assert train.parse_budget("2.0") == train.parse_budget("2") == 2
     assert train.parse_budget("1e9") == 1_000_000_000
     assert train.parse_budget("1.0") == 1.0 and train.parse_budget("0.3") == 0.3
+    # 1 is the fraction 1 (the whole no-remat bytes), as usage says, not 1 byte
+    assert train.parse_budget("1") == train.parse_budget("01") == 1.0
+    assert isinstance(train.parse_budget("1"), float)
     with pytest.raises(SystemExit) as info:
         train.parse_args(["--remat=budget=1.5"])
     assert info.value.code == 2
