@@ -1009,3 +1009,11 @@ tensor_hook_dicts: Callable[[torch.Tensor], tuple[Any, Any]] = operator.attrgett
 ``register_post_accumulate_grad_hook`` add a tensor's hooks to (None before the
 first; removing a key removes the hook, as its handle's ``remove`` does). A C
 callable: the replay reads it, and its first unpack passes no frame of this module."""
+
+
+def fsdp_module_class() -> type | None:
+    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` mixes into a module it
+    shards), or None where ``torch.distributed.fsdp`` was never imported (then no
+    module is one)."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    return getattr(module, "FSDPModule", None) if module is not None else None

@@ -53,8 +53,10 @@ def in_group() -> bool:
 
 
 def agree_on_verification(mismatch: str | None) -> str | None:
-    """The first failing rank's verification message on every rank (``None``: every
-    rank measured what it predicted); unchanged without a process group."""
+    """The first failing rank's message on every rank (``None``: no rank failed):
+    of the verification (every rank measured what it predicted), or, for plans of
+    each rank's own (``per_rank``), of the planning itself; unchanged without a
+    process group."""
     if not in_group():
         return mismatch
     verdicts: list[str | None] = [None] * dist.get_world_size()

@@ -884,6 +884,10 @@ def plan_remat(
     plan, error = _solve_or_error(measured, budget, peak_budget)
     if not per_rank:
         plan, error = _distributed.agree(measured, plan, error)
+    else:
+        # each rank plans for itself, but all go on or all raise: the verifying run
+        # below is collective, and a rank raising alone leaves the others in it
+        error = _distributed.agree_on_verification(error)
     if error is not None:
         raise InfeasibleBudgetError(error)
     if verify:
@@ -915,8 +919,7 @@ def plan_remat(
                     "verified as chosen. Lower peak_budget by the difference, or plan with "
                     "per_rank=True on one process to find a plan that fits."
                 )
-            if not per_rank:
-                mismatch = _distributed.agree_on_verification(mismatch)
+            mismatch = _distributed.agree_on_verification(mismatch)
         if mismatch is not None:
             raise PlanMismatchError(mismatch)
     return plan

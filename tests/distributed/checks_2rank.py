@@ -153,6 +153,38 @@ def fsdp2_remat_applied_after_fully_shard_gives_equal_gradients(ctx):
     assert_grads_equal(_fsdp_step(ctx, reference, x)[1], _fsdp_step(ctx, model, x)[1])
 
 
+def fsdp2_a_checkpoint_around_a_sharded_block_gives_equal_gradients(ctx):
+    # remat.checkpoint called on fully_shard-ed blocks (FSDP2's hooks inside the
+    # checkpoint, as torch.utils.checkpoint(block, x) has them). Before, the replay
+    # put back the sharded parameters it saw at the checkpoint's start over the
+    # unsharded ones FSDP2's pre-backward hook had set: "mixed torch.Tensor and
+    # DTensor" in the replay's layer norm.
+    x = _batch(ctx)
+    grads = []
+    for ckpt in (False, True):
+        model = tiny_net(dropout=0.2)
+        for block in model.layers:
+            fully_shard(block)
+        calls = [
+            remat.checkpoint(region_name=f"layers.{i}", recompute_state_hooks=(remat.CPURNGStateHook(),))(b)
+            if ckpt else b
+            for i, b in enumerate(model.layers)
+        ]
+
+        def forward(t, calls=calls, model=model):
+            h = model.embed(t)
+            for call in calls:
+                h = call(h)
+            return model.head(h)
+
+        torch.manual_seed(20 + ctx.rank)
+        with recorded_replays() as replayed:
+            forward(x).pow(2).sum().backward()
+        grads.append(param_grads(model))
+    assert sorted(replayed) == ["layers.0", "layers.1"], replayed
+    assert_grads_equal(grads[0], grads[1])
+
+
 def fsdp2_recompute_issues_no_all_gather(ctx):
     x = _batch(ctx)
     logs = {}
@@ -582,6 +614,30 @@ def planner_per_rank_plans_each_rank_for_its_own_budget(ctx):
     return {"choices": everyone[ctx.rank][0]}
 
 
+def planner_per_rank_infeasible_on_one_rank_raises_on_every_rank(ctx):
+    # A budget of bytes that fits rank 0's batch and not rank 1's (twice as large):
+    # before, only rank 1 raised, and rank 0 went on into the verifying run alone.
+    from torch_remat.integrations.planner import InfeasibleBudgetError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(MLPBlock(16) for _ in range(3))).double()
+    x = _batch(ctx, shape=(64 * (ctx.rank + 1), 16))
+    minimum = [None] * ctx.world_size
+    plan = plan_remat(model, x, lambda out: out.pow(2).sum(), 1.0, blocks=MLPBlock, per_rank=True)
+    dist.all_gather_object(minimum, min(p.bytes for p in plan.frontier()))  # each rank's least
+    budget = (minimum[0] + minimum[1]) // 2  # above rank 0's minimum, below rank 1's
+    try:
+        plan_remat(model, x, lambda out: out.pow(2).sum(), budget, blocks=MLPBlock, per_rank=True)
+    except InfeasibleBudgetError as e:
+        message = str(e)
+    else:
+        raise AssertionError("plan_remat did not raise on this rank")
+    assert message.startswith("rank 1 (of the failing ranks 1): "), message
+    # every rank is still in step: a collective right after completes
+    dist.barrier()
+    return {"minimum": minimum}
+
+
 def planner_leaves_an_fsdp2_models_gradients_as_found(ctx):
     """plan_remat's forwards without gradients leave FSDP2's root unsharded; the
     measurements must still give every gradient back, so the first training step
@@ -640,6 +696,7 @@ CHECKS = [
     fsdp2_gradients_equal_without_remat,
     fsdp2_compiled_remat_gives_the_gradients_of_eager_remat,
     fsdp2_remat_applied_after_fully_shard_gives_equal_gradients,
+    fsdp2_a_checkpoint_around_a_sharded_block_gives_equal_gradients,
     fsdp2_recompute_issues_no_all_gather,
     fsdp2_activation_bytes_per_rank_are_lower_with_remat,
     fsdp2_per_rank_activation_bytes_equal_the_forecast_of_the_unsharded_model,
@@ -654,6 +711,7 @@ CHECKS = [
     report_names_a_rank_that_skips_the_call,
     planner_rank0_choice_is_applied_on_every_rank,
     planner_per_rank_plans_each_rank_for_its_own_budget,
+    planner_per_rank_infeasible_on_one_rank_raises_on_every_rank,
     planner_leaves_an_fsdp2_models_gradients_as_found,
     planner_offload_plan_under_fsdp2_is_exact_on_every_rank,
 ]

@@ -1061,12 +1061,18 @@ def _module_slots(
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
     stack = [(prefix, root)]
     pop, push = stack.pop, stack.append
+    # FSDP2 swaps the parameters of a module it shards, and of its submodules, between
+    # sharded and unsharded ones itself (unsharded before the replay, by its
+    # pre-backward hook): those are its to set, not the replay's
+    fsdp = _compat.fsdp_module_class()
+    fsdp_managed: set[int] = set()
     while stack:
         p, m = pop()
         i = id(m)
         if i in seen:
             continue
         seen.add(i)
+        managed = fsdp is not None and (i in fsdp_managed or isinstance(m, fsdp))
         classes[type(m)] = None
         if visited is not None:
             visited.append(m)
@@ -1091,7 +1097,7 @@ def _module_slots(
                         _is_container(type(t))  # (joins _HOLDERS if it is one)
                     _non_tensor_types.add(type(t))  # (Tensor's metaclass has no __instancecheck__)
         ps = m._parameters
-        if ps:
+        if ps and not managed:
             for k, t in ps.items():
                 if t is not None:
                     params.append((ps, k, t, version_of(t), p, t.requires_grad))
@@ -1142,6 +1148,8 @@ def _module_slots(
         if kids:
             for k, c in reversed(kids):  # named_modules order
                 if c is not None:
+                    if managed:
+                        fsdp_managed.add(id(c))
                     push((p + k + ".", c))
 
 
