@@ -99,6 +99,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
 from .._compat import INFERENCE_VERSION, any_version, version_of
@@ -1916,37 +1917,32 @@ class _RequiresGrad:
         self.tensor.requires_grad_(before)
 
 
-def _hook_keys(hooks: Any) -> tuple[Any, ...]:
-    return tuple(hooks) if hooks else ()
-
-
 class _TensorHooks:
     """An undo entry that removes the tensor hooks (``register_hook``,
     ``register_post_accumulate_grad_hook``) registered during the replay on the
-    parameters and the tensors the module state holds."""
+    parameters and the tensors the module state holds. Hooks are keyed by their
+    handle's id, which a class counter hands out in order: the replay's are those
+    from the counter's value at its start on, and where the counter did not move
+    (no hook of any kind registered: the common case) nothing is looked at."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("state", "start")
 
     def __init__(self, state: ModuleState) -> None:
-        tensors = [p[2] for p in state.params]
-        tensors.extend(s.tensor for s in state.slots if s.copy is None)
-        self.entries = []
-        for t in tensors:
-            backward, post = _compat.tensor_hook_dicts(t)
-            self.entries.append((t, _hook_keys(backward), _hook_keys(post)))
+        self.state = state
+        self.start = RemovableHandle.next_id
 
     def __setitem__(self, _key: Any, _before: Any) -> None:
-        for t, backward_before, post_before in self.entries:
-            backward, post = _compat.tensor_hook_dicts(t)
-            if backward and len(backward) != len(backward_before):
-                _drop_added(backward, backward_before)
-            if post and len(post) != len(post_before):
-                _drop_added(post, post_before)
-
-
-def _drop_added(hooks: dict, before: tuple[Any, ...]) -> None:
-    for k in [k for k in hooks if k not in before]:
-        del hooks[k]
+        start = self.start
+        if RemovableHandle.next_id == start:
+            return
+        state = self.state
+        tensors = [p[2] for p in state.params]
+        tensors.extend(s.tensor for s in state.slots if s.copy is None)
+        for t in tensors:
+            for hooks in _compat.tensor_hook_dicts(t):
+                if hooks:
+                    for k in [k for k in hooks if k >= start]:
+                        del hooks[k]
 
 
 class _Refill:
