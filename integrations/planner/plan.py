@@ -822,8 +822,8 @@ def plan_remat(
             returned, naming the plan it replaced; when none does,
             :class:`PlanMismatchError` names each block whose bytes differ. Under a
             process group the chosen plan alone is verified (runs are collective),
-            on every rank; without ``per_rank`` a mismatch on any rank raises the
-            same error on every rank.
+            on every rank; a mismatch on any rank raises the same error on every
+            rank (with ``per_rank`` too, and so does a budget one rank cannot meet).
         peak_budget: a budget on the step peak as well: the most device bytes the
             step's own storages hold at once, forward and backward (a fraction of
             the step peak without remat, bytes, or ``"auto"``). Every option's run

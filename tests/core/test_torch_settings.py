@@ -290,14 +290,46 @@ def test_a_default_dtype_a_save_region_leaves_set_is_set_after_it_in_the_replay_
     def block(x):
         y = remat.region(body, "s", recompute=False)(x)
         remat.recompute_needs_tensor(y)
-        out = y * torch.full((4,), 1.5)  # float64 in the forward: so is what sin saves
-        torch.set_default_dtype(torch.float32)
-        return out.sin().sum()
+        return (y * torch.full((4,), 1.5)).sin().sum()  # float64 in the forward: so is what sin saves
 
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    expected = grads([], [x], block)
-    with recorded_replays() as replayed:
-        actual = grads([], [x], remat.checkpoint(region_name="dt")(block))
+    try:
+        # the forward leaves float64 as the default, with remat or without; so does
+        # the backward (the replay ran under the forward's settings, float32 at its
+        # entry, and the caller's default is back after it)
+        expected = grads([], [x], block)
+        assert torch.get_default_dtype() is torch.float64
+        torch.set_default_dtype(torch.float32)
+        with recorded_replays() as replayed:
+            actual = grads([], [x], remat.checkpoint(region_name="dt")(block))
+        assert torch.get_default_dtype() is torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)
     assert replayed == ["dt"]
     assert_bitwise_equal(actual, expected)
-    assert torch.get_default_dtype() is torch.float32
+
+
+def test_grad_mode_a_save_region_leaves_off_before_raising_is_off_after_it_in_the_replay_too():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def body(z):
+        torch.set_grad_enabled(False)
+        raise ValueError("fall back")
+
+    def block(x):
+        try:
+            remat.region(body, "try", recompute=False)(x)
+        except ValueError:
+            pass
+        a = (x * 3).exp()  # without grad, in the forward and the replay
+        torch.set_grad_enabled(True)
+        return (x @ w).sin().sum() + a.sum()
+
+    x = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    expected = grads([w], [x], block)
+    with recorded_replays() as replayed:
+        actual = grads([w], [x], remat.checkpoint(region_name="raises")(block))
+    assert replayed == ["raises"]
+    assert_bitwise_equal(actual, expected)
+    assert torch.is_grad_enabled()

@@ -183,6 +183,22 @@ def test_as_a_block_a_save_it_leaves_resident_is_still_refused_once_modified_in_
         loss.backward()
 
 
+def test_as_a_block_an_output_saved_for_its_own_backward_and_left_resident_is_freed():
+    # exp saves its result: held as is by the pack hook, the result held its own
+    # autograd node, which held the save (a cycle the collector cannot see)
+    import gc
+    import weakref
+
+    off = ActivationOffloader(1 << 20, prefetch=0)  # min_bytes 1 MiB: stays resident
+    x = torch.randn(B, DIM, dtype=D, requires_grad=True)
+    with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+        y = x.exp()
+    ref = weakref.ref(y)
+    del y  # dropped without a backward (a forward for evaluation only)
+    gc.collect()
+    assert ref() is None
+
+
 @pytest.mark.parametrize("regions, moved", [(("*",), True), (("*attn*",), False)])
 def test_as_a_block_the_offloader_sees_saves_outside_checkpoints_as_region_none(regions, moved):
     off = ActivationOffloader(1 << 20, min_bytes=0, prefetch=0, regions=regions)

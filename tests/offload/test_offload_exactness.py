@@ -1,6 +1,7 @@
 """The offloader's own copies: what comes back is the tensor that went, at the
 version it had, and a broadcast view moves its storage, not its expanded size."""
 
+import pytest
 import torch
 
 import torch_remat as remat
@@ -140,3 +141,34 @@ def test_a_checkpoint_input_with_gaps_comes_back_in_its_layout():
     got = grads(off)
     assert off.stats.offloaded_bytes  # the input moved
     assert torch.equal(got, grads(None))
+
+
+@pytest.mark.parametrize("b_shape", [(4, 1, 1), (1, 16, 1), (1, 1, 20), (4, 16, 1)])
+def test_a_broadcast_view_with_gaps_comes_back_in_the_layout_torch_gives_its_copies(b_shape):
+    # stride 0 (the expanded dimension) is not ordered by its stride: it keeps its
+    # place, as in torch's own copies of such a tensor (clone, empty_like)
+    g = torch.Generator().manual_seed(6)
+    u = torch.randn(16, 60, 3, generator=g).requires_grad_()
+    b = torch.randn(*b_shape, generator=g).requires_grad_()
+
+    def body(t):
+        v = t.exp()[:, ::3, 0].unsqueeze(0).expand(4, 16, 20)  # gaps and a broadcast dim
+        return v * b
+
+    def grads(off):
+        for p in (u, b):
+            p.grad = None
+        if off is None:
+            y = body(u)
+        else:
+            with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+                y = remat.checkpoint(region_name="c")(
+                    lambda t: remat.region(body, "r", recompute=False)(t)
+                )(u)
+        y.sum().backward()
+        return [u.grad.clone(), b.grad.clone()]
+
+    off = ActivationOffloader(1 << 24, min_bytes=0, prefetch=0)
+    got = grads(off)
+    assert off.stats.offloaded_bytes["r"] > 0
+    assert all(torch.equal(a, e) for a, e in zip(got, grads(None)))

@@ -442,7 +442,9 @@ def recompute_needs_tensor(*tensors: torch.Tensor) -> Any:
     Outside a checkpoint, during the recompute, and for tensors that are recomputed
     anyway (produced outside SAVE regions, e.g. by a region that is switched to
     ``recompute=True``) it does nothing, so model code can keep the call whatever
-    policy is applied.
+    policy is applied. (A checkpoint nested in another runs its forward again in the
+    outer one's recompute: there the call keeps what it kept in the forward, so call
+    it the same way whether or not ``is_recomputing()``.)
 
     Returns the tensor when given one (``h = recompute_needs_tensor(h)``), otherwise
     the tuple of the tensors given (``a, b = recompute_needs_tensor(a, b)``).

@@ -256,8 +256,9 @@ class CheckpointFrame:
         self.dual_level = False
         # parametrize.cached()'s entries when the forward ran under it (None: off)
         self.parametrize_cache: dict | None = None
-        # (index, meta, payload) of the inputs packed at entry that the replay does
-        # not read (records.unpack_unread); None when nothing was packed at entry
+        # (index, meta, payload, held_anyway) of the inputs packed at entry that the
+        # replay does not read (records.unpack_unread); None when nothing was packed
+        # at entry
         self.unread_inputs: list | None = None
         self.call = next_call_serial()
         self.name_prefixes = current_prefixes()  # remat.name_scope; the replay reuses them
@@ -599,6 +600,9 @@ class CheckpointFrame:
         except Exception as e:
             note_exception(e)
             if top_save:
+                left = (_grad_enabled(), _default_dtype())
+                if left != modes:  # (as where it returns: the caller goes on so)
+                    record.modes_exit = left
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
                 self._region_returned(record, raised=detached_copy(e))
@@ -713,19 +717,21 @@ class CheckpointFrame:
                 s.keep_if_modified()
         unread = self.unread_inputs
         outer = scratch.outer_hooks[0] if scratch.kept_hooks.nested else None
-        for s in self.inputs:
-            if unread is not None and not s.keep:
-                unread.append((s.index, s.meta, s.saved, s.held_anyway))
-                s.drop_saved()
+        try:
+            for s in self.inputs:
+                if unread is not None and not s.keep:
+                    unread.append((s.index, s.meta, s.saved, s.held_anyway))
+                    s.drop_saved()
+                if outer is not None:
+                    set_nested_tag(outer, (self.name, s.kind, s.region, s.index))
+                s.store(self.name)
+            for s in scratch.output_sources:
+                if outer is not None:
+                    set_nested_tag(outer, (self.name, s.kind, s.region, s.index))
+                s.store(self.name)
+        finally:
             if outer is not None:
-                set_nested_tag(outer, (self.name, s.kind, s.region, s.index))
-            s.store(self.name)
-        for s in scratch.output_sources:
-            if outer is not None:
-                set_nested_tag(outer, (self.name, s.kind, s.region, s.index))
-            s.store(self.name)
-        if outer is not None:
-            set_nested_tag(outer, None)
+                set_nested_tag(outer, None)
         self.scratch = None
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
@@ -904,6 +910,7 @@ class CheckpointFrame:
         observers = self.observers.replay
         for observer in observers:
             observer.replay_started(self)
+        caller_dtype = _default_dtype()  # (before the settings context sets the forward's)
         try:
             push_hooks(replay, replay_unpack)
             try:
@@ -932,8 +939,8 @@ class CheckpointFrame:
             tls.prefixes = caller_prefixes
             if module_undo:
                 restore_module_state(module_undo)
-            if replay.caller_dtype is not None:  # a skipped region set the forward's
-                torch.set_default_dtype(replay.caller_dtype)
+            if replay.set_dtype:  # a skipped region set the one its body left
+                torch.set_default_dtype(caller_dtype)
             for record in self.replay_regions:
                 release_traceback(record.raised)
             for h, s in zip(hooks, caller_states):

@@ -94,8 +94,9 @@ class ReplayPass:
         self.region_stack: list[RegionRecord] = []
         self.seen_regions: list[tuple[str, bool]] = []  # (qualname, recompute)
         self.nested_tag: tuple | None = None  # as ForwardScratch.nested_tag
-        # the caller's default dtype, where a skipped SAVE region set the forward's
-        self.caller_dtype: torch.dtype | None = None
+        # a skipped SAVE region set the default dtype its body left: the caller's is
+        # set back when the replay ends (CheckpointFrame.replay)
+        self.set_dtype = False
 
     def release(self) -> None:
         """The replay is over: drop what it refers to (see its end in ``frame.replay``)."""
@@ -253,8 +254,7 @@ class ReplayPass:
                 grad, dtype = expected.modes_exit
                 torch.set_grad_enabled(grad)
                 if dtype is not torch.get_default_dtype():
-                    if self.caller_dtype is None:
-                        self.caller_dtype = torch.get_default_dtype()
+                    self.set_dtype = True
                     torch.set_default_dtype(dtype)
             updated = frame.region_buffers.get(pos)
             if updated:

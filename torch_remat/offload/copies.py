@@ -60,11 +60,33 @@ def storage_span(t: torch.Tensor) -> int:
 
 def dense_strides(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...]:
     """Strides of a tensor of ``shape`` without gaps whose dimensions lie in memory
-    in the order of ``strides`` (the innermost has the smallest stride; ties keep
-    the later dimension innermost, as a contiguous tensor has it)."""
-    order = sorted(range(len(shape)), key=lambda d: (abs(strides[d]), -d))
-    out, step = [0] * len(shape), 1
-    for d in order:
+    in the order of ``strides``: the layout torch gives ``clone()`` or
+    ``empty_like`` of such a tensor (its ``infer_dense_strides``). Dimensions are
+    ordered innermost first by stride, a larger size outer where strides tie; a
+    broadcast dimension (stride 0) is not compared, so it keeps its place as in a
+    contiguous tensor."""
+    n = len(shape)
+    perm = list(range(n - 1, -1, -1))  # innermost first, as a contiguous tensor has it
+
+    def after(d0: int, d1: int) -> int:  # > 0: d0 lies outside d1
+        s0, s1 = strides[d0], strides[d1]
+        if s0 == 0 or s1 == 0:
+            return 0
+        if s0 != s1:
+            return 1 if s0 > s1 else -1
+        return 1 if shape[d0] > shape[d1] else 0
+
+    for i in range(1, n):  # a stable insertion sort, as torch's
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            c = after(perm[d0], perm[d1])
+            if c > 0:
+                perm[d0], perm[d1] = perm[d1], perm[d0]
+                d1 = d0
+            elif c < 0:
+                break
+    out, step = [0] * n, 1
+    for d in perm:
         out[d] = step
         step *= max(shape[d], 1)
     return tuple(out)

@@ -328,5 +328,7 @@ def _resident(t: torch.Tensor, info: Any) -> Any:
     held with its version (:class:`VersionedTensor`), so that an update in place
     before backward (``optimizer.step()`` on a saved weight) is refused as
     autograd refuses it without hooks: a tensor handed back as is by a hook is
-    not version-checked by autograd."""
-    return t if info is not None and info.checkpoint is not None else VersionedTensor(t)
+    not version-checked by autograd. Held detached (it shares the version counter):
+    an op's output saved for its own backward would otherwise hold its autograd
+    node, which holds the save, a cycle Python's collector cannot see."""
+    return t if info is not None and info.checkpoint is not None else VersionedTensor(t.detach())
