@@ -134,8 +134,8 @@ def test_the_in_place_block_labelling_is_kept_under_its_own_name():
     loss, kept = _kept_by_a_save_region()
     snapshot = snapshot_of(block(kept, []))
     assert remat.diagnostics.label_memory_snapshot(snapshot, device_type="cpu") is snapshot
-    assert snapshot["segments"][0]["blocks"][0]["remat"] == [
-        {"checkpoint": "layers.0", "region": "proj", "tensor": "saved.0", "nbytes": 96}
+    assert snapshot["segments"][0]["blocks"][0]["remat"] == [  # named as the report's row
+        {"checkpoint": "layers.0", "region": "proj", "tensor": "saved.0 (output at idx 0)", "nbytes": 96}
     ]
     loss.backward()
 
