@@ -255,6 +255,17 @@ def test_flushing_denormals_is_back_as_the_caller_had_it_after_the_replay():
 # ------------------------------------------- what a skipped SAVE region's body left set
 
 
+def _assert_exact_and_grad_mode_back(block, w, x):
+    """``block`` checkpointed gives the gradients of ``w`` and ``x`` it gives plain,
+    its replay ran, and grad mode is on after the backward."""
+    expected = grads([w], [x], block)
+    with recorded_replays() as replayed:
+        actual = grads([w], [x], remat.checkpoint(region_name="blk")(block))
+    assert replayed == ["blk"]
+    assert_bitwise_equal(actual, expected)
+    assert torch.is_grad_enabled()
+
+
 def test_grad_mode_a_save_region_leaves_off_is_off_after_it_in_the_replay_too():
     # The body switches grad off and leaves it off; the code after the region runs
     # without grad until it switches grad on. The replay skips the body: before, it
@@ -274,12 +285,7 @@ def test_grad_mode_a_save_region_leaves_off_is_off_after_it_in_the_replay_too():
         return (y * x.tanh()).sum() + (x.sin() ** 2).sum() + a.sum()
 
     x = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
-    expected = grads([w], [x], block)
-    with recorded_replays() as replayed:
-        actual = grads([w], [x], remat.checkpoint(region_name="blk")(block))
-    assert replayed == ["blk"]
-    assert_bitwise_equal(actual, expected)
-    assert torch.is_grad_enabled()
+    _assert_exact_and_grad_mode_back(block, w, x)
 
 
 def test_a_default_dtype_a_save_region_leaves_set_is_set_after_it_in_the_replay_and_given_back():
@@ -327,9 +333,4 @@ def test_grad_mode_a_save_region_leaves_off_before_raising_is_off_after_it_in_th
         return (x @ w).sin().sum() + a.sum()
 
     x = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
-    expected = grads([w], [x], block)
-    with recorded_replays() as replayed:
-        actual = grads([w], [x], remat.checkpoint(region_name="raises")(block))
-    assert replayed == ["raises"]
-    assert_bitwise_equal(actual, expected)
-    assert torch.is_grad_enabled()
+    _assert_exact_and_grad_mode_back(block, w, x)
