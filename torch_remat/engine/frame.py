@@ -591,18 +591,12 @@ class CheckpointFrame:
                 # (position, tensor) of the arguments written in place
                 # (nn.ReLU(inplace=True), a Function that marks its input dirty)
                 written = [(i, t) for i, t, version in versions if any_version(t) != version]
-                # grad mode or the default dtype left switched by the body: the code
-                # after it runs so, and so must the replay, which skips the body
-                left = (_grad_enabled(), _default_dtype())
-                if left != modes:
-                    record.modes_exit = left
+                _note_modes_left(record, modes)
             ok = True
         except Exception as e:
             note_exception(e)
             if top_save:
-                left = (_grad_enabled(), _default_dtype())
-                if left != modes:  # (as where it returns: the caller goes on so)
-                    record.modes_exit = left
+                _note_modes_left(record, modes)  # (as where it returns: the caller goes on so)
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
                 self._region_returned(record, raised=detached_copy(e))
@@ -1061,6 +1055,15 @@ class CheckpointFrame:
 
 
 _compat.mark_internal_pack_hook(CheckpointFrame, "scratch.outer_hooks")  # pushed only while the forward runs
+
+
+def _note_modes_left(record: RegionRecord, entry: tuple[bool, torch.dtype]) -> None:
+    """A top-level SAVE region's body returned or raised: grad mode or the default
+    dtype it left switched (``entry``: both at its start) go on the record. The code
+    after it runs so, and so must the replay, which skips the body."""
+    left = (_grad_enabled(), _default_dtype())
+    if left != entry:
+        record.modes_exit = left
 
 
 def set_nested_tag(outer: Any, tag: tuple | None) -> None:
