@@ -30,8 +30,11 @@ fi
 if [ "$TORCH_VERSION" != 2.13.0 ]; then
   # The version is named exactly, so a machine-wide cap on torch (a pip constraint
   # file, as some machines set for their default environment) could only make this
-  # install fail: lifted for the installs into this venv.
-  export PIP_CONSTRAINT=/dev/null
+  # install fail: lifted for the installs into this venv, by an empty constraint file
+  # of the venv's own (not /dev/null: on some machines that is a plain file, holding
+  # whatever was last sent there).
+  : > "$VENV/.no-constraints"
+  export PIP_CONSTRAINT="$PWD/$VENV/.no-constraints"
 fi
 # torch reports the version with a local tag (2.13.0+cpu).
 if ! python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
