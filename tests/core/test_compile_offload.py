@@ -149,6 +149,30 @@ def test_an_offloader_below_min_bytes_keeps_the_region_on_the_device():
     assert rows["layers.0::attn"] == ["tanh (compiled)"]
 
 
+@pytest.mark.parametrize("checkpoints", [["layers.1"], ["layers.*"]])
+def test_an_offloaders_checkpoints_patterns_pick_the_compiled_checkpoints_as_they_do_eagerly(checkpoints):
+    # a plan that offloads some blocks and keeps others on the device installs one
+    # offloader whose checkpoints= name the offloaded ones
+    block = AttnThenMlp()
+    x = torch.randn(4, 16, dtype=DTYPE, requires_grad=True)
+
+    def offloads() -> ActivationOffloader:
+        return ActivationOffloader(1 << 20, prefetch=0, min_bytes=0, regions=["attn"], checkpoints=checkpoints)
+
+    eager = offloads()
+    remat.checkpoint(region_name="layers.0", saved_tensors_hooks=eager)(block)(x).backward()
+    backend, graphs = graph_capture()
+    ckpt = remat.checkpoint(region_name="layers.0", saved_tensors_hooks=offloads())(block)
+    loss = torch.compile(ckpt, backend=backend, fullgraph=True)(x)
+    (checkpoint,) = remat.saved_tensors_report(loss).checkpoints
+    rows = {region.label: [row.name for row in region.rows] for region in checkpoint.regions}
+    loss.backward()
+    moved = checkpoints == ["layers.*"]
+    assert bool(eager.stats.offloaded_bytes) is moved
+    assert len(host_copies(graphs["forward"][0])) == moved
+    assert rows["layers.0::attn"] == ["tanh (compiled, offloaded to host)" if moved else "tanh (compiled)"]
+
+
 # ---------------------------------------------------------------- memory budget
 
 

@@ -102,6 +102,9 @@ OFFLOAD_REGIONS_KEY = "remat_offload_regions"
 checkpoint given one as ``saved_tensors_hooks=``."""
 OFFLOAD_MIN_BYTES_KEY = "remat_offload_min_bytes"
 """``node.meta["custom"]`` key: that offloader's ``min_bytes``."""
+OFFLOAD_CHECKPOINTS_KEY = "remat_offload_checkpoints"
+"""``node.meta["custom"]`` key: that offloader's ``checkpoints=`` patterns (a tuple):
+a region offloads only inside a checkpoint whose name one matches."""
 OFFLOAD_KEY = "remat_offload"
 """``node.meta["custom"]`` key: True on the nodes of a SAVE region whose qualified
 name the checkpoint's offloader matches: their saved outputs go to the host."""
@@ -178,8 +181,13 @@ def _enclosing_region() -> tuple[str, bool]:
 def _offloads(qualname: str) -> bool:
     # Whether the offloader of the enclosing checkpoint moves what region
     # ``qualname`` keeps: its patterns match the name as the eager pack hook's do.
-    patterns = _custom_meta().get(OFFLOAD_REGIONS_KEY)
-    return bool(patterns) and any(fnmatch.fnmatchcase(qualname, p) for p in patterns)
+    custom = _custom_meta()
+    patterns = custom.get(OFFLOAD_REGIONS_KEY)
+    if not patterns or not any(fnmatch.fnmatchcase(qualname, p) for p in patterns):
+        return False
+    # and its checkpoint (the innermost) one the offloader's checkpoints= match
+    checkpoint = custom.get(CHECKPOINT_KEY) or ""
+    return any(fnmatch.fnmatchcase(checkpoint, p) for p in custom.get(OFFLOAD_CHECKPOINTS_KEY, ("*",)))
 
 
 @_compat.assume_constant_result
@@ -293,15 +301,17 @@ def _ambient_hooks_message(name: str) -> str:
     )
 
 
-OffloadSpec = tuple[tuple[str, ...], int]
-"""What a compiled checkpoint takes from its offloader: ``(regions patterns, min_bytes)``."""
+OffloadSpec = tuple[tuple[str, ...], int, tuple[str, ...]]
+"""What a compiled checkpoint takes from its offloader: ``(regions patterns, min_bytes,
+checkpoints patterns)``."""
 
 
 def offload_spec(pair: Any) -> OffloadSpec | None:
     """The offload a compiled checkpoint does for its ``saved_tensors_hooks=``
     option: for an :class:`~torch_remat.offload.ActivationOffloader` that moves what
     SAVE regions keep (``kinds`` holding ``BACKWARD`` or ``SAVE_OUTPUT``), its
-    ``regions=`` patterns and ``min_bytes``; None for any other hooks."""
+    ``regions=`` patterns, ``min_bytes`` and ``checkpoints=`` patterns; None for any
+    other hooks."""
     from .. import SavedTensorKind
     from ..offload.offloader import ActivationOffloader
 
@@ -310,7 +320,7 @@ def offload_spec(pair: Any) -> OffloadSpec | None:
         return None
     if not owner.kinds & {SavedTensorKind.BACKWARD, SavedTensorKind.SAVE_OUTPUT}:
         return None  # it moves only checkpoint inputs, which a compiled graph cannot
-    return tuple(owner.regions), int(owner.min_bytes)
+    return tuple(owner.regions), int(owner.min_bytes), tuple(owner.checkpoints)
 
 
 def option_refusal(
@@ -437,7 +447,8 @@ def run_checkpoint(
     if offload is not None:
         # Regions inside read the patterns (_offloads); a nested checkpoint without
         # an offloader of its own stays under this one's, as eagerly under a context.
-        annotation[OFFLOAD_REGIONS_KEY], annotation[OFFLOAD_MIN_BYTES_KEY] = offload
+        (annotation[OFFLOAD_REGIONS_KEY], annotation[OFFLOAD_MIN_BYTES_KEY],
+         annotation[OFFLOAD_CHECKPOINTS_KEY]) = offload
     with fx_traceback.annotate(annotation):
         if memory_budget is None:
             return torch.utils.checkpoint.checkpoint(
