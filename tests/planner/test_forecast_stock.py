@@ -463,6 +463,59 @@ def test_attention_flops_are_counted_where_the_cpu_kernel_has_no_formula():
         assert full.flops == 24_576 + 8_192, planner.__name__
 
 
+class FusedOrNotRecurrentBlock(nn.Module):
+    def __init__(self, cls: type, d: int = 8) -> None:
+        super().__init__()
+        self.rnn = cls(d, d, num_layers=2, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(torch.tanh(self.rnn(x)[0]))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_a_recurrent_layers_recompute_counts_its_weight_matmuls_whichever_kernel_runs_it(cls):
+    # nn.LSTM runs as the fused mkldnn_rnn_layer on CPU, which torch's counter counts
+    # 0; nn.GRU runs as mm/addmm, which it counts. Both count as every weight matrix
+    # times each of the 2*5 tokens: layer 0 reads d=8 features, layer 1 the two
+    # directions' 16, per direction (the fc is not replayed: nothing saved depends
+    # on its output)
+    torch.manual_seed(0)
+    gates = 4 if cls is nn.LSTM else 3
+    d, tokens = 8, 2 * 5
+    per_direction = gates * d * d + gates * d * d, gates * d * 2 * d + gates * d * d
+    expected = 2 * tokens * 2 * sum(per_direction)
+    model = nn.Sequential(FusedOrNotRecurrentBlock(cls), FusedOrNotRecurrentBlock(cls))
+    x = torch.randn(2, 5, d)
+    for planner in (plan_remat, forecast_remat):
+        got = planner(model, x, budget=0.9)
+        plan = got if planner is plan_remat else got.plan
+        full = next(m for m in plan.table[0] if m.option.checkpoint and not m.option.save)
+        assert full.flops == expected, planner.__name__
+
+
+@pytest.mark.parametrize("op, packed", [("_cudnn_rnn", False), ("_cudnn_rnn", True), ("miopen_rnn", False)])
+def test_the_gpu_fused_recurrent_kernels_count_every_layers_matrices(op, packed):
+    # the kernels run on GPUs only: their formula is called as the counter calls it,
+    # with their arguments in the order of torch's schema
+    from torch_remat.integrations.planner._flops import EXTRA_FORMULAS
+
+    lstm = nn.LSTM(8, 16, num_layers=2, bidirectional=True, proj_size=4)
+    weights = list(lstm._flat_weights)
+    matrices = sum(w.numel() for w in weights if w.dim() == 2)
+    if packed:  # (sum of the batch sizes, features)
+        x, batch_sizes = torch.randn(7, 8), [3, 2, 2]
+    else:  # (seq, batch, features)
+        x, batch_sizes = torch.randn(5, 3, 8), []
+    tokens = 7 if packed else 15
+    h = torch.zeros(4, 3, 4)
+    if op == "_cudnn_rnn":
+        args = (x, weights, 4, None, h, h, 2, 16, 4, 2, False, 0.0, True, True, batch_sizes, None)
+    else:
+        args = (x, weights, 4, h, h, 2, 16, 2, False, 0.0, True, True, batch_sizes, None)
+    assert EXTRA_FORMULAS[op](*args) == 2 * tokens * matrices
+
+
 class LSTMBlock(nn.Module):
     def __init__(self, d: int = 16) -> None:
         super().__init__()
