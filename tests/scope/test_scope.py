@@ -142,6 +142,65 @@ def test_batchnorm_running_stats_are_updated_once_and_replay_reads_their_old_val
     assert torch.equal(results[True][2], results[False][2])
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_an_op_that_fills_an_argument_it_saves_gives_backward_the_filled_value(inplace):
+    # rrelu's autograd saves its noise buffer (made by empty_like in the scope) before
+    # the op draws into it: backward reads the drawn slopes, and so must the replay
+    a, c = leaves((64,), (64,))
+
+    def loss(use):
+        with scope_or_not(use):
+            x = F.rrelu(a * 1.0, training=True, inplace=inplace)
+        return (x * c).sum()
+
+    expected = grads([a, c], [], lambda: loss(False), seed=3)
+    actual = grads([a, c], [], lambda: loss(True), seed=3, scope=True)
+    assert_bitwise_equal(actual, expected)
+
+
+def test_a_save_then_a_write_under_no_grad_keeps_the_value_at_the_save():
+    # tanh's output is saved after tanh ran, and the very next op writes it in place
+    # under no_grad (no autograd node in between): the replay hands back the value
+    # tanh gave, as a clone before the write would (the losses differ: the write
+    # doubles what sum reads in one run only)
+    (a,) = leaves((16,))
+
+    def run(clone_first):
+        with remat.gradient_checkpoint_scope():
+            y = (a * 1.0).tanh()
+            with torch.no_grad():
+                (y.clone() if clone_first else y).mul_(2)
+        return y.sum()
+
+    written, cloned = (grads([a], [], lambda c=c: run(c), scope=True) for c in (False, True))
+    assert written.replays and cloned.replays
+    assert torch.equal(written[1][0], cloned[1][0])
+
+
+def test_eval_batchnorm_replays_with_the_running_stats_of_its_forward():
+    # batch norm in training mode updates running stats without a version bump: an
+    # eval-mode forward in the scope, then a training-mode one before backward
+    torch.manual_seed(0)
+    x, c = leaves((6, 6), (6, 6))
+    results = {}
+    for use in (False, True):
+        torch.manual_seed(0)
+        bn = torch.nn.BatchNorm1d(6, dtype=D)
+        bn(torch.randn(4, 6, dtype=D))  # running stats that are not the initial ones
+
+        def loss(bn=bn, use=use):
+            bn.eval()
+            with scope_or_not(use):
+                y = bn(x)
+            bn.train()
+            bn(torch.randn(4, 6, dtype=D))  # changes running_mean and running_var in place
+            return (y * c).sum()
+
+        results[use] = (grads([x, c], [], loss, seed=1, scope=use), bn.running_mean.clone())
+    assert_bitwise_equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+
+
 def test_second_backward_with_retain_graph_replays_again():
     a, c = leaves((5,), (5,))
     with remat.gradient_checkpoint_scope():

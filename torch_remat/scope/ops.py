@@ -144,6 +144,20 @@ def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
+def unversioned_reads(func: Any, args: tuple) -> list[torch.Tensor]:
+    """The running statistics a batch norm op reads in eval mode. Any batch norm in
+    training mode writes them without a version bump (see ``_UNDECLARED_WRITES``), so
+    a read of them is snapshotted like a write: the replay reads their value at the
+    forward, even after a training-mode forward changed them."""
+    undeclared = _UNDECLARED_WRITES.get(func._schema.name)
+    if undeclared is None:
+        return []
+    training, read = undeclared
+    if len(args) > training and args[training]:
+        return []  # written: written_args snapshots them
+    return [args[i] for i in read if i < len(args) and isinstance(args[i], torch.Tensor)]
+
+
 def is_random(func: Any) -> bool:
     if torch.Tag.nondeterministic_seeded in func.tags:
         return True

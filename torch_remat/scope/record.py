@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._compat import tree_flatten
+from .._compat import autograd_sequence_nr, tree_flatten
 from .._errors import RematError
 from .ops import (
     Ext,
@@ -26,6 +26,7 @@ from .ops import (
     default_generator,
     is_random,
     storage_key,
+    unversioned_reads,
     version_of,
     written_args,
 )
@@ -60,6 +61,8 @@ class ScopeRecord:
         self.snapshots: dict[int, torch.Tensor] = {}
         self.ext_by_id: dict[int, tuple[weakref.ref, Ext]] = {}
         self.recipes: list[weakref.ref] = []
+        # the autograd sequence number when the last op was recorded
+        self.seq_at_last_op = autograd_sequence_nr()
 
     # ---------------------------------------------------------------- recording
 
@@ -71,7 +74,7 @@ class ScopeRecord:
                 "of the scope."
             )
         op = Op(len(self.ops), func)
-        for t in written_args(func, args, kwargs):
+        for t in [*written_args(func, args, kwargs), *unversioned_reads(func, args)]:
             key = storage_key(t)
             if key not in self.sid_by_key and key not in self.ext_sid_by_key:
                 self._snapshot_outside_storage(t, key)
@@ -86,11 +89,31 @@ class ScopeRecord:
             op.writes.add(
                 self.sid_by_key[key] if key in self.sid_by_key else self.ext_sid_by_key[key]
             )
+        seq = autograd_sequence_nr()
         out = func(*args, **kwargs)
         with self.scopes.lock:  # a tensor dying in another thread edits the same maps
             self._record_outputs(op, out, args, kwargs)
         self.ops.append(op)
+        if op.writes and seq != self.seq_at_last_op:
+            self._saved_before_own_write(op, seq)
+        self.seq_at_last_op = seq
         return out
+
+    def _saved_before_own_write(self, op: Op, seq: int) -> None:
+        # The op's autograd node (made since the last recorded op) saved arguments
+        # before the op ran, and the op then wrote some of them (rrelu's noise, which
+        # it fills): autograd hands backward the written value, so those recipes are
+        # the storage after the op, not before it. (A save after the op before, of
+        # its output, happened at the last recorded op's sequence number and keeps
+        # its value before this op's write.)
+        for ref in reversed(self.recipes):
+            r = ref()
+            if r is None:
+                continue
+            if r.position != op.index or r.seq != seq:
+                break
+            if r.sid in op.writes:
+                r.position = op.index + 1
 
     def _describe_arg(self, t: torch.Tensor, op: Op) -> Any:
         check_supported(t)

@@ -18,7 +18,7 @@ import torch
 
 from .._autograd_hooks import graph_task_key as _graph_task_key
 from .._autograd_hooks import when_backward_ends
-from .._compat import neg_view, tree_flatten, tree_unflatten, version_of
+from .._compat import autograd_sequence_nr, neg_view, tree_flatten, tree_unflatten, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
 from .._tensors import describe_tensor
 from ..engine.context import profiler_range
@@ -33,6 +33,7 @@ class ScopeRecipe:
         "record",
         "sid",
         "position",
+        "seq",
         "dtype",
         "size",
         "stride",
@@ -48,6 +49,9 @@ class ScopeRecipe:
         self.record = record
         self.sid = sid
         self.position = len(record.ops)
+        # the autograd sequence number at the save: tells a save an op's autograd
+        # makes before running it from one after the op before (ScopeRecord.record_op)
+        self.seq = autograd_sequence_nr()
         self.dtype = t.dtype
         self.size = tuple(t.shape)
         self.stride = t.stride()
