@@ -14,13 +14,15 @@ def validate_apply_options(
     early_stop: Any,
     determinism_check: Any,
     rebuild: Any = None,
+    who: str = "apply_remat",
 ) -> None:
-    """Check the options where they are received, before any module is patched, as
-    remat.checkpoint would check them at the first forward (hooks numbered as the
-    caller numbered them, before the RNG hooks are prepended)."""
+    """Check the options where they are received (by ``who``, the public function),
+    before any module is patched, as remat.checkpoint would check them at the first
+    forward (hooks numbered as the caller numbered them, before the RNG hooks are
+    prepended)."""
     if not isinstance(rng_state_hooks, bool):
         raise TypeError(
-            f"apply_remat: rng_state_hooks must be True or False, got {rng_state_hooks!r} "
+            f"{who}: rng_state_hooks must be True or False, got {rng_state_hooks!r} "
             f"({type(rng_state_hooks).__name__})."
         )
     options: dict[str, Any] = {"recompute_state_hooks": recompute_state_hooks or ()}
@@ -33,4 +35,4 @@ def validate_apply_options(
     try:
         remat.checkpoint(**options)
     except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("remat.checkpoint:", "apply_remat:", 1)) from None
+        raise type(e)(str(e).replace("remat.checkpoint:", f"{who}:", 1)) from None

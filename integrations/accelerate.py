@@ -71,7 +71,7 @@ from torch import nn
 
 from ._forwards import RematForward
 from ._selection import ModuleSelector, module_matcher
-from .apply import RematConfig, apply_remat_to_blocks, remat_module_names
+from .apply import RematConfig, apply_remat_to_blocks, remat_config, remat_module_names
 from .transformers import remat_layer_names, torch_checkpointed_layer_names
 
 
@@ -147,7 +147,7 @@ def apply_remat_for_accelerator(
     each checkpoint). Raises ``ValueError`` for FSDP1, when no module matches the
     blocks, and when transformers' own gradient checkpointing is on.
     """
-    remat = RematConfig() if remat is None else remat
+    remat = remat_config(remat, "apply_remat_for_accelerator")
     plugin = _fsdp_plugin(accelerator)
     if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError(

@@ -110,6 +110,20 @@ class RematConfig:
         return module_matcher(self.save_modules, f"{where}: save_modules")
 
 
+def remat_config(remat: Any, who: str) -> RematConfig:
+    """``remat=`` as received by ``who`` (a public function): the defaults for None; a
+    ``TypeError`` naming ``who`` for anything but a :class:`RematConfig`."""
+    if remat is None:
+        return RematConfig()
+    if not isinstance(remat, RematConfig):
+        raise TypeError(
+            f"{who}: remat must be a torch_remat.integrations.RematConfig (or None for the "
+            f"defaults), got {type(remat).__name__} {remat!r:.80}. Pass the options as "
+            "remat=RematConfig(...), e.g. RematConfig(save_modules=[...])."
+        )
+    return remat
+
+
 def apply_remat_to_blocks(
     model: nn.Module, blocks: ModuleSelector, config: RematConfig | None
 ) -> list[str]:
@@ -199,7 +213,7 @@ def checkpoint_selected(
     how the call was made, for the refusal of random numbers in a forward whose RNG
     hooks a wrapper's ``preserve_rng_state=False`` turned off (None: the engine's own
     refusal in backward)."""
-    config = RematConfig() if remat is None else remat
+    config = remat_config(remat, "apply_remat")
     if check_fn is None:
         raise TypeError("apply_remat: check_fn must be a callable module -> bool.")
     if not config.enabled:

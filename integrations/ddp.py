@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ._selection import ModuleSelector
-from .apply import RematConfig, apply_remat_to_blocks
+from .apply import RematConfig, apply_remat_to_blocks, remat_config
 
 
 def ddp_with_remat(
@@ -36,5 +36,5 @@ def ddp_with_remat(
         **ddp_kwargs: passed to ``DistributedDataParallel`` unchanged
             (``device_ids``, ``static_graph``, ``find_unused_parameters``, ...).
     """
-    apply_remat_to_blocks(model, blocks, RematConfig() if remat is None else remat)
+    apply_remat_to_blocks(model, blocks, remat_config(remat, "ddp_with_remat"))
     return DistributedDataParallel(model, **ddp_kwargs)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from ._selection import ModuleSelector, select_modules
-from .apply import RematConfig, apply_remat_to_blocks
+from .apply import RematConfig, apply_remat_to_blocks, remat_config
 from .tensor_parallel import parallelize_with_remat
 
 
@@ -64,7 +64,7 @@ def fully_shard_with_remat(
 
     Returns ``model`` (its class replaced by FSDP2's ``FSDPModule`` subclass, in place).
     """
-    remat = RematConfig() if remat is None else remat
+    remat = remat_config(remat, "fully_shard_with_remat")
     if (tp_mesh is None) != (tp_plan is None):
         raise ValueError("fully_shard_with_remat: pass tp_mesh and tp_plan together.")
     if tp_plan is not None:

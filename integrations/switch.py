@@ -54,7 +54,7 @@ from torch_remat._integration import checkpoint_wrapper_module
 
 from ._forwards import RematForward, installed_forward
 from ._torch_arguments import checkpoint_options
-from .apply import RematConfig, checkpoint_selected
+from .apply import RematConfig, checkpoint_selected, remat_config
 from .rng import default_rng_state_hooks
 
 _NAMES = ("apply_activation_checkpointing", "checkpoint_wrapper")
@@ -110,6 +110,7 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
     replacements, also in modules first imported inside the block, is torch's
     function again, and a replacement kept elsewhere calls torch's. Not thread-safe:
     it replaces module attributes for the whole process while it is open."""
+    remat_config(remat, "torch_checkpointing_as_remat")  # (refuses anything but a RematConfig)
     _torch = checkpoint_wrapper_module()
     originals = {name: getattr(_torch, name) for name in _NAMES}
     if any(getattr(f, "torch_remat_switch", False) for f in originals.values()):
@@ -169,7 +170,7 @@ def torch_checkpointing_as_remat(remat: RematConfig | None = None) -> Iterator[N
     if _TORCH_HAS_CURRIED_CHECKPOINT:
         originals["checkpoint"] = torch.utils.checkpoint.checkpoint
         replacements["checkpoint"] = _curried_checkpoint(
-            originals["checkpoint"], RematConfig() if remat is None else remat, lambda: open_[0]
+            originals["checkpoint"], remat_config(remat, "torch_checkpointing_as_remat"), lambda: open_[0]
         )
         names.append("checkpoint")
     for fn in replacements.values():

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
 from ._selection import ModuleSelector
-from .apply import RematConfig, apply_remat_to_blocks
+from .apply import RematConfig, apply_remat_to_blocks, remat_config
 from .rng import prepare_dtensor_rng
 
 
@@ -45,7 +45,7 @@ def parallelize_with_remat(
 
     Returns ``model`` (parallelized in place).
     """
-    remat = RematConfig() if remat is None else remat
+    remat = remat_config(remat, "parallelize_with_remat")
     parallelize_module(model, tp_mesh, parallelize_plan)
     if remat.enabled and remat.rng_state_hooks:
         prepare_dtensor_rng(tp_mesh)

@@ -33,7 +33,8 @@ from torch import nn
 
 from ._forwards import SaveRegionForward, _ModuleForward, install_save_regions, installed_forward
 from ._repeated_calls import run_counting_calls
-from .apply import RematConfig, remat_module_names
+from ._validation import validate_apply_options
+from .apply import RematConfig, remat_config, remat_module_names
 from .rng import default_rng_state_hooks
 
 
@@ -302,13 +303,28 @@ def enable_remat(
     not support gradient checkpointing, or whose layers are already checkpointed by
     ``apply_remat``.
     """
-    config = RematConfig() if remat is None else remat
+    config = remat_config(remat, "enable_remat")
     _check_supported(model)
     if not config.enabled:
         return []
+    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int):
+        raise TypeError(
+            f"enable_remat: every_n_layers must be an int (checkpoint every n-th layer), "
+            f"got {type(every_n_layers).__name__} {every_n_layers!r}."
+        )
+    if every_n_layers < 1:
+        raise ValueError(
+            f"enable_remat: every_n_layers must be at least 1 (1 checkpoints every "
+            f"layer), got {every_n_layers}."
+        )
+    # Checked before anything is switched on, as apply_remat checks them.
+    validate_apply_options(
+        config.recompute_state_hooks, config.rng_state_hooks, config.early_stop,
+        config.determinism_check, config.rebuild, who="enable_remat",
+    )
+    is_save = config.save_matcher("enable_remat")
     if remat_layer_names(model):
         disable_remat(model)
-    is_save = config.save_matcher("enable_remat")
     options = config.checkpoint_options()
     hooks = (default_rng_state_hooks() if config.rng_state_hooks else ()) + tuple(
         config.recompute_state_hooks

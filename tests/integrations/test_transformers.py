@@ -279,6 +279,53 @@ def test_layers_already_checkpointed_by_apply_remat_are_refused():
         enable_remat(model)
 
 
+class _NoRestore:
+    def snapshot(self):
+        return None
+
+
+@pytest.mark.parametrize(
+    "config, error, match",
+    [
+        (RematConfig(recompute_state_hooks=(_NoRestore(),)), TypeError,
+         r"enable_remat: recompute_state_hooks\[0\] \(_NoRestore\) needs both snapshot"),
+        (RematConfig(determinism_check="nope"), ValueError, "enable_remat: determinism_check must be one of"),
+        (RematConfig(early_stop="yes"), TypeError, "enable_remat: early_stop"),
+        (RematConfig(rebuild="sometimes"), ValueError, "enable_remat: rebuild must be one of"),
+    ],
+)
+def test_enable_remat_checks_its_config_before_switching_anything_on(config, error, match):
+    # as apply_remat does, hooks numbered as passed (the RNG hook goes first later)
+    model = tiny_llama()
+    with pytest.raises(error, match=match):
+        enable_remat(model, remat=config)
+    assert not model.is_gradient_checkpointing
+    assert checkpoint_names(model) == []
+
+
+@pytest.mark.parametrize("every, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)])
+def test_every_n_layers_is_an_int_of_at_least_one(every, error):
+    model = tiny_llama()
+    with pytest.raises(error, match="enable_remat: every_n_layers must be"):
+        enable_remat(model, every_n_layers=every)
+    assert not model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("given", [{"rng_state_hooks": False}, True, "full"])
+def test_a_remat_argument_that_is_not_a_config_is_a_type_error_naming_the_call(given):
+    from torch_remat.integrations import torch_checkpointing_as_remat
+
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="enable_remat: remat must be a torch_remat.integrations.RematConfig"):
+        enable_remat(model, remat=given)
+    with pytest.raises(TypeError, match="apply_remat: remat must be a torch_remat.integrations.RematConfig"):
+        apply_remat(model, check_fn=lambda m: isinstance(m, LlamaAttention), remat=given)
+    with pytest.raises(TypeError, match="torch_checkpointing_as_remat: remat must be"):
+        with torch_checkpointing_as_remat(remat=given):
+            pass
+    assert checkpoint_names(model) == []
+
+
 @pytest.mark.slow
 def test_importing_the_integrations_imports_neither_transformers_nor_accelerate():
     code = (

@@ -200,7 +200,8 @@ class RNGUse:
             "recompute_state_hooks entry restores that generator: the replay would "
             "draw other numbers (another dropout mask) and the gradients would be "
             f"wrong. Pass recompute_state_hooks=({fixes},) to remat.checkpoint "
-            "(apply_remat attaches the RNG hooks by default: rng_state_hooks=True). "
+            "(apply_remat, enable_remat and the adapters attach the RNG hooks by "
+            "default: leave RematConfig(rng_state_hooks=True) as it is). "
             "The caller's generator state is unchanged."
         )
 
