@@ -471,6 +471,17 @@ def _agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
+@dataclasses.dataclass
+class Skipped:
+    """The steps of the checkpoint folders ``load_checkpoint`` could not read (all newer
+    than the one it resumed from), which ``save_checkpoint``'s pruning neither counts
+    among the K it keeps nor deletes while they are newer than its save; ``told``:
+    rank 0 has said so."""
+
+    steps: set[int] = dataclasses.field(default_factory=set)
+    told: bool = False
+
+
 def _step_folders(directory: pathlib.Path) -> list[int]:
     """The steps of the complete checkpoints in ``directory``, newest first."""
     steps = []
@@ -653,7 +664,10 @@ def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: i
 
 
 def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, keep: int,
-                    config: dict | None = None, log: Log | None = None) -> None:
+                    config: dict | None = None, log: Log | None = None,
+                    skipped: Skipped | None = None) -> None:
+    """Save ``step`` to ``directory``/stepN (through stepN.tmp); with ``keep`` > 0,
+    delete older checkpoints past the ``keep`` newest (see ``prune_checkpoints``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -679,14 +693,38 @@ def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, k
         latest = directory / "latest.json.tmp"
         latest.write_text(json.dumps({"step": step}))
         latest.replace(directory / "latest.json")
-        for old in _step_folders(directory)[keep:] if keep else ():
-            shutil.rmtree(directory / f"step{old}")
+    if skipped is not None:
+        skipped.steps.discard(step)  # replaced by this save, on every rank
+    if rank == 0 and keep:
+        prune_checkpoints(directory, step, keep, skipped or Skipped())
 
 
-def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict | None = None) -> int:
+def prune_checkpoints(directory: pathlib.Path, step: int, keep: int, skipped: Skipped) -> None:
+    """--keep-checkpoints ``keep`` after saving ``step``: keep that save and the
+    ``keep`` - 1 newest older checkpoints a resume could read, and delete the other
+    older ones. A folder the resume found unreadable is not one of them (deleted if
+    older than the save, as any other not kept). A folder newer than the save is not
+    this run's: it is neither counted nor deleted (one the resume skipped as
+    unreadable is replaced when the run saves its step; rank 0 says so once)."""
+    older = [s for s in _step_folders(directory) if s < step]
+    readable = [s for s in older if s not in skipped.steps]
+    for old in sorted(set(older) - set(readable[: keep - 1]), reverse=True):
+        shutil.rmtree(directory / f"step{old}")
+    newer = sorted(s for s in skipped.steps if s > step and (directory / f"step{s}").exists())
+    if newer and not skipped.told:
+        skipped.told = True
+        for s in newer:
+            print(f"torch_remat train: --keep-checkpoints {keep}: {directory / f'step{s}'} was "
+                  "unreadable at the resume; it is left there and not counted among the "
+                  f"checkpoints kept: a save of step {s} replaces it; otherwise move it away "
+                  "(every resume tries it first)", flush=True)
+
+
+def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict | None = None,
+                    skipped: Skipped | None = None) -> int:
     """Resume from the newest complete checkpoint in ``directory`` (0: none there).
-    One that cannot be read is skipped, with a message; one of another model shape
-    than ``config`` is a usage error."""
+    One that cannot be read is skipped, with a message (its step added to
+    ``skipped``); one of another model shape than ``config`` is a usage error."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -719,6 +757,8 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
             error = e
         if not _agree(error is None):
             say(f"checkpoint {path} is unreadable ({_cause(error)}); trying the next older one")
+            if skipped is not None:
+                skipped.steps.add(step)
             continue
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if not _agree(rng is not None):
@@ -786,7 +826,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="initial weights and batches")
     p.add_argument("--checkpoint-dir", default="", help="save every --save-every steps (with every rank's random generators and the model's shape); resume from the newest complete checkpoint there, exactly")
     p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir; the last step is saved too)")
-    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="keep the K newest checkpoints, delete older ones (0: keep all)")
+    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="after each save, keep it and the K-1 newest older checkpoints a resume can read, delete the older ones (0: keep all); a folder newer than the save, which the resume found unreadable, is left")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
     p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run keeps the steps before its resume point and lists it in resumed_at")
     p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
@@ -928,10 +968,10 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt_dir = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
     oom_dumps = oom.install(args.oom_dump_dir) if args.oom_dump_dir else None
-    start = 0
+    start, skipped = 0, Skipped()
     if ckpt_dir is not None:
         check_writable(ckpt_dir, rank)
-        start = load_checkpoint(ckpt_dir, model, opt, rank, config)
+        start = load_checkpoint(ckpt_dir, model, opt, rank, config, skipped)
     if start and start >= args.steps:
         if rank == 0:
             print(f"torch_remat train: {ckpt_dir} holds step {start} and --steps is {args.steps}: "
@@ -994,7 +1034,8 @@ def main(argv=None) -> None:
                     flush=True,
                 )
         if ckpt_dir is not None and (step % args.save_every == 0 or step == args.steps):
-            save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints, config, log)
+            save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints, config, log,
+                            skipped)
             log.write()  # up to the step a restart resumes from
     log.write()
     if report is not None:
