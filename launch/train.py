@@ -491,12 +491,18 @@ def _step_folders(directory: pathlib.Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+class DamagedCheckpoint(Exception):
+    """A file of a checkpoint folder is missing or cannot be read: the folder is skipped."""
+
+
 def _cause(error: BaseException | None) -> str:
     """One line naming what failed (a CheckpointException holds each rank's traceback)."""
     from torch.distributed.checkpoint import CheckpointException
 
     if error is None:
         return "on another rank"
+    if isinstance(error, DamagedCheckpoint):
+        return str(error)
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     text = str(error).strip().splitlines()
@@ -584,6 +590,39 @@ def write_run_metadata(folder: pathlib.Path, config: dict, log: Log) -> None:
     (folder / "log.json").write_text(json.dumps(log.data()))
 
 
+RUN_FILES = ("model_config.json", "log.json")  # written together by write_run_metadata
+
+
+def _read_json_object(path: pathlib.Path) -> dict:
+    """The JSON object in ``path``; DamagedCheckpoint where it cannot be read."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DamagedCheckpoint(f"{path.name} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(value, dict):
+        raise DamagedCheckpoint(f"{path.name} cannot be read (not a JSON object)")
+    return value
+
+
+def read_run_files(folder: pathlib.Path) -> dict | None:
+    """The model config and settings a checkpoint folder records (model_config.json),
+    None for a checkpoint from before folders recorded them (neither model_config.json
+    nor log.json there). Rank 0 writes both files into every folder it saves, so one
+    missing beside the other, or either unreadable, is a DamagedCheckpoint."""
+    present = [name for name in RUN_FILES if (folder / name).exists()]
+    if not present:
+        return None
+    for name in RUN_FILES:
+        if name not in present:
+            raise DamagedCheckpoint(f"{name} is missing, and {present[0]} is there: every "
+                                    "checkpoint saved with one holds both")
+    config = _read_json_object(folder / "model_config.json")
+    log = _read_json_object(folder / "log.json")
+    if not all(isinstance(log.get(key), dict) for key in ("losses", "saved_bytes")):
+        raise DamagedCheckpoint("log.json cannot be read (it lacks its losses or saved_bytes)")
+    return config
+
+
 def check_saved_shapes(directory: pathlib.Path, step: int, model_state: dict, rank: int) -> None:
     """For a checkpoint without model_config.json: usage error if the tensors it
     holds are not the model's, by name and shape (from its DCP metadata)."""
@@ -621,14 +660,13 @@ def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: i
     this run's (loading it would take some of its tensors, or fail on every one), or
     was trained with another seed, batch size or learning rate (the resumed run would
     not be the one it continues); a line on rank 0 where its layout (--parallel, the
-    number of ranks) differs. False when the checkpoint does not record its shape."""
+    number of ranks) differs. False when the checkpoint does not record its shape (one
+    from before folders recorded it); DamagedCheckpoint where model_config.json cannot
+    be read."""
     path = directory / f"step{step}" / "model_config.json"
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
+    if not path.exists():
         return False  # an older checkpoint without it
-    if not isinstance(saved, dict):
-        return False
+    saved = _read_json_object(path)
     given = [f"{flag} {config[key]}" for key, flag in MODEL_FLAGS if saved.get(key, config[key]) != config[key]]
     there = [f"{flag} {saved[key]}" for key, flag in MODEL_FLAGS if saved.get(key, config[key]) != config[key]]
     if given:
@@ -743,18 +781,25 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
                     "resuming from the newest complete checkpoint instead")
     for step in steps:
         path = directory / f"step{step}"
-        if config is not None and not check_model_config(directory, step, config, rank):
-            check_saved_shapes(directory, step, get_state_dict(model, opt)[0], rank)
+        # First the small files, which every rank reads alike; then, where they are
+        # sound, the states (no rank enters the load's collectives alone).
         error = None
         try:
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd}
-            with _single_process_quiet(), _no_load_logs():
-                dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-            rng_file = path / "rng" / f"rank{rank}.pt"
-            rng = torch.load(rng_file) if rng_file.exists() else None
-        except (Exception, dcp.CheckpointException) as e:  # any unreadable file: try the next
+            read_run_files(path)
+        except DamagedCheckpoint as e:
             error = e
+        if _agree(error is None):
+            if config is not None and not check_model_config(directory, step, config, rank):
+                check_saved_shapes(directory, step, get_state_dict(model, opt)[0], rank)
+            try:
+                msd, osd = get_state_dict(model, opt)
+                state = {"model": msd, "optim": osd}
+                with _single_process_quiet(), _no_load_logs():
+                    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+                rng_file = path / "rng" / f"rank{rank}.pt"
+                rng = torch.load(rng_file) if rng_file.exists() else None
+            except (Exception, dcp.CheckpointException) as e:  # any unreadable file: try the next
+                error = e
         if not _agree(error is None):
             say(f"checkpoint {path} is unreadable ({_cause(error)}); trying the next older one")
             if skipped is not None:

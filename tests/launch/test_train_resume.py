@@ -98,3 +98,50 @@ def test_keep_checkpoints_never_deletes_the_checkpoint_just_written(tmp_path):
     # newer folder is not this run's to count or delete
     train.save_checkpoint(tmp_path, model, opt, 6, rank=0, keep=1)
     assert folders(tmp_path) == ["latest.json", "step6", "step8"]
+
+
+# -------------------------------------------------------- damaged run files of a folder
+
+
+@pytest.mark.parametrize(
+    "damage, cause",
+    [
+        (lambda f: truncate(f / "model_config.json", 20), "model_config.json cannot be read"),
+        (lambda f: (f / "model_config.json").unlink(), "model_config.json is missing"),
+        (lambda f: truncate(f / "log.json", 20), "log.json cannot be read"),
+        (lambda f: (f / "log.json").unlink(), "log.json is missing"),
+    ],
+    ids=["model_config-truncated", "model_config-deleted", "log-truncated", "log-deleted"],
+)
+def test_a_damaged_model_config_or_log_makes_the_folder_unreadable(capsys, tmp_path, damage, cause):
+    # Before: a truncated or missing model_config.json read as "a checkpoint from before
+    # it was recorded", and a resume with another --seed, --batch-size and --lr went on
+    # from that folder without a word.
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    uninterrupted = tmp_path / "uninterrupted.json"
+    run(capsys, "--steps", "9", "--log-json", str(uninterrupted))
+    common = ["--save-every", "3", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    run(capsys, "--steps", "6", *common)
+    damage(ckpt / "step6")
+    before = files(ckpt)
+
+    out, err = run(capsys, "--steps", "9", "--seed", "1", "--batch-size", "4", "--lr", "0.01",
+                   *common, expect=2)
+    assert f"checkpoint {ckpt / 'step6'} is unreadable ({cause}" in out, out
+    assert ("this run has --seed 1, --batch-size 4, --lr 0.01, but the checkpoints there were "
+            "saved with --seed 0, --batch-size 2, --lr 0.003") in err, err
+    assert files(ckpt) == before  # nothing there was changed
+
+    out, _ = run(capsys, "--steps", "9", *common)
+    assert f"checkpoint {ckpt / 'step6'} is unreadable ({cause}" in out, out
+    assert "(resumed at step 3)" in out
+    assert losses(log) == losses(uninterrupted)  # bitwise: the same floats
+
+
+def test_a_folder_with_neither_run_file_is_an_older_checkpoint_and_resumes(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(capsys, "--steps", "3", "--save-every", "3", "--checkpoint-dir", str(ckpt))
+    (ckpt / "step3" / "model_config.json").unlink()
+    (ckpt / "step3" / "log.json").unlink()
+    out, _ = run(capsys, "--steps", "4", "--checkpoint-dir", str(ckpt))
+    assert "(resumed at step 3)" in out and "unreadable" not in out
