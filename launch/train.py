@@ -495,18 +495,23 @@ class DamagedCheckpoint(Exception):
     """A file of a checkpoint folder is missing or cannot be read: the folder is skipped."""
 
 
-def _cause(error: BaseException | None) -> str:
+def _cause(error: BaseException) -> str:
     """One line naming what failed (a CheckpointException holds each rank's traceback)."""
     from torch.distributed.checkpoint import CheckpointException
 
-    if error is None:
-        return "on another rank"
     if isinstance(error, DamagedCheckpoint):
         return str(error)
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]
     text = str(error).strip().splitlines()
     return type(error).__name__ + (f": {text[0]}" if text else "")
+
+
+def _first_cause(error: BaseException | None, rank: int) -> str | None:
+    """What failed on the first rank where something did (None: on none), on every rank
+    (a collective under torchrun), that rank named where it is not rank 0."""
+    cause = None if error is None else _cause(error)
+    return first_error(f"rank {rank}: {cause}" if cause is not None and rank else cause)
 
 
 def check_writable(directory: pathlib.Path, rank: int) -> None:
@@ -621,6 +626,18 @@ def read_run_files(folder: pathlib.Path) -> dict | None:
     if not all(isinstance(log.get(key), dict) for key in ("losses", "saved_bytes")):
         raise DamagedCheckpoint("log.json cannot be read (it lacks its losses or saved_bytes)")
     return config
+
+
+def expected_rng_files(saved: dict | None, world: int) -> list[str]:
+    """The random generator files (relative to its folder) a checkpoint whose recorded
+    settings are ``saved`` must hold for a resume on ``world`` ranks: every rank of
+    the saving run wrote its own, so rank R's, for each R below both numbers of ranks;
+    none where the checkpoint did not record its number of ranks (saved before
+    folders recorded it)."""
+    ranks = saved.get("ranks") if isinstance(saved, dict) else None
+    if type(ranks) is not int:
+        return []
+    return [f"rng/rank{r}.pt" for r in range(min(ranks, world))]
 
 
 def check_saved_shapes(directory: pathlib.Path, step: int, model_state: dict, rank: int) -> None:
@@ -785,7 +802,13 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
         # sound, the states (no rank enters the load's collectives alone).
         error = None
         try:
-            read_run_files(path)
+            saved = read_run_files(path)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            for name in expected_rng_files(saved, world):
+                if not (path / name).is_file():
+                    raise DamagedCheckpoint(
+                        f"{name} is missing: the run saved there had {saved['ranks']} rank(s), "
+                        "and each wrote its random generators")
         except DamagedCheckpoint as e:
             error = e
         if _agree(error is None):
@@ -797,11 +820,15 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
                 with _single_process_quiet(), _no_load_logs():
                     dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
                 rng_file = path / "rng" / f"rank{rank}.pt"
-                rng = torch.load(rng_file) if rng_file.exists() else None
+                try:
+                    rng = torch.load(rng_file) if rng_file.exists() else None
+                except Exception as e:
+                    raise DamagedCheckpoint(f"rng/{rng_file.name} cannot be read ({_cause(e)})") from e
             except (Exception, dcp.CheckpointException) as e:  # any unreadable file: try the next
                 error = e
-        if not _agree(error is None):
-            say(f"checkpoint {path} is unreadable ({_cause(error)}); trying the next older one")
+        cause = _first_cause(error, rank)
+        if cause is not None:
+            say(f"checkpoint {path} is unreadable ({cause}); trying the next older one")
             if skipped is not None:
                 skipped.steps.add(step)
             continue

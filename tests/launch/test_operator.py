@@ -78,6 +78,28 @@ def test_checkpoints_keep_k_refuse_a_rerun_and_skip_corrupt_ones(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step6", "step8"]
 
 
+def test_a_checkpoint_missing_or_with_a_damaged_rng_file_of_rank_1_is_skipped_naming_it(tmp_path):
+    # Before: a folder without rank 1's rng/rank1.pt was resumed (rank 1's generator
+    # not restored, the losses after it not the uninterrupted run's) with a line
+    # blaming "this number of ranks"; one with a truncated file was skipped, but rank 0
+    # said only that it failed "on another rank".
+    ckpt, log, uninterrupted = tmp_path / "ckpt", tmp_path / "log.json", tmp_path / "full.json"
+    run_sh("--no-report", "--steps", "7", "--log-json", str(uninterrupted))
+    common = ["--no-report", "--save-every", "2", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    run_sh("--steps", "6", *common)
+    (ckpt / "step6" / "rng" / "rank1.pt").unlink()
+    rng4 = ckpt / "step4" / "rng" / "rank1.pt"
+    rng4.write_bytes(rng4.read_bytes()[:50])
+    resumed = run_sh("--steps", "7", *common)
+    assert (f"checkpoint {ckpt / 'step6'} is unreadable (rng/rank1.pt is missing: the run saved "
+            "there had 2 rank(s)") in resumed.stdout, resumed.stdout
+    assert (f"checkpoint {ckpt / 'step4'} is unreadable (rank 1: rng/rank1.pt cannot be read "
+            "(RuntimeError: ") in resumed.stdout, resumed.stdout
+    assert "no random generator states" not in resumed.stdout
+    assert "(resumed at step 2)" in resumed.stdout
+    assert losses(log) == losses(uninterrupted)  # bitwise: the same floats
+
+
 def test_the_last_step_is_saved_between_save_every_steps(tmp_path):
     # Before, --steps 3 --save-every 2 kept step 2 only: the trained model was lost,
     # and the same command again trained step 3 once more.

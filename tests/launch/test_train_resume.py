@@ -145,3 +145,35 @@ def test_a_folder_with_neither_run_file_is_an_older_checkpoint_and_resumes(capsy
     (ckpt / "step3" / "log.json").unlink()
     out, _ = run(capsys, "--steps", "4", "--checkpoint-dir", str(ckpt))
     assert "(resumed at step 3)" in out and "unreadable" not in out
+
+
+# ---------------------------------------------------------------- random generator files
+
+
+def test_a_missing_rng_file_of_a_saving_rank_makes_the_folder_unreadable(capsys, tmp_path):
+    # Before: the folder was resumed without that rank's generators ("holds no random
+    # generator states for this number of ranks"), and the losses after it differed
+    # from the uninterrupted run's.
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    uninterrupted = tmp_path / "uninterrupted.json"
+    run(capsys, "--steps", "9", "--log-json", str(uninterrupted))
+    common = ["--save-every", "3", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    run(capsys, "--steps", "6", *common)
+    (ckpt / "step6" / "rng" / "rank0.pt").unlink()
+
+    out, _ = run(capsys, "--steps", "9", *common)
+    assert f"checkpoint {ckpt / 'step6'} is unreadable (rng/rank0.pt is missing" in out, out
+    assert "no random generator states" not in out
+    assert "(resumed at step 3)" in out
+    assert losses(log) == losses(uninterrupted)
+
+
+def test_rng_files_a_checkpoint_should_hold():
+    # saved by 2 ranks: each of them wrote its file; a third rank resuming has none
+    saved = {"ranks": 2}
+    assert train.expected_rng_files(saved, world=2) == ["rng/rank0.pt", "rng/rank1.pt"]
+    assert train.expected_rng_files(saved, world=3) == ["rng/rank0.pt", "rng/rank1.pt"]
+    assert train.expected_rng_files(saved, world=1) == ["rng/rank0.pt"]
+    # an older checkpoint, which did not record its ranks: nothing to check against
+    assert train.expected_rng_files({"layers": 2}, world=2) == []
+    assert train.expected_rng_files(None, world=2) == []
