@@ -900,7 +900,7 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir; the last step is saved too)")
     p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="after each save, keep it and the K-1 newest older checkpoints a resume can read, delete the older ones (0: keep all); a folder newer than the save, which the resume found unreadable, is left")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
-    p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run keeps the steps before its resume point and lists it in resumed_at")
+    p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run starts from its checkpoint's log up to the resume point (not from this file, which may be another run's) and lists it in resumed_at")
     p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
     args = p.parse_args(argv)
     for name in POSITIVE:
@@ -1120,27 +1120,27 @@ def main(argv=None) -> None:
 
 class Log:
     """``--log-json``: the losses of every step, what each rank saved for backward at
-    the logged steps, and the steps a run resumed at. A resumed run keeps the
-    earlier attempts' entries up to its resume point."""
+    the logged steps, and the steps a run resumed at. A resumed run starts from the
+    log its checkpoint holds (log.json: every step up to it), not from the file at
+    ``--log-json``, which may be another run's: that file is read only for a
+    checkpoint from before folders held their log, and rank 0 says where it
+    disagrees with the checkpoint's (its entries are dropped)."""
 
     def __init__(self, path: str, start: int, world: int, checkpoint: pathlib.Path | None = None) -> None:
         self.path, self.world = path, world
         self.losses, self.saved_bytes, self.resumed_at = {}, {}, []
-        if start:
-            # The checkpoint's copy holds every step up to it; --log-json may hold
-            # fewer (written after the save) or more (steps after it, dropped).
-            sources = [checkpoint / "log.json"] if checkpoint is not None else []
-            sources += [pathlib.Path(path)] if path else []
-            for source in sources:
-                with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
-                    old = json.loads(source.read_text())
-                    losses = {int(k): v for k, v in old["losses"].items() if int(k) <= start}
-                    saved = {int(k): v for k, v in old["saved_bytes"].items() if int(k) <= start}
-                    resumed = [s for s in old.get("resumed_at", []) if s < start]
-                    self.losses = {**losses, **self.losses}
-                    self.saved_bytes = {**saved, **self.saved_bytes}
-                    self.resumed_at = sorted(set(self.resumed_at) | set(resumed))
-            self.resumed_at.append(start)
+        if not start:
+            return
+        saved = _read_log(checkpoint / "log.json", start) if checkpoint is not None else None
+        given = _read_log(pathlib.Path(path), start) if path else None
+        if saved is None:
+            saved = given or ({}, {}, [])  # a checkpoint without its log: the file is all there is
+        elif given is not None and (detail := _disagreement(given, saved)):
+            print(f"torch_remat train: --log-json {path} is not the log of the run saved in "
+                  f"{checkpoint} ({detail}): it is rewritten with that checkpoint's log up to "
+                  f"step {start}, then this run's steps", flush=True)
+        self.losses, self.saved_bytes, self.resumed_at = saved
+        self.resumed_at.append(start)
 
     def data(self) -> dict:
         return {"losses": self.losses, "saved_bytes": self.saved_bytes, "world": self.world,
@@ -1152,6 +1152,33 @@ class Log:
         tmp = pathlib.Path(self.path + ".tmp")
         tmp.write_text(json.dumps(self.data()))
         tmp.replace(self.path)
+
+
+def _read_log(path: pathlib.Path, start: int) -> tuple[dict, dict, list] | None:
+    """The losses, saved bytes (by step, up to ``start``) and earlier resume points of
+    the log at ``path``; None where it is missing or cannot be read."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+        old = json.loads(path.read_text())
+        losses = {int(k): v for k, v in old["losses"].items() if int(k) <= start}
+        saved = {int(k): v for k, v in old["saved_bytes"].items() if int(k) <= start}
+        return losses, saved, sorted({int(s) for s in old.get("resumed_at", []) if int(s) < start})
+    return None
+
+
+def _disagreement(given: tuple[dict, dict, list], saved: tuple[dict, dict, list]) -> str | None:
+    """Where the log ``given`` (the file at --log-json, up to the resume step) is not
+    part of the checkpoint's log ``saved``: it may hold fewer steps and resume points
+    (written before the save), none other. None where it agrees."""
+    for (entries, own), what in zip(zip(given[:2], saved[:2]), ("loss", "saved bytes")):
+        for step in sorted(entries):
+            if step not in own:
+                return f"it holds step {step}'s {what}, which the checkpoint's log lacks"
+            if entries[step] != own[step]:
+                return f"step {step}'s {what}: {entries[step]} there, {own[step]} in the checkpoint's log"
+    extra = sorted(set(given[2]) - set(saved[2]))
+    if extra:
+        return f"it lists a resume at step {extra[0]}, which the checkpoint's log does not"
+    return None
 
 
 def finish(distributed: bool) -> None:

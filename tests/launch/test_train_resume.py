@@ -177,3 +177,71 @@ def test_rng_files_a_checkpoint_should_hold():
     # an older checkpoint, which did not record its ranks: nothing to check against
     assert train.expected_rng_files({"layers": 2}, world=2) == []
     assert train.expected_rng_files(None, world=2) == []
+
+
+# ------------------------------------------------------------------------- --log-json
+
+
+def test_a_resumed_log_takes_the_checkpoints_log_not_another_runs_file(capsys, tmp_path):
+    # Before: the entries of the file at --log-json were merged in, whatever run wrote
+    # it: another run's resume points and saved bytes joined this run's log.
+    ckpt, own = tmp_path / "ckpt", tmp_path / "own.json"
+    run(capsys, "--steps", "3", "--save-every", "3", "--checkpoint-dir", str(ckpt),
+        "--log-json", str(own))
+    saved = json.loads(own.read_text())
+    other = tmp_path / "other_run.json"
+    other.write_text(json.dumps({"losses": {"1": 9.0, "2": 9.0, "3": 9.0},
+                                 "saved_bytes": {"2": [2]}, "world": 1, "resumed_at": [2]}))
+
+    out, _ = run(capsys, "--steps", "4", "--checkpoint-dir", str(ckpt), "--log-json", str(other))
+    result = json.loads(other.read_text())
+    assert result["resumed_at"] == [3]
+    assert {k: v for k, v in result["losses"].items() if k != "4"} == saved["losses"]
+    assert {k: v for k, v in result["saved_bytes"].items() if k != "4"} == saved["saved_bytes"]
+    assert set(result["losses"]) == {"1", "2", "3", "4"}
+    assert f"--log-json {other} is not the log of the run saved in {ckpt / 'step3'}" in out, out
+
+
+def test_a_resumed_log_keeps_its_own_earlier_steps_and_drops_those_after_the_resume(capsys, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    common = ["--save-every", "3", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    run(capsys, "--steps", "5", *common)  # step3 and step5 saved, the log to step 5
+    (ckpt / "step5" / ".metadata").write_text("garbage")  # resume from step 3
+    out, _ = run(capsys, "--steps", "4", *common)
+    assert "(resumed at step 3)" in out and "is not the log" not in out, out
+    result = json.loads(log.read_text())
+    assert sorted(result["losses"], key=int) == ["1", "2", "3", "4"] and result["resumed_at"] == [3]
+
+
+def test_a_checkpoint_without_its_log_resumes_the_log_from_the_log_json_file(tmp_path):
+    # a checkpoint from before each folder held its log: the file is all there is
+    folder = tmp_path / "step2"
+    folder.mkdir()
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps({"losses": {"1": 4.0, "2": 3.5, "3": 3.0}, "saved_bytes": {"1": [100]},
+                                "world": 1, "resumed_at": []}))
+    log = train.Log(str(path), 2, 1, checkpoint=folder)
+    assert log.losses == {1: 4.0, 2: 3.5} and log.saved_bytes == {1: [100]}
+    assert log.resumed_at == [2]
+
+
+def test_a_log_json_written_before_the_save_is_this_runs_and_says_nothing(capsys, tmp_path):
+    # killed between the save of step 4 and the log's write: the file holds fewer steps
+    # and resume points than the checkpoint's log, and agrees with it on those it holds
+    folder = tmp_path / "step4"
+    folder.mkdir()
+    checkpoint_log = {"losses": {"1": 4.0, "2": 3.5, "3": 3.2, "4": 3.0},
+                      "saved_bytes": {"1": [100], "3": [100]}, "world": 2, "resumed_at": [2]}
+    (folder / "log.json").write_text(json.dumps(checkpoint_log))
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps({"losses": {"1": 4.0, "2": 3.5}, "saved_bytes": {"1": [100]},
+                                "world": 2, "resumed_at": []}))
+    log = train.Log(str(path), 4, 2, checkpoint=folder)
+    assert log.losses == {1: 4.0, 2: 3.5, 3: 3.2, 4: 3.0} and log.saved_bytes == {1: [100], 3: [100]}
+    assert log.resumed_at == [2, 4]
+    assert capsys.readouterr().out == ""
+    # one loss of its own: another run's, dropped with a line saying where it differs
+    path.write_text(json.dumps({"losses": {"1": 4.0, "2": 3.25}, "saved_bytes": {}, "world": 2}))
+    log = train.Log(str(path), 4, 2, checkpoint=folder)
+    assert log.losses == {1: 4.0, 2: 3.5, 3: 3.2, 4: 3.0}
+    assert "(step 2's loss: 3.25 there, 3.5 in the checkpoint's log)" in capsys.readouterr().out
