@@ -129,6 +129,10 @@ class RematPlan:
     base_bytes: int
     """Bytes held outside every block (embeddings, head, loss)."""
     budget_bytes: int
+    """The bytes budget: ``budget`` resolved against the bytes without remat. With
+    ``budget=None`` (only ``peak_budget`` bounds the plan) a number no plan reaches,
+    twice what the largest option of every block holds; the printed plan says "no
+    budget on the bytes after the forward" then."""
     candidates: dict[str, dict[str, str]] = field(default_factory=dict)
     """Candidate SAVE submodules (path inside the block: class name), by the first
     block of each group of identical blocks."""
