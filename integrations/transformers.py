@@ -24,6 +24,7 @@ with all three, and the region name is always the layer's qualified name.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import warnings
 import weakref
@@ -246,6 +247,33 @@ def _transformers_enable(model: Any, every_n_layers: int) -> None:
         )
 
 
+def _layer_interval(model: Any, every_n_layers: Any) -> int:
+    """``every_n_layers`` checked: an int of at least 1, and 1 where the installed
+    transformers has no such option (before version 5)."""
+    try:
+        if isinstance(every_n_layers, bool):
+            raise TypeError
+        n = operator.index(every_n_layers)
+    except TypeError:
+        raise TypeError(
+            f"enable_remat: every_n_layers must be an int (checkpoint every n-th layer), "
+            f"got {type(every_n_layers).__name__} {every_n_layers!r}."
+        ) from None
+    if n < 1:
+        raise ValueError(
+            f"enable_remat: every_n_layers must be at least 1 (1 checkpoints every "
+            f"layer), got {n}."
+        )
+    if n != 1 and getattr(model, "activation_checkpointing_enable", None) is None:
+        raise ValueError(
+            f"enable_remat: every_n_layers={n} needs transformers 5 (its "
+            "activation_checkpointing_enable takes the option); this transformers "
+            "checkpoints every layer: pass every_n_layers=1, or select layers with "
+            "torch_remat.integrations.apply_remat(model, check_fn=...)."
+        )
+    return n
+
+
 def _transformers_disable(model: Any) -> None:
     disable = getattr(model, "activation_checkpointing_disable", None)  # transformers 5
     if disable is not None:
@@ -305,18 +333,9 @@ def enable_remat(
     """
     config = remat_config(remat, "enable_remat")
     _check_supported(model)
+    every_n_layers = _layer_interval(model, every_n_layers)
     if not config.enabled:
         return []
-    if isinstance(every_n_layers, bool) or not isinstance(every_n_layers, int):
-        raise TypeError(
-            f"enable_remat: every_n_layers must be an int (checkpoint every n-th layer), "
-            f"got {type(every_n_layers).__name__} {every_n_layers!r}."
-        )
-    if every_n_layers < 1:
-        raise ValueError(
-            f"enable_remat: every_n_layers must be at least 1 (1 checkpoints every "
-            f"layer), got {every_n_layers}."
-        )
     # Checked before anything is switched on, as apply_remat checks them.
     validate_apply_options(
         config.recompute_state_hooks, config.rng_state_hooks, config.early_stop,

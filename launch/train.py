@@ -514,8 +514,9 @@ def _first_cause(error: BaseException | None, rank: int) -> str | None:
     return first_error(f"rank {rank}: {cause}" if cause is not None and rank else cause)
 
 
-def check_writable(directory: pathlib.Path, rank: int) -> None:
-    """Fail at start, not at the first save, where a rank cannot write ``directory``."""
+def check_writable(directory: pathlib.Path, rank: int, flag: str = "--checkpoint-dir") -> None:
+    """Fail at start, not at the first save (or the first dump), where a rank cannot
+    write ``directory`` (given as ``flag``)."""
     probe = directory / f".write-check.rank{rank}"
     error = None
     try:
@@ -531,7 +532,7 @@ def check_writable(directory: pathlib.Path, rank: int) -> None:
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         r, e = failed[0]
-        usage_error(f"--checkpoint-dir {directory}: cannot write there"
+        usage_error(f"{flag} {directory}: cannot write there"
                     f"{f' from rank {r}' if r else ''} ({e}); choose another directory or "
                     "make this one writable", rank)
 
@@ -625,7 +626,22 @@ def read_run_files(folder: pathlib.Path) -> dict | None:
     log = _read_json_object(folder / "log.json")
     if not all(isinstance(log.get(key), dict) for key in ("losses", "saved_bytes")):
         raise DamagedCheckpoint("log.json cannot be read (it lacks its losses or saved_bytes)")
+    for key in ("losses", "saved_bytes"):
+        for step in log[key]:
+            if not (isinstance(step, str) and step.isdigit()):
+                raise DamagedCheckpoint(f"log.json cannot be read (its {key} names a step {step!r})")
     return config
+
+
+def readable_folder(folder: pathlib.Path, world: int) -> bool:
+    """Whether a resume on ``world`` ranks would find ``folder``'s small files sound
+    (its recorded settings and log, and every rank's random generators): what pruning
+    asks of the older checkpoints it keeps, which the resume did not try."""
+    try:
+        saved = read_run_files(folder)
+        return all((folder / name).is_file() for name in expected_rng_files(saved, world))
+    except (DamagedCheckpoint, OSError):
+        return False
 
 
 def expected_rng_files(saved: dict | None, world: int) -> list[str]:
@@ -757,12 +773,14 @@ def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, k
 def prune_checkpoints(directory: pathlib.Path, step: int, keep: int, skipped: Skipped) -> None:
     """--keep-checkpoints ``keep`` after saving ``step``: keep that save and the
     ``keep`` - 1 newest older checkpoints a resume could read, and delete the other
-    older ones. A folder the resume found unreadable is not one of them (deleted if
-    older than the save, as any other not kept). A folder newer than the save is not
+    older ones. A folder the resume found unreadable, or whose small files (settings,
+    log, random generators) are damaged, is not one of them (deleted if older than
+    the save, as any other not kept). A folder newer than the save is not
     this run's: it is neither counted nor deleted (one the resume skipped as
     unreadable is replaced when the run saves its step; rank 0 says so once)."""
     older = [s for s in _step_folders(directory) if s < step]
-    readable = [s for s in older if s not in skipped.steps]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    readable = [s for s in older if s not in skipped.steps and readable_folder(directory / f"step{s}", world)]
     for old in sorted(set(older) - set(readable[: keep - 1]), reverse=True):
         shutil.rmtree(directory / f"step{old}")
     newer = sorted(s for s in skipped.steps if s > step and (directory / f"step{s}").exists())
@@ -809,7 +827,7 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
                     raise DamagedCheckpoint(
                         f"{name} is missing: the run saved there had {saved['ranks']} rank(s), "
                         "and each wrote its random generators")
-        except DamagedCheckpoint as e:
+        except (DamagedCheckpoint, OSError) as e:  # (an OSError on one rank: all skip)
             error = e
         if _agree(error is None):
             if config is not None and not check_model_config(directory, step, config, rank):
@@ -1039,7 +1057,10 @@ def main(argv=None) -> None:
     batches = Batches(text, args.seq_len, args.batch_size, args.seed, dp_rank)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ckpt_dir = pathlib.Path(args.checkpoint_dir) if args.checkpoint_dir else None
-    oom_dumps = oom.install(args.oom_dump_dir) if args.oom_dump_dir else None
+    oom_dumps = None
+    if args.oom_dump_dir:
+        check_writable(pathlib.Path(args.oom_dump_dir), rank, "--oom-dump-dir")
+        oom_dumps = oom.install(args.oom_dump_dir)
     start, skipped = 0, Skipped()
     if ckpt_dir is not None:
         check_writable(ckpt_dir, rank)

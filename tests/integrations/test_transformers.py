@@ -306,9 +306,21 @@ def test_enable_remat_checks_its_config_before_switching_anything_on(config, err
 @pytest.mark.parametrize("every, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)])
 def test_every_n_layers_is_an_int_of_at_least_one(every, error):
     model = tiny_llama()
-    with pytest.raises(error, match="enable_remat: every_n_layers must be"):
-        enable_remat(model, every_n_layers=every)
+    for config in (None, RematConfig(enabled=False)):
+        with pytest.raises(error, match="enable_remat: every_n_layers must be"):
+            enable_remat(model, every_n_layers=every, remat=config)
     assert not model.is_gradient_checkpointing
+    assert enable_remat(model, every_n_layers=__import__("numpy").int64(2)) == LAYERS[:1]
+
+
+def test_every_n_layers_without_transformers_5_is_refused_before_anything_changes(monkeypatch):
+    model = tiny_llama()
+    assert enable_remat(model) == LAYERS
+    # transformers before 5: no activation_checkpointing_enable, no every_n_layers
+    monkeypatch.setattr(type(model), "activation_checkpointing_enable", None, raising=False)
+    with pytest.raises(ValueError, match="every_n_layers=2 needs transformers 5"):
+        enable_remat(model, every_n_layers=2)
+    assert checkpoint_names(model) == LAYERS  # the earlier remat is still on
 
 
 @pytest.mark.parametrize("given", [{"rng_state_hooks": False}, True, "full"])

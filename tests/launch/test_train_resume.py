@@ -100,6 +100,29 @@ def test_keep_checkpoints_never_deletes_the_checkpoint_just_written(tmp_path):
     assert folders(tmp_path) == ["latest.json", "step6", "step8"]
 
 
+def test_keep_checkpoints_does_not_count_an_older_folder_with_damaged_run_files(capsys, tmp_path):
+    # the resume never tries the older folders; one whose small files are damaged
+    # would be no checkpoint to fall back to, so it is not one of the K kept
+    ckpt = tmp_path / "ckpt"
+    run(capsys, "--steps", "6", "--save-every", "2", "--checkpoint-dir", str(ckpt))
+    truncate(ckpt / "step4" / "model_config.json", 20)
+    out, _ = run(capsys, "--steps", "8", "--save-every", "2", "--keep-checkpoints", "3",
+                 "--checkpoint-dir", str(ckpt))
+    assert "(resumed at step 6)" in out
+    assert folders(ckpt) == ["latest.json", "step2", "step6", "step8"]
+
+
+def test_a_log_whose_steps_are_not_numbers_makes_the_folder_unreadable(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(capsys, "--steps", "6", "--save-every", "3", "--checkpoint-dir", str(ckpt))
+    log = json.loads((ckpt / "step6" / "log.json").read_text())
+    log["losses"]["six"] = log["losses"].pop("6")
+    (ckpt / "step6" / "log.json").write_text(json.dumps(log))
+    out, _ = run(capsys, "--steps", "7", "--checkpoint-dir", str(ckpt))
+    assert f"checkpoint {ckpt / 'step6'} is unreadable (log.json cannot be read (its losses names a step 'six'))" in out
+    assert "(resumed at step 3)" in out
+
+
 # -------------------------------------------------------- damaged run files of a folder
 
 
@@ -245,3 +268,19 @@ def test_a_log_json_written_before_the_save_is_this_runs_and_says_nothing(capsys
     log = train.Log(str(path), 4, 2, checkpoint=folder)
     assert log.losses == {1: 4.0, 2: 3.5, 3: 3.2, 4: 3.0}
     assert "(step 2's loss: 3.25 there, 3.5 in the checkpoint's log)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ --oom-dump-dir
+
+
+def test_an_oom_dump_dir_that_cannot_be_created_is_a_usage_error_before_training(capsys, tmp_path):
+    # (a folder below a file: mkdir fails, as for a read-only mount)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    bad = afile / "dumps"
+    out = run(capsys, "--steps", "1", "--parallel", "none", "--oom-dump-dir", str(bad), expect=2)
+    assert f"--oom-dump-dir {bad}: cannot write there" in out.err
+    assert "Traceback" not in out.err and "loss" not in out.out
+    good = tmp_path / "dumps"
+    run(capsys, "--steps", "1", "--parallel", "none", "--oom-dump-dir", str(good))
+    assert sorted(p.name for p in good.iterdir()) == []  # created, no probe left

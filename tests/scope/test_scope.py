@@ -177,6 +177,23 @@ def test_a_save_then_a_write_under_no_grad_keeps_the_value_at_the_save():
     assert torch.equal(written[1][0], cloned[1][0])
 
 
+def test_an_in_place_op_saving_an_alias_of_what_it_writes_replays_the_value_before_the_write():
+    # addcmul_ saves tensor1 (here y itself) before writing y: unlike rrelu's noise,
+    # y is the op's returned self, and the scope gives what a clone before the write
+    # gives (autograd alone refuses the program)
+    a, c = leaves((16,), (16,))
+
+    def run(clone_first):
+        with remat.gradient_checkpoint_scope():
+            y = a * 2.0
+            y.addcmul_(y.clone() if clone_first else y, c)
+        return y.sum()
+
+    assert_bitwise_equal(
+        grads([a, c], [], lambda: run(False), scope=True), grads([a, c], [], lambda: run(True), scope=True)
+    )
+
+
 def test_eval_batchnorm_replays_with_the_running_stats_of_its_forward():
     # batch norm in training mode updates running stats without a version bump: an
     # eval-mode forward in the scope, then a training-mode one before backward

@@ -144,18 +144,49 @@ def written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
+# Ops that only read running statistics (eval-mode batch norm as torch's
+# decompositions spell it): argument positions.
+_STATS_READS = {
+    "aten::_native_batch_norm_legit_no_training": (3, 4),
+    "aten::_batch_norm_no_update": (3, 4),
+}
+
+
 def unversioned_reads(func: Any, args: tuple) -> list[torch.Tensor]:
     """The running statistics a batch norm op reads in eval mode. Any batch norm in
     training mode writes them without a version bump (see ``_UNDECLARED_WRITES``), so
     a read of them is snapshotted like a write: the replay reads their value at the
     forward, even after a training-mode forward changed them."""
-    undeclared = _UNDECLARED_WRITES.get(func._schema.name)
-    if undeclared is None:
-        return []
-    training, read = undeclared
-    if len(args) > training and args[training]:
-        return []  # written: written_args snapshots them
+    name = func._schema.name
+    read = _STATS_READS.get(name)
+    if read is None:
+        undeclared = _UNDECLARED_WRITES.get(name)
+        if undeclared is None:
+            return []
+        training, read = undeclared
+        if len(args) > training and args[training]:
+            return []  # written: written_args snapshots them
     return [args[i] for i in read if i < len(args) and isinstance(args[i], torch.Tensor)]
+
+
+def unreturned_writes(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The arguments ``func`` writes without returning them (``Tensor(b!) noise`` of
+    ``rrelu_with_noise``: a buffer the op fills), unlike an in-place op's ``self``,
+    which it returns (``Tensor(a!) self -> Tensor(a!)``)."""
+    schema = func._schema
+    returned: set[str] = set()
+    for r in schema.returns:
+        if r.alias_info is not None:
+            returned |= set(r.alias_info.before_set)
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write or set(info.before_set) & returned:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
 
 
 def is_random(func: Any) -> bool:

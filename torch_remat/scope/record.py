@@ -26,6 +26,7 @@ from .ops import (
     default_generator,
     is_random,
     storage_key,
+    unreturned_writes,
     unversioned_reads,
     version_of,
     written_args,
@@ -95,24 +96,31 @@ class ScopeRecord:
             self._record_outputs(op, out, args, kwargs)
         self.ops.append(op)
         if op.writes and seq != self.seq_at_last_op:
-            self._saved_before_own_write(op, seq)
+            filled = {self.sid_by_key.get(k, self.ext_sid_by_key.get(k))
+                      for k in map(storage_key, unreturned_writes(func, args, kwargs))}
+            if filled:
+                self._saved_before_own_write(op, seq, filled)
         self.seq_at_last_op = seq
         return out
 
-    def _saved_before_own_write(self, op: Op, seq: int) -> None:
+    def _saved_before_own_write(self, op: Op, seq: int, filled: set[Any]) -> None:
         # The op's autograd node (made since the last recorded op) saved arguments
-        # before the op ran, and the op then wrote some of them (rrelu's noise, which
-        # it fills): autograd hands backward the written value, so those recipes are
-        # the storage after the op, not before it. (A save after the op before, of
-        # its output, happened at the last recorded op's sequence number and keeps
-        # its value before this op's write.)
+        # before the op ran, and the op then filled some of them (``filled``: the
+        # storages of arguments it writes and does not return, rrelu's noise):
+        # autograd hands backward the filled value, so those recipes are the storage
+        # after the op, not before it. An in-place op's own ``self`` (returned) is not
+        # one: a save of it, or of an alias of it, before the write keeps its value
+        # before the write (as a clone before the op would). A save after the op
+        # before, of its output, happened at the last recorded op's sequence number
+        # and keeps its value too. (Assumes no autograd node comes between a save and
+        # the recorded op other than that op's own: ops run in the scope are recorded.)
         for ref in reversed(self.recipes):
             r = ref()
             if r is None:
                 continue
             if r.position != op.index or r.seq != seq:
                 break
-            if r.sid in op.writes:
+            if r.sid in filled:
                 r.position = op.index + 1
 
     def _describe_arg(self, t: torch.Tensor, op: Op) -> Any:
