@@ -123,6 +123,22 @@ def test_same_tensor_twice_joins_names_and_a_view_is_marked():
     )
 
 
+def test_the_same_view_saved_twice_joins_one_row_also_when_it_is_not_the_storages_first():
+    def gram_of_view(t):
+        y = t.exp()  # saves its result y (the storage's first row)
+        v = y.t()
+        return v * v  # saves the view v twice: one row after y's
+
+    x = torch.randn(3, 2, requires_grad=True)
+    _, text = run_and_report(lambda x: remat.region(gram_of_view, "g", recompute=False)(x), x)
+    assert text == (
+        "layers.0: 24 B resident in 1 storage(s)\n"
+        "layers.0::g: 24 B\n"
+        "  24 B  saved.0           (3, 2)  float32\n"
+        "  view  saved.1, saved.2  (2, 3)  float32"
+    )
+
+
 def test_kept_inputs_and_kept_outputs_are_listed():
     def block(x):
         h = remat.region(torch.exp, "exp", recompute=False)(x)  # saves its result h

@@ -196,6 +196,7 @@ def _same_tensor(a: TensorMeta | None, b: TensorMeta | None) -> bool:
 def _region_block(checkpoint: str, group: HeldGroup, ledger: Ledger) -> RegionBlock:
     block = RegionBlock(checkpoint, group.region, [])
     here: dict[int, TensorRow] = {}  # storage key -> this block's first row on it
+    on: dict[int, list[TensorRow]] = {}  # storage key -> this block's rows on it
     for item in group.items:
         if item.parameter:
             continue
@@ -213,10 +214,14 @@ def _region_block(checkpoint: str, group: HeldGroup, ledger: Ledger) -> RegionBl
             names, output = [item.name], item.output_index
         size = sum(i.nbytes for i in infos)
         if first is not None:
-            if _same_tensor(first.meta, item.meta):
-                first.names.extend(names)
-                if first.output_index is None:
-                    first.output_index = output
+            # the same tensor saved again (also after a view of its storage): one row
+            same = next(
+                (r for i in infos for r in on.get(i.key, ()) if _same_tensor(r.meta, item.meta)), None
+            )
+            if same is not None:
+                same.names.extend(names)
+                if same.output_index is None:
+                    same.output_index = output
                 continue
             row = TensorRow("view", names, output, item.meta, 0, size, infos)
         else:
@@ -234,6 +239,8 @@ def _region_block(checkpoint: str, group: HeldGroup, ledger: Ledger) -> RegionBl
                 )
             for i in infos:
                 here.setdefault(i.key, row)
+        for i in infos:
+            on.setdefault(i.key, []).append(row)
         row.site = item.site
         row.tensor = item.tensors[0] if item.tensors else None
         block.rows.append(row)
