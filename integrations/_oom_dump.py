@@ -125,6 +125,24 @@ def requested_bytes(message: str) -> tuple[int | None, bool]:
     return None, False
 
 
+def request_matches(message: str, nbytes: Any) -> bool:
+    """Whether an allocator's message names a request of ``nbytes`` (exact bytes, as
+    the CUDA observer gets them): the size it prints, which is rounded to two
+    decimals of its unit ("Tried to allocate 2.50 GiB"), is ``nbytes`` so rounded.
+    False when the message names no size."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        return False
+    m = _CPU_REQUEST.search(message)
+    if m:
+        return int(m.group(1)) == nbytes
+    m = _ROUNDED_REQUEST.search(message)
+    if not m:
+        return False
+    unit = _UNIT_BYTES[m.group(2)]
+    # c10::format_size prints size / unit with two decimals: within half a hundredth
+    return abs(nbytes / unit - float(m.group(1))) <= 0.005 + 1e-9
+
+
 def device_of_error(message: str, fallback: str) -> str:
     if _CPU_ALLOCATOR_FAILURE.search(message):
         return "cpu"

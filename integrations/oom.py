@@ -35,7 +35,13 @@ Two ways in, because neither covers every case alone:
   fails, before raising and before anything unwinds, also in autograd's device
   threads where no guard runs; the request size is exact. The observer writes the
   dump then; the guard that catches the same error adds the exception to that file
-  instead of writing a second one.
+  instead of writing a second one. The observer also runs for requests PyTorch
+  recovers from, so the guard adds a ``torch.OutOfMemoryError`` only to the newest
+  observer dump of its block whose device and size are the ones the message names
+  ("Tried to allocate 2.00 GiB. GPU 0"); any other error gets a dump of its own.
+
+Dump numbers ``<n>`` count the dumps this process wrote into the folder, across
+:func:`install` calls, and skip names already taken, so no dump replaces another.
 
 Writing a dump never raises (a failure prints one line to stderr), takes about
 ``time_budget_s`` at most (the saved-tensors report, which scans every live object,
@@ -70,6 +76,7 @@ from ._oom_dump import (
     largest_tensors,
     new_dump,
     region_totals,
+    request_matches,
     requested_bytes,
     run_bounded,
     safe_name,
@@ -83,6 +90,12 @@ __all__ = ["install", "installed", "uninstall", "OOMDumps", "OOMGuard", "is_out_
 
 DEFAULT_MAX_DUMP_BYTES = 4 * 2**20
 DEFAULT_TIME_BUDGET_S = 10.0
+_OBSERVED_KEPT = 16
+"""Observer dumps remembered for the guard to add their exception to."""
+
+_numbers_lock = threading.Lock()
+_last_number: dict[str, int] = {}
+"""The last dump number this process used in each folder, whichever OOMDumps wrote it."""
 
 
 class OOMDumps:
@@ -118,10 +131,10 @@ class OOMDumps:
         self.step: int | None = None
         """The step of the innermost active guard; observer dumps record it."""
         self.written: list[str] = []
-        self._lock = threading.Lock()
-        self._count = 0
         self._observed = 0
-        self._last_observed: tuple[dict[str, Any], str] | None = None
+        self._recent_observed: list[list[Any]] = []
+        """[number, dump, path, id of the exception added or None] of the last
+        ``_OBSERVED_KEPT`` observer dumps."""
         self._busy = threading.local()
 
     def guard(self, step: int | None = None, *, suppress: bool = False) -> OOMGuard:
@@ -148,8 +161,9 @@ class OOMDumps:
             self._collect(dump, device_memory, started)
             path = self._write(dump)
             if path is not None:
-                self._last_observed = (dump, path)
                 self._observed += 1
+                self._recent_observed = [
+                    *self._recent_observed[-(_OBSERVED_KEPT - 1):], [self._observed, dump, path, None]]
         except BaseException as e:  # an observer must never raise
             _warn(f"the OOM observer failed ({type(e).__name__}: {e})")
         finally:
@@ -180,12 +194,12 @@ class OOMDumps:
     # -------------------------------------------------------------- internals
 
     def _on_error(self, exc: BaseException, step: int | None, observed_before: int) -> None:
-        last = self._last_observed
-        if self._observed == observed_before or last is None:
+        found = self._observer_dump_of(exc, observed_before)
+        if found is None:
             self.dump_exception(exc, step)
             return
         # The observer dumped this error when the allocation failed; add the exception.
-        dump, path = last
+        dump, path = found
         try:
             dump["error"] = error_record(exc)
             if dump.get("step") is None:
@@ -196,6 +210,30 @@ class OOMDumps:
             )
         except BaseException as e:
             _warn(f"adding the exception to {path} failed ({type(e).__name__}: {e})")
+
+    def _observer_dump_of(
+        self, exc: BaseException, observed_before: int
+    ) -> tuple[dict[str, Any], str] | None:
+        """The observer dump of the request whose failure ``exc`` reports: the newest
+        one written since the guard was entered whose device and size are the ones the
+        message names. None for anything but ``torch.OutOfMemoryError``, and for a
+        message that names no size."""
+        if not isinstance(exc, torch.OutOfMemoryError):
+            return None
+        message = str(exc)
+        device = device_of_error(message, "")
+        for entry in reversed(self._recent_observed):
+            number, dump, path, added = entry
+            if number <= observed_before:
+                break
+            if added is not None and added != id(exc):
+                continue  # another exception was added to this one
+            if device and dump.get("device") != device:
+                continue
+            if request_matches(message, dump.get("requested_bytes")):
+                entry[3] = id(exc)  # an outer guard catching the same exception finds it again
+                return dump, path
+        return None
 
     def _new_dump(self, source: str, device: str, step: int | None) -> dict[str, Any]:
         rank, world_size = self._rank_and_world()
@@ -233,13 +271,12 @@ class OOMDumps:
         dump["build_seconds"] = round(time.monotonic() - started, 6)
 
     def _write(self, dump: dict[str, Any]) -> str | None:
-        with self._lock:
-            self._count += 1
-            count = self._count
-        name = f"oom_{safe_name(dump['job_id'])}_rank{dump['rank']}_{dump['pid']}_{count}.json"
+        prefix = f"oom_{safe_name(dump['job_id'])}_rank{dump['rank']}_{dump['pid']}_"
+        name = f"{prefix}<n>.json"
         try:
             payload = encode_bounded(dump, self.max_dump_bytes)
             os.makedirs(self.dump_dir, exist_ok=True)
+            name = _unused_name(self.dump_dir, prefix)
             path = write_atomically(self.dump_dir, name, payload)
         except BaseException as e:
             _warn(f"could not write the OOM dump {name} to {self.dump_dir} ({type(e).__name__}: {e})")
@@ -345,6 +382,18 @@ def _observe_installed(device: int, alloc: int, device_alloc: int, device_free: 
     dumps = _installed
     if dumps is not None:
         dumps.observe(device, alloc, device_alloc, device_free)
+
+
+def _unused_name(folder: str, prefix: str) -> str:
+    """``<prefix><n>.json`` with ``n`` the next number this process uses in ``folder``
+    (shared by every :class:`OOMDumps` writing there), past names already taken (a
+    restarted worker may have the pid of an earlier one)."""
+    with _numbers_lock:
+        n = _last_number.get(folder, 0) + 1
+        while os.path.lexists(os.path.join(folder, f"{prefix}{n}.json")):
+            n += 1
+        _last_number[folder] = n
+    return f"{prefix}{n}.json"
 
 
 def _location(active: remat_diagnostics.ActiveCheckpoint | None) -> dict[str, Any] | None:

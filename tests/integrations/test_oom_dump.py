@@ -249,6 +249,65 @@ def test_the_guard_adds_the_exception_to_the_observer_dump_instead_of_writing_a_
     assert dump["location"]["region"] == "attn"
 
 
+def test_an_error_the_observer_did_not_see_gets_its_own_dump_not_an_earlier_observer_dump(tmp_path):
+    # The observer runs for every failed CUDA request, also ones torch recovers from;
+    # a later, different out-of-memory error in the same guarded step is not that one.
+    dumps = oom.install(tmp_path, cuda_observer=False)
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
+        with dumps.guard(step=3):
+            dumps.observe(0, 2**20, 80 * 2**30, 2**30)  # recovered: no exception follows
+            remat.checkpoint(region_name="oomtest.layers.9")(two_region_block(impossible_allocation))(
+                torch.randn(4, 8))
+    observed, caught = (read(p) for p in dumps.written)
+    assert (observed["source"], observed["device"], observed["requested_bytes"], observed["error"]) == (
+        "cuda_observer", "cuda:0", 2**20, None)
+    assert (caught["source"], caught["device"], caught["requested_bytes"], caught["step"]) == (
+        "exception", "cpu", CPU_REQUEST, 3)
+    assert caught["location"] == {"checkpoint": "oomtest.layers.9", "phase": "forward", "region": "attn"}
+    assert caught["error"]["type"] == "RuntimeError"
+
+
+@pytest.mark.parametrize("device, alloc, matches", [
+    (0, 3 * 2**30 + 12345, True),   # the message rounds the request to two decimals
+    (0, 2**20, False),              # another request
+    (1, 3 * 2**30, False),          # another device
+])
+def test_a_cuda_error_is_added_only_to_the_observer_dump_of_the_same_request(
+    tmp_path, device, alloc, matches
+):
+    # observer calls made by hand, as the allocator makes them (no GPU needed)
+    dumps = oom.install(tmp_path, cuda_observer=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        with dumps.guard(step=4):
+            dumps.observe(0, 5 * 2**20, 80 * 2**30, 2**30)  # an earlier, recovered request
+            dumps.observe(device, alloc, 80 * 2**30, 2**30)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a "
+                                         "total capacity of 79.15 GiB of which 1.00 GiB is free.")
+    written = [read(p) for p in dumps.written]
+    assert [d["error"] is None for d in written] == ([True, False] if matches else [True, True, False])
+    assert written[-1]["error"]["type"] == "OutOfMemoryError"
+    assert (written[-1]["source"], written[-1]["device"]) == (
+        ("cuda_observer", "cuda:0") if matches else ("exception", "cuda:0"))
+    assert written[-1]["requested_bytes"] == (alloc if matches else 3 * 2**30)
+
+
+def test_installing_twice_into_one_folder_keeps_every_dump(tmp_path):
+    first = oom.install(tmp_path, job_id="job").dump_exception(torch.OutOfMemoryError("first"))
+    second = oom.install(tmp_path, job_id="job").dump_exception(torch.OutOfMemoryError("second"))
+    assert first != second
+    assert [read(p)["error"]["message"] for p in (first, second)] == ["first", "second"]
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in (first, second))
+
+
+def test_a_dump_name_already_in_the_folder_is_not_overwritten(tmp_path):
+    # e.g. a restarted worker whose pid is that of the previous attempt's worker
+    taken = tmp_path / f"oom_job_rank0_{os.getpid()}_1.json"
+    taken.write_text("earlier dump")
+    path = oom.install(tmp_path, job_id="job").dump_exception(torch.OutOfMemoryError("x"))
+    assert os.path.basename(path) == f"oom_job_rank0_{os.getpid()}_2.json"
+    assert taken.read_text() == "earlier dump"
+
+
 def test_install_attaches_the_observer_once_through_torch_and_it_writes_to_the_latest_folder(
     tmp_path, fake_cuda, monkeypatch
 ):
