@@ -5,7 +5,9 @@
 ``torch.load``), keeps dumps of different jobs apart by their job id, and prints per
 job which ranks ran out first, the bytes each checkpoint region held across those
 ranks (min / max / which rank), and the largest tensors with their allocation sites.
-Files it cannot use (corrupt, cut off, half-written, not a dump, from a newer
+A region that a rank's dump left out to stay within its size bound is unknown on
+that rank: it is named in the row and counts in neither its min nor its max. Files it
+cannot use (corrupt, cut off, half-written, malformed, not a dump, from a newer
 version) are listed with the reason and skipped.
 """
 
@@ -22,14 +24,49 @@ from typing import Any
 from torch_remat._integration import format_bytes
 
 from ._oom_read import RankDump, SkippedFile, is_int, read_dumps
-from ._rank_groups import rank_label, rank_ranges
-from .reports import CheckpointAcrossRanks
+from ._rank_groups import rank_label, span_ranges
 
 NO_JOB = "(no job id)"
 ORDER_ROWS = 10
 """Dumps listed one per row; the rest are counted by step and place."""
 NOTE_ROWS = 5
 SKIPPED_ROWS = 20
+
+
+@dataclass
+class RegionAcrossDumps:
+    """One region over the ranks of a job (their first dumps): bytes and calls per
+    rank, None where the rank's dump left the region out to stay within its size
+    bound (unknown there, not 0). ``min_bytes`` / ``max_bytes`` are over the ranks
+    whose bytes are known."""
+
+    name: str
+    bytes_per_rank: list[int | None]
+    calls_per_rank: list[int | None]
+
+    @property
+    def known(self) -> list[int]:
+        return [b for b in self.bytes_per_rank if b is not None]
+
+    @property
+    def min_bytes(self) -> int:
+        return min(self.known)
+
+    @property
+    def max_bytes(self) -> int:
+        return max(self.known)
+
+    @property
+    def min_index(self) -> int:
+        return self.bytes_per_rank.index(self.min_bytes)
+
+    @property
+    def max_index(self) -> int:
+        return self.bytes_per_rank.index(self.max_bytes)
+
+    @property
+    def left_out_indexes(self) -> list[int]:
+        return [i for i, b in enumerate(self.bytes_per_rank) if b is None]
 
 
 @dataclass
@@ -57,24 +94,39 @@ class JobOOMReport:
         sizes = [d.data.get("world_size") for d in self.dumps if is_int(d.data.get("world_size"))]
         return max(sizes) if sizes else None
 
-    @property
-    def ranks_without_dump(self) -> list[int]:
+    def missing_spans(self) -> list[tuple[int, int]]:
+        """The ranks of ``world_size`` without a dump, as ``(first, last)`` spans,
+        found from the ranks with one (never by walking every rank)."""
         if self.world_size is None:
             return []
-        dumped = {d.rank for d in self.dumps}
-        return [r for r in range(self.world_size) if r not in dumped]
+        spans, start = [], 0
+        for rank in sorted({d.rank for d in self.dumps}):
+            if rank > start:
+                spans.append((start, rank - 1))
+            start = rank + 1
+        if start < self.world_size:
+            spans.append((start, self.world_size - 1))
+        return spans
 
-    def regions(self) -> tuple[list[int], list[CheckpointAcrossRanks]]:
-        """Bytes per region over the ranks whose first dump has a report."""
+    @property
+    def ranks_without_dump(self) -> list[int]:
+        # world_size is at most _oom_read.MAX_WORLD_SIZE: the read skips larger ones
+        return [r for first, last in self.missing_spans() for r in range(first, last + 1)]
+
+    def regions(self) -> tuple[list[int], list[RegionAcrossDumps]]:
+        """Bytes per region over the ranks whose first dump has a report; None for a
+        region a rank's dump left out (``regions_left_out``): unknown there."""
         with_report = [d for d in self.first_per_rank if d.data.get("regions")]
         ranks = [d.rank for d in with_report]
         per_rank = [{r["name"]: r for r in d.data["regions"]} for d in with_report]
+        absent = [None if isinstance(d.data.get("regions_left_out"), dict) else 0 for d in with_report]
         names = list(dict.fromkeys(name for held in per_rank for name in held))
         regions = [
-            CheckpointAcrossRanks(
+            RegionAcrossDumps(
                 name,
-                [int(held[name]["bytes"]) if name in held else 0 for held in per_rank],
-                [int(held[name].get("calls", 0)) if name in held else 0 for held in per_rank],
+                [held[name]["bytes"] if name in held else none for held, none in zip(per_rank, absent)],
+                [held[name].get("calls") or 0 if name in held else none
+                 for held, none in zip(per_rank, absent)],
             )
             for name in names
         ]
@@ -101,13 +153,14 @@ class JobOOMReport:
                 without.setdefault(why, []).append(d.rank)
             left = d.data.get("regions_left_out")
             if isinstance(left, dict):
-                trimmed.append((d.rank, left.get("count", 0), int(left.get("bytes", 0))))
+                trimmed.append((d.rank, left["count"], left["bytes"]))
         for why, ranks in without.items():
             whose = f"{rank_label(ranks)}'s dump has" if len(ranks) == 1 else f"the dumps of {rank_label(ranks)} have"
             notes.append(f"{whose} no saved-tensors report ({why})")
         for rank, count, nbytes in trimmed[:NOTE_ROWS]:
             notes.append(f"rank {rank}'s dump left out {count} smaller regions "
-                         f"({format_bytes(nbytes)}) to stay within its size bound")
+                         f"({format_bytes(nbytes)}) to stay within its size bound; the regions "
+                         f"it does not list are unknown on rank {rank} and not in their min / max")
         if len(trimmed) > NOTE_ROWS:
             notes.append(f"{len(trimmed) - NOTE_ROWS} more dumps left out smaller regions (--json: regions_left_out)")
         later = len(self.dumps) - len(self.first_per_rank)
@@ -121,9 +174,9 @@ class JobOOMReport:
         ranks_out = len(self.first_per_rank)
         total = f" of {self.world_size}" if self.world_size is not None else ""
         head = f"{name}: {ranks_out}{total} rank(s) ran out of memory"
-        missing = self.ranks_without_dump
+        missing = self.missing_spans()
         if missing:
-            head += f"; no dump from rank(s) {rank_ranges(missing)}"
+            head += f"; no dump from rank(s) {span_ranges(missing)}"
         lines = [head, "", "ran out of memory, earliest first:", *self._order_lines()]
         lines += ["", f"first: rank {first.rank} ({first.data.get('host')}, "
                       f"{os.path.basename(first.path)})", f"  {first.error_line()}"]
@@ -160,18 +213,26 @@ class JobOOMReport:
         if not regions:
             return []
         rows = [["region", "min", "on", "max", "on"]]
+        any_left_out = any(r.left_out_indexes for r in regions)
+        if any_left_out:
+            rows[0].append("not in the dump of")
         for r in regions:
             low = [rank for rank, b in zip(ranks, r.bytes_per_rank) if b == r.min_bytes]
             high = [rank for rank, b in zip(ranks, r.bytes_per_rank) if b == r.max_bytes]
-            if len(ranks) > 1 and r.min_bytes == r.max_bytes:
+            left_out = [ranks[i] for i in r.left_out_indexes]
+            if len(ranks) > 1 and r.min_bytes == r.max_bytes and not left_out:
                 on_low = on_high = "all ranks"
             else:
                 on_low, on_high = rank_label(low, limit=2), rank_label(high, limit=2)
             rows.append([r.name, format_bytes(r.min_bytes), on_low,
                          format_bytes(r.max_bytes), on_high])
+            if any_left_out:
+                rows[-1].append(f"{rank_label(left_out, limit=2)} (left out)" if left_out else "")
         return ["", "saved for backward when each rank ran out (its first dump):", *_table(rows, right={1, 3})]
 
     def _tensor_lines(self) -> list[str]:
+        if self.top == 0:
+            return ["", "largest tensors: left out (--top 0)"]
         tensors = self.largest_tensors()
         if not tensors:
             return []
@@ -199,9 +260,10 @@ class JobOOMReport:
                     "bytes_per_rank": r.bytes_per_rank,
                     "calls_per_rank": r.calls_per_rank,
                     "min": r.min_bytes,
-                    "min_rank": ranks[_min_index(r)],
+                    "min_rank": ranks[r.min_index],
                     "max": r.max_bytes,
-                    "max_rank": ranks[r.max_rank_index],
+                    "max_rank": ranks[r.max_index],
+                    "ranks_left_out": [ranks[i] for i in r.left_out_indexes],
                 }
                 for r in regions
             ],
@@ -217,13 +279,24 @@ class OOMMerge:
     folder: str
     jobs: list[JobOOMReport]
     skipped: list[SkippedFile]
+    selected: str | None = None
+    """The job asked for (``--job``), or None for all."""
+    others: dict[str | None, int] = field(default_factory=dict)
+    """Dumps per job of the folder's other jobs, when one job was asked for."""
 
     def format(self) -> str:
         dumps = sum(len(j.dumps) for j in self.jobs)
-        lines = [f"torch_remat OOM dumps in {self.folder}: {dumps} dump(s) of {len(self.jobs)} "
-                 f"job(s), {len(self.skipped)} file(s) skipped"]
+        skipped = f"{len(self.skipped)} file(s) skipped"
+        if not self.jobs and self.others:
+            head = (f"no dump of {job_names([self.selected])}; the folder holds "
+                    f"{sum(self.others.values())} dump(s) of {job_names(list(self.others))}")
+        else:
+            head = f"{dumps} dump(s) of {len(self.jobs)} job(s)"
+        lines = [f"torch_remat OOM dumps in {self.folder}: {head}, {skipped}"]
         if len(self.jobs) > 1:
-            lines.append("dumps of different jobs are shown apart; --job ID shows one")
+            without = any(j.job_id in (None, "") for j in self.jobs)
+            lines.append("dumps of different jobs are shown apart; --job ID shows one"
+                         + ("; --job '' shows those without a job id" if without else ""))
         for job in self.jobs:
             lines += ["", job.format()]
         if self.skipped:
@@ -252,21 +325,28 @@ class OOMMerge:
 
 
 def merge_dumps(folder: str, job_id: str | None = None, *, top: int = 10) -> OOMMerge:
-    """Read ``folder`` and group its dumps by job (all jobs, or only ``job_id``),
-    jobs in the order their first rank ran out."""
+    """Read ``folder`` and group its dumps by job (all jobs, or only ``job_id``; ``""``
+    selects the dumps without a job id), jobs in the order their first rank ran out."""
     dumps, skipped = read_dumps(folder)
     by_job: dict[str | None, list[RankDump]] = {}
     for d in dumps:
         by_job.setdefault(d.job_id, []).append(d)
+    others: dict[str | None, int] = {}
     if job_id is not None:
-        by_job = {k: v for k, v in by_job.items() if k == job_id}
+        wanted = (None, "") if job_id == "" else (job_id,)
+        others = {k: len(v) for k, v in by_job.items() if k not in wanted}
+        by_job = {k: v for k, v in by_job.items() if k in wanted}
     jobs = [JobOOMReport(k, v, top) for k, v in by_job.items()]
     jobs.sort(key=lambda j: j.dumps[0].time)
-    return OOMMerge(os.path.abspath(folder), jobs, skipped)
+    return OOMMerge(os.path.abspath(folder), jobs, skipped, job_id, others)
 
 
-def _min_index(region: CheckpointAcrossRanks) -> int:
-    return region.bytes_per_rank.index(region.min_bytes)
+def job_names(job_ids: list[str | None]) -> str:
+    """``"job 'a'"``, ``"jobs 'a', 'b' and (no job id)"``."""
+    quoted = [f"'{j}'" for j in job_ids if j] + ([NO_JOB] if any(not j for j in job_ids) else [])
+    named = sum(1 for j in job_ids if j)
+    prefix = "" if named == 0 else "job " if named == 1 else "jobs "
+    return prefix + (quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1])
 
 
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
@@ -299,11 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("dir", help="the folder given to oom.install (or --oom-dump-dir)")
     parser.add_argument("--json", action="store_true", help="print the merge as JSON")
-    parser.add_argument("--job", help="only this job id (TORCHELASTIC_RUN_ID)")
-    parser.add_argument("--top", type=int, default=10, help="largest tensors to list (default 10)")
+    parser.add_argument("--job", help="only this job id (TORCHELASTIC_RUN_ID); '' for the dumps "
+                        "without a job id")
+    parser.add_argument("--top", type=_top, default=10,
+                        help="largest tensors to list (default 10; 0 leaves the table out)")
     parser.add_argument("--show", type=int, metavar="RANK",
-                        help="also print this rank's full saved-tensors report and allocator statistics")
+                        help="also print this rank's full saved-tensors report and allocator "
+                        "statistics (text only: not with --json)")
     args = parser.parse_args(argv)
+    if args.json and args.show is not None:
+        parser.error("--show prints one rank's text report and cannot be combined with --json; "
+                     "run it without --json (the JSON has every rank's summary)")
     if not os.path.isdir(args.dir):
         print(f"torch-remat-oom: {args.dir} is not a folder", file=sys.stderr)
         return 2
@@ -321,6 +407,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not merge.jobs:
         which = f" of job '{args.job}'" if args.job is not None else ""
-        print(f"torch-remat-oom: no usable OOM dump{which} in {args.dir}", file=sys.stderr)
+        message = f"torch-remat-oom: no usable OOM dump{which} in {args.dir}"
+        if merge.others:
+            message += (f"; it holds dumps of {job_names(list(merge.others))}: pass one of them "
+                        "to --job")
+            if any(not j for j in merge.others):
+                message += " (--job '' for dumps without a job id)"
+        print(message, file=sys.stderr)
         return 1
     return 0
+
+
+def _top(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 or more (0 leaves the largest tensors out), got {n}")
+    return n

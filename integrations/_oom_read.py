@@ -21,6 +21,8 @@ from torch_remat._integration import format_bytes
 from ._oom_dump import FORMAT, VERSION
 
 READ_LIMIT_BYTES = 64 * 2**20
+MAX_WORLD_SIZE = 2**20
+"""The largest ``world_size`` a dump may name; a larger one is taken for a damaged file."""
 DETAIL_FIELDS = ("saved_tensors", "saved_tensors_text")
 """Dropped from a dump once it is read; :meth:`RankDump.detail` reads them again."""
 
@@ -154,7 +156,11 @@ def _load(path: str) -> tuple[Any, str | None]:
 
 
 def _invalid(data: Any) -> str | None:
-    """Why ``data`` is not a usable dump, or None."""
+    """Why ``data`` is not a usable dump, or None.
+
+    Every field the merge reads is checked here, so that the merge, its text and its
+    JSON never meet a value of the wrong type: a damaged or hand-edited file is
+    skipped with the reason instead of stopping the merge of the others."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return f'not a torch_remat OOM dump (no "format": "{FORMAT}")'
     version = data.get("version")
@@ -169,13 +175,84 @@ def _invalid(data: Any) -> str | None:
         return "malformed dump: time is not a number"
     if data.get("job_id") is not None and not isinstance(data["job_id"], str):
         return "malformed dump: job_id is not a string"
+    world_size = data.get("world_size")
+    if world_size is not None:
+        if not is_int(world_size):
+            return "malformed dump: world_size is not an integer"
+        if world_size <= data["rank"]:
+            return f"malformed dump: world_size {world_size} does not include its rank {data['rank']}"
+        if world_size > MAX_WORLD_SIZE:
+            return (f"malformed dump: world_size {world_size} is more ranks than the merge accepts "
+                    f"(at most {MAX_WORLD_SIZE})")
+    step = data.get("step")
+    if step is not None and not (is_int(step) or isinstance(step, str)):
+        return "malformed dump: step is not an integer or a string"
+    if data.get("attempt") is not None and not is_int(data["attempt"]):
+        return "malformed dump: attempt is not an integer"
+    if not _count_or_none(data.get("requested_bytes")):
+        return "malformed dump: requested_bytes is not a non-negative integer"
+    for key in ("host", "device", "time_utc", "site", "source"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            return f"malformed dump: {key} is not a string"
+    error = data.get("error")
+    if error is not None and not (
+        isinstance(error, dict) and isinstance(error.get("type"), str)
+        and isinstance(error.get("message", ""), str)
+    ):
+        return "malformed dump: error is not {type, message}"
+    location = data.get("location")
+    if location is not None and not (
+        isinstance(location, dict) and isinstance(location.get("checkpoint"), str)
+        and isinstance(location.get("phase"), str) and _str_or_none(location.get("region"))
+    ):
+        return "malformed dump: location is not {checkpoint, phase, region}"
+    for key, kind, name in (("allocator", dict, "an object"), ("errors", list, "a list"),
+                            ("largest_tensors", list, "a list")):
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            return f"malformed dump: {key} is not {name}"
     regions = data.get("regions") or []
     if not isinstance(regions, list) or not all(
-        isinstance(r, dict) and isinstance(r.get("name"), str) and is_int(r.get("bytes"))
+        isinstance(r, dict) and isinstance(r.get("name"), str) and _count(r.get("bytes"))
         for r in regions
     ):
         return "malformed dump: regions is not a list of {name, bytes}"
+    for i, r in enumerate(regions):
+        if not _count_or_none(r.get("calls")):
+            return f"malformed dump: regions[{i}].calls is not a non-negative integer"
+    left = data.get("regions_left_out")
+    if left is not None and not (
+        isinstance(left, dict) and _count(left.get("count")) and _count(left.get("bytes"))
+    ):
+        return "malformed dump: regions_left_out is not {count, bytes} (non-negative integers)"
+    return _invalid_tensors(data.get("largest_tensors") or [])
+
+
+def _invalid_tensors(rows: list[Any]) -> str | None:
+    for i, row in enumerate(rows):
+        where = f"largest_tensors[{i}]"
+        if not isinstance(row, dict):
+            return f"malformed dump: {where} is not an object"
+        if not _count(row.get("bytes")):
+            return f"malformed dump: {where}.bytes is not a non-negative integer"
+        shape = row.get("shape")
+        if shape is not None and not isinstance(shape, list):
+            return f"malformed dump: {where}.shape is not a list"
+        for key in ("region", "tensor", "dtype", "site"):
+            if not _str_or_none(row.get(key)):
+                return f"malformed dump: {where}.{key} is not a string"
     return None
+
+
+def _count(x: Any) -> bool:
+    return is_int(x) and x >= 0
+
+
+def _count_or_none(x: Any) -> bool:
+    return x is None or _count(x)
+
+
+def _str_or_none(x: Any) -> bool:
+    return x is None or isinstance(x, str)
 
 
 def is_int(x: Any) -> bool:

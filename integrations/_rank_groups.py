@@ -23,6 +23,12 @@ def rank_ranges(ranks: Sequence[int], limit: int = 4) -> str:
             spans[-1][1] = r
         else:
             spans.append([r, r])
+    return span_ranges(spans, limit)
+
+
+def span_ranges(spans: Sequence[Sequence[int]], limit: int = 4) -> str:
+    """:func:`rank_ranges` of sorted, disjoint ``[first, last]`` spans: ``[[0, 2], [5, 5]]``
+    -> ``"0-2, 5"``."""
     text = [str(a) if a == b else f"{a}-{b}" for a, b in spans]
     if len(text) > limit:
         text = text[:limit] + [f"... (+{len(text) - limit} ranges)"]

@@ -408,7 +408,7 @@ def _warn(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m torch_remat.integrations.oom DIR [--json] [--job ID] [--rank R]``."""
+    """``python -m torch_remat.integrations.oom DIR [--json] [--job ID] [--top N] [--show R]``."""
     from ._oom_merge import main as merge_main
 
     return merge_main(argv)

@@ -104,7 +104,7 @@ def test_json_output_has_the_same_view_for_machines(cluster, capsys):
     assert job["ran_out"][1]["location"] == {"checkpoint": "layers.0", "phase": "recompute", "region": "mlp"}
     assert job["regions"][0] == {
         "name": "layers.0", "ranks": [2, 1], "bytes_per_rank": [8192, 4096], "calls_per_rank": [1, 1],
-        "min": 4096, "min_rank": 1, "max": 8192, "max_rank": 2}
+        "min": 4096, "min_rank": 1, "max": 8192, "max_rank": 2, "ranks_left_out": []}
     assert [(t["bytes"], t["rank"], t["site"]) for t in job["largest_tensors"]][:2] == [
         (4096, 2, "model.py:41 attention"), (2048, 1, "model.py:41 attention")]
     assert out["skipped"] == []
@@ -264,3 +264,127 @@ def test_merge_of_64_dumps_lists_ten_and_groups_every_dump_by_step_and_place(tmp
     ]
     assert len(lines) < 40
     assert len(merge.to_dict()["jobs"][0]["ran_out"]) == 64
+
+
+def test_a_region_a_trimmed_dump_left_out_is_unknown_on_that_rank_not_zero(tmp_path, capsys):
+    # rank 0's dump was trimmed to its size bound: layers.32 (32 B) is in its
+    # regions_left_out, so rank 0's bytes there are unknown, not 0
+    write(tmp_path, "oom_job-a_rank0_100_1.json", dump(
+        0, 0.0, regions=[("layers.0", 8192), ("(outside regions)", 16)],
+        regions_left_out={"count": 1, "bytes": 32}))
+    write(tmp_path, "oom_job-a_rank1_101_1.json", dump(
+        1, 0.5, regions=[("layers.0", 4096), ("layers.32", 32), ("(outside regions)", 16)]))
+    text = _oom_merge.merge_dumps(str(tmp_path)).format()
+    table = text[text.index("saved for backward"):].splitlines()[1:5]
+    assert table == [
+        "  region                  min  on              max  on         not in the dump of",
+        "  layers.0           4.00 KiB  rank 1     8.00 KiB  rank 0",
+        "  (outside regions)      16 B  all ranks      16 B  all ranks",
+        "  layers.32              32 B  rank 1         32 B  rank 1     rank 0 (left out)",
+    ]
+    assert ("rank 0's dump left out 1 smaller regions (32 B) to stay within its size bound; "
+            "the regions it does not list are unknown on rank 0 and not in their min / max") in text
+    assert oom.main([str(tmp_path), "--json"]) == 0
+    regions = {r["name"]: r for r in json.loads(capsys.readouterr().out)["jobs"][0]["regions"]}
+    assert regions["layers.32"] == {
+        "name": "layers.32", "ranks": [0, 1], "bytes_per_rank": [None, 32], "calls_per_rank": [None, 1],
+        "min": 32, "min_rank": 1, "max": 32, "max_rank": 1, "ranks_left_out": [0]}
+    assert regions["layers.0"]["ranks_left_out"] == []
+    assert (regions["layers.0"]["min_rank"], regions["layers.0"]["max_rank"]) == (1, 0)
+
+
+MALFORMED = {
+    "calls_not_an_int": (lambda d: d["regions"][0].update(calls="x"),
+                         "malformed dump: regions[0].calls is not a non-negative integer"),
+    "left_out_bytes_not_an_int": (lambda d: d.update(regions_left_out={"count": 1, "bytes": "x"}),
+                                  "malformed dump: regions_left_out is not {count, bytes} "
+                                  "(non-negative integers)"),
+    "shape_not_a_list": (lambda d: d["largest_tensors"][0].update(shape=5),
+                         "malformed dump: largest_tensors[0].shape is not a list"),
+    "largest_tensors_not_a_list": (lambda d: d.update(largest_tensors=5),
+                                   "malformed dump: largest_tensors is not a list"),
+    "tensor_bytes_negative": (lambda d: d["largest_tensors"][0].update(bytes=-5),
+                              "malformed dump: largest_tensors[0].bytes is not a non-negative integer"),
+    "errors_not_a_list": (lambda d: d.update(errors=5), "malformed dump: errors is not a list"),
+    "step_not_an_int": (lambda d: d.update(step=[1]), "malformed dump: step is not an integer or a string"),
+    "location_not_an_object": (lambda d: d.update(location="blocks.1"),
+                               "malformed dump: location is not {checkpoint, phase, region}"),
+    "error_not_an_object": (lambda d: d.update(error="boom"),
+                            "malformed dump: error is not {type, message}"),
+    "requested_bytes_negative": (lambda d: d.update(requested_bytes=-1),
+                                 "malformed dump: requested_bytes is not a non-negative integer"),
+    "allocator_not_an_object": (lambda d: d.update(allocator=[1]),
+                                "malformed dump: allocator is not an object"),
+    "world_size_not_an_int": (lambda d: d.update(world_size="4"),
+                              "malformed dump: world_size is not an integer"),
+    "world_size_below_rank": (lambda d: d.update(world_size=1),
+                              "malformed dump: world_size 1 does not include its rank 1"),
+    "world_size_absurd": (lambda d: d.update(world_size=10**12),
+                          "malformed dump: world_size 1000000000000 is more ranks than the "
+                          "merge accepts (at most 1048576)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_a_malformed_dump_is_skipped_with_the_reason_and_the_others_merged(tmp_path, capsys, name):
+    change, reason = MALFORMED[name]
+    write(tmp_path, "oom_job-a_rank0_100_1.json", dump(
+        0, 0.0, regions=[("layers.0", 64)], tensors=[(64, "layers.0::attn", "saved.0", None)]))
+    bad = dump(1, 0.5, regions=[("layers.0", 64)], tensors=[(64, "layers.0::attn", "saved.0", None)])
+    change(bad)
+    write(tmp_path, "oom_job-a_rank1_101_1.json", bad)
+    assert oom.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 dump(s) of 1 job(s), 1 file(s) skipped" in out
+    assert out.endswith(f"\nskipped:\n  oom_job-a_rank1_101_1.json: {reason}\n")
+    assert oom.main([str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == [
+        {"file": "oom_job-a_rank1_101_1.json", "reason": reason}]
+
+
+def test_ranks_without_a_dump_are_listed_as_ranges_at_the_largest_world_size(tmp_path):
+    # a larger world_size is refused as malformed (see MALFORMED["world_size_absurd"])
+    write(tmp_path, "a.json", dump(5, 0.0, world_size=2**20))
+    write(tmp_path, "b.json", dump(9, 0.1, world_size=2**20))
+    job = _oom_merge.merge_dumps(str(tmp_path)).jobs[0]
+    assert len(job.ranks_without_dump) == 2**20 - 2
+    assert job.format().splitlines()[0] == (
+        "job 'job-a': 2 of 1048576 rank(s) ran out of memory; "
+        "no dump from rank(s) 0-4, 6-8, 10-1048575")
+
+
+def test_top_must_not_be_negative_and_zero_leaves_the_tensors_out(cluster, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        oom.main([str(cluster), "--top", "-3"])
+    assert exit_.value.code == 2
+    assert "argument --top: must be 0 or more (0 leaves the largest tensors out), got -3" in (
+        capsys.readouterr().err)
+    assert oom.main([str(cluster), "--top", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "largest tensors held for backward" not in out
+    assert "largest tensors: left out (--top 0)" in out
+
+
+def test_show_with_json_is_refused_with_a_message(cluster, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        oom.main([str(cluster), "--json", "--show", "1"])
+    assert exit_.value.code == 2
+    assert ("--show prints one rank's text report and cannot be combined with --json; "
+            "run it without --json") in capsys.readouterr().err
+
+
+def test_job_empty_selects_the_dumps_without_a_job_id_and_an_unknown_job_names_the_others(
+    cluster, capsys
+):
+    write(cluster, "oom_nojob_rank0_300_1.json", dump(0, 30.0, job=None, world_size=None))
+    assert oom.main([str(cluster), "--job", "", "--json"]) == 0
+    [job] = json.loads(capsys.readouterr().out)["jobs"]
+    assert (job["job_id"], job["ranks_with_dump"]) == (None, [0])
+    assert oom.main([str(cluster), "--job", "nope"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == (
+        f"torch_remat OOM dumps in {cluster}: no dump of job 'nope'; the folder holds 3 dump(s) "
+        "of job 'job-a' and (no job id), 0 file(s) skipped")
+    assert captured.err == (
+        f"torch-remat-oom: no usable OOM dump of job 'nope' in {cluster}; it holds dumps of job "
+        "'job-a' and (no job id): pass one of them to --job (--job '' for dumps without a job id)\n")
