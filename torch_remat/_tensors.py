@@ -106,3 +106,22 @@ CONSTANT_TYPES = (
     torch.memory_format,
     torch.layout,
 )
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Order-sensitive checksum of a tensor's bits: (sum, position-weighted sum)."""
+    with torch.no_grad():
+        x = t.detach()
+        if hasattr(x, "to_local"):  # a DTensor: this rank's shard is what it replays
+            x = x.to_local()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        if x.dtype == torch.bool:
+            x = x.to(torch.uint8)
+        x = x.contiguous().reshape(-1)
+        bits = x.view(_INT_OF_SIZE[x.element_size()]).to(torch.int64)
+        pos = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+        return int(bits.sum()), int((bits * pos).sum())

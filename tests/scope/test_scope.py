@@ -218,6 +218,79 @@ def test_eval_batchnorm_replays_with_the_running_stats_of_its_forward():
     assert torch.equal(results[True][1], results[False][1])
 
 
+def _weight_noise_then(change):
+    # the weight-noise example: the scope reads w, autograd saves only wn (a recipe);
+    # ``change(w)`` runs between the forward and backward
+    torch.manual_seed(0)
+    w, x = leaves((5, 5), (3, 5))
+    with remat.gradient_checkpoint_scope():
+        wn = w + 0.01 * torch.randn_like(w)
+    loss = (x @ wn).sin().sum()
+    change(w)
+    loss.backward()
+
+
+def _fused_adam_step(w):
+    w.grad = torch.ones_like(w)
+    torch.optim.Adam([w], lr=0.1, fused=True).step()  # writes w, its version stays
+    w.grad = None
+
+
+def _data_clamp(w):
+    w.data.clamp_(-0.1, 0.1)  # (weight clipping through .data: no version bump)
+
+
+@pytest.mark.parametrize("change", [_fused_adam_step, _data_clamp], ids=["fused-adam", "data-clamp"])
+def test_a_read_tensor_changed_without_a_version_bump_is_refused_not_replayed_stale(change):
+    # without the scope wn itself is saved and the gradient is right; the replay would
+    # compute wn from the changed w: refused, naming what changes a tensor so
+    with pytest.raises(remat.SavedTensorModifiedError, match="without a version bump"):
+        _weight_noise_then(change)
+    _weight_noise_then(lambda w: None)  # (unchanged: replayed)
+
+
+def test_an_inference_tensor_read_then_updated_under_inference_mode_is_refused():
+    with torch.inference_mode():
+        mean = torch.randn(6, dtype=D)  # a running normaliser
+    (a,) = leaves((6,))
+    with remat.gradient_checkpoint_scope():
+        h = (a - mean).exp()  # sub saves nothing of mean
+    y = (h * h.detach()).sum()  # saves h: a recipe
+    with torch.inference_mode():
+        mean.mul_(0.9)  # inference tensors have no version counter
+    with pytest.raises(remat.SavedTensorModifiedError, match="without a version bump"):
+        y.backward()
+
+
+def test_a_batch_norm_forward_after_the_scope_read_its_running_stats_is_refused():
+    # conv + batch norm folding: the scope reads running_var in plain ops; the
+    # training-mode batch norm after it updates running_var without a version bump
+    torch.manual_seed(0)
+    w, x = leaves((4, 3, 3, 3), (2, 3, 8, 8))
+    bn = torch.nn.BatchNorm2d(4, dtype=D)
+    with remat.gradient_checkpoint_scope():
+        w_fold = w * (bn.weight / torch.sqrt(bn.running_var + bn.eps)).reshape(-1, 1, 1, 1)
+    loss = bn(F.conv2d(x, w_fold)).sin().sum()
+    with pytest.raises(remat.SavedTensorModifiedError, match="without a version bump"):
+        loss.backward()
+
+
+def test_an_outside_tensor_written_in_the_scope_and_freed_there_does_not_alias_a_new_one():
+    # the written tensor's storage is remembered by address; a new tensor made in the
+    # scope after it died could get that address (held now while the scope is open)
+    a, c = leaves((6,), (6,))
+
+    def loss(use):
+        tmp = torch.zeros(6, dtype=D)
+        with scope_or_not(use):
+            tmp.add_(1.0)
+            del tmp
+            x = a.detach().exp() * 2 + a
+        return (x * c).sin().sum()
+
+    assert_bitwise_equal(grads([a, c], [], lambda: loss(True), scope=True), grads([a, c], [], lambda: loss(False)))
+
+
 def test_second_backward_with_retain_graph_replays_again():
     a, c = leaves((5,), (5,))
     with remat.gradient_checkpoint_scope():

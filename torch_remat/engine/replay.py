@@ -30,7 +30,7 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
-from .._tensors import format_dtype, same_storage
+from .._tensors import checksum, format_dtype, same_storage
 from .context import RECOMPUTE, note_exception, profiler_range
 from .placeholder import Placeholder, read_error_message
 from .records import (
@@ -329,26 +329,7 @@ def write_arguments(checkpoint: str, written: list, args: tuple, kwargs: dict) -
         _compat.set_version_counters((t,), (version,))
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 _compat.mark_internal_pack_hook(ReplayPass)
-
-
-def checksum(t: torch.Tensor) -> tuple[int, int]:
-    """Order-sensitive checksum of a tensor's bits: (sum, position-weighted sum)."""
-    with torch.no_grad():
-        x = t.detach()
-        if hasattr(x, "to_local"):  # a DTensor: this rank's shard is what it replays
-            x = x.to_local()
-        if x.is_complex():
-            x = torch.view_as_real(x)
-        if x.dtype == torch.bool:
-            x = x.to(torch.uint8)
-        x = x.contiguous().reshape(-1)
-        bits = x.view(_INT_OF_SIZE[x.element_size()]).to(torch.int64)
-        pos = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
-        return int(bits.sum()), int((bits * pos).sum())
 
 
 def opaque_workspace(t: torch.Tensor) -> bool:

@@ -67,12 +67,22 @@ class View:
 
 
 class Ext:
-    __slots__ = ("tensor", "version", "key")
+    __slots__ = ("tensor", "version", "key", "checksum")
 
     def __init__(self, tensor: torch.Tensor, version: int, key: int) -> None:
         self.tensor = tensor
         self.version = version
         self.key = key
+        # the bits of a tensor whose writes may skip its version counter, at the
+        # scope's exit (ScopeRecord.finish), checked before the replay reads it
+        self.checksum: Any = None
+
+
+def unversioned_writes_possible(t: torch.Tensor) -> bool:
+    """Whether ``t`` may change in place without its version counter moving: a
+    parameter or buffer (autograd leaf: fused optimizer steps, batch norm's running
+    statistics, writes through ``.data``) or an inference tensor (no counter)."""
+    return t.grad_fn is None
 
 
 class Op:

@@ -18,6 +18,7 @@ import torch
 
 from .._compat import autograd_sequence_nr, tree_flatten
 from .._errors import RematError
+from .._tensors import checksum
 from .ops import (
     Ext,
     Op,
@@ -25,9 +26,11 @@ from .ops import (
     check_supported,
     default_generator,
     is_random,
+    paused_recording,
     storage_key,
     unreturned_writes,
     unversioned_reads,
+    unversioned_writes_possible,
     version_of,
     written_args,
 )
@@ -60,6 +63,10 @@ class ScopeRecord:
         # outside storages the scope writes to: key -> sid, sid -> snapshot
         self.ext_sid_by_key: dict[int, int] = {}
         self.snapshots: dict[int, torch.Tensor] = {}
+        # the outside tensors written, held while the scope is open: a storage freed
+        # inside the scope could come back at the same address as a new tensor's,
+        # which the keys above would then take for the written one
+        self.written_outside: list[torch.Tensor] = []
         self.ext_by_id: dict[int, tuple[weakref.ref, Ext]] = {}
         self.recipes: list[weakref.ref] = []
         # the autograd sequence number when the last op was recorded
@@ -148,6 +155,7 @@ class ScopeRecord:
         # reproduces the forward's values and never touches the real tensor.
         sid = next(self._sids)
         self.ext_sid_by_key[key] = sid
+        self.written_outside.append(t)
         self.snapshots[sid] = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(
             t.untyped_storage().clone()
         )
@@ -232,7 +240,11 @@ class ScopeRecord:
         """The scope exited: remember each live tensor's version, so a later in-place
         change is detected before a recipe would replay a stale value."""
         self.exited = True
+        self.written_outside = []
         for _ref, ext in self.ext_by_id.values():
+            if unversioned_writes_possible(ext.tensor):
+                with paused_recording():
+                    ext.checksum = checksum(ext.tensor)
             # Detached: holding the tensor would keep its grad_fn, which may (after an
             # in-place op) hold this record's recipes: a cycle only gc could free.
             ext.tensor = ext.tensor.detach()

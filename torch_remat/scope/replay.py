@@ -20,7 +20,7 @@ from .._autograd_hooks import graph_task_key as _graph_task_key
 from .._autograd_hooks import when_backward_ends
 from .._compat import autograd_sequence_nr, neg_view, tree_flatten, tree_unflatten, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
-from .._tensors import describe_tensor
+from .._tensors import checksum, describe_tensor
 from ..engine.context import profiler_range
 from .ops import Ext, Op, View, paused_recording
 
@@ -143,6 +143,7 @@ def replay(record: Any, targets: list[ScopeRecipe], key: Any) -> None:
     end, run, drop_at, last_write = _plan(record, targets)
     ops = record.ops
     env: dict[int, torch.Tensor] = {}
+    checked: set[int] = set()  # (the outside tensors whose bits were checked)
     for sid, snap in record.snapshots.items():
         if sid in drop_at:
             env[sid] = torch.empty((0,), dtype=torch.uint8, device=snap.device).set_(
@@ -170,7 +171,7 @@ def replay(record: Any, targets: list[ScopeRecipe], key: Any) -> None:
                 if state == end:
                     break
                 if run[state]:
-                    _run_op(ops[state], env)
+                    _run_op(ops[state], env, checked)
     finally:
         for g, s in caller_states:
             g.set_state(s)
@@ -188,7 +189,7 @@ def _replay_context(record: Any):
         yield
 
 
-def _run_op(op: Op, env: dict[int, torch.Tensor]) -> None:
+def _run_op(op: Op, env: dict[int, torch.Tensor], checked: set[int]) -> None:
     leaves = []
     for leaf in op.leaves:
         if isinstance(leaf, View):
@@ -203,6 +204,19 @@ def _run_op(op: Op, env: dict[int, torch.Tensor]) -> None:
                     "Clone it before modifying it, or modify it before the scope.",
                     (leaf.version, version_of(t)),
                 )
+            if leaf.checksum is not None and id(leaf) not in checked:
+                if checksum(t) != leaf.checksum:
+                    raise modified_in_place(
+                        "a tensor read inside gradient_checkpoint_scope "
+                        f"({describe_tensor(t.shape, t.dtype)})",
+                        "after the scope read it, without a version bump (a fused "
+                        "optimizer's step, a batch norm's running statistics, a write "
+                        "through .data or under inference_mode), so the scope's ops cannot "
+                        "be replayed for backward",
+                        "Run the step after backward, or compute what reads the tensor "
+                        "outside the scope.",
+                    )
+                checked.add(id(leaf))
             leaves.append(t)
         else:
             leaves.append(leaf)
