@@ -18,7 +18,7 @@ import torch
 
 from .._compat import autograd_sequence_nr, tree_flatten
 from .._errors import RematError
-from .._tensors import checksum
+from .._tensors import fingerprint
 from .ops import (
     Ext,
     Op,
@@ -244,7 +244,7 @@ class ScopeRecord:
         for _ref, ext in self.ext_by_id.values():
             if unversioned_writes_possible(ext.tensor):
                 with paused_recording():
-                    ext.checksum = checksum(ext.tensor)
+                    ext.checksum = fingerprint(ext.tensor)
             # Detached: holding the tensor would keep its grad_fn, which may (after an
             # in-place op) hold this record's recipes: a cycle only gc could free.
             ext.tensor = ext.tensor.detach()

@@ -20,7 +20,7 @@ from .._autograd_hooks import graph_task_key as _graph_task_key
 from .._autograd_hooks import when_backward_ends
 from .._compat import autograd_sequence_nr, neg_view, tree_flatten, tree_unflatten, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
-from .._tensors import checksum, describe_tensor
+from .._tensors import describe_tensor, fingerprint
 from ..engine.context import profiler_range
 from .ops import Ext, Op, View, paused_recording
 
@@ -205,7 +205,7 @@ def _run_op(op: Op, env: dict[int, torch.Tensor], checked: set[int]) -> None:
                     (leaf.version, version_of(t)),
                 )
             if leaf.checksum is not None and id(leaf) not in checked:
-                if checksum(t) != leaf.checksum:
+                if fingerprint(t) != leaf.checksum:
                     raise modified_in_place(
                         "a tensor read inside gradient_checkpoint_scope "
                         f"({describe_tensor(t.shape, t.dtype)})",
