@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -146,7 +147,9 @@ def fingerprint(t: torch.Tensor) -> Any:
     x = t.detach()
     if x.device.type != "cpu" or type(x) is not torch.Tensor or x.layout is not torch.strided:
         return checksum(t)
-    x = x.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    if x.numel() == 0:
+    x = x.resolve_conj().resolve_neg().contiguous()
+    nbytes = x.numel() * x.element_size()
+    if nbytes == 0:
         return 0
-    return zlib.crc32(memoryview(x.view(torch.uint8).numpy()))
+    # the bytes in place (no copy, and no NumPy, which torch does not require)
+    return zlib.crc32((ctypes.c_char * nbytes).from_address(x.data_ptr()))
