@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import zlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -114,8 +112,8 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 _CHECKSUM_CHUNK = 1 << 20
-"""Elements summed at a time: the int64 temporaries stay at 16 MiB whatever the
-tensor's size (a whole-tensor pass would take 8 bytes per element, three times)."""
+"""Elements summed at a time: the int64 temporaries of the sums stay at 16 MiB (a
+tensor that is not contiguous, complex or bool is first copied into one that is)."""
 
 
 def checksum(t: torch.Tensor) -> tuple[int, int]:
@@ -140,16 +138,32 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
         return total, weighted
 
 
-def fingerprint(t: torch.Tensor) -> Any:
-    """Something equal for two looks at ``t`` only if its bits did not change between
-    them: a CRC-32 of the bytes of a plain CPU tensor (about 1 GB/s), else
-    :func:`checksum` on the tensor's device."""
-    x = t.detach()
-    if x.device.type != "cpu" or type(x) is not torch.Tensor or x.layout is not torch.strided:
-        return checksum(t)
-    x = x.resolve_conj().resolve_neg().contiguous()
-    nbytes = x.numel() * x.element_size()
-    if nbytes == 0:
-        return 0
-    # the bytes in place (no copy, and no NumPy, which torch does not require)
-    return zlib.crc32((ctypes.c_char * nbytes).from_address(x.data_ptr()))
+_WORDS_PER_BLOCK = 8  # 64 bytes
+
+
+def storage_fingerprint(t: torch.Tensor) -> Any:
+    """Something equal for two looks at ``t``'s storage only if none of its bytes
+    changed between them (up to a sum collision), read in place whatever view ``t``
+    is: the wrapping sum of the storage's 64-bit words and the sum of its 64-byte
+    blocks' word sums weighted by the blocks' positions (a change moves the first; a
+    move of words between blocks the second), the trailing bytes apart. About
+    2.7 GB/s on CPU here (a CRC-32 of the bytes: 1 GB/s); on a device, summed there.
+    None for a tensor without data (``meta``)."""
+    if t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    with torch.no_grad():
+        raw = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
+        whole = nbytes - nbytes % (8 * _WORDS_PER_BLOCK)
+        blocks = raw[:whole].view(torch.int64).view(-1, _WORDS_PER_BLOCK).sum(1)
+        acc = torch.zeros(3, dtype=torch.int64, device=t.device)
+        acc[0] = blocks.sum()
+        for start in range(0, blocks.numel(), _CHECKSUM_CHUNK):
+            part = blocks[start : start + _CHECKSUM_CHUNK]
+            pos = torch.arange(start + 1, start + 1 + part.numel(), device=part.device, dtype=torch.int64)
+            acc[1] += (part * pos).sum()
+        acc[2] = raw[whole:].to(torch.int64).mul_(
+            torch.arange(1, nbytes - whole + 1, device=raw.device, dtype=torch.int64)
+        ).sum()
+        return (nbytes, *acc.tolist())

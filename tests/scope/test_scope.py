@@ -249,6 +249,28 @@ def test_a_read_tensor_changed_without_a_version_bump_is_refused_not_replayed_st
     _weight_noise_then(lambda w: None)  # (unchanged: replayed)
 
 
+def test_a_parameter_read_through_a_view_and_changed_without_a_version_bump_is_refused():
+    # nn.Linear without bias: the replayed addmm reads weight.t(), a view (with a
+    # grad_fn) of the parameter; its storage is what is checked
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False, dtype=D)
+    (x,) = leaves((4, 8))
+    with remat.gradient_checkpoint_scope():
+        h = lin(x)
+    loss = h.sin().sum()
+    _fused_adam_step(lin.weight)
+    with pytest.raises(remat.SavedTensorModifiedError, match="without a version bump"):
+        loss.backward()
+
+
+def test_a_scope_reading_meta_tensors_exits_without_reading_their_data():
+    x = torch.randn(4, 8, device="meta", requires_grad=True)
+    w = torch.randn(8, 8, device="meta")
+    with remat.gradient_checkpoint_scope():
+        y = (x @ w).sin()
+    assert y.shape == (4, 8) and y.device.type == "meta"
+
+
 def test_an_inference_tensor_read_then_updated_under_inference_mode_is_refused():
     with torch.inference_mode():
         mean = torch.randn(6, dtype=D)  # a running normaliser

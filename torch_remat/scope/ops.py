@@ -20,6 +20,7 @@ import torch
 
 from .. import _compat
 from .._errors import RematError
+from .._tensors import storage_root
 
 
 class _ScopeLocal(threading.local):
@@ -79,10 +80,11 @@ class Ext:
 
 
 def unversioned_writes_possible(t: torch.Tensor) -> bool:
-    """Whether ``t`` may change in place without its version counter moving: a
-    parameter or buffer (autograd leaf: fused optimizer steps, batch norm's running
-    statistics, writes through ``.data``) or an inference tensor (no counter)."""
-    return t.grad_fn is None
+    """Whether ``t``'s storage may change in place without a version counter moving:
+    that of a parameter or buffer (an autograd leaf, or a view of one such as
+    ``weight.t()``: fused optimizer steps, batch norm's running statistics, writes
+    through ``.data``) or of an inference tensor (no counter)."""
+    return storage_root(t).grad_fn is None
 
 
 class Op:

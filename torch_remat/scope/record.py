@@ -18,7 +18,7 @@ import torch
 
 from .._compat import autograd_sequence_nr, tree_flatten
 from .._errors import RematError
-from .._tensors import fingerprint
+from .._tensors import storage_fingerprint
 from .ops import (
     Ext,
     Op,
@@ -241,10 +241,13 @@ class ScopeRecord:
         change is detected before a recipe would replay a stale value."""
         self.exited = True
         self.written_outside = []
+        prints: dict[int, Any] = {}  # storage key -> fingerprint (once per storage)
         for _ref, ext in self.ext_by_id.values():
             if unversioned_writes_possible(ext.tensor):
-                with paused_recording():
-                    ext.checksum = fingerprint(ext.tensor)
+                if ext.key not in prints:
+                    with paused_recording():
+                        prints[ext.key] = storage_fingerprint(ext.tensor)
+                ext.checksum = prints[ext.key]
             # Detached: holding the tensor would keep its grad_fn, which may (after an
             # in-place op) hold this record's recipes: a cycle only gc could free.
             ext.tensor = ext.tensor.detach()

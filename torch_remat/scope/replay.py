@@ -20,7 +20,7 @@ from .._autograd_hooks import graph_task_key as _graph_task_key
 from .._autograd_hooks import when_backward_ends
 from .._compat import autograd_sequence_nr, neg_view, tree_flatten, tree_unflatten, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
-from .._tensors import describe_tensor, fingerprint
+from .._tensors import describe_tensor, storage_fingerprint
 from ..engine.context import profiler_range
 from .ops import Ext, Op, View, paused_recording
 
@@ -143,7 +143,7 @@ def replay(record: Any, targets: list[ScopeRecipe], key: Any) -> None:
     end, run, drop_at, last_write = _plan(record, targets)
     ops = record.ops
     env: dict[int, torch.Tensor] = {}
-    checked: set[int] = set()  # (the outside tensors whose bits were checked)
+    checked: set[int] = set()  # (the outside storages whose bytes were checked)
     for sid, snap in record.snapshots.items():
         if sid in drop_at:
             env[sid] = torch.empty((0,), dtype=torch.uint8, device=snap.device).set_(
@@ -204,8 +204,8 @@ def _run_op(op: Op, env: dict[int, torch.Tensor], checked: set[int]) -> None:
                     "Clone it before modifying it, or modify it before the scope.",
                     (leaf.version, version_of(t)),
                 )
-            if leaf.checksum is not None and id(leaf) not in checked:
-                if fingerprint(t) != leaf.checksum:
+            if leaf.checksum is not None and leaf.key not in checked:
+                if storage_fingerprint(t) != leaf.checksum:
                     raise modified_in_place(
                         "a tensor read inside gradient_checkpoint_scope "
                         f"({describe_tensor(t.shape, t.dtype)})",
@@ -216,7 +216,7 @@ def _run_op(op: Op, env: dict[int, torch.Tensor], checked: set[int]) -> None:
                         "Run the step after backward, or compute what reads the tensor "
                         "outside the scope.",
                     )
-                checked.add(id(leaf))
+                checked.add(leaf.key)
             leaves.append(t)
         else:
             leaves.append(leaf)
