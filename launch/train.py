@@ -633,15 +633,26 @@ def read_run_files(folder: pathlib.Path) -> dict | None:
     return config
 
 
+def check_small_files(folder: pathlib.Path, world: int) -> None:
+    """DamagedCheckpoint (or OSError) where a resume on ``world`` ranks would find
+    ``folder``'s small files unsound: its recorded settings and log, and every rank's
+    random generators."""
+    saved = read_run_files(folder)
+    for name in expected_rng_files(saved, world):
+        if not (folder / name).is_file():
+            raise DamagedCheckpoint(
+                f"{name} is missing: the run saved there had {saved['ranks']} rank(s), "
+                "and each wrote its random generators")
+
+
 def readable_folder(folder: pathlib.Path, world: int) -> bool:
-    """Whether a resume on ``world`` ranks would find ``folder``'s small files sound
-    (its recorded settings and log, and every rank's random generators): what pruning
-    asks of the older checkpoints it keeps, which the resume did not try."""
+    """Whether ``folder``'s small files are sound (:func:`check_small_files`): what
+    pruning asks of the older checkpoints it keeps, which the resume did not try."""
     try:
-        saved = read_run_files(folder)
-        return all((folder / name).is_file() for name in expected_rng_files(saved, world))
+        check_small_files(folder, world)
     except (DamagedCheckpoint, OSError):
         return False
+    return True
 
 
 def expected_rng_files(saved: dict | None, world: int) -> list[str]:
@@ -820,13 +831,7 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
         # sound, the states (no rank enters the load's collectives alone).
         error = None
         try:
-            saved = read_run_files(path)
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            for name in expected_rng_files(saved, world):
-                if not (path / name).is_file():
-                    raise DamagedCheckpoint(
-                        f"{name} is missing: the run saved there had {saved['ranks']} rank(s), "
-                        "and each wrote its random generators")
+            check_small_files(path, dist.get_world_size() if dist.is_initialized() else 1)
         except (DamagedCheckpoint, OSError) as e:  # (an OSError on one rank: all skip)
             error = e
         if _agree(error is None):

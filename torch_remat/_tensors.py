@@ -116,6 +116,18 @@ _CHECKSUM_CHUNK = 1 << 20
 tensor that is not contiguous, complex or bool is first copied into one that is)."""
 
 
+def _sums(words: torch.Tensor) -> torch.Tensor:
+    """(sum, position-weighted sum) of the 1-D integer tensor ``words``, in int64
+    arithmetic (wrapping), summed in chunks on its device."""
+    acc = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
+        part = words[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        pos = torch.arange(start + 1, start + 1 + part.numel(), device=part.device, dtype=torch.int64)
+        acc[0] += part.sum()
+        acc[1] += (part * pos).sum()
+    return acc
+
+
 def checksum(t: torch.Tensor) -> tuple[int, int]:
     """Order-sensitive checksum of a tensor's bits: (sum, position-weighted sum),
     in int64 arithmetic (wrapping), summed in chunks on the tensor's device."""
@@ -127,14 +139,7 @@ def checksum(t: torch.Tensor) -> tuple[int, int]:
             x = torch.view_as_real(x)
         if x.dtype == torch.bool:
             x = x.to(torch.uint8)
-        flat = x.contiguous().reshape(-1).view(_INT_OF_SIZE[x.element_size()])
-        acc = torch.zeros(2, dtype=torch.int64, device=flat.device)
-        for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
-            bits = flat[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-            pos = torch.arange(start + 1, start + 1 + bits.numel(), device=bits.device, dtype=torch.int64)
-            acc[0] += bits.sum()
-            acc[1] += (bits * pos).sum()
-        total, weighted = acc.tolist()
+        total, weighted = _sums(x.contiguous().reshape(-1).view(_INT_OF_SIZE[x.element_size()])).tolist()
         return total, weighted
 
 
@@ -157,13 +162,5 @@ def storage_fingerprint(t: torch.Tensor) -> Any:
         raw = torch.empty((0,), dtype=torch.uint8, device=t.device).set_(storage)
         whole = nbytes - nbytes % (8 * _WORDS_PER_BLOCK)
         blocks = raw[:whole].view(torch.int64).view(-1, _WORDS_PER_BLOCK).sum(1)
-        acc = torch.zeros(3, dtype=torch.int64, device=t.device)
-        acc[0] = blocks.sum()
-        for start in range(0, blocks.numel(), _CHECKSUM_CHUNK):
-            part = blocks[start : start + _CHECKSUM_CHUNK]
-            pos = torch.arange(start + 1, start + 1 + part.numel(), device=part.device, dtype=torch.int64)
-            acc[1] += (part * pos).sum()
-        acc[2] = raw[whole:].to(torch.int64).mul_(
-            torch.arange(1, nbytes - whole + 1, device=raw.device, dtype=torch.int64)
-        ).sum()
-        return (nbytes, *acc.tolist())
+        total, weighted = _sums(blocks).tolist()
+        return nbytes, total, weighted, int(_sums(raw[whole:])[1])

@@ -82,7 +82,8 @@ class ScopeRecord:
                 "of the scope."
             )
         op = Op(len(self.ops), func)
-        for t in [*written_args(func, args, kwargs), *unversioned_reads(func, args)]:
+        written = written_args(func, args, kwargs)
+        for t in [*written, *unversioned_reads(func, args)]:
             key = storage_key(t)
             if key not in self.sid_by_key and key not in self.ext_sid_by_key:
                 self._snapshot_outside_storage(t, key)
@@ -92,7 +93,7 @@ class ScopeRecord:
         op.leaves = [
             self._describe_arg(x, op) if isinstance(x, torch.Tensor) else x for x in leaves
         ]
-        for t in written_args(func, args, kwargs):
+        for t in written:
             key = storage_key(t)
             op.writes.add(
                 self.sid_by_key[key] if key in self.sid_by_key else self.ext_sid_by_key[key]
