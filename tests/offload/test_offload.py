@@ -127,15 +127,21 @@ def test_the_offloader_as_a_checkpoint_option():
     assert off.held_tensors() == 0
 
 
-def test_a_permuted_tensor_comes_back_with_its_strides_a_strided_one_dense_in_its_order():
+def test_a_tensor_comes_back_with_its_strides_and_one_with_gaps_moves_only_its_elements():
     off = offloader(prefetch=0, min_bytes=0)
     permuted = torch.randn(DIM, B, dtype=D).t()
     strided = torch.randn(B, 2 * DIM, dtype=D)[:, ::2]
     column = torch.randn(2 * DIM, B, dtype=D).t()[:, ::2]  # gaps, column-major
-    back = [off.unpack_hook(off.pack_hook(t)) for t in (permuted, strided, column)]
-    assert back[0].stride() == permuted.stride() and torch.equal(back[0], permuted)
-    assert back[1].is_contiguous() and torch.equal(back[1], strided)
-    assert back[2].stride() == (1, B) and torch.equal(back[2], column)
+    expanded = torch.randn(4 * DIM, B, dtype=D)[::4].unsqueeze(0).expand(2, DIM, B)  # gaps, broadcast
+    tensors = (permuted, strided, column, expanded)
+    back = [off.unpack_hook(off.pack_hook(t)) for t in tensors]
+    for t, b in zip(tensors, back):
+        assert b.stride() == t.stride() and torch.equal(b, t)
+        assert b.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+        assert b._version == 0
+    # the host held the elements, not the gaps: the permuted tensor's span and the
+    # elements of the others (the broadcast one's twice, as its dense copy has them)
+    assert off.stats.offloaded_bytes[""] == (3 * DIM * B + 2 * DIM * B) * D.itemsize
 
 
 def test_bad_prefetch_is_refused():

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .._compat import set_version_counters
+
 
 class CopyLayout:
     """What moves of a tensor ``t`` and how it comes back.
@@ -14,21 +16,25 @@ class CopyLayout:
     A tensor whose elements fill its storage span without gaps (dense, a permuted
     view, or a broadcast view with stride 0) moves that span, and comes back with
     its own strides: a mask expanded to (B, H, S, S) moves its (S, S) storage. A
-    tensor with gaps (a strided slice) moves its elements, and comes back dense with
-    its dimensions in the order of its strides (a column of a transposed matrix
-    stays column-major): kernels that follow the input's layout, as elementwise ops
-    and reductions do, then add in the order they did in the forward, so the
-    gradient is the same to the bit."""
+    tensor with gaps (a strided slice) moves only its elements, packed dense on the
+    host with its dimensions in the order of its strides, and comes back with its
+    own strides again, in a new storage that spans the gaps (left unwritten): kernels
+    follow the layout of their input, and a full reduction of a slice with gaps
+    (``x[:, :33].sum()``, the ``mean()`` in ``var``'s backward) adds in another order
+    than one of the same values laid out dense, so only the strides of the forward
+    give the gradient to the bit. On the device it takes its span again while in
+    use, as it did when saved."""
 
-    __slots__ = ("count", "shape", "stride", "span")
+    __slots__ = ("count", "shape", "stride", "host_stride", "span")
 
     def __init__(self, t: torch.Tensor) -> None:
         span = storage_span(t)
         self.shape = t.shape
+        self.stride = t.stride()
         if span <= t.numel():
-            self.count, self.stride, self.span = span, t.stride(), True
+            self.count, self.host_stride, self.span = span, self.stride, True
         else:
-            self.count, self.stride, self.span = t.numel(), dense_strides(t.shape, t.stride()), False
+            self.count, self.host_stride, self.span = t.numel(), dense_strides(t.shape, self.stride), False
 
     def nbytes(self, t: torch.Tensor) -> int:
         return self.count * t.element_size()
@@ -42,10 +48,24 @@ class CopyLayout:
         ``t``'s storage, or ``t`` itself copied into a dense view of its layout."""
         if self.span:
             return t.as_strided((self.count,), (1,), t.storage_offset()), None
-        return t, (self.shape, self.stride)
+        return t, (self.shape, self.host_stride)
 
-    def rebuild(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat.as_strided(self.shape, self.stride)
+    def back(self, host: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+        """A new tensor on ``device`` with the values of ``host`` (the ``count``
+        elements :meth:`source` filled) and the shape and strides of the tensor that
+        was saved, at version 0 as that of ``to(copy=True)``."""
+        if self.span:
+            return host.to(device, copy=True, non_blocking=non_blocking).as_strided(self.shape, self.stride)
+        src = host.as_strided(self.shape, self.host_stride)
+        # a broadcast dimension (stride 0) is written once and expanded again
+        sizes = [1 if st == 0 else n for n, st in zip(self.shape, self.stride)]
+        broadcast = sizes != list(self.shape)
+        if broadcast:
+            src = src[tuple(slice(0, n) for n in sizes)]
+        out = torch.empty_strided(sizes, self.stride, dtype=host.dtype, device=device)
+        out.copy_(src, non_blocking=non_blocking)
+        set_version_counters((out,), (0,))  # (copy_ counted one write)
+        return out.expand(self.shape) if broadcast else out
 
 
 def storage_span(t: torch.Tensor) -> int:
@@ -95,8 +115,7 @@ def dense_strides(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...
 class SyncCopier:
     """Copies that are done when the call returns (CPU, or any non-CUDA device).
 
-    A copy back is a new tensor made by ``to(copy=True)``, at version 0 like the
-    tensor that was saved (``copy_`` into an empty one would leave it at 1)."""
+    A copy back is a new tensor at version 0 (``CopyLayout.back``)."""
 
     def to_host(self, t: torch.Tensor, host: torch.Tensor, layout: CopyLayout) -> Any:
         src, view = layout.source(t)
@@ -104,7 +123,7 @@ class SyncCopier:
         return None
 
     def to_device(self, host: torch.Tensor, device: torch.device, layout: CopyLayout) -> tuple[torch.Tensor, Any]:
-        return layout.rebuild(host.to(device, copy=True)), None
+        return layout.back(host, device), None
 
     def wait(self, ready: Any, t: torch.Tensor) -> None:
         pass
@@ -131,7 +150,7 @@ class CudaCopier:
 
     def to_device(self, host: torch.Tensor, device: torch.device, layout: CopyLayout) -> tuple[torch.Tensor, Any]:
         with torch.cuda.stream(self.stream):
-            out = layout.rebuild(host.to(device, copy=True, non_blocking=True))
+            out = layout.back(host, device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         return out, done
