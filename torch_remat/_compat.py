@@ -38,6 +38,8 @@ default_hooks``                                   per checkpoint (the pack path 
 ``_neg_view``                                     give a kept output held through its storage
                                                   root back its negative bit
 ``_disable_dynamo``                               run the replay eagerly under compiled autograd
+``_dynamo.disable(reason=)``                      run the scope's entry and exit eagerly, saying why
+                                                  (imported at the first call, as ``_disable_dynamo``)
 ``_dynamo_marked_constant`` (function attribute)  what ``torch.compiler.assume_constant_result``
                                                   sets, set without importing Dynamo
 ``_C._cuda_attach_out_of_memory_observer``        the CUDA OOM observer (CUDA builds only)
@@ -168,6 +170,27 @@ DisableTorchDispatch = torch._C._DisableTorchDispatch
 set_version_counters = torch._C._autograd._unsafe_set_version_counter
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 disable_dynamo = torch._disable_dynamo
+
+
+def disable_dynamo_saying(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator: ``fn`` runs eagerly where torch.compile traces its caller (a graph
+    break), and under ``fullgraph=True`` Dynamo's error carries ``reason``. Dynamo is
+    imported at the first call, not here (as ``torch._disable_dynamo`` does)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        disabled: list[Callable[..., Any]] = []
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not disabled:
+                import torch._dynamo
+
+                disabled.append(torch._dynamo.disable(fn, reason=reason, wrapping=False))
+            return disabled[0](*args, **kwargs)
+
+        return run
+
+    return decorate
 make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 BatchNormBase = torch.nn.modules.batchnorm._NormBase
 

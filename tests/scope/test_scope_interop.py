@@ -221,3 +221,28 @@ def test_hook_whose_last_tensor_dies_in_backward_leaves_at_the_next_scope_use():
     with remat.gradient_checkpoint_scope():
         pass
     assert hook_stack() == []
+
+
+def _scoped_body(a, b, c, use):
+    with (remat.gradient_checkpoint_scope() if use else contextlib.nullcontext()):
+        x = (a + b).exp()
+    return (x * c).sin().sum()
+
+
+def test_under_torch_compile_the_scope_is_a_graph_break_and_still_replays():
+    torch._dynamo.reset()
+    a, b, c = (torch.randn(8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(_scoped_body, backend="eager")
+    expected = torch.autograd.grad(_scoped_body(a, b, c, False), [a, b, c])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        actual = torch.autograd.grad(compiled(a, b, c, True), [a, b, c])
+    assert sum(1 for e in prof.events() if e.name == "remat.scope.replay") == 1
+    assert all(torch.equal(x, y) for x, y in zip(actual, expected))
+
+
+def test_under_fullgraph_compile_the_scope_is_refused_naming_itself():
+    torch._dynamo.reset()
+    a, b, c = (torch.randn(8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(_scoped_body, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="gradient_checkpoint_scope runs eagerly only"):
+        compiled(a, b, c, True)

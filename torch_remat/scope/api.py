@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from .._autograd_hooks import disabled_message as _disabled_message
 from .._autograd_hooks import push_hooks as _push_hooks
 from .._autograd_hooks import top_hooks as _top_hooks
@@ -47,6 +48,15 @@ class _OpenScope:
         self.marker = marker
 
 
+# Dynamo's error under fullgraph=True when compiled code opens a scope.
+_COMPILE_REASON = (
+    "torch_remat: gradient_checkpoint_scope runs eagerly only: its saved-tensor hook and "
+    "the dispatch mode that records the block cannot be traced by torch.compile. Without "
+    "fullgraph=True the scope runs as a graph break; with it, open the scope outside the "
+    "compiled function, or use remat.checkpoint, which compiles to torch's checkpoint."
+)
+
+
 class gradient_checkpoint_scope:
     """Context manager: tensors created inside are not stored for backward.
 
@@ -81,6 +91,7 @@ class gradient_checkpoint_scope:
     def __init__(self) -> None:
         self._open: list[Any] = []
 
+    @_compat.disable_dynamo_saying(_COMPILE_REASON)
     def __enter__(self) -> gradient_checkpoint_scope:
         if not torch.is_grad_enabled():
             self._open.append(None)
@@ -119,6 +130,7 @@ class gradient_checkpoint_scope:
         self._open.append(entry)
         return self
 
+    @_compat.disable_dynamo_saying(_COMPILE_REASON)
     def __exit__(self, exc_type, exc, tb) -> bool:
         entry = self._open.pop()
         if entry is None or entry is _JOINED:
