@@ -50,6 +50,7 @@ from .plan import (
     _solve_or_error,
     _within_peak,
     block_groups,
+    check_budget,
     first_line,
     in_call_order,
     measure_table,
@@ -289,6 +290,8 @@ def forecast_remat(
             "forecast does not run on; pass a fraction or bytes (device_memory= finds "
             "the largest micro-batch that fits a device)."
         )
+    check_budget(budget, "budget", "forecast_remat")
+    check_budget(peak_budget, "peak_budget", "forecast_remat")
     offload_options = resolve_offload(offload)
     if offload_options is not None and profile is None:
         raise ValueError(

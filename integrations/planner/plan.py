@@ -325,6 +325,11 @@ class RematPlan:
         """The cheapest plan for another budget, from the same measurements (no run).
         ``peak_budget``: a budget on the step peak too (a fraction of the step peak
         without remat, bytes or ``"auto"``; needs a table measured with peaks)."""
+        if budget is None and peak_budget is None:
+            raise ValueError(
+                "RematPlan.for_budget: budget=None bounds nothing; pass a budget on the "
+                "bytes after the forward, on the step peak (peak_budget=), or both."
+            )
         budget_bytes = self._unlimited() if budget is None else resolve_budget(budget, self.no_remat_bytes)
         peak_bytes = None
         if peak_budget is not None:
@@ -333,7 +338,7 @@ class RematPlan:
                     "RematPlan.for_budget: this plan's options were measured without the step "
                     "peak; plan with plan_remat(..., peak_budget=...) to choose under one."
                 )
-            peak_bytes = resolve_budget(peak_budget, self.no_remat_peak)
+            peak_bytes = resolve_budget(peak_budget, self.no_remat_peak, "peak_budget")
         shaped = self.with_choices(self.choices)
         shaped.budget_bytes, shaped.peak_budget_bytes = budget_bytes, peak_bytes
         fitting = shaped.fitting()
@@ -574,31 +579,47 @@ class RematPlan:
 # -------------------------------------------------------------------- budget
 
 
-def resolve_budget(budget: Budget, no_remat_bytes: int) -> int:
+def check_budget(budget: Budget | None, name: str, caller: str) -> None:
+    """Refuse what is not a budget, naming the argument (``name``) and the function
+    (``caller``), before anything runs. None passes (no bound)."""
+    if budget is None or isinstance(budget, str) and budget == "auto":
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"{caller}: {name} must be a fraction (float), bytes (int) or 'auto', got {budget!r}."
+        )
+    if isinstance(budget, float) and not budget >= 0:  # (NaN too)
+        raise ValueError(
+            f"{caller}: {name} as a fraction must be >= 0 (0.3: 30 % of the bytes "
+            f"without remat), got {budget}."
+        )
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"{caller}: {name} in bytes must be >= 0, got {budget}.")
+
+
+def resolve_budget(budget: Budget, no_remat_bytes: int, name: str = "budget",
+                   caller: str = "RematPlan.for_budget") -> int:
     """Bytes of a budget: a float is a fraction of ``no_remat_bytes``, an int is bytes,
-    ``"auto"`` is the free CUDA memory less ``AUTO_MARGIN`` of the total."""
-    if isinstance(budget, bool):
-        raise TypeError("plan_remat: budget must be a fraction (float), bytes (int) or 'auto'.")
+    ``"auto"`` is the free CUDA memory less ``AUTO_MARGIN`` of the total. A fraction
+    too large for the bytes to be a number (``float('inf')``) fits anything."""
+    check_budget(budget, name, caller)
     if isinstance(budget, float):
-        if not budget >= 0:
-            raise ValueError(f"plan_remat: a fraction budget must be >= 0, got {budget}.")
-        return int(budget * no_remat_bytes)
+        value = budget * no_remat_bytes
+        return int(value) if value < _ANY_BYTES else _ANY_BYTES
     if isinstance(budget, int):
-        if budget < 0:
-            raise ValueError(f"plan_remat: a byte budget must be >= 0, got {budget}.")
         return budget
-    if budget == "auto":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "plan_remat: budget='auto' reads the free CUDA memory, and no CUDA device "
-                "is available; on CPU pass a fraction of the no-remat activation bytes "
-                "(e.g. budget=0.3) or a number of bytes (int)."
-            )
-        free, total = torch.cuda.mem_get_info()
-        return max(0, free - int(AUTO_MARGIN * total))
-    raise TypeError(
-        f"plan_remat: budget must be a fraction (float), bytes (int) or 'auto', got {budget!r}."
-    )
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{caller}: {name}='auto' reads the free CUDA memory, and no CUDA device "
+            "is available; on CPU pass a fraction of the no-remat bytes "
+            f"(e.g. {name}=0.3) or a number of bytes (int)."
+        )
+    free, total = torch.cuda.mem_get_info()
+    return max(0, free - int(AUTO_MARGIN * total))
+
+
+# More bytes than any device holds: what an infinite fraction budget resolves to.
+_ANY_BYTES = 2**62
 
 
 def _infeasible_peak(budget: Budget, budget_bytes: int, kept_budget: int, plan: RematPlan) -> str:
@@ -857,6 +878,8 @@ def plan_remat(
             "plan_remat: budget=None bounds nothing; pass a budget on the bytes after the "
             "forward (budget=0.3), on the step peak (peak_budget=0.5), or both."
         )
+    check_budget(budget, "budget", "plan_remat")
+    check_budget(peak_budget, "peak_budget", "plan_remat")
     refuse_applied_remat(model)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     names = select_blocks(model, blocks)

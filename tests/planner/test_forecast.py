@@ -290,6 +290,8 @@ def test_device_memory_sizes_parse_and_bad_ones_are_refused():
         parse_bytes("80 gigs")
     with pytest.raises(ValueError, match="budget='auto'"):
         forecast_remat(nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2), budget="auto")
+    with pytest.raises(ValueError, match="forecast_remat: peak_budget as a fraction must be >= 0"):
+        forecast_remat(nn.Sequential(nn.Linear(2, 2)), torch.randn(1, 2), peak_budget=-0.1)
 
 
 def test_a_loss_reading_a_real_tensor_of_a_closure_forecasts_its_measured_bytes():

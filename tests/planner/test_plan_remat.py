@@ -300,3 +300,30 @@ def test_plot_draws_a_png_of_the_pareto_curve(planned, tmp_path):
     _, _, plan = planned
     path = plan.plot(tmp_path / "pareto.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"budget": -0.5}, ValueError, r"plan_remat: budget as a fraction must be >= 0"),
+        ({"budget": float("nan")}, ValueError, r"plan_remat: budget as a fraction must be >= 0"),
+        ({"budget": 0.5, "peak_budget": -1}, ValueError, r"plan_remat: peak_budget in bytes must be >= 0"),
+        ({"budget": 0.5, "peak_budget": "half"}, TypeError, r"plan_remat: peak_budget must be a fraction"),
+        ({"budget": torch.tensor(0.5)}, TypeError, r"plan_remat: budget must be a fraction"),
+    ],
+)
+def test_a_bad_budget_is_refused_before_anything_runs_naming_the_argument(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        plan_remat(Net(), torch.randn(16, 8, dtype=torch.float64), loss_fn, **kwargs)
+
+
+def test_an_infinite_fraction_budget_fits_anything_and_for_budget_needs_a_bound(planned):
+    _, _, plan = planned
+    assert plan_module.resolve_budget(float("inf"), 1000) >= 2**62
+    assert plan_module.resolve_budget(1e308, 10**9) >= 2**62
+    unbounded = plan.for_budget(float("inf"))
+    assert unbounded.recompute_flops == 0  # no remat: the cheapest plan
+    with pytest.raises(ValueError, match="RematPlan.for_budget: budget=None bounds nothing"):
+        plan.for_budget(None)
+    with pytest.raises(ValueError, match="RematPlan.for_budget: peak_budget in bytes must be >= 0"):
+        plan_module.resolve_budget(-3, 10, "peak_budget")
