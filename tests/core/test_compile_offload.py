@@ -400,3 +400,55 @@ def test_apply_remat_with_a_memory_budget_compiles_each_block_under_it_and_refus
         if n.op == "call_function"
     }
     assert len(graphs["forward"]) == 2 and budgets == {0.5}
+
+
+def _budgets_of(graph: torch.fx.GraphModule) -> set:
+    return {
+        (n.meta.get("custom") or {}).get(torch.fx.traceback.MEMORY_BUDGET_ANNOTATION_KEY)
+        for n in graph.graph.nodes
+        if n.op == "call_function"
+    }
+
+
+def test_two_blocks_of_one_class_compile_each_under_its_own_budget():
+    # The second block's compile sees the checkpoint's options change on the same
+    # code: Dynamo's automatic dynamic made the budget a symbolic float, which the
+    # annotation refused ("SymNodeVariable() is not a constant").
+    torch.manual_seed(0)
+    blocks = [Chain(), Chain()]
+    x = torch.randn(8, 16, dtype=DTYPE, requires_grad=True)
+    params = [p for b in blocks for p in b.parameters()]
+    backend, graphs = graph_capture()
+    calls = [
+        torch.compile(remat.checkpoint(region_name=f"layers.{i}", memory_budget=budget)(b.forward),
+                      backend=backend)
+        for i, (b, budget) in enumerate(zip(blocks, (1.0, 0.5)))
+    ]
+
+    def plain(x):
+        return blocks[0](x) + blocks[1](x.sin())
+
+    def compiled(x):
+        return calls[0](x) + calls[1](x.sin())
+
+    assert_bitwise_equal(grads(params, [x], compiled), grads(params, [x], plain), replays=0)
+    assert [_budgets_of(g) for g in graphs["forward"]] == [{1.0}, {0.5}]
+
+
+def test_a_checkpoint_with_a_budget_or_an_offloader_compiles_with_dynamic_shapes():
+    torch.manual_seed(0)
+    block = AttnThenMlp()
+    params = list(block.parameters())
+    for option in ({"memory_budget": 0.5}, {"saved_tensors_hooks": offloader()}):
+        torch._dynamo.reset()
+        backend, graphs = graph_capture()
+        step = torch.compile(remat.checkpoint(region_name="layers.0", **option)(block),
+                             backend=backend, dynamic=True)
+        for batch in (4, 6):
+            x = torch.randn(batch, 16, dtype=DTYPE, requires_grad=True)
+            assert_bitwise_equal(grads(params, [x], step), grads(params, [x], block), replays=0)
+        forward = graphs["forward"][0]
+        if "memory_budget" in option:
+            assert _budgets_of(forward) == {0.5}
+        else:
+            assert host_copies(forward)  # attn's save moved to the host

@@ -264,13 +264,16 @@ class CheckpointedFunction:
         self.compile_refusal = compiled.option_refusal(name, options.state_hooks, options.kept_hooks)
         # An ActivationOffloader as saved_tensors_hooks: what compiled regions offload.
         self.compile_offload = compiled.offload_spec(options.kept_hooks[0])
+        # memory_budget as a string, which Dynamo never makes symbolic (see OffloadSpec)
+        budget = options.memory_budget
+        self.compile_budget = None if budget is None else repr(budget)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             if not compiled.eager_checkpoint_running():
                 return compiled.run_checkpoint(
                     self.__wrapped__, self.name, self.compile_refusal, args, kwargs,
-                    self.compile_offload, self.options.memory_budget,
+                    self.compile_offload, self.compile_budget,
                 )
             return _run_eagerly(self, args, kwargs)
         return _run(self, args, kwargs)

@@ -301,9 +301,13 @@ def _ambient_hooks_message(name: str) -> str:
     )
 
 
-OffloadSpec = tuple[tuple[str, ...], int, tuple[str, ...]]
+OffloadSpec = tuple[tuple[str, ...], str, tuple[str, ...]]
 """What a compiled checkpoint takes from its offloader: ``(regions patterns, min_bytes,
-checkpoints patterns)``."""
+checkpoints patterns)``, ``min_bytes`` in decimal digits. (A number Dynamo reads off an
+object becomes symbolic under ``dynamic=True``, or once a recompile sees it change, as
+when two blocks of one class have different options; the annotation takes constants
+only. A string is guarded by its value and turned back into the number while tracing,
+a constant.)"""
 
 
 def offload_spec(pair: Any) -> OffloadSpec | None:
@@ -320,7 +324,7 @@ def offload_spec(pair: Any) -> OffloadSpec | None:
         return None
     if not owner.kinds & {SavedTensorKind.BACKWARD, SavedTensorKind.SAVE_OUTPUT}:
         return None  # it moves only checkpoint inputs, which a compiled graph cannot
-    return tuple(owner.regions), int(owner.min_bytes), tuple(owner.checkpoints)
+    return tuple(owner.regions), str(int(owner.min_bytes)), tuple(owner.checkpoints)
 
 
 def option_refusal(
@@ -425,11 +429,13 @@ def run_checkpoint(
     args,
     kwargs,
     offload: OffloadSpec | None = None,
-    memory_budget: float | None = None,
+    budget: str | None = None,
 ):
     """``remat.checkpoint(region_name=name)(fn)(*args, **kwargs)`` while Dynamo
     traces; ``refusal`` is :func:`option_refusal`'s, ``offload`` :func:`offload_spec`'s
-    and ``memory_budget`` the checkpoint's option."""
+    and ``budget`` the checkpoint's ``memory_budget`` as ``repr`` writes it (a string,
+    as ``min_bytes`` in :data:`OffloadSpec`)."""
+    memory_budget = None if budget is None else float(budget)
     if refusal is not None:
         refusal()
     if hooks_context_active():  # Dynamo guards on it: entering one retraces
@@ -447,8 +453,10 @@ def run_checkpoint(
     if offload is not None:
         # Regions inside read the patterns (_offloads); a nested checkpoint without
         # an offloader of its own stays under this one's, as eagerly under a context.
-        (annotation[OFFLOAD_REGIONS_KEY], annotation[OFFLOAD_MIN_BYTES_KEY],
-         annotation[OFFLOAD_CHECKPOINTS_KEY]) = offload
+        regions, min_bytes, checkpoints = offload
+        annotation[OFFLOAD_REGIONS_KEY] = regions
+        annotation[OFFLOAD_MIN_BYTES_KEY] = int(min_bytes)
+        annotation[OFFLOAD_CHECKPOINTS_KEY] = checkpoints
     with fx_traceback.annotate(annotation):
         if memory_budget is None:
             return torch.utils.checkpoint.checkpoint(
