@@ -285,8 +285,12 @@ class StorageLedger(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
-            block = self.blocks[-1] if self.blocks else None
-            raise DataDependentOpError(_data_dependent_message(func, self.modules, block)) from e
+            # computed from the arguments' values where the fake run knows them all
+            # (token ids routed by a hash, a padding mask's nonzero)
+            out = outputs_of_known_values(func, args, kwargs)
+            if out is None:
+                block = self.blocks[-1] if self.blocks else None
+                raise DataDependentOpError(_data_dependent_message(func, self.modules, block)) from e
         except RuntimeError as e:
             # A fake (meta) kernel may refuse what the real kernel runs: the meta
             # kernel of aten._grouped_mm (transformers' MoE experts) wants bfloat16,
@@ -722,6 +726,38 @@ def read_known_value(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         return True, _on_worker(func, real, spec)
     except Exception:  # noqa: BLE001 (answered as before: from the fake op)
         return False, None
+
+
+def outputs_of_known_values(func: Any, args: tuple, kwargs: dict) -> Any:
+    """For an op whose output shapes depend on its arguments' values (``nonzero``,
+    boolean indexing, ``unique``), fakes shaped as its real outputs, their values
+    carried, where every tensor argument's value is known; else None."""
+    flat, spec = tree_flatten((args, kwargs))
+    fakes = [a for a in flat if isinstance(a, FakeTensor)]
+    if not fakes:
+        return None
+    real = []
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            a = _real_leaf(a)
+            if a is None:
+                return None
+        real.append(a)
+    try:
+        real_out = _on_worker(func, real, spec)
+    except Exception:  # noqa: BLE001 (refused as before)
+        return None
+    like = fakes[0]
+
+    def fake_of(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        fake = like.new_empty_strided(value.shape, value.stride(), dtype=value.dtype)
+        if value.numel() <= _KNOWN_NUMEL:
+            know(fake, value)
+        return fake
+
+    return tree_map(fake_of, real_out)
 
 
 def carry_known_values(func: Any, flat: list[Any], spec: Any, outs: list[Any]) -> None:

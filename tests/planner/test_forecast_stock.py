@@ -247,6 +247,64 @@ def test_values_read_from_arguments_and_numbers_take_the_path_a_real_run_takes(m
     assert torch.equal(mask, args[1])  # the caller's argument is untouched
 
 
+class RoutedBlock(nn.Module):
+    """Sends the tokens its mask argument (or their positions) picks through its
+    linear: the picked indices' count is a data-dependent shape of known values."""
+
+    def __init__(self, how: str, d: int = 8) -> None:
+        super().__init__()
+        self.how, self.fc = how, nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        flat, ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1)
+        if self.how == "nonzero":  # unpadding
+            picked = ids.nonzero().squeeze(-1)
+        elif self.how == "boolean index":
+            picked = torch.arange(ids.numel())[ids > 0]
+        elif self.how == "hash":  # token ids hashed to this expert
+            picked = torch.where(ids % 2 == 1)[0]
+        else:  # positions made from a shape
+            picked = (torch.arange(ids.numel()) % 3 == 0).nonzero().squeeze(-1)
+        y = torch.zeros_like(flat).index_add(0, picked, torch.tanh(self.fc(flat.index_select(0, picked))))
+        return x + y.view_as(x)
+
+
+class RoutedModel(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RoutedBlock(how) for _ in range(2))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, ids)
+        return x
+
+
+@pytest.mark.parametrize("how", ["nonzero", "boolean index", "hash", "positions"])
+def test_a_data_dependent_shape_of_known_values_is_forecast_as_a_real_run(how):
+    # Before: nonzero, torch.where(cond) and boolean indexing raised DataDependentOpError
+    # on tensors whose values the forecast carries (an argument, positions from arange)
+    from torch_remat.integrations import remove_remat
+    from torch_remat.integrations.planner import activation_bytes
+    from torch_remat.integrations.planner._measure import install
+
+    torch.manual_seed(0)
+    model = RoutedModel(how)
+    ids = torch.tensor([[3, 1, 4, 0, 0], [5, 9, 2, 6, 5]])
+    args = (torch.randn(2, 5, 8), ids)
+    loss = lambda out: out.square().sum()  # noqa: E731
+    forecast = forecast_remat(model, args, loss, 1.0, blocks=RoutedBlock)
+    for policy in forecast.policies.values():
+        install(model, policy.config)
+        try:
+            assert activation_bytes(model, args, loss) == policy.kept_bytes, policy.name
+        finally:
+            remove_remat(model)
+    real = _real_peaks(model, args, loss, forecast)
+    for n, policy in forecast.policies.items():
+        assert 0 <= policy.peak_bytes - real[n] <= policy.peak_margin, (n, policy.peak_bytes, real[n])
+
+
 @pytest.mark.parametrize("name", [
     "llama, all-ones mask",
     pytest.param("bart", marks=pytest.mark.slow),
