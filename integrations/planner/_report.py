@@ -226,5 +226,7 @@ def mismatch_message(plan: RematPlan, measured_by_block: dict[str, int] | None =
         "blocks' bytes interact in a way per-block measurement does not capture (a block "
         "keeping its neighbour's output, say). Plan: "
         + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
-        + ". Pass verify=False to accept the prediction, or blocks= with coarser blocks."
+        + ". Pass blocks= with coarser blocks (a block with the neighbour whose output it "
+        "keeps), or verify=False to install the plan on its prediction alone (it holds "
+        "the measured bytes above, not the predicted)."
     )

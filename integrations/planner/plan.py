@@ -1005,8 +1005,9 @@ def _within_peak(
         f"over the peak budget of {limit:,} B (predicted {plan.predicted_peak:,} B), and no "
         "plan tried fits it: "
         + "; ".join(f"{n}: {o.label}" for n, o in plan.options.items())
-        + ". Raise peak_budget, "
-        + ("" if plan.offload is not None else "offer offload (offload=True), ")
-        + "or pass verify=False to accept the prediction."
+        + f". Raise peak_budget (this plan ran in {plan.measured_peak:,} B)"
+        + ("" if plan.offload is not None else ", or offer offload (offload=True)")
+        + ". (verify=False would install a plan on its prediction alone; run as here, "
+        "this one exceeds the budget.)"
     )
 
