@@ -231,6 +231,8 @@ def checkpoint_selected(
             "torch_remat.integrations.remove_remat(model) first to change the selection."
         )
     offload, base_kwargs = wrapper_spec(checkpoint_wrapper_fn)
+    if offload:
+        _refuse_checkpoint_options_when_offloading(config)
     is_save = config.save_matcher("apply_remat")
     names = qualified_names(model)
     selected = select_like_torch(model, check_fn, auto_wrap_policy)
@@ -268,6 +270,24 @@ def checkpoint_selected(
     if is_save is not None and not offload:
         install_save_regions((p[0] for p in plans), is_save)
     return [p[1] for p in plans]
+
+
+def _refuse_checkpoint_options_when_offloading(config: RematConfig) -> None:
+    """``offload_wrapper`` checkpoints nothing: options that only a checkpoint reads
+    would be dropped without a word."""
+    unused = [f"{name}=" for name, value in (
+        ("save_modules", config.save_modules),
+        ("recompute_state_hooks", tuple(config.recompute_state_hooks) or None),
+        *((name, value) for name, value in config.checkpoint_options().items()),
+    ) if value is not None]
+    if unused:
+        raise ValueError(
+            f"apply_remat: checkpoint_wrapper_fn=offload_wrapper keeps the selected "
+            f"modules' activations on the CPU and checkpoints nothing, so RematConfig's "
+            f"{', '.join(unused)} would have no effect. Drop them, or checkpoint with "
+            "checkpoint_wrapper (or None) and move what the checkpoints keep to the host "
+            "with RematConfig(saved_tensors_hooks=torch_remat.offload.ActivationOffloader(...))."
+        )
 
 
 def _dtensor_mesh(model: nn.Module) -> Any:

@@ -324,6 +324,19 @@ def test_offload_wrapper_keeps_activations_on_cpu_with_equal_gradients():
     assert_grads_equal(_run(model, x, replays=False)[1], reference[1])
 
 
+@pytest.mark.parametrize("config", [
+    RematConfig(save_modules=nn.Linear),
+    RematConfig(early_stop=False, determinism_check="none"),
+])
+def test_offload_wrapper_refuses_options_only_a_checkpoint_reads(config):
+    # save_modules was dropped without a word: no SAVE region, nothing checkpointed
+    model = tiny_net()
+    with pytest.raises(ValueError, match="offload_wrapper .* checkpoints nothing") as e:
+        apply_remat(model, checkpoint_wrapper_fn=offload_wrapper, check_fn=IS_BLOCK, remat=config)
+    assert ("save_modules=" in str(e.value)) is (config.save_modules is not None)
+    assert remat_module_names(model) == []
+
+
 def test_save_modules_become_save_regions_named_inside_their_block():
     x = _input()
     reference = _run(tiny_net(dropout=0.1), x)
