@@ -120,6 +120,19 @@ def test_a_saved_view_with_gaps_comes_back_in_its_layout_so_gradients_are_bitwis
     assert all(torch.equal(a, e) for a, e in zip(got, _gapped_save_grads(None)))
 
 
+def _input_grads(base, view, fn, off):
+    """The gradient of ``base`` through ``fn(view(base * 1))``: a checkpoint under
+    ``off``'s hooks, or plainly where ``off`` is None."""
+    base_ = base.clone().requires_grad_()
+    h = view(base_ * 1.0)
+    if off is None:
+        y = fn(h)
+    else:
+        with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
+            y = remat.checkpoint(region_name="c")(fn)(h)
+    return torch.autograd.grad(y.sum(), base_)[0]
+
+
 def test_a_checkpoint_input_with_gaps_comes_back_in_its_layout():
     off = ActivationOffloader(1 << 24, min_bytes=0, prefetch=0, kinds=tuple(KIND))
     base = torch.randn(128, 48, generator=torch.Generator().manual_seed(4))
@@ -128,19 +141,12 @@ def test_a_checkpoint_input_with_gaps_comes_back_in_its_layout():
         s = h.sum(0, keepdim=True)  # reduces over a column-major input
         return (s * h).sin()
 
-    def grads(off):
-        base_ = base.clone().requires_grad_()
-        h = (base_ * 1.0).t()[:, ::2]
-        if off is None:
-            y = fn(h)
-        else:
-            with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
-                y = remat.checkpoint(region_name="c")(fn)(h)
-        return torch.autograd.grad(y.sum(), base_)[0]
+    def column_slice(b):
+        return b.t()[:, ::2]
 
-    got = grads(off)
+    got = _input_grads(base, column_slice, fn, off)
     assert off.stats.offloaded_bytes  # the input moved
-    assert torch.equal(got, grads(None))
+    assert torch.equal(got, _input_grads(base, column_slice, fn, None))
 
 
 @pytest.mark.parametrize("b_shape", [(4, 1, 1), (1, 16, 1), (1, 1, 20), (4, 16, 1)])
@@ -182,20 +188,13 @@ def test_a_full_reduction_of_a_checkpoint_input_with_gaps_is_bitwise():
     def fn(h):
         return (h.sum() * h).sin()
 
-    def grads(off):
-        base_ = base.clone().requires_grad_()
-        h = (base_ * 1.0)[:, :33]
-        if off is None:
-            y = fn(h)
-        else:
-            with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
-                y = remat.checkpoint(region_name="c")(fn)(h)
-        return torch.autograd.grad(y.sum(), base_)[0]
+    def row_slice(b):
+        return b[:, :33]
 
     off = ActivationOffloader(1 << 24, min_bytes=0, prefetch=0, kinds=tuple(KIND))
-    got = grads(off)
+    got = _input_grads(base, row_slice, fn, off)
     assert off.stats.fetched_bytes[""] == 2000 * 33 * 4  # the input moved, its elements only
-    assert torch.equal(got, grads(None))
+    assert torch.equal(got, _input_grads(base, row_slice, fn, None))
 
 
 @pytest.mark.parametrize("op", ["var", "std", "var_mean"])
@@ -206,16 +205,8 @@ def test_a_full_reduction_of_a_saved_slice_with_gaps_in_backward_is_bitwise(op):
     def body(t):
         return remat.region(lambda u: reduce(u.exp()[:, :33]), "r", recompute=False)(t)
 
-    def grads(off):
-        x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0)).requires_grad_()
-        if off is None:
-            y = body(x)
-        else:
-            with remat.saved_tensors_hooks(off.pack_hook, off.unpack_hook):
-                y = remat.checkpoint(region_name="c")(body)(x)
-        return torch.autograd.grad(y.sum(), x)[0]
-
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0))
     off = ActivationOffloader(1 << 24, min_bytes=0, prefetch=0)
-    got = grads(off)
+    got = _input_grads(x, lambda b: b, body, off)
     assert off.stats.fetched_bytes["r"] >= 2000 * 33 * 4
-    assert torch.equal(got, grads(None))
+    assert torch.equal(got, _input_grads(x, lambda b: b, body, None))

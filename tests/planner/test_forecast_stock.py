@@ -247,6 +247,23 @@ def test_values_read_from_arguments_and_numbers_take_the_path_a_real_run_takes(m
     assert torch.equal(mask, args[1])  # the caller's argument is untouched
 
 
+def _assert_each_policy_as_run(model, args, loss, forecast) -> None:
+    """Each policy's kept bytes equal a real run's, its peak within its margin above."""
+    from torch_remat.integrations import remove_remat
+    from torch_remat.integrations.planner import activation_bytes
+    from torch_remat.integrations.planner._measure import install
+
+    for policy in forecast.policies.values():
+        install(model, policy.config)
+        try:
+            assert activation_bytes(model, args, loss) == policy.kept_bytes, policy.name
+        finally:
+            remove_remat(model)
+    real = _real_peaks(model, args, loss, forecast)
+    for n, policy in forecast.policies.items():
+        assert 0 <= policy.peak_bytes - real[n] <= policy.peak_margin, (n, policy.peak_bytes, real[n])
+
+
 class RoutedBlock(nn.Module):
     """Sends the tokens its mask argument (or their positions) picks through its
     linear: the picked indices' count is a data-dependent shape of known values."""
@@ -284,25 +301,13 @@ class RoutedModel(nn.Module):
 def test_a_data_dependent_shape_of_known_values_is_forecast_as_a_real_run(how):
     # Before: nonzero, torch.where(cond) and boolean indexing raised DataDependentOpError
     # on tensors whose values the forecast carries (an argument, positions from arange)
-    from torch_remat.integrations import remove_remat
-    from torch_remat.integrations.planner import activation_bytes
-    from torch_remat.integrations.planner._measure import install
-
     torch.manual_seed(0)
     model = RoutedModel(how)
     ids = torch.tensor([[3, 1, 4, 0, 0], [5, 9, 2, 6, 5]])
     args = (torch.randn(2, 5, 8), ids)
     loss = lambda out: out.square().sum()  # noqa: E731
     forecast = forecast_remat(model, args, loss, 1.0, blocks=RoutedBlock)
-    for policy in forecast.policies.values():
-        install(model, policy.config)
-        try:
-            assert activation_bytes(model, args, loss) == policy.kept_bytes, policy.name
-        finally:
-            remove_remat(model)
-    real = _real_peaks(model, args, loss, forecast)
-    for n, policy in forecast.policies.items():
-        assert 0 <= policy.peak_bytes - real[n] <= policy.peak_margin, (n, policy.peak_bytes, real[n])
+    _assert_each_policy_as_run(model, args, loss, forecast)
 
 
 @pytest.mark.parametrize("name", [
@@ -315,21 +320,9 @@ def test_an_attention_mask_of_ones_is_skipped_in_the_forecast_as_in_a_real_run(n
     # on fake tensors, whose values transformers cannot read, it built the explicit
     # mask (and for grouped-query attention repeated K/V): the forecast kept 10,240 B
     # more than a real run (Llama, no remat), 2,048 B (BART), 512 B (T5).
-    from torch_remat.integrations import remove_remat
-    from torch_remat.integrations.planner import activation_bytes
-    from torch_remat.integrations.planner._measure import install
-
     model, args, loss = _stock(name)
     forecast = forecast_remat(model, args, loss, 1.0)
-    for policy in forecast.policies.values():
-        install(model, policy.config)
-        try:
-            assert activation_bytes(model, args, loss) == policy.kept_bytes, policy.name
-        finally:
-            remove_remat(model)
-    real = _real_peaks(model, args, loss, forecast)
-    for n, policy in forecast.policies.items():
-        assert 0 <= policy.peak_bytes - real[n] <= policy.peak_margin, (n, policy.peak_bytes, real[n])
+    _assert_each_policy_as_run(model, args, loss, forecast)
 
 
 def test_a_data_dependent_op_is_named_with_its_module_and_the_way_out():
