@@ -709,19 +709,28 @@ def _real_leaf(a: Any) -> Any:
     return None
 
 
+def _real_arguments(flat: list[Any]) -> list[Any] | None:
+    """``flat`` (an op's flattened arguments) with each tensor replaced by its real
+    value (:func:`_real_leaf`); None if one is unknown."""
+    real = []
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            a = _real_leaf(a)
+            if a is None:
+                return None
+        real.append(a)
+    return real
+
+
 def read_known_value(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     """``(True, answer)`` for a read of a value the fake run knows (``bool(t)``,
     ``t.item()``), else ``(False, None)``."""
     if func not in _VALUE_READS:
         return False, None
     flat, spec = tree_flatten((args, kwargs))
-    real = []
-    for a in flat:
-        if isinstance(a, torch.Tensor):
-            a = _real_leaf(a)
-            if a is None:
-                return False, None
-        real.append(a)
+    real = _real_arguments(flat)
+    if real is None:
+        return False, None
     try:
         return True, _on_worker(func, real, spec)
     except Exception:  # noqa: BLE001 (answered as before: from the fake op)
@@ -734,15 +743,9 @@ def outputs_of_known_values(func: Any, args: tuple, kwargs: dict) -> Any:
     carried, where every tensor argument's value is known; else None."""
     flat, spec = tree_flatten((args, kwargs))
     fakes = [a for a in flat if isinstance(a, FakeTensor)]
-    if not fakes:
+    real = _real_arguments(flat) if fakes else None
+    if real is None:
         return None
-    real = []
-    for a in flat:
-        if isinstance(a, torch.Tensor):
-            a = _real_leaf(a)
-            if a is None:
-                return None
-        real.append(a)
     try:
         real_out = _on_worker(func, real, spec)
     except Exception:  # noqa: BLE001 (refused as before)
