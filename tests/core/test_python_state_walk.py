@@ -389,3 +389,218 @@ def test_a_private_container_of_a_module_fsdp2_shards_is_recorded_and_its_own_st
         assert all(torch.equal(a, b) for a, b in zip(*grads))
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- reached through
+# a plain list of blocks, a function argument, a function in a container, a tensor
+
+
+W8 = torch.linspace(0.5, 1.5, 32, dtype=D).reshape(4, 8)
+
+
+class _Counting(nn.Module):
+    """Bumps a counter and reads a scale: the replay must see the forward's."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.n, self.k = 0, 2.0
+
+    def forward(self, x):
+        self.n += 1
+        return (self.lin(x) * self.k * self.n).tanh()
+
+
+def _segment_step(make_blocks, between, ckpt, hold=list):
+    """One step of a segment running blocks it holds in ``hold(blocks)`` (a plain list,
+    a dict, an object): not registered anywhere. Returns gradients, buffers and
+    the blocks' counters."""
+    torch.manual_seed(0)
+    blocks = make_blocks()
+    held = hold(blocks)
+
+    def segment(x):
+        # reads the container itself at each call, as the model's code would
+        members = held.values() if isinstance(held, dict) else held.items if isinstance(held, _Holder) else held
+        for b in members:
+            x = b(x)
+        return x
+
+    x = torch.randn(4, 8, dtype=D, requires_grad=True)
+    f = remat.checkpoint(region_name="seg")(segment) if ckpt else segment
+    y = f(x)
+    between(blocks)
+    (y * W8).sum().backward()
+    params = [p.grad for b in blocks for p in b.parameters()]
+    buffers = [t.clone() for b in blocks for t in b.buffers()]
+    return [x.grad, *params, *buffers], [getattr(b, "n", None) for b in blocks]
+
+
+class _Holder:
+    def __init__(self, blocks):
+        self.items = list(blocks)
+
+
+@pytest.mark.parametrize("hold", [list, lambda bs: dict(enumerate(bs)), _Holder], ids=["list", "dict", "object"])
+@pytest.mark.parametrize("change", [False, True], ids=["untouched", "scale-changed-before-backward"])
+def test_blocks_a_segment_holds_in_a_plain_container_are_replayed_as_the_forward_saw_them(hold, change):
+    # Segment checkpointing over list(model.layers[i:j]): blocks with submodules held
+    # in a list were not walked, so each counter was bumped twice and the scale
+    # changed before the backward was read by the replay (wrong gradients, no error).
+    def between(blocks):
+        if change:
+            for b in blocks:
+                b.k = 5.0
+
+    def make():
+        return [_Counting(), _Counting()]
+
+    expected, counts = _segment_step(make, between, False, hold)
+    with recorded_replays() as replayed:
+        got, got_counts = _segment_step(make, between, True, hold)
+    assert replayed == ["seg"]
+    assert got_counts == counts == [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_batch_norm_blocks_in_a_plain_list_update_their_statistics_once():
+    def make():
+        return [nn.Sequential(nn.Linear(8, 8, dtype=D), nn.BatchNorm1d(8, dtype=D)) for _ in range(2)]
+
+    expected, _ = _segment_step(make, lambda bs: None, False)
+    with recorded_replays() as replayed:
+        got, _ = _segment_step(make, lambda bs: None, True)
+    assert replayed == ["seg"]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))  # running stats, num_batches_tracked
+
+
+def test_dropout_blocks_in_a_plain_list_switched_to_eval_before_backward_replay_in_training_mode():
+    def make():
+        return [nn.Sequential(nn.Linear(8, 8, dtype=D), nn.Dropout(0.5)) for _ in range(2)]
+
+    def to_eval(blocks):
+        for b in blocks:
+            b.eval()
+
+    def step(ckpt):
+        torch.manual_seed(0)
+        blocks = make()
+
+        def segment(x):
+            for b in blocks:
+                x = b(x).tanh()
+            return x
+
+        f = remat.checkpoint(region_name="seg", recompute_state_hooks=(remat.CPURNGStateHook(),))(segment) if ckpt else segment
+        x = torch.randn(4, 8, dtype=D, requires_grad=True)
+        y = f(x)
+        to_eval(blocks)
+        (y * W8).sum().backward()
+        return [x.grad, *[p.grad for b in blocks for p in b.parameters()]]
+
+    expected = step(False)
+    with recorded_replays() as replayed:
+        got = step(True)
+    assert replayed == ["seg"]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+SCALE_READ_BY_ARGUMENT = 2.0
+
+
+def _act_reading_a_global(t):
+    return (t * SCALE_READ_BY_ARGUMENT).tanh()
+
+
+class _Scaler:
+    def __init__(self):
+        self.k = 2.0
+
+    def apply(self, t):
+        return (t * self.k).tanh()
+
+
+def _callable_cases():
+    def counter():
+        count = {"n": 0}
+
+        def act(t):
+            count["n"] += 1
+            return (t * count["n"]).tanh()
+
+        return act, lambda: None, lambda: count["n"]
+
+    def global_read():
+        global SCALE_READ_BY_ARGUMENT
+        SCALE_READ_BY_ARGUMENT = 2.0
+
+        def between():
+            global SCALE_READ_BY_ARGUMENT
+            SCALE_READ_BY_ARGUMENT = 5.0
+
+        return _act_reading_a_global, between, lambda: SCALE_READ_BY_ARGUMENT
+
+    def bound_method():
+        s = _Scaler()
+        return s.apply, lambda: setattr(s, "k", 5.0), lambda: s.k
+
+    def partial():
+        cfg = {"k": 2.0}
+        return (functools.partial(lambda t, cfg: (t * cfg["k"]).tanh(), cfg=cfg),
+                lambda: cfg.__setitem__("k", 5.0), lambda: cfg["k"])
+
+    return {"closure-counter": counter, "global": global_read, "bound-method": bound_method, "partial": partial}
+
+
+@pytest.mark.parametrize("how", ["argument", "closure-list", "closure-dict", "closure-tuple"])
+@pytest.mark.parametrize("case", list(_callable_cases()))
+def test_a_function_passed_in_or_held_in_a_container_is_replayed_as_the_forward_saw_it(case, how):
+    # A function given as an argument, or kept in a list, dict or tuple the
+    # checkpointed code closes over, was not walked: its counter was bumped twice
+    # and what the caller changed before the backward was read by the replay.
+    def step(ckpt):
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8, dtype=D)
+        act, between, state = _callable_cases()[case]()
+        held = {"closure-list": [act], "closure-dict": {"a": act}, "closure-tuple": (act,)}.get(how)
+
+        def block(x, arg=None):
+            f = arg if how == "argument" else (held["a"] if isinstance(held, dict) else held[0])
+            return f(lin(x))
+
+        x = torch.randn(4, 8, dtype=D, requires_grad=True)
+        run = remat.checkpoint(region_name="blk")(block) if ckpt else block
+        y = run(x, act) if how == "argument" else run(x)
+        between()
+        (y * W8).sum().backward()
+        return [x.grad, lin.weight.grad, lin.bias.grad], state()
+
+    expected, end = step(False)
+    with recorded_replays() as replayed:
+        got, got_end = step(True)
+    assert replayed == ["blk"]
+    assert got_end == end
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_python_attribute_of_an_input_tensor_is_there_in_the_replay():
+    # x.scale = 2.0 read by the forward: the replay's copy of the input lacked it
+    # (AttributeError in backward, where autograd and torch's checkpoint run).
+    def step(ckpt):
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8, dtype=D)
+        x = torch.randn(4, 8, dtype=D, requires_grad=True)
+        x.scale = 2.0
+
+        def block(h):
+            return (lin(h) * h.scale).tanh()
+
+        y = (remat.checkpoint(region_name="blk")(block) if ckpt else block)(x)
+        (y * W8).sum().backward()
+        return [x.grad, lin.weight.grad]
+
+    expected = step(False)
+    with recorded_replays() as replayed:
+        got = step(True)
+    assert replayed == ["blk"]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

@@ -942,6 +942,7 @@ def _held_state(
     generators: list[Any],
     user_classes: list[type],
     modules: list[nn.Module] | None = None,
+    callables: list[Any] | None = None,
 ) -> None:
     """Record the state behind the values in ``held`` (the first ``n_local`` are
     closure values and containers in module attributes; then module-level
@@ -949,7 +950,8 @@ def _held_state(
     behind the values they hold in turn: generator objects (forked), plain objects
     (their attributes, the tensors among them version-checked), lists, dicts and
     sets (their contents). Modules found among them (a module kept in a list, not
-    registered as a submodule) are added to ``modules``."""
+    registered as a submodule) are added to ``modules``, functions, bound methods
+    and partials (``ops = [act]``) to ``callables``."""
     budget = _MAX_HELD
     kinds = _HELD_KINDS
     i = 0
@@ -999,11 +1001,32 @@ def _held_state(
                 if len(entry) <= budget:
                     budget -= len(entry)
                     held.extend(entry.values())
-        elif modules is not None and id(v) not in seen and not v._modules and len(modules) < _MAX_FOUND:
-            # _HELD_MODULE: a small module of the user's kept in a list or an object,
-            # not registered (one with submodules is more likely a back-reference to a
-            # model, which would be walked at every block's call)
+        elif kind == _HELD_FUNCTION:
+            if callables is not None and id(v) not in seen:
+                seen.add(id(v))
+                callables.append(v)
+        elif modules is not None and id(v) not in seen and _held_module_has_state(v, seen):
+            # _HELD_MODULE: a module kept in a list or an object, not registered (the
+            # blocks of a segment, list(model.layers[i:j])); walked like a root
             modules.append(v)
+
+
+def _held_module_has_state(module: nn.Module, seen: set[int]) -> bool:
+    """Whether a module found in a list or an object is walked for its state: not a
+    torch module without parameters, buffers or submodules whose forward ignores
+    ``training`` (nn.Tanh in a list of layers), and not a module holding one walked
+    already (a back-reference to the model, ``self.model = [model]``, holds the
+    block itself: it would record the whole model at every block's call)."""
+    if module._modules:
+        return not any(id(m) in seen for m in module.modules())
+    return (
+        bool(module._parameters) or bool(module._buffers) or not _from_library(type(module))
+        or isinstance(module, _READS_TRAINING)
+    )
+
+
+_READS_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
+"""Torch modules without parameters or buffers whose forward reads ``training``."""
 
 
 def _is_tuple_type(cls: type) -> bool:
@@ -1013,18 +1036,18 @@ def _is_tuple_type(cls: type) -> bool:
     )
 
 
-_MAX_FOUND = 16
-"""How many unregistered modules one call records (see _held_state)."""
 _SMALL_TUPLE = 64
 """Longer tuples (a schedule, a table of numbers) are not looked inside."""
 
 # what _held_state does with a value, by its class (_held_kind)
-_SKIP, _HELD_CONTAINER, _HELD_TUPLE, _HELD_GENERATOR, _HELD_PLAIN, _HELD_MODULE = range(6)
+_SKIP, _HELD_CONTAINER, _HELD_TUPLE, _HELD_GENERATOR, _HELD_PLAIN, _HELD_MODULE, _HELD_FUNCTION = range(7)
 _HELD_KINDS: dict[type, int] = {}
 
 
 def _held_kind(cls: type) -> int:
-    if _is_container(cls):
+    if cls in _CALLABLES:
+        kind = _HELD_FUNCTION
+    elif _is_container(cls):
         kind = _HELD_CONTAINER
     elif _is_tuple_type(cls):
         kind = _HELD_TUPLE
@@ -1032,9 +1055,7 @@ def _held_kind(cls: type) -> int:
         kind = _HELD_GENERATOR
     elif _is_plain(cls):
         kind = _HELD_PLAIN
-    elif issubclass(cls, nn.Module) and not _from_library(cls):
-        # (a torch module, nn.Tanh in a list of layers, keeps no Python state its
-        # forward changes: not looked at, which keeps each SAVE region's check short)
+    elif issubclass(cls, nn.Module):
         kind = _HELD_MODULE
     else:
         kind = _SKIP
@@ -1430,8 +1451,8 @@ class ModuleState:
                 if state is not None:
                     return state
                 memo.reuse = None
-        # the modules among the arguments are read like the function's own
-        in_args = [x for x in leaves if isinstance(x, nn.Module)] if leaves else ()
+        # the modules and functions among the arguments are read like the function's own
+        in_args = [x for x in leaves if isinstance(x, nn.Module) or type(x) in _CALLABLES] if leaves else ()
         modules, cells, values, functions, objects = _roots(fn, *in_args)
         for x in leaves:
             # plain objects (a config), generator objects (forked) and sets (lists,
@@ -1545,19 +1566,27 @@ class ModuleState:
         containers: list[tuple[Any, Any]] = []
         generators: list[Any] = []
         found: list[nn.Module] = []
+        found_callables: list[Any] = []
         done = set(classes)  # the classes whose methods' module-level variables were read
         done.update(user_classes)
         user_classes.extend(named)
-        _held_state(held, n_local, seen, slots, others, containers, generators, user_classes, found)
+        _held_state(held, n_local, seen, slots, others, containers, generators, user_classes, found, found_callables)
         for _ in range(_MAX_DEPTH):
             # the classes of the plain objects found (a method of a config reading a
-            # module-level variable), and modules held in a list or a plain object,
-            # not registered as submodules
+            # module-level variable), modules held in a list or a plain object, not
+            # registered as submodules, and functions held so (ops = [act])
             new = [c for c in user_classes if c not in done]
-            if not found and not new:
+            if not found and not new and not found_callables:
                 break
             more_held: list[Any] = []
             more_objects: list[Any] = []
+            if found_callables:
+                n_values, n_objects, start = len(values), len(objects), len(global_values)
+                visit_callables(found_callables)
+                more_held.extend(v for _, v in values[n_values:])
+                more_held.extend(objects[n_objects:])
+                more_held.extend(v for _, _, v in global_values[start:])
+                found_callables = []
             more_classes: dict[type, None] = dict.fromkeys(new)
             for m in found:
                 _module_slots(
@@ -1578,7 +1607,10 @@ class ModuleState:
             more_held.extend(v for _, _, v in global_values[start:])
             more_held.extend(more_objects)
             found = []
-            _held_state(more_held, n_more, seen, slots, others, containers, generators, user_classes, found)
+            _held_state(
+                more_held, n_more, seen, slots, others, containers, generators, user_classes, found,
+                found_callables,
+            )
         class_values: list[tuple[_ClassDict, dict]] = []
         in_classes: list[Any] = []  # the lists, dicts and sets class attributes hold
         for c in user_classes:

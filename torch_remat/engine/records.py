@@ -442,6 +442,7 @@ class TensorSource:
         "bits",
         "held_anyway",
         "written_by",
+        "attributes",
     )
 
     def __init__(
@@ -456,6 +457,9 @@ class TensorSource:
         # sources (a cycle would delay freeing kept tensors to the garbage collector).
         self.region = region
         self.meta = TensorMeta.of(t)
+        # Python attributes set on an input (x.scale = 2.0): the replay's copy of the
+        # input carries them as the forward saw them (a subclass's are its own)
+        self.attributes = _python_attributes(t) if kind == INPUT and type(t) is torch.Tensor else None
         # Inputs are referenced strongly until the forward ends (the caller holds
         # them anyway); outputs weakly, so observing them costs no memory.
         self.ref = t if kind == INPUT else weakref.ref(t)
@@ -590,7 +594,10 @@ class TensorSource:
         """The value the recompute sees: the kept tensor, or a placeholder."""
         meta = self.meta
         if self.saved is None:
-            return make_placeholder(meta, self.origin(checkpoint))
+            t = make_placeholder(meta, self.origin(checkpoint))
+            if self.attributes:
+                t.__dict__.update(self.attributes)
+            return t
         saved = self.saved
         if type(saved) is VersionedTensor:
             if not saved.intact():
@@ -632,7 +639,18 @@ class TensorSource:
             torch.autograd.graph.increment_version(t)
         if meta.requires_grad:
             t.requires_grad_()
+        if self.attributes:
+            t.__dict__.update(self.attributes)
         return t
+
+
+def _python_attributes(t: torch.Tensor) -> dict[str, Any] | None:
+    """A copy of the Python attributes set on ``t`` (None: none; not read while
+    Dynamo traces, where a tensor's ``__dict__`` is not a value)."""
+    if torch.compiler.is_compiling():
+        return None
+    d = t.__dict__
+    return d.copy() if d else None
 
 
 class SourceIndex:
