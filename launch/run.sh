@@ -34,6 +34,9 @@
 #                  setup_env.sh installs only what is missing, one call at a time.
 # A bad argument ends the run with status 2 and train.py's message (launch/torchrun.py).
 set -euo pipefail
+# relative --checkpoint-dir, --log-json and --oom-dump-dir name places under the folder
+# the job is started from (train.py resolves them against it)
+export TORCH_REMAT_CALLER_DIR=${TORCH_REMAT_CALLER_DIR:-$PWD}
 cd "$(dirname "$0")/.."
 # a bad count ends here with a usage error, not in torchrun's traceback
 for var in NPROC:processes NNODES:nodes; do

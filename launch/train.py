@@ -537,6 +537,55 @@ def check_writable(directory: pathlib.Path, rank: int, flag: str = "--checkpoint
                     "make this one writable", rank)
 
 
+_LOCK = ".lock"
+_held_lock = None  # the open lock file: the lock lasts as long as the process
+
+
+def lock_checkpoint_dir(directory: pathlib.Path, rank: int) -> None:
+    """Refuse a --checkpoint-dir another run is writing: rank 0 holds an exclusive
+    lock on ``directory``/.lock for the run's life (the system releases it when the
+    process ends, however it ends: a restarted attempt takes it again). Two runs
+    saving into one folder would replace each other's steps and resume from them."""
+    global _held_lock
+    error = None
+    if rank == 0:
+        import fcntl
+
+        path = directory / _LOCK
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            error = (f"--checkpoint-dir {directory}: another run is using it ({holder} holds "
+                     f"{path}); wait for it to end or choose another directory")
+        else:
+            f.seek(0)
+            f.truncate()
+            f.write(f"process {os.getpid()} on {os.uname().nodename}\n")
+            f.flush()
+            _held_lock = f
+    if dist.is_initialized():
+        errors = [error]
+        dist.broadcast_object_list(errors, src=0)
+        error = errors[0]
+    if error is not None:
+        usage_error(error, rank)
+
+
+def release_checkpoint_dir() -> None:
+    """End of the run: drop the lock file (a run that ends otherwise leaves it,
+    unlocked, for the next run to take)."""
+    global _held_lock
+    if _held_lock is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(_held_lock.name)
+        _held_lock.close()
+        _held_lock = None
+
+
 @contextlib.contextmanager
 def _no_load_logs():
     """torch.distributed.checkpoint logs each failed metadata read with its traceback
@@ -754,6 +803,14 @@ def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, k
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final, tmp = directory / f"step{step}", directory / f"step{step}.tmp"
+    if rank == 0:
+        for path in (final, tmp):
+            if path.exists() and not path.is_dir():
+                # a file of the user's named like a checkpoint: not replaced
+                moved = path.with_name(f"{path.name}.not-a-checkpoint")
+                path.rename(moved)
+                print(f"torch_remat train: {path} is a file, not a checkpoint folder; moved it to "
+                      f"{moved} to save step {step} there", flush=True)
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)  # an earlier attempt's unfinished save
     if dist.is_initialized():
@@ -902,8 +959,9 @@ POSITIVE = ("steps", "batch_size", "seq_len", "layers", "dim", "heads", "save_ev
 
 
 def parse_args(argv=None):
+    # no abbreviations: run.sh reads --parallel (one process for none) by its full name
     p = ArgumentParser(description="Train a small GPT with torch_remat.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none", help="how the ranks share the model (all but none need torchrun, e.g. launch/run.sh); fsdp2+tp: tensor parallelism over pairs of ranks, FSDP2 across the pairs")
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
     p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES: before training, print rank 0's forecast for the --parallel layout on the launch's ranks (every hand policy and the plan, run on fake tensors over a fake process group: nothing allocated), with the largest micro-batch fitting --device-memory")
@@ -926,6 +984,14 @@ def parse_args(argv=None):
     p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run starts from its checkpoint's log up to the resume point (not from this file, which may be another run's) and lists it in resumed_at")
     p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
     args = p.parse_args(argv)
+    # relative paths name places under the folder the job was started from (run.sh
+    # runs from the repository root and passes that folder on)
+    caller = os.environ.get("TORCH_REMAT_CALLER_DIR")
+    if caller:
+        for name in ("checkpoint_dir", "log_json", "oom_dump_dir"):
+            value = getattr(args, name)
+            if value and not os.path.isabs(value):
+                setattr(args, name, os.path.join(caller, value))
     for name in POSITIVE:
         value = getattr(args, name)
         if value < 1:
@@ -1069,6 +1135,7 @@ def main(argv=None) -> None:
     start, skipped = 0, Skipped()
     if ckpt_dir is not None:
         check_writable(ckpt_dir, rank)
+        lock_checkpoint_dir(ckpt_dir, rank)
         start = load_checkpoint(ckpt_dir, model, opt, rank, config, skipped)
     if start and start >= args.steps:
         if rank == 0:
@@ -1208,6 +1275,7 @@ def _disagreement(given: tuple[dict, dict, list], saved: tuple[dict, dict, list]
 
 
 def finish(distributed: bool) -> None:
+    release_checkpoint_dir()
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

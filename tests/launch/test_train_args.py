@@ -280,3 +280,55 @@ def test_a_device_profile_is_read_from_its_name_or_its_file(tmp_path):
     assert (mine.name, dict(mine.flops), mine.host_link_bandwidth) == ("mine", {"float32": 2e12}, 2e10)
     assert train.device_profile("H100 SXM").name == "H100 SXM"
     assert train.device_profile(None) is None
+
+
+def test_an_abbreviated_flag_is_refused(capsys):
+    # argparse took --par for --parallel, and run.sh (which starts one process for
+    # --parallel none) did not: two single-process runs wrote one folder
+    err = usage_error(capsys, ["--par", "none"])
+    assert "train.py: error: unrecognized arguments: --par none" in err
+
+
+def test_relative_paths_name_places_under_the_folder_the_job_was_started_from(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_REMAT_CALLER_DIR", str(tmp_path))
+    args = train.parse_args(["--checkpoint-dir", "ck", "--log-json", "log.json", "--oom-dump-dir",
+                             "dumps"])
+    assert (args.checkpoint_dir, args.log_json, args.oom_dump_dir) == (
+        str(tmp_path / "ck"), str(tmp_path / "log.json"), str(tmp_path / "dumps"))
+    absolute = train.parse_args(["--checkpoint-dir", "/elsewhere/ck"])
+    assert absolute.checkpoint_dir == "/elsewhere/ck"
+
+
+def test_a_checkpoint_dir_another_run_writes_is_refused_naming_its_holder(capsys, tmp_path):
+    train.lock_checkpoint_dir(tmp_path, rank=0)
+    first = train._held_lock
+    try:
+        train._held_lock = None  # a second run (another open file: the lock conflicts)
+        with pytest.raises(SystemExit) as info:
+            train.lock_checkpoint_dir(tmp_path, rank=0)
+        assert info.value.code == 2
+        import os
+
+        err = capsys.readouterr().err
+        assert (f"train.py: error: --checkpoint-dir {tmp_path}: another run is using it (process "
+                f"{os.getpid()} on ") in err and "choose another directory" in err
+        assert train._held_lock is None
+    finally:
+        train._held_lock = first
+    train.release_checkpoint_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock file goes with the run
+    train.lock_checkpoint_dir(tmp_path, rank=0)  # and the folder is free again
+    train.release_checkpoint_dir()
+
+
+def test_a_file_named_like_a_checkpoint_is_moved_aside_not_deleted(capsys, tmp_path):
+    # shutil.rmtree of it raised NotADirectoryError at the first save, after training
+    import torch
+
+    torch.manual_seed(0)
+    model = train.GPT(train.GPTConfig(vocab=10, seq_len=8, layers=1, dim=8, heads=2))
+    (tmp_path / "step2").write_text("notes")
+    train.save_checkpoint(tmp_path, model, torch.optim.AdamW(model.parameters()), 2, rank=0, keep=0)
+    assert (tmp_path / "step2").is_dir() and (tmp_path / "step2" / ".metadata").exists()
+    assert (tmp_path / "step2.not-a-checkpoint").read_text() == "notes"
+    assert f"{tmp_path / 'step2'} is a file, not a checkpoint folder; moved it to" in capsys.readouterr().out
