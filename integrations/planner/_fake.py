@@ -71,6 +71,7 @@ from ._measure import (
     RANGE_PREFIX,
     LossFn,
     Measurement,
+    PhaseTracker,
     Placement,
     RecomputeCounter,
     _profiled,
@@ -183,6 +184,12 @@ class StorageLedger(TorchDispatchMode):
         transient where the real one could not be learned."""
         self.linear: LinearCalls | None = None
         """Set while a step runs: whether the current op is ``F.linear``'s."""
+        self.phase: tuple[str, str] | None = None
+        """The phase of the step running (see ``_measure.PhaseTracker``); None: the
+        step is not split into phases."""
+        self.phases: list[tuple[tuple[str, str] | None, int, int, dict[Any, int], dict[Any, int]]] = []
+        """Each phase that ended: (its key, :attr:`peak`, :attr:`peak_extra`,
+        :attr:`spikes` and :attr:`spike_extras` as it ended)."""
         self.in_place: tuple[tuple[int, ...], Any, tuple[int, int]] | None = None
         """The op that just ran out of place where the real backward runs in place
         if an argument dies with it: (those arguments' storage keys, its spike's
@@ -473,19 +480,42 @@ class StorageLedger(TorchDispatchMode):
 
         weakref.finalize(st, freed)
 
+    def enter_phase(self, key: tuple[str, str]) -> None:
+        """The phase ``key`` begins: the peak and spikes so far are the ended phase's."""
+        self._between_ops()
+        self.phases.append((self.phase, self.peak, self.peak_extra, self.spikes, self.spike_extras))
+        self.phase = key
+        self.peak, self.peak_extra = self.current, sum(self.extras)
+        self.spikes, self.spike_extras = {}, {}
+
     def transient_peak(self) -> tuple[int, int]:
         """The peak with each op's learned transient bytes on top of what was alive
         when it started (signatures not learned: their outputs, as counted), and the
         bytes of running replays' numbers counted in it (:meth:`replay_started`)."""
+        return max(self._phase_peaks(), key=lambda p: p[1])[1:]
+
+    def phase_peaks(self) -> dict[tuple[str, str], int]:
+        """:meth:`transient_peak` of each phase."""
+        out: dict[tuple[str, str], int] = {}
+        for key, peak, _ in self._phase_peaks():
+            if key is not None:
+                out[key] = max(out.get(key, 0), peak)
+        return out
+
+    def _phase_peaks(self) -> list[tuple[tuple[str, str] | None, int, int]]:
         self._between_ops()
-        peak, numbers = self.peak, self.peak_extra
-        for key, before in self.spikes.items():
-            extra = _TRANSIENT.get(key)
-            if extra is None:
-                extra = self.node_fallback.get(key)
-            if extra is not None and before + extra > peak:
-                peak, numbers = before + extra, self.spike_extras.get(key, 0)
-        return peak, numbers
+        out = []
+        for key, peak, numbers, spikes, spike_extras in [
+            *self.phases, (self.phase, self.peak, self.peak_extra, self.spikes, self.spike_extras)
+        ]:
+            for signature, before in spikes.items():
+                extra = _TRANSIENT.get(signature)
+                if extra is None:
+                    extra = self.node_fallback.get(signature)
+                if extra is not None and before + extra > peak:
+                    peak, numbers = before + extra, spike_extras.get(signature, 0)
+            out.append((key, peak, numbers))
+        return out
 
     def resized(self, st: Any, before: int, after: int) -> None:
         """A fake storage was resized outside the dispatcher (``UntypedStorage.resize_``:
@@ -1281,10 +1311,13 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
 def _block_ranges(ledger: StorageLedger, model: nn.Module, names: Sequence[str]) -> Iterator[None]:
     handles = []
     ranges: list[Any] = []
+    phases = PhaseTracker(names, ledger.enter_phase)
+    ledger.phase = phases.key
     for name in names:
         block = model.get_submodule(name)
 
         def enter(_m: nn.Module, _a: Any, _name: str = name) -> None:
+            phases.entered(_name)
             ledger.blocks.append(_name)
             # The range is opened by an op, which the fake mode would swallow.
             with _disable_current_modes():
@@ -1292,10 +1325,11 @@ def _block_ranges(ledger: StorageLedger, model: nn.Module, names: Sequence[str])
                 r.__enter__()
             ranges.append(r)
 
-        def leave(_m: nn.Module, _a: Any, _o: Any) -> None:
+        def leave(_m: nn.Module, _a: Any, out: Any, _name: str = name) -> None:
             ledger.blocks.pop()
             with _disable_current_modes():
                 ranges.pop().__exit__(None, None, None)
+            phases.left(_name, out)
 
         handles.append(block.register_forward_pre_hook(enter))
         handles.append(block.register_forward_hook(leave, always_call=True))
@@ -1540,6 +1574,7 @@ def measure_fake(
         learn_nodes(ledger.pending_nodes)
         peak, replayed_numbers = ledger.transient_peak()
         peak += unfollowed
+        phases = {key: p + unfollowed for key, p in ledger.phase_peaks().items()}
     finally:
         if was_enabled:
             gc.enable()
@@ -1556,6 +1591,7 @@ def measure_fake(
         host_by_block={n: host.get(n, 0) for n in block_names},
     )
     result.peak_bytes = peak
+    result.phase_peaks = phases
     result.peak_margin = unfollowed + replayed_numbers
     result.gradient_bytes = gradient_bytes
     return result

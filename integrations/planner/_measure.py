@@ -45,7 +45,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.utils.flop_counter import flop_registry
 
 import torch_remat as remat
-from torch_remat._integration import TorchDispatchMode, disable_current_modes
+from torch_remat._integration import TorchDispatchMode, disable_current_modes, tree_flatten
 
 from ..apply import RematConfig, apply_remat, remat_module_names, remove_remat
 from ._flops import flops as op_flops
@@ -60,6 +60,14 @@ it, on its thread, are the forward's."""
 
 BASE = ""
 """Key of the bytes allocated outside every block."""
+
+PHASE_PREFIX = "torch_remat.planner.phase::"
+"""Name prefix of the instant profiler ranges that mark where a phase of the step
+begins (see :class:`PhaseTracker`)."""
+
+HEAD = ("head", BASE)
+"""The phase from the last block's forward returning until the backward reaches a
+block: the head, the loss and their backward."""
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -98,6 +106,9 @@ class Measurement:
     peak_bytes: int | None = None
     """The most device bytes the step's own storages held at once, from just before
     the forward to the end of the backward (None: not measured)."""
+    phase_peaks: dict[tuple[str, str], int] | None = None
+    """The most bytes alive at once in each phase of the step (keys: see
+    :class:`PhaseTracker`; None: not measured)."""
 
     @property
     def total_bytes(self) -> int:
@@ -262,21 +273,79 @@ def blocks_drawing_no_random_numbers(
 # ------------------------------------------------------------------ bytes
 
 
+class PhaseTracker:
+    """Splits a step into phases by block, so that a plan's step peak can be composed
+    from the runs that measured its blocks' options (``RematPlan.predicted_peak``):
+
+    * ``("forward", b)``: block ``b``'s forward, and the code run since the forward
+      of the block before it returned (the embedding, for the first block);
+    * :data:`HEAD`: from the last block's forward returning until the backward
+      reaches a block's outputs;
+    * ``("backward", b)``: from the backward reaching ``b``'s outputs (a hook on
+      their gradient nodes) until it reaches another block's.
+
+    In each phase the bytes of the blocks before ``b`` are held as they were after
+    the forward (their backward comes later) and the blocks after it hold nothing
+    that depends on their options (their backward is done, or their forward has not
+    run). ``switch(key)`` is called at every change; a recompute running a block's
+    forward again changes nothing."""
+
+    def __init__(self, names: Sequence[str], switch: Callable[[tuple[str, str]], None]) -> None:
+        self.names = list(names)
+        self.switch = switch
+        self.key: tuple[str, str] = ("forward", self.names[0]) if self.names else HEAD
+        self.reached: set[str] = set()
+
+    def entered(self, name: str) -> None:
+        if not remat.is_recomputing():
+            self._to(("forward", name))
+
+    def left(self, name: str, out: Any) -> None:
+        if remat.is_recomputing():
+            return
+        i = self.names.index(name)
+        self._to(("forward", self.names[i + 1]) if i + 1 < len(self.names) else HEAD)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.register_prehook(lambda _grads, _name=name: self._reached(_name))
+
+    def _reached(self, name: str) -> None:
+        if name not in self.reached:
+            self.reached.add(name)
+            self._to(("backward", name))
+
+    def _to(self, key: tuple[str, str]) -> None:
+        if key != self.key:
+            self.key = key
+            self.switch(key)
+
+
+def _mark_phase(key: tuple[str, str]) -> None:
+    """An instant profiler range naming the phase that begins now."""
+    r = torch.profiler.record_function(PHASE_PREFIX + "::".join(key))
+    r.__enter__()
+    r.__exit__(None, None, None)
+
+
 @contextlib.contextmanager
 def _block_ranges(model: nn.Module, block_names: Sequence[str]) -> Iterator[None]:
-    """A profiler range around each block's forward (outside its checkpoint)."""
+    """A profiler range around each block's forward (outside its checkpoint), and a
+    mark where each phase of :class:`PhaseTracker` begins."""
     handles = []
     open_ranges: dict[nn.Module, list[Any]] = defaultdict(list)
+    phases = PhaseTracker(block_names, _mark_phase)
     for name in block_names:
         block = model.get_submodule(name)
 
         def enter(module: nn.Module, _args: Any, _name: str = name) -> None:
+            phases.entered(_name)
             r = torch.profiler.record_function(RANGE_PREFIX + _name)
             r.__enter__()
             open_ranges[module].append(r)
 
-        def leave(module: nn.Module, _args: Any, _out: Any) -> None:
+        def leave(module: nn.Module, _args: Any, out: Any, _name: str = name) -> None:
             open_ranges[module].pop().__exit__(None, None, None)
+            phases.left(_name, out)
 
         handles.append(block.register_forward_pre_hook(enter))
         handles.append(block.register_forward_hook(leave, always_call=True))
@@ -417,6 +486,38 @@ def step_peak(prof: Any, leave_out: frozenset[int] = frozenset(), device: str = 
     return peak
 
 
+def phase_peaks(
+    prof: Any, block_names: Sequence[str], leave_out: frozenset[int] = frozenset(), device: str = "cpu"
+) -> dict[tuple[str, str], int]:
+    """The most bytes alive at once in each phase of the step (see
+    :class:`PhaseTracker`), counted as :func:`step_peak` counts them."""
+    marks = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.name.startswith(PHASE_PREFIX):
+            kind, _, block = e.name[len(PHASE_PREFIX):].partition("::")
+            marks.append((e.start_time_ns, (kind, block)))
+    marks.sort(key=lambda m: m[0])
+    key = ("forward", block_names[0]) if block_names else HEAD
+    live = 0
+    peaks = {key: 0}
+    i = 0
+    for time_ns, ptr, size, _ in _allocation_events(prof, device):
+        while i < len(marks) and marks[i][0] <= time_ns:
+            key = marks[i][1]
+            peaks[key] = max(peaks.get(key, 0), live)
+            i += 1
+        if ptr in leave_out:
+            continue
+        live += size
+        peaks[key] = max(peaks[key], live)
+    for _, later in marks[i:]:
+        peaks[later] = max(peaks.get(later, 0), live)
+    return peaks
+
+
 @contextlib.contextmanager
 def _profiled(block_names: Sequence[str] = (), model: nn.Module | None = None) -> Iterator[Any]:
     """Profile with the block ranges on and the cycle collector off, so that what the
@@ -509,6 +610,7 @@ def measure(
                 del loss
             device = next((p.device.type for p in model.parameters()), "cpu")
             peak_bytes = step_peak(prof, pooled, device) if peak else None
+            phases = phase_peaks(prof, block_names, pooled, device) if peak else None
     finally:
         remove_remat(model)
     return Measurement(
@@ -517,6 +619,7 @@ def measure(
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
         host_by_block={n: host.get(n, 0) for n in block_names},
         peak_bytes=peak_bytes,
+        phase_peaks=phases,
     )
 
 

@@ -29,6 +29,7 @@ from torch_remat._integration import format_bytes
 from . import _distributed, _report
 from ._measure import (
     BASE,
+    HEAD,
     LossFn,
     Placement,
     blocks_drawing_no_random_numbers,
@@ -81,6 +82,25 @@ class Measured:
     staying: int = 0
     """Offloaded: the device bytes the block's checkpoint call keeps when it is one
     of the forward's last ``prefetch`` offloaded calls (left on the device)."""
+    rise: int | None = None
+    """The peak during the block's backward (see ``_measure.PhaseTracker``) less
+    the bytes held then by the blocks before it and outside every block, in the
+    run that measured this option (None: not measured)."""
+    forward_rise: int | None = None
+    """The same for the block's forward (and the code run since the previous
+    block's forward returned)."""
+    head: int | None = None
+    """The peak from the last block's forward returning until the backward reaches
+    a block, less the bytes held after the forward, in that run."""
+
+    @property
+    def level(self) -> int:
+        """How far the block's phases rise above its own bytes (with the blocks
+        before it held): a plan's peak is at most its bytes plus the largest level
+        of its options and the head's. The transient where phases were not measured."""
+        if self.rise is None or self.forward_rise is None:
+            return self.transient
+        return max(0, self.rise - self.bytes, self.forward_rise - self.bytes)
 
     @property
     def cost(self) -> tuple[int, int, int]:
@@ -92,6 +112,9 @@ class Measured:
         for key in ("host_bytes", "transient", "seconds", "staying"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
+        for key in ("rise", "forward_rise", "head"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     @staticmethod
@@ -99,6 +122,7 @@ class Measured:
         return Measured(
             Option.from_json(d), d["bytes"], d["flops"], d["ops"],
             d.get("host_bytes", 0), d.get("transient", 0), d.get("seconds", 0.0), d.get("staying", 0),
+            d.get("rise"), d.get("forward_rise"), d.get("head"),
         )
 
 
@@ -202,41 +226,90 @@ class RematPlan:
 
     @property
     def predicted_peak(self) -> int | None:
-        """The step's peak with the plan applied (None: peaks were not measured):
-        its bytes after the forward plus the largest transient of its options.
+        """The step's peak with the plan applied (None: peaks were not measured).
+
+        Each block's options were measured in runs where the other blocks ran
+        without a checkpoint; a run's peak in each phase of the step (a block's
+        forward, the head, a block's backward: ``_measure.PhaseTracker``) less the
+        bytes held then by the blocks before that block carries over to any plan
+        choosing the same option for it: in the phases of block ``b`` the blocks
+        after it hold nothing that depends on their options. So the peak is the
+        largest of, per block in forward order, the bytes the plan holds outside the
+        blocks and in the blocks before it plus its option's rise in its forward and
+        backward, and the plan's bytes after the forward plus the head's rise.
 
         With ``prefetch`` >= 1, two things differ from the runs the offloaded
         options were measured in (``prefetch=0``, see ``_offload``):
 
         * the last ``prefetch`` offloaded blocks stay on the device, so in their
-          backward nothing is copied back: their transient is their resident twin's
-          (same save set, measured holding those bytes), and once their backward
-          is done their bytes are gone (counted for them and the blocks before);
+          backward nothing is copied back: their rise is their resident twin's
+          (same save set, measured holding those bytes);
         * in the backward of block ``b`` the groups of up to ``prefetch`` earlier
           offloaded calls have been copied back ahead of use (the offloader issues
           call ``n - k``'s copy back when backward reaches call ``n``), so their host
           bytes are on the device too.
+
+        Copies back ahead of use make the start of a block's backward differ from
+        its measuring run in what is alive with its tensors; such a plan's peak is
+        also bounded by its bytes after the forward plus the largest transient (peak
+        less bytes after the forward) of its options, and the larger is taken.
+        Options measured without phases (a plan saved before they were) get that
+        bound alone.
         """
         if not any(m.transient for opts in self.table for m in opts):
             return None
         chosen = self.chosen
         staying = set(self.staying_blocks())
+        ahead = self._copied_ahead(staying)
+        if any(m.rise is None or m.forward_rise is None or m.head is None for m in chosen) or any(
+            self._resident_twin(b).rise is None for b in staying
+        ):
+            return self._peak_from_transients(staying, ahead)
+        held = self.base_for(self.choices)
+        worst = 0
+        for b, m in enumerate(chosen):
+            backward = self._resident_twin(b) if b in staying else m
+            forward = max(m.forward_rise, backward.forward_rise or 0)
+            worst = max(worst, held + forward, held + backward.rise + ahead[b])
+            held += m.bytes + (m.staying if b in staying else 0)
+        worst = max(worst, held + max(m.head for m in chosen))
+        if staying or any(ahead):
+            # Copied back ahead, a block's tensors are on the device at the start of
+            # its backward, where the measuring run copied them back at their first
+            # use: what else is alive at that moment differs (by one activation
+            # gradient for a stack of LSTM blocks). The bound below covers it.
+            worst = max(worst, self._peak_from_transients(staying, ahead))
+        return worst
+
+    def _copied_ahead(self, staying: set[int]) -> list[int]:
+        """Per block, the host bytes of earlier offloaded calls copied back ahead of
+        use while the backward runs it (see :attr:`predicted_peak`)."""
+        chosen = self.chosen
         k = self.offload.prefetch if self.offload is not None else 0
         offloaded = [b for b, m in enumerate(chosen) if m.option.offload]
+        ahead = [0] * len(chosen)
         if k == 0 or not offloaded:
-            return self.predicted_bytes + max(m.transient for m in chosen)
+            return ahead
         moved = [b for b in offloaded if b not in staying]  # the calls copied out, in order
-        held = self.predicted_bytes - self._staying()
-        worst, started = 0, len(offloaded)
+        started = len(offloaded)
         for b in reversed(range(len(chosen))):  # the backward's order
-            transient = self._resident_twin(b).transient if b in staying else chosen[b].transient
-            staying_held = sum(chosen[j].staying for j in staying if j <= b)
             if chosen[b].option.offload:
                 started = offloaded.index(b)
             # calls whose backward has started: offloaded[started:]; copied back ahead
             # and not yet used: offloaded[started - k : started] that were moved
-            ahead = sum(chosen[j].host_bytes for j in offloaded[max(0, started - k):started] if j in moved)
-            worst = max(worst, transient + staying_held + ahead)
+            ahead[b] = sum(chosen[j].host_bytes for j in offloaded[max(0, started - k):started] if j in moved)
+        return ahead
+
+    def _peak_from_transients(self, staying: set[int], ahead: list[int]) -> int:
+        chosen = self.chosen
+        if not staying and not any(ahead):
+            return self.predicted_bytes + max(m.transient for m in chosen)
+        held = self.predicted_bytes - self._staying()
+        worst = 0
+        for b in reversed(range(len(chosen))):
+            transient = self._resident_twin(b).transient if b in staying else chosen[b].transient
+            staying_held = sum(chosen[j].staying for j in staying if j <= b)
+            worst = max(worst, transient + staying_held + ahead[b])
         return held + worst
 
     def _resident_twin(self, b: int) -> Measured:
@@ -248,7 +321,7 @@ class RematPlan:
         """The step peak without any checkpoint (what a fraction peak budget scales)."""
         if not any(m.transient for opts in self.table for m in opts):
             return None
-        return self.no_remat_bytes + max(opts[0].transient for opts in self.table)
+        return self.with_choices([0] * len(self.table)).predicted_peak
 
     @property
     def predicted_seconds(self) -> float:
@@ -376,21 +449,21 @@ class RematPlan:
         """The choices of the frontier's plans within this plan's budgets, cheapest
         first. Without a peak budget these are the frontier's points within the
         bytes budget (the frontier counts the last offloaded blocks' staying bytes
-        exactly). With one, one frontier per transient level ``e`` (options whose
-        transient exceeds ``e`` left out) is searched, and each point's peak is
-        checked (the peak is the bytes plus the largest transient of the chosen
-        options, so every plan is on the frontier of its own level; with prefetch,
-        :attr:`predicted_peak` refines it, and the check uses that)."""
+        exactly). With one, one frontier per level ``e`` (options whose
+        :attr:`Measured.level` exceeds ``e`` left out) is searched, and each
+        point's :attr:`predicted_peak` is checked (at most the bytes plus the
+        largest level of the chosen options, so every plan is on the frontier of
+        its own level)."""
         if self.peak_budget_bytes is None:
             fitting = [p for p in self.frontier() if p.bytes <= self.budget_bytes]
             return [p.choices for p in reversed(fitting)]
         levels: list[int | None] = [None]
         if self.peak_budget_bytes is not None:
-            levels = sorted({m.transient for opts in self.table for m in opts})
+            levels = sorted({m.level for opts in self.table for m in opts})
         found: dict[tuple[int, ...], tuple] = {}
         for level in levels:
             points = frontier([
-                [(m.bytes, m.cost) if level is None or m.transient <= level else None for m in opts]
+                [(m.bytes, m.cost) if level is None or m.level <= level else None for m in opts]
                 for opts in self.table
             ], *self._staying_table())
             for p in points:
@@ -703,10 +776,30 @@ def measure_table(
         peak = getattr(got, "peak_bytes", None) if peaks else None
         return 0 if peak is None else max(0, peak - sum(got.bytes_by_block.values()))
 
+    def _rises(got: Any) -> dict[str, dict[str, int | None]]:
+        """Per block, its phases' rises in this run (see ``Measured.rise``)."""
+        phases = getattr(got, "phase_peaks", None) if peaks else None
+        if not phases:
+            return {b: {} for b in blocks}
+        by_block = got.bytes_by_block
+        head = phases.get(HEAD)
+        head = None if head is None else head - sum(by_block.values())
+        held, out = by_block[BASE], {}
+        for b in blocks:
+            backward, forward = phases.get(("backward", b)), phases.get(("forward", b))
+            out[b] = {
+                "rise": None if backward is None else backward - held,
+                "forward_rise": None if forward is None else forward - held,
+                "head": head,
+            }
+            held += by_block[b]
+        return out
+
     measure(model, args, loss_fn, Placement(), blocks)  # warm-up: lazy state, first-call caches
     off = measure(model, args, loss_fn, Placement(), blocks)
     table: dict[str, list[Measured]] = {
-        b: [Measured(OFF, off.bytes_by_block[b], 0, 0, transient=_transient(off))] for b in blocks
+        b: [Measured(OFF, off.bytes_by_block[b], 0, 0, transient=_transient(off), **rises)]
+        for b, rises in _rises(off).items()
     }
     bases: list[int] = []
     refused: dict[str, str] = {}
@@ -728,10 +821,11 @@ def measure_table(
             return
         bases.append(got.bytes_by_block[BASE])
         host = getattr(got, "host_by_block", {})
+        rises = _rises(got)
         for b in group.blocks:  # an offloaded option's staying bytes: _staying_as_twins
             table[b].append(
                 Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b],
-                         host.get(b, 0), _transient(got))
+                         host.get(b, 0), _transient(got), **rises[b])
             )
 
     for group in groups:
@@ -852,9 +946,10 @@ def plan_remat(
         peak_budget: a budget on the step peak as well: the most device bytes the
             step's own storages hold at once, forward and backward (a fraction of
             the step peak without remat, bytes, or ``"auto"``). Every option's run
-            then measures its peak; a plan's predicted peak is its bytes after the
-            forward plus the largest transient (peak less bytes after the forward)
-            of its options, and the verifying run measures the real one: a plan
+            then measures its peak in each phase of the step (a block's forward,
+            the head, a block's backward), and a plan's predicted peak is composed
+            from the phases of its options' runs (``RematPlan.predicted_peak``);
+            the verifying run measures the real one: a plan
             whose measured peak exceeds the budget is replaced by the cheapest
             plan predicted to fit with that excess taken off the budget (at most
             ``MAX_PLAN_RUNS`` runs). ``budget=None``: only the peak is bounded.
