@@ -5,7 +5,8 @@ bad one, printing why on rank 0 (a bad --remat, an unwritable --checkpoint-dir, 
 budget no plan fits). torchrun would follow that with its failure report and a
 traceback of its own; here the launch ends with status 2 and the worker's message
 alone (torchrun's lines about ending the other workers and about the failed one
-are left out). Any other failure is reported as torchrun reports it, but for its
+are left out). So does a checkpoint save the system refused (a full disk), with
+status 3 and one line per rank. Any other failure is reported as torchrun reports it, but for its
 notice that it ends the other workers.
 """
 
@@ -18,6 +19,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
 USAGE_ERROR = 2
+SAVE_FAILED = 3
+"""A checkpoint the system refused to write (a full disk): each rank said why."""
+REPORTED = (USAGE_ERROR, SAVE_FAILED)
 
 
 class _UsageErrorLines(logging.Filter):
@@ -26,7 +30,7 @@ class _UsageErrorLines(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return "closing signal" not in message and f"(exitcode: {USAGE_ERROR})" not in message
+        return "closing signal" not in message and not any(f"(exitcode: {c})" in message for c in REPORTED)
 
 
 if __name__ == "__main__":
@@ -35,6 +39,6 @@ if __name__ == "__main__":
         main()
     except ChildFailedError as e:
         _, failure = e.get_first_failure()
-        if failure.exitcode != USAGE_ERROR:
+        if failure.exitcode not in REPORTED:
             raise
-        sys.exit(USAGE_ERROR)
+        sys.exit(failure.exitcode)

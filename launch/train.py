@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 import warnings
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -794,11 +794,70 @@ def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: i
     return True
 
 
+SAVE_FAILED = 3
+"""Exit status of a run whose checkpoint the system refused to write (see
+launch/torchrun.py)."""
+
+
 def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, keep: int,
                     config: dict | None = None, log: Log | None = None,
                     skipped: Skipped | None = None) -> None:
     """Save ``step`` to ``directory``/stepN (through stepN.tmp); with ``keep`` > 0,
-    delete older checkpoints past the ``keep`` newest (see ``prune_checkpoints``)."""
+    delete older checkpoints past the ``keep`` newest (see ``prune_checkpoints``).
+    A save the system refuses (a full disk, a folder removed under the run) ends the
+    run with status 3 and one line per rank saying why, not a traceback per rank."""
+    try:
+        _save_checkpoint(directory, model, opt, step, rank, keep, config, log, skipped)
+    except BaseException as e:  # (torch.distributed.checkpoint's CheckpointException is one)
+        reason = _write_failure(e)
+        if reason is None:
+            raise
+        try:
+            free = f"; {shutil.disk_usage(directory).free:,} B free there"
+        except OSError:
+            free = ""
+        print(f"torch_remat train: rank {rank}: saving step {step} to {directory} failed: "
+              f"{reason}{free}. Free space there or choose another --checkpoint-dir; the "
+              "checkpoints saved before are kept and a restart resumes from the newest",
+              file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            sys.stdout.flush()
+            os._exit(SAVE_FAILED)  # the other ranks wait in a collective: torchrun ends them
+        sys.exit(SAVE_FAILED)
+
+
+# what torch.save's zip writer raises when a write fails (a full disk among others)
+_ZIP_WRITE_FAILED = ("PytorchStreamWriter failed", "unexpected pos")
+
+
+def _write_failure(e: BaseException) -> str | None:
+    """Why the system refused a write, from ``e``, its causes and, for
+    torch.distributed.checkpoint's CheckpointException, each rank's failure: an
+    OSError's message (and file), or a failed write of torch.save's zip writer;
+    None for anything else."""
+    stack: list[Any] = [e]
+    seen: set[int] = set()
+    found = None
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple) and x:  # (exception, traceback summary)
+            x = x[0]
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno:
+            return f"{x.strerror}" + (f" ({x.filename})" if x.filename else "")
+        if found is None and isinstance(x, RuntimeError) and any(s in str(x) for s in _ZIP_WRITE_FAILED):
+            found = "a file could not be written (torch.save: " + str(x).strip().splitlines()[0] + ")"
+        stack.extend((x.__cause__, x.__context__))
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+    return found
+
+
+def _save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, keep: int,
+                     config: dict | None, log: Log | None, skipped: Skipped | None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

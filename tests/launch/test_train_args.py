@@ -332,3 +332,30 @@ def test_a_file_named_like_a_checkpoint_is_moved_aside_not_deleted(capsys, tmp_p
     assert (tmp_path / "step2").is_dir() and (tmp_path / "step2" / ".metadata").exists()
     assert (tmp_path / "step2.not-a-checkpoint").read_text() == "notes"
     assert f"{tmp_path / 'step2'} is a file, not a checkpoint folder; moved it to" in capsys.readouterr().out
+
+
+def test_a_save_the_system_refuses_ends_the_run_with_one_line_naming_the_folder(capsys, monkeypatch, tmp_path):
+    # A full disk gave seven tracebacks, the reason buried in them
+    import errno
+
+    import torch
+
+    torch.manual_seed(0)
+    model = train.GPT(train.GPTConfig(vocab=10, seq_len=8, layers=1, dim=8, heads=2))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "step2.tmp" / "rng"))
+
+    monkeypatch.setattr(train.torch, "save", full)
+    with pytest.raises(SystemExit) as info:
+        train.save_checkpoint(tmp_path, model, torch.optim.AdamW(model.parameters()), 2, rank=0, keep=0)
+    assert info.value.code == train.SAVE_FAILED == 3
+    err = capsys.readouterr().err
+    assert err.startswith(f"torch_remat train: rank 0: saving step 2 to {tmp_path} failed: No space "
+                          f"left on device ({tmp_path / 'step2.tmp' / 'rng'}); ")
+    assert " B free there. Free space there or choose another --checkpoint-dir" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    monkeypatch.undo()
+    with pytest.raises(ZeroDivisionError):  # anything else is not the system's: raised
+        monkeypatch.setattr(train, "_save_checkpoint", lambda *a: 1 / 0)
+        train.save_checkpoint(tmp_path, model, torch.optim.AdamW(model.parameters()), 2, rank=0, keep=0)
