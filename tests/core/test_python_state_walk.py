@@ -604,3 +604,40 @@ def test_a_python_attribute_of_an_input_tensor_is_there_in_the_replay():
         got = step(True)
     assert replayed == ["blk"]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+class _ParameterAttributes(nn.Module):
+    """Reads Python attributes of its weight (a muP-style gain) and of a buffer, and
+    bumps a use counter on the weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.register_buffer("shift", torch.full((8,), 0.5, dtype=D))
+        self.lin.weight.gain, self.lin.weight.uses, self.shift.k = 2.0, 0, 3.0
+
+    def forward(self, x):
+        self.lin.weight.uses += 1
+        return (self.lin(x) * self.lin.weight.gain * self.lin.weight.uses + self.shift * self.shift.k).tanh()
+
+
+@pytest.mark.parametrize("change", [False, True], ids=["untouched", "changed-before-backward"])
+def test_python_attributes_of_parameters_and_buffers_are_replayed_as_the_forward_saw_them(change):
+    # The walk recorded a parameter by identity and version only: the counter was
+    # bumped twice and a gain changed before the backward was read by the replay.
+    def between(m):
+        if change:
+            m.lin.weight.gain, m.shift.k = 5.0, 7.0
+
+    expected = _steps(_ParameterAttributes, between, ckpt=False)
+    with recorded_replays() as replayed:
+        got = _steps(_ParameterAttributes, between, ckpt=True)
+    assert replayed == ["blk", "blk"]
+    for e, g in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(e, g))
+    # the counter ends where the forward alone leaves it
+    torch.manual_seed(0)
+    m = _ParameterAttributes()
+    f = remat.checkpoint(region_name="blk")(m)
+    f(torch.randn(4, 8, dtype=D, requires_grad=True)).sum().backward()
+    assert m.lin.weight.uses == 1

@@ -1011,6 +1011,12 @@ def _held_state(
             modules.append(v)
 
 
+def _public(attributes: dict[str, Any]) -> bool:
+    """Whether a tensor's Python attributes include one not private (transformers
+    marks every parameter ``_is_hf_initialized``: bookkeeping, not state)."""
+    return any(k[0] != "_" for k in attributes)
+
+
 def _held_module_has_state(module: nn.Module, seen: set[int]) -> bool:
     """Whether a module found in a list or an object is walked for its state: not a
     torch module without parameters, buffers or submodules whose forward ignores
@@ -1123,6 +1129,11 @@ def _module_slots(
             for k, t in ps.items():
                 if t is not None:
                     params.append((ps, k, t, version_of(t), p, t.requires_grad))
+                    attributes = t.__dict__
+                    if attributes and _public(attributes):
+                        # Python attributes on a parameter (weight.gain, a use
+                        # counter): a dict recorded as the containers are
+                        objects.append(attributes)
         buffers = m._buffers
         if buffers:
             group = []
@@ -1130,6 +1141,9 @@ def _module_slots(
             copy_them = known is None or known() is not m or _updates_buffers_unseen(m)
             for k, t in buffers.items():
                 if t is not None:
+                    attributes = t.__dict__
+                    if attributes and _public(attributes):
+                        objects.append(attributes)
                     # a copy, not a node of the graph (buffers rarely require grad)
                     copy = None
                     if copy_them and not t.is_inference():  # (an inference tensor is never written)
