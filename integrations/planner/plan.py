@@ -85,7 +85,8 @@ class Measured:
     rise: int | None = None
     """The peak during the block's backward (see ``_measure.PhaseTracker``) less
     the bytes held then by the blocks before it and outside every block, in the
-    run that measured this option (None: not measured)."""
+    run that measured this option (None: not measured, or the backward never
+    reached the block's outputs: a frozen block)."""
     forward_rise: int | None = None
     """The same for the block's forward (and the code run since the previous
     block's forward returned)."""
@@ -98,9 +99,9 @@ class Measured:
         """How far the block's phases rise above its own bytes (with the blocks
         before it held): a plan's peak is at most its bytes plus the largest level
         of its options and the head's. The transient where phases were not measured."""
-        if self.rise is None or self.forward_rise is None:
+        if self.forward_rise is None:
             return self.transient
-        return max(0, self.rise - self.bytes, self.forward_rise - self.bytes)
+        return max(0, (self.rise if self.rise is not None else 0) - self.bytes, self.forward_rise - self.bytes)
 
     @property
     def cost(self) -> tuple[int, int, int]:
@@ -261,16 +262,19 @@ class RematPlan:
         chosen = self.chosen
         staying = set(self.staying_blocks())
         ahead = self._copied_ahead(staying)
-        if any(m.rise is None or m.forward_rise is None or m.head is None for m in chosen) or any(
-            self._resident_twin(b).rise is None for b in staying
-        ):
+        if any(m.forward_rise is None or m.head is None for m in chosen):
             return self._peak_from_transients(staying, ahead)
         held = self.base_for(self.choices)
         worst = 0
         for b, m in enumerate(chosen):
             backward = self._resident_twin(b) if b in staying else m
             forward = max(m.forward_rise, backward.forward_rise or 0)
-            worst = max(worst, held + forward, held + backward.rise + ahead[b])
+            worst = max(worst, held + forward)
+            # (no backward phase: the backward never reached the block's outputs, a
+            # frozen block's or one run without gradients; what the backward does
+            # after it is in the phase of the block before)
+            if backward.rise is not None:
+                worst = max(worst, held + backward.rise + ahead[b])
             held += m.bytes + (m.staying if b in staying else 0)
         worst = max(worst, held + max(m.head for m in chosen))
         if staying or any(ahead):
