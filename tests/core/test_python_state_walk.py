@@ -641,3 +641,98 @@ def test_python_attributes_of_parameters_and_buffers_are_replayed_as_the_forward
     f = remat.checkpoint(region_name="blk")(m)
     f(torch.randn(4, 8, dtype=D, requires_grad=True)).sum().backward()
     assert m.lin.weight.uses == 1
+
+
+class _EMABlock(nn.Module):
+    """Updates a buffer in place in its forward (an EMA) and counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.register_buffer("ema", torch.zeros(8, dtype=D))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.lin(x))
+        self.ema.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        return x + h * (1 + 0.01 * self.calls) + self.ema
+
+
+class _Registry(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.blocks = nn.ModuleList(_EMABlock() for _ in range(4))
+        for i, b in enumerate(self.blocks):
+            if how == "dict-of-blocks":
+                b.registry = dict(enumerate(self.blocks))
+            elif how == "next-block":
+                b.next = [self.blocks[(i + 1) % 4]]
+            elif how == "parent":
+                b.parent = [self]
+            elif how == "callback":
+                b.callbacks = [self.note]
+
+    def note(self):
+        return None
+
+
+@pytest.mark.parametrize("how", ["dict-of-blocks", "next-block", "parent", "callback"])
+def test_blocks_that_hold_their_siblings_in_attribute_containers_are_checkpointed_one_by_one(how):
+    # Each block checkpointed alone, holding the others in a list or dict attribute
+    # (a registry, a link to the next block, its parent, a bound method of the
+    # model): the walk of containers must not record the siblings, whose forwards
+    # update their own buffers after this block's (a false SavedTensorModifiedError),
+    # nor walk the whole model at every call.
+    def step(ckpt):
+        torch.manual_seed(0)
+        m = _Registry(how)
+        calls = [remat.checkpoint(region_name=f"b{i}")(b) if ckpt else b for i, b in enumerate(m.blocks)]
+        out = []
+        for i in range(2):
+            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+            m.zero_grad(set_to_none=True)
+            h = x
+            for c in calls:
+                h = c(h)
+            (h * W8).sum().backward()
+            out += [x.grad, *[p.grad for p in m.parameters()], *[b.clone() for b in m.buffers()]]
+        return out, [b.calls for b in m.blocks]
+
+    expected, counts = step(False)
+    with recorded_replays() as replayed:
+        got, got_counts = step(True)
+    assert replayed == [f"b{i}" for i in (3, 2, 1, 0)] * 2
+    assert got_counts == counts
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_tensor_attribute_of_an_input_updated_in_place_before_backward_is_refused_by_name():
+    lin = nn.Linear(8, 8, dtype=D)
+    x = torch.randn(4, 8, dtype=D, requires_grad=True)
+    x.shift = torch.ones(8, dtype=D)
+    y = remat.checkpoint(region_name="blk")(lambda h: torch.tanh(lin(h) + h.shift))(x)
+    x.shift.add_(1)
+    with pytest.raises(remat.SavedTensorModifiedError, match="tensor attribute 'shift' of checkpoint input 0 of checkpoint 'blk'"):
+        y.sum().backward()
+
+
+def test_a_python_attribute_of_a_parameter_given_as_input_is_there_in_the_replay():
+    def step(ckpt):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(4, 8, dtype=D))
+        p.scale = 2.0
+        lin = nn.Linear(8, 8, dtype=D)
+
+        def block(h):
+            return (lin(h) * h.scale).tanh()
+
+        y = (remat.checkpoint(region_name="blk")(block) if ckpt else block)(p)
+        (y * W8).sum().backward()
+        return [p.grad, lin.weight.grad]
+
+    expected = step(False)
+    with recorded_replays() as replayed:
+        got = step(True)
+    assert replayed == ["blk"]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

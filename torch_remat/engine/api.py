@@ -431,6 +431,9 @@ def region(fn: F = _MISSING, name: str = _MISSING, *, recompute: bool, function:
                 observer.region_exited(None, record)
 
     call_region.__wrapped__ = fn  # type: ignore[attr-defined]
+    # a SAVE region's body is skipped by the replay: the state of what it wraps is
+    # not read there (see module_state._held_state)
+    call_region.__remat_save_region__ = not recompute  # type: ignore[attr-defined]
     return call_region  # type: ignore[return-value]
 
 

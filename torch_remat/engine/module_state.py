@@ -943,6 +943,7 @@ def _held_state(
     user_classes: list[type],
     modules: list[nn.Module] | None = None,
     callables: list[Any] | None = None,
+    reached: set[int] | None = None,
 ) -> None:
     """Record the state behind the values in ``held`` (the first ``n_local`` are
     closure values and containers in module attributes; then module-level
@@ -951,7 +952,18 @@ def _held_state(
     (their attributes, the tensors among them version-checked), lists, dicts and
     sets (their contents). Modules found among them (a module kept in a list, not
     registered as a submodule) are added to ``modules``, functions, bound methods
-    and partials (``ops = [act]``) to ``callables``."""
+    and partials (``ops = [act]``) to ``callables``.
+
+    ``reached``: the ids of the values the checkpointed code holds itself (its
+    closure values, its arguments), grown here by what their containers and plain
+    objects hold. Only there are modules with submodules (the blocks of a segment,
+    ``list(model.layers[i:j])``), torch's stateful modules and functions walked:
+    a list or dict in a module's attribute that holds other modules or callables is
+    more likely a registry of the model's blocks (``self.next = [block]``,
+    ``self.registry``), whose state the block does not read and whose buffers other
+    blocks' forwards update."""
+    if reached is None:
+        reached = set()
     budget = _MAX_HELD
     kinds = _HELD_KINDS
     i = 0
@@ -975,7 +987,10 @@ def _held_state(
             containers.append((v, entry))
             if len(entry) <= budget:
                 budget -= len(entry)
-                held.extend(entry.values() if type(entry) is dict else entry)
+                items = entry.values() if type(entry) is dict else entry
+                held.extend(items)
+                if id(v) in reached:
+                    reached.update(map(id, items))
         elif kind == _HELD_TUPLE:
             # a tuple or named tuple: not changed itself, what it holds may be
             if id(v) in seen or len(v) > _SMALL_TUPLE or len(v) > budget:
@@ -983,6 +998,8 @@ def _held_state(
             seen.add(id(v))
             budget -= len(v)
             held.extend(v)
+            if id(v) in reached:
+                reached.update(map(id, v))
         elif kind == _HELD_GENERATOR:
             if id(v) not in seen:
                 seen.add(id(v))
@@ -1001,11 +1018,19 @@ def _held_state(
                 if len(entry) <= budget:
                     budget -= len(entry)
                     held.extend(entry.values())
+                    if id(v) in reached:
+                        reached.update(map(id, entry.values()))
         elif kind == _HELD_FUNCTION:
-            if callables is not None and id(v) not in seen:
+            # (not a SAVE region's wrapper, remat.region(m, ..., recompute=False) in
+            # a list of layers: the replay skips its body, so what it wraps is not
+            # read there, and SAVE outputs and saves carry their own checks)
+            if (
+                callables is not None and id(v) in reached and id(v) not in seen
+                and not getattr(v, "__remat_save_region__", False)
+            ):
                 seen.add(id(v))
                 callables.append(v)
-        elif modules is not None and id(v) not in seen and _held_module_has_state(v, seen):
+        elif modules is not None and id(v) not in seen and _held_module_has_state(v, id(v) in reached):
             # _HELD_MODULE: a module kept in a list or an object, not registered (the
             # blocks of a segment, list(model.layers[i:j])); walked like a root
             modules.append(v)
@@ -1017,22 +1042,28 @@ def _public(attributes: dict[str, Any]) -> bool:
     return any(k[0] != "_" for k in attributes)
 
 
-def _held_module_has_state(module: nn.Module, seen: set[int]) -> bool:
-    """Whether a module found in a list or an object is walked for its state: not a
-    torch module without parameters, buffers or submodules whose forward ignores
-    ``training`` (nn.Tanh in a list of layers), and not a module holding one walked
-    already (a back-reference to the model, ``self.model = [model]``, holds the
-    block itself: it would record the whole model at every block's call)."""
-    if module._modules:
-        return not any(id(m) in seen for m in module.modules())
-    return (
-        bool(module._parameters) or bool(module._buffers) or not _from_library(type(module))
-        or isinstance(module, _READS_TRAINING)
-    )
+def _held_module_has_state(module: nn.Module, reached: bool) -> bool:
+    """Whether a module found in a list or an object is walked for its state. Held
+    by the checkpointed code itself (``reached``, see :func:`_held_state`): unless it
+    is a torch module without parameters, buffers or submodules whose forward
+    ignores ``training`` (nn.Tanh in a list of layers). Held elsewhere (a module's
+    attribute): only a module of the user's without submodules."""
+    if not reached:
+        return not module._modules and not _from_library(type(module))
+    if module._modules or module._parameters or module._buffers:
+        return True
+    cls = type(module)
+    stateless = _STATELESS.get(cls)
+    if stateless is None:
+        stateless = _STATELESS[cls] = _from_library(cls) and not issubclass(cls, _READS_TRAINING)
+    return not stateless
 
 
 _READS_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
 """Torch modules without parameters or buffers whose forward reads ``training``."""
+_STATELESS: dict[type, bool] = {}
+"""Per module class: a torch module whose forward reads no state of its own when it
+has no parameters, buffers or submodules (``nn.Tanh``; not ``_READS_TRAINING``)."""
 
 
 def _is_tuple_type(cls: type) -> bool:
@@ -1487,6 +1518,10 @@ class ModuleState:
         hooks: list[Any] = []
         visited: list[nn.Module] = []
         private: list[Any] = []  # those of in_modules in private attributes
+        # what the checkpointed code holds itself: its closure values, its arguments
+        # (see _held_state)
+        reached = {id(v) for _, v in values}
+        reached.update(map(id, objects))
         for prefix, module in modules:
             _module_slots(
                 prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
@@ -1584,7 +1619,10 @@ class ModuleState:
         done = set(classes)  # the classes whose methods' module-level variables were read
         done.update(user_classes)
         user_classes.extend(named)
-        _held_state(held, n_local, seen, slots, others, containers, generators, user_classes, found, found_callables)
+        _held_state(
+            held, n_local, seen, slots, others, containers, generators, user_classes, found,
+            found_callables, reached,
+        )
         for _ in range(_MAX_DEPTH):
             # the classes of the plain objects found (a method of a config reading a
             # module-level variable), modules held in a list or a plain object, not
@@ -1599,6 +1637,9 @@ class ModuleState:
                 visit_callables(found_callables)
                 more_held.extend(v for _, v in values[n_values:])
                 more_held.extend(objects[n_objects:])
+                # (what the functions hold in their closures: held by the code too)
+                reached.update(id(v) for _, v in values[n_values:])
+                reached.update(map(id, objects[n_objects:]))
                 more_held.extend(v for _, _, v in global_values[start:])
                 found_callables = []
             more_classes: dict[type, None] = dict.fromkeys(new)
@@ -1623,7 +1664,7 @@ class ModuleState:
             found = []
             _held_state(
                 more_held, n_more, seen, slots, others, containers, generators, user_classes, found,
-                found_callables,
+                found_callables, reached,
             )
         class_values: list[tuple[_ClassDict, dict]] = []
         in_classes: list[Any] = []  # the lists, dicts and sets class attributes hold

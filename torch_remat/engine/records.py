@@ -459,7 +459,9 @@ class TensorSource:
         self.meta = TensorMeta.of(t)
         # Python attributes set on an input (x.scale = 2.0): the replay's copy of the
         # input carries them as the forward saw them (a subclass's are its own)
-        self.attributes = _python_attributes(t) if kind == INPUT and type(t) is torch.Tensor else None
+        self.attributes = (
+            _python_attributes(t) if kind == INPUT and type(t) in _PLAIN_TENSOR_TYPES else None
+        )
         # Inputs are referenced strongly until the forward ends (the caller holds
         # them anyway); outputs weakly, so observing them costs no memory.
         self.ref = t if kind == INPUT else weakref.ref(t)
@@ -593,10 +595,12 @@ class TensorSource:
     def replay_value(self, checkpoint: str) -> torch.Tensor:
         """The value the recompute sees: the kept tensor, or a placeholder."""
         meta = self.meta
+        if self.attributes:
+            self._check_attributes(checkpoint)
         if self.saved is None:
             t = make_placeholder(meta, self.origin(checkpoint))
             if self.attributes:
-                t.__dict__.update(self.attributes)
+                t.__dict__.update(self.attributes[0])
             return t
         saved = self.saved
         if type(saved) is VersionedTensor:
@@ -640,17 +644,34 @@ class TensorSource:
         if meta.requires_grad:
             t.requires_grad_()
         if self.attributes:
-            t.__dict__.update(self.attributes)
+            t.__dict__.update(self.attributes[0])
         return t
 
+    def _check_attributes(self, checkpoint: str) -> None:
+        """Refuse a tensor among the input's Python attributes (``x.mask``) updated in
+        place since the forward: the replay would read the new values."""
+        for key, tensor, version in self.attributes[1]:
+            if any_version(tensor) != version:
+                raise modified_in_place(
+                    f"tensor attribute '{key}' of {self.describe(checkpoint)} of checkpoint '{checkpoint}'",
+                    "after the forward, before backward recomputed the checkpoint",
+                    "Don't modify tensors that backward still needs; clone them first.",
+                )
 
-def _python_attributes(t: torch.Tensor) -> dict[str, Any] | None:
-    """A copy of the Python attributes set on ``t`` (None: none; not read while
-    Dynamo traces, where a tensor's ``__dict__`` is not a value)."""
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _python_attributes(t: torch.Tensor) -> tuple[dict[str, Any], list[tuple[str, Any, int]]] | None:
+    """A copy of the Python attributes set on ``t`` and the versions of the tensors
+    among them (None: none; not read while Dynamo traces, where a tensor's
+    ``__dict__`` is not a value)."""
     if torch.compiler.is_compiling():
         return None
     d = t.__dict__
-    return d.copy() if d else None
+    if not d:
+        return None
+    return d.copy(), [(k, v, any_version(v)) for k, v in d.items() if isinstance(v, torch.Tensor)]
 
 
 class SourceIndex:
