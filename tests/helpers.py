@@ -270,3 +270,24 @@ def set_plugin_env(config, monkeypatch) -> None:
     for key, value in plugin_env(config).items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
+
+
+def second_step_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """The peak of a model's second step (``model(x).sum()`` and its backward),
+    counted by the tests' own ``MemoryProbe`` (the profiler's flat memory records,
+    not the planner's event tree). After a first step an offloader's pool reuses
+    the host buffers it made then and allocates nothing, so what the probe sees is
+    the step's own device memory."""
+    from conftest import MemoryProbe
+
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        if step == 0:
+            model(x).sum().backward()
+            continue
+        with MemoryProbe() as probe:
+            loss = model(x).sum()
+            loss.backward()
+            del loss
+    return probe.peak

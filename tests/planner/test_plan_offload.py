@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from conftest import MemoryProbe
+from helpers import second_step_peak
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -70,21 +70,7 @@ def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _independent_step_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """The peak of a step, counted by the tests' own ``MemoryProbe`` (the profiler's
-    flat memory records, not the planner's event tree), after a first step: an
-    offloader's pool then reuses the host buffers it made in that step and
-    allocates nothing, so what the probe sees is the step's own device memory."""
-    for step in range(2):
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        if step == 0:
-            model(x).sum().backward()
-            continue
-        with MemoryProbe() as probe:
-            loss = model(x).sum()
-            loss.backward()
-            del loss
-    return probe.peak
+    return second_step_peak(model, x)
 
 
 def test_an_offload_plan_is_exact_and_holds_the_device_bytes_it_predicts():

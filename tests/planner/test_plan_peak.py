@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from conftest import MemoryProbe
+from helpers import second_step_peak
 from torch import nn
 
 from torch_remat.integrations import remove_remat
@@ -60,18 +60,7 @@ def _model(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 
 def _step_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """The peak of a second step, by the tests' own probe."""
-    for step in range(2):
-        model.zero_grad(set_to_none=True)
-        x.grad = None  # (None without requires_grad)
-        if step == 0:
-            model(x).sum().backward()
-            continue
-        with MemoryProbe() as probe:
-            loss = model(x).sum()
-            loss.backward()
-            del loss
-    return probe.peak
+    return second_step_peak(model, x)
 
 
 def _placements(plan, n: int) -> list[list[int]]:
