@@ -537,36 +537,29 @@ def check_writable(directory: pathlib.Path, rank: int, flag: str = "--checkpoint
                     "make this one writable", rank)
 
 
-_LOCK = ".lock"
-_held_lock = None  # the open lock file: the lock lasts as long as the process
+_held_lock: int | None = None  # the folder's descriptor: the lock lasts as long as the process
 
 
 def lock_checkpoint_dir(directory: pathlib.Path, rank: int) -> None:
     """Refuse a --checkpoint-dir another run is writing: rank 0 holds an exclusive
-    lock on ``directory``/.lock for the run's life (the system releases it when the
-    process ends, however it ends: a restarted attempt takes it again). Two runs
-    saving into one folder would replace each other's steps and resume from them."""
+    lock on the folder itself for the run's life (the system releases it when the
+    process ends, however it ends: a restarted attempt takes it again; nothing is
+    written there). Two runs saving into one folder would replace each other's
+    steps and resume from them."""
     global _held_lock
     error = None
-    if rank == 0:
+    if rank == 0 and _held_lock is None:
         import fcntl
 
-        path = directory / _LOCK
-        f = open(path, "a+")
+        fd = os.open(directory, os.O_RDONLY)
         try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            error = (f"--checkpoint-dir {directory}: another run is using it ({holder} holds "
-                     f"{path}); wait for it to end or choose another directory")
+            os.close(fd)
+            error = (f"--checkpoint-dir {directory}: another run is writing there (it holds a "
+                     "lock on the folder); wait for it to end or choose another directory")
         else:
-            f.seek(0)
-            f.truncate()
-            f.write(f"process {os.getpid()} on {os.uname().nodename}\n")
-            f.flush()
-            _held_lock = f
+            _held_lock = fd
     if dist.is_initialized():
         errors = [error]
         dist.broadcast_object_list(errors, src=0)
@@ -576,13 +569,10 @@ def lock_checkpoint_dir(directory: pathlib.Path, rank: int) -> None:
 
 
 def release_checkpoint_dir() -> None:
-    """End of the run: drop the lock file (a run that ends otherwise leaves it,
-    unlocked, for the next run to take)."""
+    """End of the run: let the folder go (the system does at exit anyway)."""
     global _held_lock
     if _held_lock is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(_held_lock.name)
-        _held_lock.close()
+        os.close(_held_lock)
         _held_lock = None
 
 

@@ -299,26 +299,40 @@ def test_relative_paths_name_places_under_the_folder_the_job_was_started_from(mo
     assert absolute.checkpoint_dir == "/elsewhere/ck"
 
 
-def test_a_checkpoint_dir_another_run_writes_is_refused_naming_its_holder(capsys, tmp_path):
-    train.lock_checkpoint_dir(tmp_path, rank=0)
-    first = train._held_lock
+def test_a_checkpoint_dir_another_run_writes_is_refused(capsys, tmp_path):
+    import fcntl
+    import os
+    import subprocess
+
+    # another process holds the folder's lock (as a running job's rank 0 does)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True,
+    )
     try:
-        train._held_lock = None  # a second run (another open file: the lock conflicts)
+        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(SystemExit) as info:
             train.lock_checkpoint_dir(tmp_path, rank=0)
         assert info.value.code == 2
-        import os
-
         err = capsys.readouterr().err
-        assert (f"train.py: error: --checkpoint-dir {tmp_path}: another run is using it (process "
-                f"{os.getpid()} on ") in err and "choose another directory" in err
+        assert (f"train.py: error: --checkpoint-dir {tmp_path}: another run is writing there (it "
+                "holds a lock on the folder); wait for it to end or choose another directory") in err
         assert train._held_lock is None
     finally:
-        train._held_lock = first
+        holder.kill()
+        holder.wait()
+    # once that process is gone the folder is free, and nothing was written there
+    train.lock_checkpoint_dir(tmp_path, rank=0)
+    assert train._held_lock is not None
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):  # held now by this run
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
     train.release_checkpoint_dir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock file goes with the run
-    train.lock_checkpoint_dir(tmp_path, rank=0)  # and the folder is free again
-    train.release_checkpoint_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_file_named_like_a_checkpoint_is_moved_aside_not_deleted(capsys, tmp_path):
