@@ -1059,7 +1059,9 @@ def _held_module_has_state(module: nn.Module, reached: bool) -> bool:
     return not stateless
 
 
-_READS_TRAINING = (nn.modules.dropout._DropoutNd, nn.RReLU)
+_READS_TRAINING = (
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout, nn.RReLU,
+)
 """Torch modules without parameters or buffers whose forward reads ``training``."""
 _STATELESS: dict[type, bool] = {}
 """Per module class: a torch module whose forward reads no state of its own when it
