@@ -1073,6 +1073,10 @@ def _solve_or_error(
         return measured, str(e)
 
 
+_FULL = Option(True)
+"""A full checkpoint: no SAVE region, nothing offloaded."""
+
+
 def _within_peak(
     measured: RematPlan, plan: RematPlan, budget: Budget | None, groups: Sequence[Sequence[int]], run: Any
 ) -> tuple[RematPlan, str | None]:
@@ -1099,6 +1103,18 @@ def _within_peak(
         plan = candidate
     if plan.measured_peak is not None and plan.measured_peak <= limit:
         return plan, None
+    # Last: every block fully checkpointed, nothing offloaded, where the bytes budget
+    # allows it: the plan whose peak is predicted with the fewest assumptions (an
+    # offloaded plan's is a model, see predicted_peak), found to fit where the
+    # corrections above, led by offloaded plans' predictions, had not tried it.
+    full = [next((i for i, m in enumerate(opts) if m.option == _FULL), None) for opts in measured.table]
+    if None not in full and full != plan.choices:
+        candidate = measured.with_choices(full)
+        candidate.budget_bytes, candidate.peak_budget_bytes = plan.budget_bytes, limit
+        if candidate.predicted_bytes <= plan.budget_bytes:
+            candidate, mismatch = verified_plan(candidate, groups, run)
+            if mismatch is None and candidate.measured_peak is not None and candidate.measured_peak <= limit:
+                return candidate, None
     return plan, (
         f"plan_remat: the chosen plan, installed and run, peaked at {plan.measured_peak:,} B, "
         f"over the peak budget of {limit:,} B (predicted {plan.predicted_peak:,} B), and no "

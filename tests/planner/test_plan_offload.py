@@ -482,6 +482,35 @@ def test_a_verified_peak_over_the_budget_is_refused_with_a_planning_error(monkey
         plan_remat(model, (x,), budget=None, peak_budget=0.9, candidates=UP)
 
 
+def test_when_no_corrected_plan_fits_the_peak_budget_every_block_fully_checkpointed_is_tried(monkeypatch):
+    # The corrections follow the offloaded plans' predictions (a model, up to 11 %
+    # under on LSTM stacks): where each corrected plan still offloaded and ran over,
+    # PlanMismatchError was raised though every block fully checkpointed fits.
+    import torch_remat.integrations.planner.plan as plan_module
+
+    real = plan_module.measure
+
+    def only_full_checkpoints_fit(model, args, loss_fn, config, blocks, **kwargs):
+        got = real(model, args, loss_fn, config, blocks, **kwargs)
+        every_block_full = not config.offloaded and all(config.checkpointed.get(b) == () for b in blocks)
+        if kwargs.get("measuring", True) is False and not every_block_full and got.peak_bytes is not None:
+            got.peak_bytes += 10**7  # any other installed plan peaks far over
+        return got
+
+    monkeypatch.setattr(plan_module, "measure", only_full_checkpoints_fit)
+    model, x = _model_and_input()
+    reference = _grads(model, x)
+    plan = plan_remat(model, (x,), budget=None, peak_budget=0.7, offload=EVERY_TENSOR, profile=SLOW_COMPUTE,
+                      candidates=UP)
+    assert [o.label for o in plan.options.values()] == ["full checkpoint"] * len(plan.blocks)
+    assert plan.measured_peak <= plan.peak_budget_bytes
+    plan.apply()
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(reference, _grads(model, x)))
+    finally:
+        remove_remat(model)
+
+
 def test_a_plan_needs_some_budget():
     model, x = _model_and_input()
     with pytest.raises(ValueError, match="budget=None bounds nothing"):
