@@ -78,7 +78,10 @@ if [ "$PARALLEL" = none ]; then
   NPROC=1
 fi
 if [ "$NNODES" -gt 1 ]; then
-  : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port for a multi-node run}"
+  if [ -z "${RDZV_ENDPOINT:-}" ]; then
+    echo "run.sh: NNODES=$NNODES: set RDZV_ENDPOINT=host:port (the first node's rendezvous) for a multi-node run" >&2
+    exit 2
+  fi
   RDZV=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
         --rdzv-id "${RDZV_ID:-torch_remat}")
   if [ -n "${LOCAL_ADDR:-}" ]; then

@@ -282,6 +282,19 @@ def test_a_device_profile_is_read_from_its_name_or_its_file(tmp_path):
     assert train.device_profile(None) is None
 
 
+def test_run_sh_refuses_several_nodes_without_a_rendezvous_endpoint_as_a_usage_error():
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RDZV_ENDPOINT"}
+    env.update(NNODES="2", TORCH_REMAT_NO_SETUP="1")
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "run.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2  # (was 1: the shell's own message for an unset variable)
+    assert proc.stderr == ("run.sh: NNODES=2: set RDZV_ENDPOINT=host:port (the first node's rendezvous) "
+                           "for a multi-node run\n")
+
+
 def test_an_abbreviated_flag_is_refused(capsys):
     # argparse took --par for --parallel, and run.sh (which starts one process for
     # --parallel none) did not: two single-process runs wrote one folder
