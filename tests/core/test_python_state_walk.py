@@ -8,6 +8,7 @@ for bit, over calls that reuse the checkpoint's capture."""
 
 import collections
 import functools
+import re
 
 import pytest
 import torch
@@ -736,3 +737,74 @@ def test_a_python_attribute_of_a_parameter_given_as_input_is_there_in_the_replay
         got = step(True)
     assert replayed == ["blk"]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+class _ShiftsInAList(nn.Module):
+    """A shift kept in a list attribute, added (not saved for backward by the add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.shifts = [torch.ones(8, dtype=D)]
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + self.shifts[0])
+
+
+def _shift_in_closure_dict():
+    lin = nn.Linear(8, 8, dtype=D)
+    table = {"shift": torch.ones(8, dtype=D)}
+    return (lambda h: torch.tanh(lin(h) + table["shift"])), table, "dict['shift']"
+
+
+def _shift_in_closure_list():
+    lin = nn.Linear(8, 8, dtype=D)
+    held = [torch.ones(8, dtype=D)]
+    return (lambda h: torch.tanh(lin(h) + held[0])), held, "list[0]"
+
+
+def _shift_in_a_list_passed_in():
+    lin = nn.Linear(8, 8, dtype=D)
+    held = [torch.ones(8, dtype=D)]
+
+    def block(h, shifts):
+        return torch.tanh(lin(h) + shifts[0])
+
+    return (lambda h: block(h, held)), held, "list[0]"
+
+
+def _shift_in_a_module_attribute_list():
+    m = _ShiftsInAList()
+    return m, m.shifts, "list[0]"
+
+
+@pytest.mark.parametrize(
+    "make", [_shift_in_closure_dict, _shift_in_closure_list, _shift_in_a_list_passed_in, _shift_in_a_module_attribute_list]
+)
+def test_a_tensor_held_in_a_container_updated_in_place_before_backward_is_refused_by_name(make):
+    # The replay would read the updated shift: tanh's saved output, recomputed from
+    # it, gives another gradient with no error (the add saves nothing to check).
+    fn, container, name = make()
+    x = torch.randn(4, 8, dtype=D, requires_grad=True)
+    y = remat.checkpoint(region_name="blk")(fn)(x)
+    next(iter(container.values()) if isinstance(container, dict) else iter(container)).mul_(2)
+    with pytest.raises(remat.SavedTensorModifiedError, match=rf"tensor held in a container '{re.escape(name)} \(shape \(8,\), float64\)' read by checkpoint 'blk' was modified in place after the forward"):
+        y.sum().backward()
+
+
+def test_a_tensor_held_in_a_container_the_forward_updates_in_place_is_refused_by_name():
+    class Decays(_ShiftsInAList):
+        def forward(self, x):
+            self.shifts[0].mul_(0.5)  # the replay would halve it again
+            return super().forward(x)
+
+    f = remat.checkpoint(region_name="blk")(Decays())
+    with pytest.raises(remat.SavedTensorModifiedError, match=r"tensor held in a container 'list\[0\] .*' read by checkpoint 'blk' was modified in place during the checkpoint's forward"):
+        f(torch.randn(4, 8, dtype=D, requires_grad=True))
+
+
+def test_a_tensor_in_a_container_rebound_before_backward_is_replayed_as_the_forward_saw_it():
+    # rebinding (not writing) the entry is what the container record replays
+    _same_as_without_remat(
+        _ShiftsInAList, lambda m: m.shifts.__setitem__(0, torch.full((8,), 3.0, dtype=D)), calls=3
+    )

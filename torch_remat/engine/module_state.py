@@ -48,9 +48,10 @@ tensor it holds and that tensor's version. Around the replay:
   caller had changed them. So a counter the forward increments in a dict counts
   once, a list the code appends to in forward and replay alike (to see both run)
   shows both, and a list the forward appends to gets the replay's entry too, as
-  under ``torch.utils.checkpoint``. A tensor in such a container is not checked
-  for in-place updates, and where the replay skips a SAVE region's body, what the
-  body did to a container is not redone;
+  under ``torch.utils.checkpoint``. A tensor in such a container is version-checked
+  like a tensor attribute (updated in place during the forward or before the replay,
+  it is refused, named by its container and key), and where the replay skips a SAVE
+  region's body, what the body did to a container is not redone;
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -111,6 +112,7 @@ BUFFER = "buffer"
 CLOSURE = "closure variable"
 ATTRIBUTE = "tensor attribute"
 GLOBAL = "module-level tensor"
+CONTAINED = "tensor held in a container"
 
 _MAX_DEPTH = 4
 _MISSING = object()
@@ -717,6 +719,26 @@ def _contents(container: Any) -> Any:
     if isinstance(container, dict):
         return dict(container)
     return set(container) if isinstance(container, set) else list(container)
+
+
+def _contained_tensors(containers: list[tuple[Any, Any]]) -> list[tuple[torch.Tensor, int, Any, Any]]:
+    """(tensor, its version now, container, key) of each tensor in the recorded
+    contents of ``containers`` ((container, :func:`_contents`) pairs; a set's
+    members have the key None)."""
+    out = []
+    for container, entry in containers:
+        cls = type(entry)
+        items = entry.items() if cls is dict else zip(itertools.repeat(None), entry) if cls is set else enumerate(entry)
+        for key, t in items:
+            if isinstance(t, torch.Tensor):
+                out.append((t, any_version(t), container, key))
+    return out
+
+
+def _contained_name(container: Any, key: Any, t: torch.Tensor) -> str:
+    """``list[0] (shape (4,), float32)``: a tensor in a container, for messages."""
+    where = f"{type(container).__name__}[{key!r}]" if key is not None else f"a member of a {type(container).__name__}"
+    return f"{where} (shape {tuple(t.shape)}, {str(t.dtype).removeprefix('torch.')})"
 
 
 class _Contents:
@@ -1412,6 +1434,7 @@ class _Reuse:
         state.global_values = self.global_values
         state.class_values = self.class_values
         state.containers = self.containers
+        state.contained = _contained_tensors(self.containers)
         if tags is not None:
             state.versions = self.versions
             state.versions_at_entry = tags
@@ -1428,6 +1451,7 @@ class ModuleState:
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
         "hooks_at_entry", "versions", "versions_at_entry", "attr_versions", "versions_seen",
+        "contained",
     )
 
     def __init__(
@@ -1457,6 +1481,9 @@ class ModuleState:
         self.generators: tuple[Any, ...] = ()
         # (list, dict or set, its contents when the checkpoint started)
         self.containers: list[tuple[Any, Any]] = []
+        # (tensor, its version, container, key) of the tensors those contents hold
+        # (_contained_tensors): refused by the replay if updated in place since
+        self.contained: list[tuple[torch.Tensor, int, Any, Any]] = []
         # (module globals, name, value) of the module-level variables the code reads
         self.global_values: list[tuple[dict, str, Any]] = []
         # their values as the last SAVE region left them (see attributes_rebound)
@@ -1697,6 +1724,7 @@ class ModuleState:
             state = ModuleState(params, slots, groups, others, values)
             state.hooks_at_entry = _hooks_at_entry(others)
             state.containers = containers
+            state.contained = _contained_tensors(containers)
             state.global_values = global_values
             state.class_values = class_values
             if generators:
@@ -1750,6 +1778,9 @@ class ModuleState:
                 continue
             if any_version(t) != s.version and s.kind != BUFFER:
                 raise _modified_in_forward(s.kind, s.name, checkpoint, s.version, t)
+        for t, version, container, key in self.contained:
+            if any_version(t) != version:
+                raise _modified_in_forward(CONTAINED, _contained_name(container, key, t), checkpoint, version, t)
 
     def buffers_now(self) -> list[tuple[Any, int]]:
         """Before a SAVE region: the tensor in every buffer slot and its version."""
@@ -1916,6 +1947,12 @@ class ModuleState:
                 if current is not value:
                     undo.append((g, name, current))
                     g[name] = value
+            for t, version, container, key in self.contained:
+                # (a scale kept in a list, a dict of masks: what the replay reads)
+                if any_version(t) != version:
+                    raise _modified_before_replay(
+                        CONTAINED, _contained_name(container, key, t), checkpoint, version, t
+                    )
             for container, entry in self.containers:
                 # the contents the forward started from; afterwards, the caller's
                 # and what the replay added (a dict or set holding them still is
