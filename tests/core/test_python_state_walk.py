@@ -808,3 +808,54 @@ def test_a_tensor_in_a_container_rebound_before_backward_is_replayed_as_the_forw
     _same_as_without_remat(
         _ShiftsInAList, lambda m: m.shifts.__setitem__(0, torch.full((8,), 3.0, dtype=D)), calls=3
     )
+
+
+def _shift_in_closure_tuple():
+    lin = nn.Linear(8, 8, dtype=D)
+    held = (torch.ones(8, dtype=D), 2)
+    return (lambda h: torch.tanh(lin(h) + held[0])), held, "tuple[0]"
+
+
+def _shift_as_a_default_argument():
+    lin = nn.Linear(8, 8, dtype=D)
+    shift = torch.ones(8, dtype=D)
+
+    def block(h, shift=shift):
+        return torch.tanh(lin(h) + shift)
+
+    return block, (shift,), "tuple[0]"
+
+
+def _shift_bound_by_a_partial():
+    lin = nn.Linear(8, 8, dtype=D)
+    shift = torch.ones(8, dtype=D)
+
+    def block(s, h):
+        return torch.tanh(lin(h) + s)
+
+    return functools.partial(block, shift), (shift,), "tuple[0]"
+
+
+class _ShiftsInATuple(_ShiftsInAList):
+    def __init__(self):
+        super().__init__()
+        self.shifts = (torch.ones(8, dtype=D),)
+
+
+def _shift_in_a_module_attribute_tuple():
+    m = _ShiftsInATuple()
+    return m, m.shifts, "tuple[0]"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_shift_in_closure_tuple, _shift_as_a_default_argument, _shift_bound_by_a_partial, _shift_in_a_module_attribute_tuple],
+)
+def test_a_tensor_in_a_tuple_a_default_or_a_partial_updated_in_place_before_backward_is_refused_by_name(make):
+    fn, held, name = make()
+    x = torch.randn(4, 8, dtype=D, requires_grad=True)
+    y = remat.checkpoint(region_name="blk")(fn)(x)
+    held[0].mul_(2)
+    with pytest.raises(remat.SavedTensorModifiedError, match=rf"tensor held in a container '{re.escape(name)} \(shape \(8,\), float64\)' read by checkpoint 'blk' was modified in place after the forward"):
+        y.sum().backward()
+

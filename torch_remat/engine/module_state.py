@@ -893,6 +893,7 @@ def _roots(
             # its arguments: recorded with the containers (_held_state)
             objects.append(obj.keywords)
             objects.extend(a for a in obj.args if _is_container(type(a)))
+            objects.append(obj.args)  # (its tensors: version-checked)
             return
         owner = getattr(obj, "__self__", None)
         if owner is not None and (
@@ -907,6 +908,10 @@ def _roots(
             visit(wrapped, prefix, depth + 1)
         if type(obj) is types.FunctionType:
             functions.append(obj)
+            if (obj.__defaults__ or obj.__kwdefaults__) and not _own_code(getattr(obj, "__module__", None) or ""):
+                # default argument values (def f(x, shift=table)): read like closure
+                # values, their tensors version-checked
+                objects.extend(d for d in (obj.__defaults__, obj.__kwdefaults__) if d)
         elif _is_plain(type(obj)):
             # a callable object: its attributes, the modules among them, its __call__
             objects.append(obj)
@@ -1022,6 +1027,12 @@ def _held_state(
             held.extend(v)
             if id(v) in reached:
                 reached.update(map(id, v))
+            for x in v:
+                if isinstance(x, torch.Tensor):
+                    # its tensors are version-checked like a container's (the
+                    # tuple itself cannot change)
+                    containers.append((v, v))
+                    break
         elif kind == _HELD_GENERATOR:
             if id(v) not in seen:
                 seen.add(id(v))
