@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import array
 import contextlib
+import ctypes
 import math
 import os
 import sys
@@ -135,22 +135,22 @@ class SavedBytes:
 
 
 class UnseenCounter:
-    """An int counter kept in an ``array.array``: state remat does not record by
-    itself (a plain object's attributes, and the contents of a list, dict, set or
-    deque, it does), so a replay sees the value the backward finds."""
+    """An int counter kept in a ``ctypes`` integer: state remat does not record by
+    itself (a plain object's attributes, the contents of a list, dict, set or
+    deque, and small arrays, it does), so a replay sees the value the backward finds."""
 
     __slots__ = ("box",)
 
     def __init__(self) -> None:
-        self.box = array.array("q", [0])
+        self.box = ctypes.c_longlong(0)
 
     @property
     def value(self) -> int:
-        return self.box[0]
+        return self.box.value
 
     @value.setter
     def value(self, v: int) -> None:
-        self.box[0] = v
+        self.box.value = v
 
 
 class CounterHook:

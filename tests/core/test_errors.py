@@ -81,7 +81,7 @@ def test_same_region_name_twice_in_one_forward():
 
 
 def test_forward_and_recompute_taking_different_paths_names_both_sequences():
-    # state remat does not see: an array.array's contents (a list in the closure, or an
+    # state remat does not see: a ctypes integer (a list in the closure, or an
     # attribute of a plain object, would be replayed as at entry, and take the
     # same path)
     calls = UnseenCounter()

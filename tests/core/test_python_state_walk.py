@@ -6,10 +6,13 @@ between a call's forward and its backward (or is updated by the forward itself);
 the gradients and buffers must equal those of the same steps without remat, bit
 for bit, over calls that reuse the checkpoint's capture."""
 
+import array
 import collections
 import functools
+import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -859,3 +862,75 @@ def test_a_tensor_in_a_tuple_a_default_or_a_partial_updated_in_place_before_back
     with pytest.raises(remat.SavedTensorModifiedError, match=rf"tensor held in a container '{re.escape(name)} \(shape \(8,\), float64\)' read by checkpoint 'blk' was modified in place after the forward"):
         y.sum().backward()
 
+
+
+class _ScaledByAnArray(nn.Module):
+    """A scale kept in a NumPy array or an ``array.array``, read as a Python float."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.scale = np.array([2.0]) if kind == "numpy" else array.array("d", [2.0])
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * float(self.scale[0]))
+
+
+class _ArrayTheForwardUpdates(_ScaledByAnArray):
+    def forward(self, x):
+        self.scale[0] += 1.0  # the replay must start from the forward's value, once
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "array"])
+@pytest.mark.parametrize(
+    "make, between",
+    [
+        (_ScaledByAnArray, lambda m: m.scale.__setitem__(0, 5.0)),  # written in place before backward
+        (_ArrayTheForwardUpdates, lambda m: None),
+    ],
+    ids=["written before backward", "written by the forward"],
+)
+def test_a_small_array_the_code_holds_is_replayed_as_the_forward_saw_it(kind, make, between):
+    # (its contents change in place: no identity moves, no version counter)
+    _same_as_without_remat(lambda: make(kind), between, calls=3)
+
+
+class _DrawsFromASchedule(nn.Module):
+    def __init__(self, schedule):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.rates = schedule
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * next(self.rates))
+
+
+def _generator_schedule():
+    rate = 1.0
+    while True:
+        yield rate
+        rate += 0.5
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [_generator_schedule, lambda: itertools.cycle([1.0, 2.0]), lambda: itertools.count(1), lambda: iter([1.0, 2.0, 3.0])],
+    ids=["generator", "cycle", "count", "list iterator"],
+)
+def test_an_iterator_the_forward_draws_from_is_refused_by_the_replay(schedule):
+    # the replay would draw the next value (a silently different gradient), and
+    # advance the schedule twice per step
+    m = _DrawsFromASchedule(schedule())
+    y = remat.checkpoint(region_name="blk")(m)(torch.randn(4, 8, dtype=D, requires_grad=True))
+    with pytest.raises(remat.RecomputeMismatchError, match=r"forward of checkpoint 'blk' drew from a \w+ iterator the checkpointed code holds"):
+        y.sum().backward()
+
+
+def test_an_iterator_the_forward_does_not_draw_from_is_left_alone():
+    class HoldsOne(_ScaledByAnArray):
+        def __init__(self):
+            super().__init__("numpy")
+            self.rates = itertools.count(1)
+
+    _same_as_without_remat(HoldsOne, lambda m: next(m.rates), calls=2)

@@ -99,8 +99,10 @@ from .rng import (
     DeviceRNGStateHook,
     RNGUse,
     check_position,
+    drawn_iterator,
     fingerprints,
     generator_states,
+    holds_arrays,
     host_rng_state,
     position,
     restore_generator_states,
@@ -276,6 +278,9 @@ class CheckpointFrame:
         # generator objects the module state holds (ModuleState.generators):
         # their states are part of host_state()
         self.generators: tuple[Any, ...] = ()
+        # an iterator among them the forward drew from (next(self.rates)): it cannot
+        # be set back, so the replay is refused
+        self.drawn_iterator: Any = None
         self.rng_use: RNGUse | None = None
         self.rebuilds = Rebuilds(options.rebuild, checkpointed.flop_memo)  # saves the replay refills
         self.observers = observers_for_new_checkpoint(_tls.recompute_depth > 0)
@@ -682,8 +687,16 @@ class CheckpointFrame:
         for record in self.replay_regions:
             release_traceback(record.raised)
         self.rng_use = RNGUse.of_forward(scratch.rng_start)
-        if scratch.host_last == self.host_entry and self.host_state() == self.host_entry:
-            self.host_entry = None  # nothing drawn from Python's, NumPy's or a held generator
+        host_now = self.host_state()
+        if self.generators:
+            self.drawn_iterator = drawn_iterator(self.generators, self.host_entry[1], host_now[1])
+        if (
+            scratch.host_last == self.host_entry and host_now == self.host_entry
+            and not (self.generators and holds_arrays(self.generators))
+        ):
+            # nothing drawn from Python's, NumPy's or a held generator (an array the
+            # code holds is set around the replay whether or not the forward changed it)
+            self.host_entry = None
         if self.rng_checks:
             end = position(self.state_hooks, self.rng_checks)
             if end == scratch.rng_entry:
@@ -864,6 +877,16 @@ class CheckpointFrame:
                 "backward called inside the checkpointed function). This is not "
                 "supported; compute such gradients outside remat.checkpoint."
             )
+        if self.drawn_iterator is not None:
+            raise RecomputeMismatchError(
+                f"torch_remat: the forward of checkpoint '{self.name}' drew from a "
+                f"{type(self.drawn_iterator).__name__} iterator the checkpointed code holds "
+                "(a generator or an itertools schedule: next(self.rates)). An iterator "
+                "cannot be set back, so the recompute would draw the next values, not "
+                "those the forward read, and advance it twice per step. Draw outside the "
+                "checkpointed function and pass the value in, or keep the drawn value in "
+                "a module attribute."
+            )
         store = Recreated()
         needed = 0
         for ref in self.holders:
@@ -878,11 +901,12 @@ class CheckpointFrame:
         rng = self.rng_use
         caller_rng = rng.caller_states() if rng is not None else []
         caller_states = [h.snapshot() for h in hooks]
+        # (the caller's host state read before the hooks set theirs: a hook may set
+        # Python's random or a held array too)
+        host_caller = self.host_state() if self.host_entry is not None else None
         for h, s in zip(hooks, self.entry_states):
             h.restore(s)
-        host_caller = None
-        if self.host_entry is not None:  # the forward drew from Python's random or NumPy's
-            host_caller = self.host_state()
+        if host_caller is not None:  # the forward drew from Python's random or NumPy's
             self.set_host_state(self.host_entry)
         unrestored = rng.unrestored() if rng is not None else []
         module_undo = []

@@ -105,7 +105,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import _compat
 from .._compat import INFERENCE_VERSION, any_version, version_of
 from .._errors import modified_in_place
-from .rng import default_generators, is_generator_type
+from .rng import default_generators, forked, is_generator_type
 
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -1741,7 +1741,7 @@ class ModuleState:
             if generators:
                 defaults = default_generators()
                 state.generators = tuple(
-                    {id(g): g for g in generators if id(g) not in defaults}.values()
+                    {id(g): g for g in generators if id(g) not in defaults and forked(g)}.values()
                 )
         if memo is not None:
             memo.reuse = None

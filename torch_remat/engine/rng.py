@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -575,7 +576,17 @@ def _kind_of(cls: type) -> str | None:
 def _held_kind(cls: type) -> str | None:
     if cls is torch.Generator:
         return "torch"
+    import array
     import random
+
+    if issubclass(cls, array.array):
+        return "array"
+    if cls is types.GeneratorType or (
+        cls.__module__ in ("itertools", "builtins") and hasattr(cls, "__next__")
+    ):
+        # a schedule the forward draws from (next(self.rates)): not forked (it
+        # cannot be rewound), but a forward that advanced it is refused by the replay
+        return "iterator"
 
     if issubclass(cls, random.Random):
         # SystemRandom draws from the operating system: no state to fork
@@ -587,6 +598,8 @@ def _held_kind(cls: type) -> str | None:
                 return "numpy generator"
             if issubclass(cls, np.random.RandomState):
                 return "numpy random state"
+            if issubclass(cls, np.ndarray):
+                return "numpy array"
         except AttributeError:
             return None
     return None
@@ -619,6 +632,65 @@ class _HostGeneratorState:
     __hash__ = None  # type: ignore[assignment]
 
 
+_POSITION_SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def _iterator_position(x: Any, depth: int) -> Any:
+    """A value that changes when the iterator ``x`` advances (compare two with
+    ``==``): a generator's suspended instruction and locals, another iterator's
+    pickled state (``__reduce__``), looked into a few levels; other objects by
+    identity."""
+    cls = type(x)
+    if cls in _POSITION_SCALARS:
+        return x
+    if depth < 4:
+        if cls is list or cls is tuple:
+            return (len(x), tuple(_iterator_position(v, depth + 1) for v in x[:64]))
+        if cls is types.GeneratorType:
+            frame = x.gi_frame
+            if frame is None:
+                return "finished"
+            return (frame.f_lasti, tuple((k, _iterator_position(v, depth + 1)) for k, v in frame.f_locals.items()))
+        if _kind_of(cls) == "iterator":
+            try:
+                return _iterator_position(x.__reduce__(), depth + 1)
+            except Exception:  # (an iterator that cannot be pickled)
+                return id(x)
+    return id(x)
+
+
+MAX_FORKED_ARRAY_BYTES = 1 << 16
+"""A NumPy array or ``array.array`` the code holds is forked like a generator
+(its bytes read at the checkpoint's entry and where each SAVE region returns, set
+around the replay) up to this size; a larger or read-only one is not."""
+
+
+def forked(g: Any) -> bool:
+    """Whether the held state object ``g`` (see :func:`is_generator_type`) is forked
+    around a replay: every generator; small writable arrays."""
+    kind = _kind_of(type(g))
+    if kind == "numpy array":
+        return g.nbytes <= MAX_FORKED_ARRAY_BYTES and g.flags.writeable and g.dtype.hasobject is False
+    if kind == "array":
+        return len(g) * g.itemsize <= MAX_FORKED_ARRAY_BYTES
+    return True
+
+
+def drawn_iterator(held: tuple[Any, ...], before: tuple[Any, ...], after: tuple[Any, ...]) -> Any:
+    """The first iterator among ``held`` whose position moved from ``before`` to
+    ``after`` (their :func:`generator_states`), or None."""
+    for g, a, b in zip(held, before, after):
+        if _kind_of(type(g)) == "iterator" and a != b:
+            return g
+    return None
+
+
+def holds_arrays(held: tuple[Any, ...]) -> bool:
+    """Whether ``held`` (forked state objects) holds an array: read by the code
+    without changing it, so its state is set around every replay."""
+    return any(_kind_of(type(g)) in ("numpy array", "array") for g in held)
+
+
 def _read_held(g: Any) -> Any:
     if type(g) is torch.Generator:
         state = g.get_state()  # a fresh contiguous uint8 tensor
@@ -626,6 +698,12 @@ def _read_held(g: Any) -> Any:
     kind = _kind_of(type(g))
     if kind == "python":
         return g.getstate()  # a tuple of ints: compares by value
+    if kind == "numpy array":
+        return (g.dtype.str, g.shape, g.tobytes())
+    if kind == "array":
+        return g.tobytes()
+    if kind == "iterator":
+        return ("iterator", _iterator_position(g, 0))
     if kind == "numpy generator":
         return _HostGeneratorState(g.bit_generator.state)
     return _HostGeneratorState(g.get_state(legacy=False))
@@ -639,6 +717,20 @@ def _restore_held(g: Any, saved: Any) -> None:
     kind = _kind_of(type(g))
     if kind == "python":
         g.setstate(saved)
+    elif kind == "numpy array":
+        dtype, shape, data = saved
+        if g.shape != shape or g.dtype.str != dtype:
+            raise RecomputeMismatchError(
+                f"torch_remat: a NumPy array the checkpointed code holds changed its shape or "
+                f"dtype (from {shape} {dtype} to {g.shape} {g.dtype.str}) between the forward "
+                "and the recompute: the recompute cannot read the values the forward read. "
+                "Assign a new array instead of resizing it in place."
+            )
+        g[...] = sys.modules["numpy"].frombuffer(data, dtype=g.dtype).reshape(shape)
+    elif kind == "array":
+        g[:] = type(g)(g.typecode, saved)
+    elif kind == "iterator":
+        pass  # (cannot be set back: a forward that drew from one is refused, see drawn_iterator)
     elif kind == "numpy generator":
         g.bit_generator.state = saved.state
     else:
