@@ -934,3 +934,46 @@ def test_an_iterator_the_forward_does_not_draw_from_is_left_alone():
             self.rates = itertools.count(1)
 
     _same_as_without_remat(HoldsOne, lambda m: next(m.rates), calls=2)
+
+
+class _RouterKeepsStats(nn.Module):
+    """A SAVE region's body appends to a list and counts in a dict; the code after
+    the region reads both (the replay skips the body)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 8, dtype=D)
+        self.out = nn.Linear(8, 8, dtype=D)
+        self.aux = [torch.tensor(0.5, dtype=D)]  # (the replay would read this one)
+        self.counts = {"routed": 0}
+
+    def route(self, x):
+        h = self.gate(x)
+        self.aux.append(h.detach().square().mean())
+        self.counts["routed"] += 1
+        return h
+
+    def forward(self, x):
+        h = remat.recompute_needs_tensor(remat.region(self.route, "router", recompute=False)(x))
+        scale = self.aux[-1] * len(self.aux) + self.counts["routed"]
+        return torch.tanh(self.out(torch.tanh(h) * scale))
+
+
+def test_what_a_save_body_puts_in_a_list_or_dict_is_there_where_the_replay_skips_it():
+    def state(m):
+        return [len(m.aux) - 1, m.counts["routed"]]
+
+    expected = _steps(_RouterKeepsStats, lambda m: None, calls=3, ckpt=False)
+    with recorded_replays() as replayed:
+        got = _steps(_RouterKeepsStats, lambda m: None, calls=3, ckpt=True)
+    assert replayed == ["blk"] * 3
+    for e, g in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(e, g))
+    # and the containers end as without remat: one entry and one count per step
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        m = _RouterKeepsStats()
+        f = remat.checkpoint(region_name="blk")(m) if ckpt else m
+        for _ in range(2):
+            f(torch.randn(4, 8, dtype=D, requires_grad=True)).sum().backward()
+        assert state(m) == [2, 2]

@@ -571,6 +571,7 @@ class CheckpointFrame:
             versions = [(i, t, any_version(t)) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
             module_state = self.module_state
             buffers = module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
+            contents = module_state.containers_now() if module_state is not None and module_state.containers else None
             modes = (_grad_enabled(), _default_dtype())
         written: list[tuple[int, torch.Tensor]] = []
         scratch.region_stack.append(record)
@@ -604,7 +605,7 @@ class CheckpointFrame:
                 _note_modes_left(record, modes)  # (as where it returns: the caller goes on so)
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
-                self._region_returned(record, raised=detached_copy(e))
+                self._region_returned(record, contents, raised=detached_copy(e))
             raise
         finally:
             scratch.region_stack.pop()
@@ -616,16 +617,19 @@ class CheckpointFrame:
             self._record_region_outputs(record, out, leaves, written)
             if written:
                 self._record_written_arguments(record, written)
-            self._region_returned(record)
+            self._region_returned(record, contents)
         return out
 
-    def _region_returned(self, record: RegionRecord, raised: BaseException | None = None) -> None:
+    def _region_returned(
+        self, record: RegionRecord, contents: list[Any] | None, raised: BaseException | None = None
+    ) -> None:
         """A top-level SAVE region's body returned (or raised ``raised``): note on
         ``record`` what the replay sets where it skips the body. The state hooks'
         snapshots; Python's random, NumPy's generator and the held generators if they
         moved since the last look (in the body or before it: the replay sets the
         state the forward had here, whatever the body drew); the module attributes,
-        module-level variables and closure values rebound since the last look."""
+        module-level variables and closure values rebound since the last look, and
+        what the body changed in the containers (``contents``: theirs at its start)."""
         # (one call per region: this runs at every SAVE region's return)
         states = self._snapshot_after_region() if self.state_hooks else _NO_STATES
         scratch = self.scratch
@@ -636,6 +640,10 @@ class CheckpointFrame:
             scratch.host_last = host
         module_state = self.module_state
         attributes = module_state.attributes_rebound() if module_state is not None else None
+        if contents is not None:
+            changed = module_state.containers_changed(contents)
+            if changed:
+                attributes = (attributes or []) + changed
         record.returned(states, host, attributes, raised)
 
     def host_state(self) -> tuple[Any, ...]:

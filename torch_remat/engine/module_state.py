@@ -51,7 +51,8 @@ tensor it holds and that tensor's version. Around the replay:
   under ``torch.utils.checkpoint``. A tensor in such a container is version-checked
   like a tensor attribute (updated in place during the forward or before the replay,
   it is refused, named by its container and key), and where the replay skips a SAVE
-  region's body, what the body did to a container is not redone;
+  region's body, what the body did to a container (entries appended, keys set or
+  removed, members added or removed) is done again there (:class:`_ContentsLeft`);
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -747,18 +748,117 @@ class _Contents:
     keeps what the replay added to ``entry``, the contents the replay ran on
     (:func:`_merged`)."""
 
-    __slots__ = ("container", "entry")
+    __slots__ = ("container", "entry", "skipped")
 
     def __init__(self, container: Any, entry: Any) -> None:
         self.container = container
         self.entry = entry
+        # ids of the items (a dict's (key, id(value))) the replay put in where it
+        # skipped a SAVE region's body (_ContentsLeft): the caller has them already
+        self.skipped: set[Any] = set()
 
     def __setitem__(self, _key: Any, before: Any) -> None:
         if isinstance(self.container, collections.deque):
             # a window (maxlen): the replay's entries would push out the caller's
             _fill(self.container, before)
             return
-        _fill(self.container, _merged(self.entry, before, _contents(self.container)))
+        _fill(self.container, _merged(self.entry, before, _contents(self.container), self.skipped))
+
+
+class _ContentsLeft:
+    """A container a top-level SAVE region's body changed (``entry``: its contents
+    when the checkpoint started), as a change the replay makes where it skips that
+    body (:meth:`ModuleState.skip_attributes`): the body's change (:func:`_change`)
+    is made again to what the replay's container holds there."""
+
+    __slots__ = ("container", "entry")
+
+    def __init__(self, container: Any, entry: Any) -> None:
+        self.container = container
+        self.entry = entry
+
+    def skip(self, change: tuple, undo: list[tuple[Any, Any, Any]]) -> None:
+        container = self.container
+        contents = None
+        for owner, _, _ in undo:
+            if type(owner) is _Contents and owner.container is container:
+                contents = owner
+                break
+        if contents is None:
+            # (ModuleState.install left it alone: it held its entry contents)
+            contents = _Contents(container, self.entry)
+            undo.append((contents, None, _contents(self.entry)))
+        kind = change[0]
+        if kind == "appended":
+            items = _alive(change[1])
+            container.extend(items)
+            contents.skipped.update(map(id, items))
+        elif kind == "keys":
+            for key, ref in change[1].items():
+                value = _deref(ref)
+                if value is not _MISSING:
+                    container[key] = value
+                    contents.skipped.add((key, id(value)))
+            for key in change[2]:
+                container.pop(key, None)
+        elif kind == "members":
+            items = _alive(change[1])
+            container |= set(items)
+            container -= change[2]
+            contents.skipped.update(map(id, items))
+        else:  # "contents": a list reordered or shortened
+            _fill(container, change[1])
+
+
+class _Strong:
+    """A reference to a value that takes no weak reference (an int, a tuple)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _ref(value: Any) -> Any:
+    """A weak reference to ``value`` where it takes one: what a SAVE region's body
+    put in a container (an aux loss, a saved-tensor hook's box) is not kept alive for
+    the replay by this record alone."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return _Strong(value)
+
+
+def _deref(ref: Any) -> Any:
+    """The value behind :func:`_ref`'s reference; ``_MISSING`` once it was freed."""
+    if type(ref) is _Strong:
+        return ref.value
+    value = ref()
+    return _MISSING if value is None else value
+
+
+def _alive(refs: list[Any]) -> list[Any]:
+    return [v for v in map(_deref, refs) if v is not _MISSING]
+
+
+def _change(before: Any, after: Any) -> tuple:
+    """What turned the contents ``before`` into ``after`` (both :func:`_contents`):
+    items appended to a list, keys set or removed in a dict, members added or
+    removed in a set (what was put in, by :func:`_ref`: one freed before the replay
+    reaches the body, the forward's code dropped, and the replay's does too); else
+    the new contents."""
+    if type(before) is list:
+        n = len(before)
+        if len(after) >= n and all(map(operator.is_, after[:n], before)):
+            return ("appended", [_ref(x) for x in after[n:]])
+        return ("contents", after)
+    if type(before) is dict:
+        return (
+            "keys",
+            {k: _ref(v) for k, v in after.items() if before.get(k, _MISSING) is not v},
+            [k for k in before if k not in after],
+        )
+    return ("members", [_ref(x) for x in after - before], before - after)
 
 
 def _fill(container: Any, contents: Any) -> None:
@@ -792,28 +892,35 @@ def _holds(container: Any, entry: Any) -> bool:
     return all(map(operator.is_, container, entry))
 
 
-def _merged(entry: Any, before: Any, after: Any) -> Any:
+def _merged(entry: Any, before: Any, after: Any, skipped: set[Any]) -> Any:
     """The contents after a replay: ``before`` (what the container held when the
     replay began) with the changes the replay made to ``entry`` (what it started
     from). A list gets the entries the replay appended (none if the replay did more
     than append); a dict the keys the replay added or changed where ``before``
-    still held the entry's value; a set the members the replay added or removed."""
+    still held the entry's value; a set the members the replay added or removed.
+    What it put in for a skipped SAVE region's body (``skipped``) is not added."""
     if type(before) is list:
         n = len(entry)
         if len(after) >= n and all(map(operator.is_, after[:n], entry)):
-            return before + after[n:]
+            added = after[n:]
+            if skipped:
+                added = [x for x in added if id(x) not in skipped]
+            return before + added
         return before
     if type(before) is dict:
         out = dict(before)
         for k, v in after.items():
             old = entry.get(k, _MISSING)
-            if v is not old and out.get(k, _MISSING) is old:
+            if v is not old and out.get(k, _MISSING) is old and (k, id(v)) not in skipped:
                 out[k] = v
         for k, old in entry.items():
             if k not in after and out.get(k, _MISSING) is old:
                 del out[k]
         return out
-    return (before | (after - entry)) - (entry - after)
+    added = after - entry
+    if skipped:
+        added = {x for x in added if id(x) not in skipped}
+    return (before | added) - (entry - after)
 
 
 class _CellSlot:
@@ -1897,11 +2004,43 @@ class ModuleState:
                     last_values[i] = value
         return changes
 
+    def containers_now(self) -> list[Any]:
+        """Where a top-level SAVE region's body starts: the contents of the
+        containers (see :meth:`containers_changed`)."""
+        return [
+            None if container is entry
+            else container.copy() if type(container) in _CONTAINERS else _contents(container)
+            for container, entry in self.containers
+        ]
+
+    def containers_changed(self, before: list[Any]) -> list[tuple[Any, Any, Any]] | None:
+        """Where that body returned: what it changed in each container
+        (``before``: :meth:`containers_now`), as changes the replay makes where it
+        skips the body (:meth:`skip_attributes`): a list the body appended an aux
+        loss to, a dict of counters it incremented. None when it changed none."""
+        changes = None
+        is_ = operator.is_
+        for (container, entry), was in zip(self.containers, before):
+            if was is None:
+                continue
+            if type(was) is list:  # (_holds, inlined: this runs at every SAVE region)
+                if len(container) == len(was) and all(map(is_, container, was)):
+                    continue
+            elif _holds(container, was):
+                continue
+            changes = changes or []
+            changes.append((_ContentsLeft(container, entry), None, _change(was, _contents(container))))
+        return changes
+
     @staticmethod
     def skip_attributes(changes: list[tuple[dict, Any, Any]], undo: list[tuple[Any, Any, Any]]) -> None:
         """In the replay, at a skipped SAVE region: the attributes its body rebound, as
-        it left them; ``undo`` (from :meth:`install`) gets the values to put back."""
+        it left them, and the changes it made to containers; ``undo`` (from
+        :meth:`install`) gets the values to put back."""
         for d, key, value in changes:
+            if type(d) is _ContentsLeft:
+                d.skip(value, undo)
+                continue
             current = d.get(key, _MISSING)
             if current is value:
                 continue
