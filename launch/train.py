@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -455,8 +456,9 @@ def build(args, vocab: int, device: torch.device, world: int):
 # random generators (rng/rankR.pt: dropout draws from them, so a resumed run draws
 # the masks the uninterrupted run would have), and from rank 0 the model's shape
 # (model_config.json, compared at resume) and the log up to the step (log.json, where
-# a resumed --log-json starts). A save is written to stepN.tmp and
-# renamed when complete; DIR/latest.json names the newest step. Under torchrun on
+# a resumed --log-json starts). checksums.json records the size and sha256 of every
+# other file of the folder, verified before a resume loads it. A save is written to
+# stepN.tmp and renamed when complete; DIR/latest.json names the newest step. Under torchrun on
 # several nodes DIR is a folder every node sees (rank 0 writes the metadata and
 # renames).
 
@@ -672,10 +674,109 @@ def read_run_files(folder: pathlib.Path) -> dict | None:
     return config
 
 
+CHECKSUMS = "checksums.json"
+
+
+def _file_digest(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _share(names: list[str], rank: int, world: int) -> list[str]:
+    """The files of ``names`` rank ``rank`` reads for their checksums: each file is
+    read by one rank, the ranks' shares in parallel."""
+    return [name for i, name in enumerate(names) if i % world == rank]
+
+
+def _all_ranks(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (a collective under torchrun)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def write_checksums(folder: pathlib.Path, rank: int) -> None:
+    """After every file of a save is written (every rank calls it): record the size and
+    sha256 of each file in ``folder`` in its checksums.json, which rank 0 writes."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    names = [None]
+    if rank == 0:
+        names = [sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                        if p.is_file() and p.name != CHECKSUMS)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(names, src=0)
+    mine = {name: {"bytes": (folder / name).stat().st_size, "sha256": _file_digest(folder / name)}
+            for name in _share(names[0], rank, world)}
+    shares = _all_ranks(mine)
+    if rank == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        (folder / CHECKSUMS).write_text(json.dumps({"files": dict(sorted(files.items()))}))
+
+
+def read_checksums(folder: pathlib.Path) -> dict[str, dict] | None:
+    """The files ``folder``'s checksums.json records, by name ({"bytes", "sha256"});
+    None for a checkpoint saved before saves recorded them; DamagedCheckpoint where it
+    cannot be read."""
+    path = folder / CHECKSUMS
+    if not path.exists():
+        return None
+    files = _read_json_object(path).get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(e, dict) and type(e.get("bytes")) is int and isinstance(e.get("sha256"), str)
+        for e in files.values()
+    ):
+        raise DamagedCheckpoint(f"{CHECKSUMS} cannot be read (not a record of files, sizes "
+                                "and digests)")
+    return files
+
+
+class ChangedCheckpoint(Exception):
+    """A file of a checkpoint folder has the size it was saved with and other bytes."""
+
+
+def verify_checksums(folder: pathlib.Path, rank: int) -> bool:
+    """Compare ``folder``'s files with its checksums.json before a resume loads them
+    (every rank calls it; each reads its share of the files). DamagedCheckpoint where
+    one is missing or has another size than saved (the load would fail on it, or read
+    a file the save did not write), ChangedCheckpoint (on every rank alike) where one
+    has its saved size and other bytes: a file the storage changed, which would load
+    without an error. False for a checkpoint without checksums.json."""
+    recorded = read_checksums(folder)
+    if recorded is None:
+        return False
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    found = {}
+    for name in _share(sorted(recorded), rank, world):
+        path, saved = folder / name, recorded[name]
+        try:
+            size = path.stat().st_size
+            if size != saved["bytes"]:
+                found[name] = f"{name} is {size:,} bytes, and {saved['bytes']:,} were saved"
+            elif _file_digest(path) != saved["sha256"]:
+                found[name] = None  # changed in place
+        except FileNotFoundError:
+            found[name] = f"{name} is missing"
+        except OSError as e:
+            found[name] = f"{name} cannot be read ({e.strerror or e})"
+    problems = {name: why for share in _all_ranks(found) for name, why in share.items()}
+    damaged = [problems[name] for name in sorted(problems) if problems[name] is not None]
+    if damaged:
+        raise DamagedCheckpoint(damaged[0] + (f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""))
+    if problems:
+        raise ChangedCheckpoint(*sorted(problems))
+    return True
+
+
 def check_small_files(folder: pathlib.Path, world: int) -> None:
     """DamagedCheckpoint (or OSError) where a resume on ``world`` ranks would find
-    ``folder``'s small files unsound: its recorded settings and log, and every rank's
-    random generators."""
+    ``folder``'s small files unsound: its recorded settings and log, its checksums,
+    and every rank's random generators."""
+    read_checksums(folder)
     saved = read_run_files(folder)
     for name in expected_rng_files(saved, world):
         if not (folder / name).is_file():
@@ -870,9 +971,10 @@ def _save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, 
     # Returns on every rank once every rank's files and the metadata are written.
     with _single_process_quiet():
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    if rank == 0 and config is not None and log is not None:
+        write_run_metadata(tmp, config, log)
+    write_checksums(tmp, rank)  # of every file above, now all written
     if rank == 0:
-        if config is not None and log is not None:
-            write_run_metadata(tmp, config, log)
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -943,6 +1045,24 @@ def load_checkpoint(directory: pathlib.Path, model, opt, rank: int, config: dict
         if _agree(error is None):
             if config is not None and not check_model_config(directory, step, config, rank):
                 check_saved_shapes(directory, step, get_state_dict(model, opt)[0], rank)
+            try:
+                verified = verify_checksums(path, rank)  # (the same outcome on every rank)
+            except DamagedCheckpoint as e:
+                error = e
+            except ChangedCheckpoint as e:
+                changed = e.args
+                usage_error(
+                    f"--checkpoint-dir {directory}: step {step}'s file {path / changed[0]} does "
+                    "not match the checksum recorded when it was saved"
+                    + (f" (nor do {len(changed) - 1} more of its files)" if len(changed) > 1 else "")
+                    + ": it has its saved size and other bytes, changed on disk since (check "
+                    f"the storage). Nothing was loaded; to resume from the checkpoint before "
+                    f"it, move {path} out of {directory} (or delete it)", rank)
+            else:
+                if not verified:
+                    say(f"{path} records no checksums (saved before checkpoints recorded them): "
+                        "its files are loaded unverified")
+        if _agree(error is None):
             try:
                 msd, osd = get_state_dict(model, opt)
                 state = {"model": msd, "optim": osd}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from checkpoint_damage import flip_a_byte_of_tensor_data
 from helpers import set_plugin_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -93,11 +94,27 @@ def test_a_checkpoint_missing_or_with_a_damaged_rng_file_of_rank_1_is_skipped_na
     resumed = run_sh("--steps", "7", *common)
     assert (f"checkpoint {ckpt / 'step6'} is unreadable (rng/rank1.pt is missing: the run saved "
             "there had 2 rank(s)") in resumed.stdout, resumed.stdout
-    assert (f"checkpoint {ckpt / 'step4'} is unreadable (rank 1: rng/rank1.pt cannot be read "
-            "(RuntimeError: ") in resumed.stdout, resumed.stdout
+    # (the size its checksums.json records tells, before anything is loaded)
+    assert (f"checkpoint {ckpt / 'step4'} is unreadable (rng/rank1.pt is 50 bytes, and "
+            in resumed.stdout), resumed.stdout
     assert "no random generator states" not in resumed.stdout
     assert "(resumed at step 2)" in resumed.stdout
     assert losses(log) == losses(uninterrupted)  # bitwise: the same floats
+
+
+def test_a_shard_of_rank_1_whose_bytes_changed_on_disk_is_refused_with_one_line(tmp_path):
+    # Before: the resume loaded it without a word, and trained on from damaged weights.
+    ckpt = tmp_path / "ckpt"
+    common = ["--no-report", "--save-every", "2", "--checkpoint-dir", str(ckpt)]
+    run_sh("--steps", "4", *common)
+    shard = ckpt / "step4" / "__1_0.distcp"
+    flip_a_byte_of_tensor_data(shard)
+    refused = run_sh("--steps", "6", *common, expect=2)
+    assert refused.stderr.count(
+        f"train.py: error: --checkpoint-dir {ckpt}: step 4's file {shard} does not match the "
+        "checksum recorded when it was saved") == 1, refused.stderr[-3000:]
+    assert f"move {ckpt / 'step4'} out of {ckpt} (or delete it)" in refused.stderr
+    assert "Traceback" not in refused.stderr and "resumed at" not in refused.stdout
 
 
 def test_the_last_step_is_saved_between_save_every_steps(tmp_path):

@@ -4,12 +4,14 @@ none and a tiny model: each run takes a fraction of a second)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import pathlib
 import sys
 
 import pytest
+from checkpoint_damage import flip_a_byte_of_tensor_data
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("launch_train", ROOT / "launch" / "train.py")
@@ -166,8 +168,85 @@ def test_a_folder_with_neither_run_file_is_an_older_checkpoint_and_resumes(capsy
     run(capsys, "--steps", "3", "--save-every", "3", "--checkpoint-dir", str(ckpt))
     (ckpt / "step3" / "model_config.json").unlink()
     (ckpt / "step3" / "log.json").unlink()
+    (ckpt / "step3" / "checksums.json").unlink()  # (recorded later still)
     out, _ = run(capsys, "--steps", "4", "--checkpoint-dir", str(ckpt))
     assert "(resumed at step 3)" in out and "unreadable" not in out
+
+
+# ------------------------------------------------------------------------ checksums
+
+
+def test_a_save_records_the_size_and_sha256_of_every_file_it_writes(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(capsys, "--steps", "3", "--save-every", "3", "--checkpoint-dir", str(ckpt))
+    folder = ckpt / "step3"
+    recorded = json.loads((folder / "checksums.json").read_text())["files"]
+    written = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")
+               if p.is_file() and p.name != "checksums.json"}
+    assert {"__0_0.distcp", ".metadata", "rng/rank0.pt", "model_config.json", "log.json"} <= set(written)
+    assert recorded == {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                        for name, data in written.items()}
+
+
+def test_a_shard_whose_bytes_changed_on_disk_is_refused_naming_the_file_and_step(capsys, tmp_path):
+    # Before: a bit flipped in a tensor's data in a shard loaded without a word, and the
+    # resumed run trained on from the damaged weights.
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    uninterrupted = tmp_path / "uninterrupted.json"
+    run(capsys, "--steps", "9", "--log-json", str(uninterrupted))
+    common = ["--save-every", "3", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    run(capsys, "--steps", "6", *common)
+    flip_a_byte_of_tensor_data(ckpt / "step6" / "__0_0.distcp")
+    before = files(ckpt)
+
+    out, err = run(capsys, "--steps", "9", *common, expect=2)
+    assert (f"train.py: error: --checkpoint-dir {ckpt}: step 6's file "
+            f"{ckpt / 'step6' / '__0_0.distcp'} does not match the checksum recorded when it was "
+            "saved") in err, err
+    assert f"move {ckpt / 'step6'} out of {ckpt}" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "resumed at" not in out and "loss" not in out
+    assert files(ckpt) == before  # nothing there was changed
+
+    # moved away as the message says: the resume goes on from the step before, exactly
+    (ckpt / "step6").rename(tmp_path / "step6.damaged")
+    out, _ = run(capsys, "--steps", "9", *common)
+    assert "(resumed at step 3)" in out
+    assert losses(log) == losses(uninterrupted)  # bitwise: the same floats
+
+
+def test_a_shard_of_another_size_is_unreadable_and_the_next_older_one_resumes(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(capsys, "--steps", "6", "--save-every", "3", "--checkpoint-dir", str(ckpt))
+    shard = ckpt / "step6" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes() + b"appended")  # still loads: the data is read by offset
+    out, _ = run(capsys, "--steps", "7", "--checkpoint-dir", str(ckpt))
+    size = shard.stat().st_size
+    assert (f"checkpoint {ckpt / 'step6'} is unreadable (__0_0.distcp is {size:,} bytes, and "
+            f"{size - 8:,} were saved)") in out, out
+    assert "(resumed at step 3)" in out
+
+
+def test_a_checkpoint_saved_before_checksums_were_recorded_resumes(capsys, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    uninterrupted = tmp_path / "uninterrupted.json"
+    run(capsys, "--steps", "6", "--log-json", str(uninterrupted))
+    common = ["--save-every", "3", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    run(capsys, "--steps", "3", *common)
+    (ckpt / "step3" / "checksums.json").unlink()
+    out, err = run(capsys, "--steps", "6", *common)
+    assert "(resumed at step 3)" in out
+    assert f"{ckpt / 'step3'} records no checksums" in out and out.count("checksums") == 1
+    assert losses(log) == losses(uninterrupted)
+
+
+def test_a_damaged_checksums_file_makes_the_folder_unreadable(capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run(capsys, "--steps", "6", "--save-every", "3", "--checkpoint-dir", str(ckpt))
+    truncate(ckpt / "step6" / "checksums.json", 20)
+    out, _ = run(capsys, "--steps", "7", "--checkpoint-dir", str(ckpt))
+    assert f"checkpoint {ckpt / 'step6'} is unreadable (checksums.json cannot be read" in out, out
+    assert "(resumed at step 3)" in out
 
 
 # ---------------------------------------------------------------- random generator files
