@@ -23,6 +23,7 @@ import math
 import os
 import pathlib
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -1268,8 +1269,112 @@ def memory_report(loss, distributed: bool) -> str | None:
     return None if report is None else report.format()
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached this process (raised by its handler, ``run.signum``)."""
+
+
+@dataclasses.dataclass
+class RunState:
+    """Where a run is, for the line it prints when a signal ends it."""
+
+    steps: int = 0  # --steps
+    step: int = 0  # the step being trained (0: none yet)
+    completed: int = 0  # the last step trained to its end
+    saved: int | None = None  # the newest checkpoint of this run's folder (resumed or saved)
+    checkpoint_dir: pathlib.Path | None = None
+    signum: int | None = None  # the signal received (the first)
+    deferring: bool = False  # inside a save: the signal is acted on after it
+
+
+_run = RunState()
+
+
+def _on_signal(signum: int, frame) -> None:
+    if _run.signum is not None:
+        return  # already stopping (Ctrl-C under torchrun: the terminal's SIGINT, then torchrun's)
+    _run.signum = signum
+    if not _run.deferring:
+        raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """A save runs to its end when a signal comes in the middle of it (no step is left
+    half-written in its final place); the signal is acted on after it."""
+    _run.deferring = True
+    try:
+        yield
+    finally:
+        _run.deferring = False
+    if _run.signum is not None:
+        raise Interrupted(_run.signum)
+
+
+def interrupted_line(state: RunState, rank: int | None) -> str:
+    """What a rank prints when a signal ends the run."""
+    name = signal.Signals(state.signum).name
+    who = f"rank {rank}: " if rank is not None else ""
+    if not state.step:
+        where = "before training started"
+    elif state.completed == state.step:
+        where = f"after step {state.step} of {state.steps}"
+    else:
+        where = f"at step {state.step} of {state.steps}"
+    if state.checkpoint_dir is None:
+        saved = "nothing was saved (no --checkpoint-dir)"
+    elif state.saved:
+        saved = (f"the last saved checkpoint is step {state.saved} "
+                 f"({state.checkpoint_dir / f'step{state.saved}'}); the same command resumes from it")
+    elif state.step:
+        saved = f"no checkpoint was saved yet in {state.checkpoint_dir}; the same command starts afresh"
+    else:
+        saved = "no checkpoint was loaded or saved"
+    return f"torch_remat train: {who}interrupted by {name} {where}; {saved}"
+
+
 def main(argv=None) -> None:
+    """Train (see the module's docstring). SIGINT (Ctrl-C) or SIGTERM ends the run with
+    one line per rank, saying where it was and which checkpoint a restart resumes from,
+    and the conventional status, 128 + the signal's number (130, 143)."""
+    global _run
+    _run = RunState()
+    handlers = {}
+    if threading_main():
+        handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _main(argv)
+    except BaseException as e:
+        if _run.signum is None and isinstance(e, Exception) and dist.is_initialized() and peer_left(e):
+            # another rank stopped first: when the launch is ending every rank, this
+            # rank's own signal is on its way
+            with contextlib.suppress(Interrupted):
+                time.sleep(2)
+        if _run.signum is None:
+            raise
+        rank = None
+        if "WORLD_SIZE" in os.environ and (dist.is_initialized() or "RANK" in os.environ):
+            rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+        print(interrupted_line(_run, rank), file=sys.stderr, flush=True)
+        status = 128 + _run.signum
+        if dist.is_initialized():
+            sys.stdout.flush()
+            os._exit(status)  # no teardown of a group whose peers are gone (see finish)
+        sys.exit(status)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def threading_main() -> bool:
+    """Signal handlers can be set: this is the main thread."""
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _main(argv=None) -> None:
     args = parse_args(argv)
+    _run.steps = args.steps
     distributed = "WORLD_SIZE" in os.environ and args.parallel != "none"
     use_cuda = torch.cuda.is_available()
     launch_rank = int(os.environ.get("RANK", "0"))
@@ -1306,6 +1411,7 @@ def main(argv=None) -> None:
         check_writable(ckpt_dir, rank)
         lock_checkpoint_dir(ckpt_dir, rank)
         start = load_checkpoint(ckpt_dir, model, opt, rank, config, skipped)
+        _run.checkpoint_dir, _run.saved = ckpt_dir, start or None
     if start and start >= args.steps:
         if rank == 0:
             print(f"torch_remat train: {ckpt_dir} holds step {start} and --steps is {args.steps}: "
@@ -1329,6 +1435,7 @@ def main(argv=None) -> None:
     tokens = args.batch_size * args.seq_len * dp_size
     t0 = time.perf_counter()
     for step in range(start + 1, args.steps + 1):
+        _run.step = step
         x, y = (t.to(device) for t in batches(step))
         if step == start + 1 and args.remat.startswith("budget="):
             planning = time.perf_counter()
@@ -1368,9 +1475,12 @@ def main(argv=None) -> None:
                     flush=True,
                 )
         if ckpt_dir is not None and (step % args.save_every == 0 or step == args.steps):
-            save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints, config, log,
-                            skipped)
-            log.write()  # up to the step a restart resumes from
+            with signals_deferred():
+                save_checkpoint(ckpt_dir, model, opt, step, rank, args.keep_checkpoints, config,
+                                log, skipped)
+                _run.saved = _run.completed = step
+                log.write()  # up to the step a restart resumes from
+        _run.completed = step
     log.write()
     if report is not None:
         print(report, flush=True)

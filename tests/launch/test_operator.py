@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from checkpoint_damage import flip_a_byte_of_tensor_data
@@ -127,6 +129,60 @@ def test_the_last_step_is_saved_between_save_every_steps(tmp_path):
     assert json.loads((ckpt / "latest.json").read_text()) == {"step": 3}
     again = train("--steps", "3", *common)
     assert "holds step 3 and --steps is 3: this run is finished" in again.stdout
+
+
+@pytest.mark.parametrize(
+    "launcher, signum, whom",
+    [("run.sh", signal.SIGINT, "group"), ("run.sh", signal.SIGTERM, "launcher"),
+     ("one process", signal.SIGINT, "launcher")],
+    ids=["ctrl-c-under-torchrun", "sigterm-to-torchrun", "ctrl-c-one-process"],
+)
+def test_a_signal_ends_each_rank_with_one_line_and_the_run_resumes_exactly(tmp_path, launcher, signum, whom):
+    # Before: every rank printed a KeyboardInterrupt (or torchrun's SignalException)
+    # traceback, and the launch ended with torchrun's status 1 or its own traceback.
+    ckpt, log, uninterrupted = tmp_path / "ckpt", tmp_path / "log.json", tmp_path / "full.json"
+    common = ["--no-report", "--save-every", "2", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    if launcher == "run.sh":
+        cmd, env, ranks = ["bash", str(ROOT / "launch" / "run.sh"), *SMALL], _env(TORCH_REMAT_NO_SETUP="1", NPROC="2"), 2
+    else:
+        cmd, env, ranks = [sys.executable, str(ROOT / "launch" / "train.py"), *SMALL], _env(), 1
+    proc = subprocess.Popen([*cmd, "--steps", "100000", *common], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (ckpt / "latest.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        if whom == "group":
+            os.killpg(proc.pid, signum)  # Ctrl-C: the terminal signals every process of the job
+        else:
+            proc.send_signal(signum)  # kill PID, or a scheduler ending the job
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signum, out[-3000:] + err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    saved = json.loads((ckpt / "latest.json").read_text())["step"]
+    name = signal.Signals(signum).name
+    lines = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(lines) == ranks, err[-3000:]
+    for who in [f"rank {r}: " for r in range(ranks)] if ranks > 1 else [""]:
+        assert sum(f"torch_remat train: {who}interrupted by {name} " in line for line in lines) == 1, lines
+    for line in lines:
+        assert " step " in line.split(";")[0], line  # where it was
+        assert (f"the last saved checkpoint is step {saved} ({ckpt / f'step{saved}'}); the same command "
+                "resumes from it") in line, line
+    assert not list(ckpt.glob("*.tmp")) or all(not (p / ".metadata").exists() for p in ckpt.glob("*.tmp"))
+
+    # resumed, the run is the uninterrupted one, bit for bit
+    steps = ["--steps", str(saved + 2)]
+    resumed = subprocess.run([*cmd, *steps, *common], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0 and f"(resumed at step {saved})" in resumed.stdout, resumed.stderr[-3000:]
+    full = subprocess.run([*cmd, *steps, "--no-report", "--log-json", str(uninterrupted)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert losses(log) == losses(uninterrupted)
 
 
 def test_unwritable_checkpoint_dir_fails_before_training(tmp_path):
