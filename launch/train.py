@@ -1151,7 +1151,8 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (with --checkpoint-dir; the last step is saved too)")
     p.add_argument("--keep-checkpoints", type=int, default=0, metavar="K", help="after each save, keep it and the K-1 newest older checkpoints a resume can read, delete the older ones (0: keep all); a folder newer than the save, which the resume found unreadable, is left")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=False, help="print the memory report of the last step (across ranks under torchrun)")
-    p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run starts from its checkpoint's log up to the resume point (not from this file, which may be another run's) and lists it in resumed_at")
+    p.add_argument("--log-json", default="", help="rank 0 writes the losses (and what each rank saved for backward at the logged steps) here, at every checkpoint and at the end; a resumed run starts from its checkpoint's log up to the resume point (not from this file, which may be another run's) and lists it in resumed_at; a new run refuses a file that exists and is not empty (another run's log), unless --overwrite-log-json")
+    p.add_argument("--overwrite-log-json", action="store_true", help="let a new run (not a resume) replace the file at --log-json that another run wrote")
     p.add_argument("--oom-dump-dir", default="", help="when a step runs out of memory, the rank writes a JSON dump here; merge them with: python -m torch_remat.integrations.oom DIR")
     args = p.parse_args(argv)
     # relative paths name places under the folder the job was started from (run.sh
@@ -1206,6 +1207,9 @@ def parse_args(argv=None):
             device_profile(args.device_profile)
         except ValueError as e:
             p.error(str(e))
+    if args.overwrite_log_json and not args.log_json:
+        p.error("--overwrite-log-json lets a new run replace the file at --log-json: give "
+                "--log-json FILE too, or drop --overwrite-log-json")
     if args.keep_checkpoints < 0:
         p.error(f"--keep-checkpoints {args.keep_checkpoints}: expected K >= 0 (0: keep all)")
     return args
@@ -1258,6 +1262,30 @@ def check_log_json(path: str, rank: int) -> None:
     if error is not None:
         usage_error(f"--log-json {path}: cannot write there ({error}); name a file in an "
                     "existing, writable folder", rank)
+
+
+def log_json_refusal(path: str, overwrite: bool) -> str | None:
+    """Why a new run (not a resume) does not write ``--log-json`` ``path``: a file
+    there that is not empty, which another run wrote (or that is no log at all), is
+    not replaced without ``--overwrite-log-json``. None where it may write."""
+    if not path or overwrite:
+        return None
+    target = pathlib.Path(path)
+    try:
+        if target.stat().st_size == 0:  # (one made by mktemp)
+            return None
+        log = json.loads(target.read_text())
+        steps = sorted(int(step) for step in log["losses"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        what = "the file exists and is not a log this launcher wrote"
+    else:
+        what = ("the file holds another run's log "
+                + (f"(steps {steps[0]}-{steps[-1]})" if steps else "(no steps)"))
+    return (f"--log-json {path}: {what}; this new run would replace it: pass "
+            "--overwrite-log-json to replace it, or name another file (a run resumed from "
+            "its --checkpoint-dir writes on in its own log)")
 
 
 def memory_report(loss, distributed: bool) -> str | None:
@@ -1420,6 +1448,11 @@ def _main(argv=None) -> None:
         del model, opt
         finish(distributed)
         return
+    # rank 0's finding, on every rank: all of them stop, or go on, together
+    refusal = first_error(log_json_refusal(args.log_json, args.overwrite_log_json)
+                          if rank == 0 and not start else None)
+    if refusal is not None:
+        usage_error(refusal, rank)
     log = Log(args.log_json if rank == 0 else "", start, world,
               ckpt_dir / f"step{start}" if start and ckpt_dir is not None else None)
     if rank == 0:

@@ -119,6 +119,16 @@ def test_a_shard_of_rank_1_whose_bytes_changed_on_disk_is_refused_with_one_line(
     assert "Traceback" not in refused.stderr and "resumed at" not in refused.stdout
 
 
+def test_a_new_launch_refuses_another_runs_log_json_on_every_rank_with_one_line(tmp_path):
+    log = tmp_path / "log.json"
+    log.write_text(json.dumps({"losses": {"1": 4.0, "2": 3.5}, "saved_bytes": {}, "world": 2}))
+    refused = run_sh("--no-report", "--steps", "2", "--log-json", str(log), expect=2)
+    assert refused.stderr.count(f"train.py: error: --log-json {log}: the file holds another run's "
+                                "log (steps 1-2)") == 1, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr and "loss" not in refused.stdout
+    assert json.loads(log.read_text())["losses"] == {"1": 4.0, "2": 3.5}
+
+
 def test_the_last_step_is_saved_between_save_every_steps(tmp_path):
     # Before, --steps 3 --save-every 2 kept step 2 only: the trained model was lost,
     # and the same command again trained step 3 once more.

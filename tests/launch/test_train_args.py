@@ -36,6 +36,7 @@ def usage_error(capsys, argv: list[str]) -> str:
         (["--layers", "0"], "--layers 0: expected an integer >= 1"),
         (["--seq-len", "0"], "--seq-len 0: expected an integer >= 1"),
         (["--device-memory", "40GiB"], "--device-memory is read by --forecast only"),
+        (["--overwrite-log-json"], "--overwrite-log-json lets a new run replace the file at --log-json"),
         (["--offload"], "--offload is a choice the planner makes: it needs --remat budget="),
         (["--remat", "budget=0.3", "--offload", "1MiB"], "--offload 1MiB: expected MIN_BYTES"),
         (["--remat", "budget=0.3", "--offload", "--parallel", "tp"],

@@ -304,6 +304,43 @@ def test_a_resumed_log_takes_the_checkpoints_log_not_another_runs_file(capsys, t
     assert f"--log-json {other} is not the log of the run saved in {ckpt / 'step3'}" in out, out
 
 
+def test_a_new_run_refuses_a_log_json_file_another_run_wrote_unless_told_to_overwrite(capsys, tmp_path):
+    # Before: a new run replaced it without a word, at its first save or at its end.
+    log = tmp_path / "log.json"
+    run(capsys, "--steps", "2", "--log-json", str(log))
+    first = log.read_bytes()
+    out, err = run(capsys, "--steps", "3", "--log-json", str(log), expect=2)
+    assert (f"train.py: error: --log-json {log}: the file holds another run's log (steps 1-2); "
+            "this new run would replace it: pass --overwrite-log-json to replace it") in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err and "loss" not in out
+    assert log.read_bytes() == first  # nothing written
+
+    out, err = run(capsys, "--steps", "3", "--log-json", str(log), "--overwrite-log-json")
+    assert sorted(losses(log)) == [1, 2, 3] and err == ""
+
+    # a file that is not a log: named as such
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    _, err = run(capsys, "--steps", "1", "--log-json", str(notes), expect=2)
+    assert f"--log-json {notes}: the file exists and is not a log this launcher wrote" in err, err
+    assert notes.read_text() == "my notes"
+
+    # an empty file (mktemp's) is no run's log
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    run(capsys, "--steps", "1", "--log-json", str(empty))
+    assert sorted(losses(empty)) == [1]
+
+
+def test_a_resumed_run_writes_on_in_the_log_json_file_of_its_run(capsys, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    common = ["--save-every", "2", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    run(capsys, "--steps", "2", *common)
+    out, err = run(capsys, "--steps", "3", *common)
+    assert "(resumed at step 2)" in out and "error" not in err
+    assert sorted(losses(log)) == [1, 2, 3]
+
+
 def test_a_resumed_log_keeps_its_own_earlier_steps_and_drops_those_after_the_resume(capsys, tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
     common = ["--save-every", "3", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
