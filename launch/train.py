@@ -877,13 +877,34 @@ def check_model_config(directory: pathlib.Path, step: int, config: dict, rank: i
               if k in config and k in saved and saved[k] != config[k]]
     if layout and rank == 0:
         was = dict((k, v) for k, v, _ in layout)
-        print(f"torch_remat train: {path.parent} was saved with --parallel "
-              f"{was.get('parallel', config['parallel'])} on {was.get('ranks', config['ranks'])} "
+        parallel, ranks = was.get("parallel", config["parallel"]), was.get("ranks", config["ranks"])
+        before, now = data_ranks(parallel, ranks), data_ranks(config["parallel"], config["ranks"])
+        if set(before) != set(now):
+            draws = ("each rank's batches (and dropout masks) after the resume differ from those "
+                     "of the run saved there")
+        elif before != now or tp_size(parallel, ranks) != tp_size(config["parallel"], config["ranks"]):
+            draws = ("each step after the resume trains on the batches of the run saved there; "
+                     "the dropout masks differ")
+        else:
+            draws = ("each rank trains on the batches, and draws the dropout masks, it would have "
+                     "in the run saved there")
+        print(f"torch_remat train: {path.parent} was saved with --parallel {parallel} on {ranks} "
               f"rank(s), and this run is --parallel {config['parallel']} on {config['ranks']}: "
-              "the model and optimizer states are resharded on loading; each rank's batches "
-              "(and dropout masks) after the resume differ from those of the run saved there",
-              flush=True)
+              f"the model and optimizer states are resharded on loading; {draws}", flush=True)
     return True
+
+
+def data_ranks(parallel: str, world: int) -> list[int]:
+    """Each rank's data-parallel rank under ``--parallel`` on ``world`` ranks, as
+    ``build`` lays them out: the batches it trains on (``Batches``) follow from it
+    alone, and a step trains on the batches of the data-parallel ranks there are.
+    Each rank's dropout masks follow from its random generators (saved and restored
+    per rank) and the shapes it holds, the same where the number of ranks and of
+    tensor-parallel ranks are."""
+    if parallel in ("none", "tp"):
+        return [0] * world  # every rank trains on the one batch of each step
+    tp = tp_size(parallel, world)  # fsdp2+tp: a mesh of dp x tp, rank r at (r // tp, r % tp)
+    return [r // tp for r in range(world)]
 
 
 SAVE_FAILED = 3

@@ -185,3 +185,20 @@ def test_crashed_rank_restarts_and_resumes_exactly_from_checkpoint(tmp_path):
     assert losses(result) == losses(uninterrupted)  # bitwise: the same floats
     assert json.loads((ckpt / "latest.json").read_text()) == {"step": 8}
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step8"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_under_fsdp2_resumes_under_ddp_on_as_many_ranks_exactly(tmp_path):
+    # Before: the resume said each rank's batches differ from the saved run's; they do
+    # not, and the resumed run is the uninterrupted one, bit for bit.
+    uninterrupted, _, _ = train(tmp_path, "--parallel", "fsdp2", "--steps", "6", nproc=2)
+    ckpt = tmp_path / "ckpt"
+    train(tmp_path, "--parallel", "fsdp2", "--steps", "4", "--checkpoint-dir", str(ckpt), nproc=2)
+    resumed, out, _ = train(tmp_path, "--parallel", "ddp", "--steps", "6", "--checkpoint-dir", str(ckpt),
+                            nproc=2)
+    assert "(resumed at step 4)" in out
+    assert (f"{ckpt / 'step4'} was saved with --parallel fsdp2 on 2 rank(s), and this run is --parallel "
+            "ddp on 2: the model and optimizer states are resharded on loading; each rank trains on "
+            "the batches, and draws the dropout masks, it would have in the run saved there") in out, out
+    assert "differ" not in out
+    assert losses(resumed) == losses(uninterrupted)  # bitwise: the same floats

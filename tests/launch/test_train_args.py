@@ -158,6 +158,40 @@ def test_a_resume_with_another_seed_batch_size_or_learning_rate_is_refused_namin
     assert train.check_model_config(tmp_path, 10, _run_config(seed=5), rank=0)
 
 
+@pytest.mark.parametrize(
+    "saved, resumed, says",
+    [
+        # the same data-parallel ranks and generators: nothing differs but the sharding
+        (("fsdp2", 2), ("ddp", 2), "each rank trains on the batches, and draws the dropout masks, "
+                                   "it would have in the run saved there"),
+        (("ddp", 4), ("fsdp2", 4), "each rank trains on the batches, and draws the dropout masks"),
+        (("fsdp2+tp", 2), ("tp", 2), "each rank trains on the batches, and draws the dropout masks"),
+        # one batch per step either way, each rank's own heads: other dropout masks
+        (("tp", 2), ("none", 1), "each step after the resume trains on the batches of the run "
+                                 "saved there; the dropout masks differ"),
+        (("fsdp2+tp", 4), ("fsdp2", 2), "each step after the resume trains on the batches of the run "
+                                        "saved there; the dropout masks differ"),
+        # other data-parallel ranks
+        (("fsdp2", 2), ("ddp", 3), "each rank's batches (and dropout masks) after the resume differ"),
+        (("fsdp2", 2), ("none", 1), "each rank's batches (and dropout masks) after the resume differ"),
+        (("fsdp2", 4), ("fsdp2+tp", 4), "each rank's batches (and dropout masks) after the resume differ"),
+    ],
+)
+def test_a_resume_in_another_layout_says_whether_the_batches_and_masks_are_the_saved_runs(
+        capsys, tmp_path, saved, resumed, says):
+    # Before: every other layout was said to draw other batches, fsdp2 -> ddp on as many
+    # ranks among them, whose resumed run is the saved run's bit for bit.
+    (tmp_path / "step10").mkdir()
+    (tmp_path / "step10" / "model_config.json").write_text(
+        json.dumps(_run_config(world=saved[1], parallel=saved[0])))
+    assert train.check_model_config(tmp_path, 10, _run_config(world=resumed[1], parallel=resumed[0]), rank=0)
+    out = capsys.readouterr().out
+    assert (f"saved with --parallel {saved[0]} on {saved[1]} rank(s), and this run is --parallel "
+            f"{resumed[0]} on {resumed[1]}: the model and optimizer states are resharded") in out, out
+    assert says in out, out
+    assert out.count("\n") == 1
+
+
 def test_a_whole_number_budget_is_bytes_however_written_and_a_fraction_is_at_most_one(capsys):
     # Before: budget=2 was 2 bytes but budget=2.0 a fraction (no budget), and
     # budget=1e9 a fraction of 10^9
