@@ -977,3 +977,52 @@ def test_what_a_save_body_puts_in_a_list_or_dict_is_there_where_the_replay_skips
         for _ in range(2):
             f(torch.randn(4, 8, dtype=D, requires_grad=True)).sum().backward()
         assert state(m) == [2, 2]
+
+
+def test_a_python_attribute_a_save_body_sets_on_its_output_is_there_in_the_replay():
+    # (the replay skips the body: its output is the kept tensor, which must carry it)
+    def step(ckpt):
+        torch.manual_seed(0)
+        lin = nn.Linear(8, 8, dtype=D)
+
+        def body(h):
+            out = lin(h)
+            out.temperature = 3.0
+            return out
+
+        def block(h):
+            out = remat.recompute_needs_tensor(remat.region(body, "proj", recompute=False)(h))
+            return torch.tanh(out / out.temperature)
+
+        x = torch.randn(4, 8, dtype=D, requires_grad=True)
+        y = (remat.checkpoint(region_name="blk")(block) if ckpt else block)(x)
+        (y * W8).sum().backward()
+        return [x.grad, lin.weight.grad, lin.bias.grad]
+
+    expected = step(False)
+    with recorded_replays() as replayed:
+        got = step(True)
+    assert replayed == ["blk"]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_class_attribute_a_save_body_rebinds_is_rebound_where_the_replay_skips_it():
+    def make():
+        class Counted(nn.Module):
+            calls = 0
+
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(8, 8, dtype=D)
+
+            def count(self, h):
+                type(self).calls += 1
+                return self.lin(h)
+
+            def forward(self, x):
+                h = remat.recompute_needs_tensor(remat.region(self.count, "proj", recompute=False)(x))
+                return torch.tanh(h * type(self).calls)
+
+        return Counted()
+
+    _same_as_without_remat(make, lambda m: None, calls=3)

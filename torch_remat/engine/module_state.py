@@ -1569,7 +1569,7 @@ class ModuleState:
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
         "hooks_at_entry", "versions", "versions_at_entry", "attr_versions", "versions_seen",
-        "contained",
+        "contained", "classes_seen", "class_tags", "class_tags_seen",
     )
 
     def __init__(
@@ -1608,6 +1608,11 @@ class ModuleState:
         self.globals_seen: list[Any] | None = None
         # the closure values (cell_values) as the last SAVE region left them
         self.cells_seen: list[Any] | None = None
+        # the class attributes (class_values) as the last SAVE region left them, and
+        # the class dicts' version tags then (None: no tags)
+        self.classes_seen: list[dict] | None = None
+        self.class_tags: list[Any] | None = None
+        self.class_tags_seen: list[int] | None = None
         # (hook dict, its contents) of the modules that had forward hooks when the
         # checkpoint started, and of the global forward hooks if there were any
         # (see _hooks_at_entry): the replay runs with those hooks, no others
@@ -2002,6 +2007,46 @@ class ModuleState:
                     changes = changes or []
                     changes.append((_CellSlot(cell), None, value))
                     last_values[i] = value
+        if self.class_values:
+            changes = self._classes_rebound(changes)
+        return changes
+
+    def _classes_rebound(self, changes: list[tuple[Any, Any, Any]] | None) -> list[tuple[Any, Any, Any]] | None:
+        """:meth:`attributes_rebound` for the user's classes' attributes (``Block.calls
+        += 1`` in a SAVE region's body): added to ``changes``."""
+        class_values = self.class_values
+        if self.classes_seen is None:
+            self.classes_seen = [entry for _, entry in class_values]
+            dicts = [_class_dict_of(d) for d, _ in class_values]
+            if all(d is not None for d in dicts):
+                self.class_tags = dict_version_views(dicts)
+                if self.class_tags is not None:
+                    self.class_tags_seen = list(map(_tag_of, self.class_tags))
+            check: Any = range(len(class_values))
+        elif self.class_tags is not None:
+            # a class whose dict kept its version tag rebound nothing
+            now = list(map(_tag_of, self.class_tags))
+            last = self.class_tags_seen
+            check = () if now == last else [i for i, (a, b) in enumerate(zip(now, last)) if a != b]
+            self.class_tags_seen = now
+        else:
+            check = range(len(class_values))
+        for i in check:
+            d = class_values[i][0]
+            current = d._now()
+            last_seen = self.classes_seen[i]
+            if (
+                len(current) == len(last_seen)
+                and all(map(operator.is_, current.values(), last_seen.values()))
+                and current.keys() == last_seen.keys()
+            ):
+                continue
+            changes = changes or []
+            for key, value in current.items():
+                if last_seen.get(key, _MISSING) is not value:
+                    changes.append((d, key, value))
+            changes.extend((d, key, _MISSING) for key in last_seen if key not in current)
+            self.classes_seen[i] = dict(current)
         return changes
 
     def containers_now(self) -> list[Any]:

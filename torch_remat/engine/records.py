@@ -457,11 +457,16 @@ class TensorSource:
         # sources (a cycle would delay freeing kept tensors to the garbage collector).
         self.region = region
         self.meta = TensorMeta.of(t)
-        # Python attributes set on an input (x.scale = 2.0): the replay's copy of the
-        # input carries them as the forward saw them (a subclass's are its own)
-        self.attributes = (
-            _python_attributes(t) if kind == INPUT and type(t) in _PLAIN_TENSOR_TYPES else None
-        )
+        # Python attributes set on an input (x.scale = 2.0), or by a SAVE region's body
+        # on its output: the replay's copy carries them as the forward saw them (a
+        # subclass's are its own)
+        self.attributes = None
+        if type(t) in _PLAIN_TENSOR_TYPES:
+            if kind == INPUT:
+                self.attributes = _python_attributes(t)
+            elif kind == OUTPUT and t.__dict__:  # (a SAVE body is never traced by Dynamo)
+                d = t.__dict__
+                self.attributes = d.copy(), [(k, v, any_version(v)) for k, v in d.items() if isinstance(v, torch.Tensor)]
         # Inputs are referenced strongly until the forward ends (the caller holds
         # them anyway); outputs weakly, so observing them costs no memory.
         self.ref = t if kind == INPUT else weakref.ref(t)
