@@ -205,6 +205,23 @@ def dict_version_views(dicts: Any) -> list[Any] | None:
 
 _tag_of = operator.attrgetter("value")
 
+_CLASS_TAGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _class_tag(cls: type) -> Any:
+    """A view of the version tag of the dict behind ``cls``'s attributes (see
+    :func:`dict_version_views`), once per class; None where there is none."""
+    try:
+        return _CLASS_TAGS[cls]
+    except KeyError:
+        pass
+    except TypeError:  # (a class that takes no weak reference)
+        return None
+    d = _class_dict_of(_class_dict(cls))
+    views = dict_version_views([d]) if d is not None else None
+    tag = _CLASS_TAGS[cls] = views[0] if views else None
+    return tag
+
 
 _NOT_PLAIN = (
     nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
@@ -2017,11 +2034,10 @@ class ModuleState:
         class_values = self.class_values
         if self.classes_seen is None:
             self.classes_seen = [entry for _, entry in class_values]
-            dicts = [_class_dict_of(d) for d, _ in class_values]
-            if all(d is not None for d in dicts):
-                self.class_tags = dict_version_views(dicts)
-                if self.class_tags is not None:
-                    self.class_tags_seen = list(map(_tag_of, self.class_tags))
+            tags = [_class_tag(d.target) for d, _ in class_values]
+            if all(t is not None for t in tags):
+                self.class_tags = tags
+                self.class_tags_seen = list(map(_tag_of, tags))
             check: Any = range(len(class_values))
         elif self.class_tags is not None:
             # a class whose dict kept its version tag rebound nothing
