@@ -1993,15 +1993,10 @@ class ModuleState:
         others = self.others
         for i in check:
             d = others[i][0]
-            last = self.seen[i]
-            if len(d) == len(last) and all(map(operator.is_, d.values(), last.values())) and d.keys() == last.keys():
-                continue
-            changes = changes or []
-            for key, value in d.items():
-                if last.get(key, _MISSING) is not value:
-                    changes.append((d, key, value))
-            changes.extend((d, key, _MISSING) for key in last if key not in d)
-            self.seen[i] = dict(d)
+            found = _rebound_since(d, d, self.seen[i])
+            if found:
+                changes = (changes or []) + found
+                self.seen[i] = dict(d)
         if self.global_values:
             # module-level variables, as the last SAVE region left them
             if self.globals_seen is None:
@@ -2050,19 +2045,10 @@ class ModuleState:
         for i in check:
             d = class_values[i][0]
             current = d._now()
-            last_seen = self.classes_seen[i]
-            if (
-                len(current) == len(last_seen)
-                and all(map(operator.is_, current.values(), last_seen.values()))
-                and current.keys() == last_seen.keys()
-            ):
-                continue
-            changes = changes or []
-            for key, value in current.items():
-                if last_seen.get(key, _MISSING) is not value:
-                    changes.append((d, key, value))
-            changes.extend((d, key, _MISSING) for key in last_seen if key not in current)
-            self.classes_seen[i] = dict(current)
+            found = _rebound_since(d, current, self.classes_seen[i])
+            if found:
+                changes = (changes or []) + found
+                self.classes_seen[i] = dict(current)
         return changes
 
     def containers_now(self) -> list[Any]:
@@ -2320,6 +2306,17 @@ def _cell_contents(cell: Any) -> Any:
         return cell.cell_contents
     except ValueError:  # deleted
         return _MISSING
+
+
+def _rebound_since(d: Any, now: Any, last: dict) -> list[tuple[Any, Any, Any]] | None:
+    """``(d, key, value)`` for each attribute of ``now`` (what ``d`` holds now)
+    rebound or added since ``last``, ``(d, key, _MISSING)`` for each deleted; None
+    where none was."""
+    if len(now) == len(last) and all(map(operator.is_, now.values(), last.values())) and now.keys() == last.keys():
+        return None
+    found = [(d, key, value) for key, value in now.items() if last.get(key, _MISSING) is not value]
+    found.extend((d, key, _MISSING) for key in last if key not in now)
+    return found
 
 
 def _install_attributes(d: dict, entry: dict, undo: list[tuple[Any, Any, Any]]) -> None:
