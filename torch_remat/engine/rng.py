@@ -52,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -653,9 +654,13 @@ def _iterator_position(x: Any, depth: int) -> Any:
             return (frame.f_lasti, tuple((k, _iterator_position(v, depth + 1)) for k, v in frame.f_locals.items()))
         if _kind_of(cls) == "iterator":
             try:
-                return _iterator_position(x.__reduce__(), depth + 1)
+                with warnings.catch_warnings():
+                    # (itertools' pickling is deprecated from Python 3.12 on)
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    reduced = x.__reduce__()
             except Exception:  # (an iterator that cannot be pickled)
                 return id(x)
+            return _iterator_position(reduced, depth + 1)
     return id(x)
 
 
