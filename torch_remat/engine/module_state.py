@@ -1078,6 +1078,11 @@ def _roots(
 _MAX_HELD = 4096
 """How many values inside plain objects and containers one call looks at beyond
 the first level (an object's attributes, a container's items)."""
+_MAX_TRACKED_ITEMS = 256
+"""A container holding more items is not copied where each SAVE region's body
+starts (:meth:`ModuleState.containers_now`): what such a body changes in it is not
+done again where the replay skips the body."""
+
 _MAX_GLOBAL_ITEMS = 1024
 """A list, dict or set in a module-level variable holding more items (a large
 table) is not recorded: copying it at every call costs more than it is worth."""
@@ -2055,7 +2060,7 @@ class ModuleState:
         """Where a top-level SAVE region's body starts: the contents of the
         containers (see :meth:`containers_changed`)."""
         return [
-            None if container is entry
+            None if container is entry or len(container) > _MAX_TRACKED_ITEMS
             else container.copy() if type(container) in _CONTAINERS else _contents(container)
             for container, entry in self.containers
         ]
