@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from checkpoint_damage import flip_a_byte_of_tensor_data
+from helpers import recorded_replays
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("launch_train", ROOT / "launch" / "train.py")
@@ -29,14 +30,20 @@ def _one_process(monkeypatch):
 
 
 def run(capsys, *args, expect=0):
-    """``train.main(TINY ARGS)`` in this process; its (stdout, stderr)."""
-    if expect:
-        with pytest.raises(SystemExit) as info:
+    """``train.main(TINY ARGS)`` in this process; its (stdout, stderr). A run that
+    trained a step under remat (the default, --remat selective) must have replayed
+    its checkpoints: the resumes checked here are of a job that trains with remat."""
+    with recorded_replays() as replayed:
+        if expect:
+            with pytest.raises(SystemExit) as info:
+                train.main([*TINY, *args])
+            assert info.value.code == expect
+        else:
             train.main([*TINY, *args])
-        assert info.value.code == expect
-    else:
-        train.main([*TINY, *args])
-    return capsys.readouterr()
+    captured = capsys.readouterr()
+    if " loss " in captured.out and "--remat" not in args:
+        assert replayed, "the run trained without replaying a checkpoint"
+    return captured
 
 
 def losses(log: pathlib.Path) -> dict[int, float]:
