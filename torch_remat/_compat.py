@@ -57,7 +57,7 @@ set``                                             tensors of a MUST_SAVE multi-o
 ``CompiledFunction.metadata``, ``node.            the AOTAutograd metadata and the saves
 _forward_cls``, ``ctx._tensors_no_vc_check``      without version check of a compiled node
 ``utils._pytree.tree_flatten/tree_unflatten/      find the tensors in a region's arguments and
-tree_map``                                        outputs, and rebuild the containers, exactly
+tree_map/SUPPORTED_NODES``                        outputs, and rebuild the containers, exactly
                                                   as autograd and torch.compile see them
 ``utils._python_dispatch.TorchDispatchMode``      record the aten ops a scope or the planner's
                                                   measuring pass runs
@@ -142,9 +142,42 @@ from torch._subclasses.fake_tensor import FakeTensor as FakeTensor
 from torch._subclasses.fake_tensor import FakeTensorMode as FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
 from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: F401
+from torch.utils._pytree import SUPPORTED_NODES as _PYTREE_NODES
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_map as tree_map
 from torch.utils._pytree import tree_unflatten as tree_unflatten
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """``tree_flatten(tree)[0]``, several times faster on what aten ops take and
+    return (tensors and numbers in plain tuples, lists and dicts): any other node
+    type (a ``torch.Size``, a named tuple, a registered class) flattens through
+    ``tree_flatten`` itself, so the leaves and their order are always its."""
+    out: list[Any] = []
+    if _plain_leaves(tree, out):
+        return out
+    return tree_flatten(tree)[0]
+
+
+def _plain_leaves(tree: Any, out: list[Any]) -> bool:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        items = tree
+    elif kind is dict:
+        items = tree.values()  # (pytree flattens a dict in insertion order)
+    elif kind in _PYTREE_NODES or isinstance(tree, tuple):
+        return False
+    else:
+        out.append(tree)
+        return True
+    for x in items:
+        kind = type(x)
+        if kind is tuple or kind is list or kind is dict or kind in _PYTREE_NODES or isinstance(x, tuple):
+            if not _plain_leaves(x, out):
+                return False
+        else:
+            out.append(x)
+    return True
 
 # the releases CI tests on (scripts/test.sh, TORCH_VERSION): the floor and the newest
 TESTED_TORCH = ("2.13.0", "2.15.0")

@@ -59,6 +59,7 @@ from torch_remat._integration import (
     sequence_nr,
     storage_key,
     tree_flatten,
+    tree_leaves,
     tree_map,
     tree_unflatten,
     version_of,
@@ -127,6 +128,8 @@ class StorageLedger(TorchDispatchMode):
         # fake storage is known as existing, not taken for one the op allocated.
         self.fake_mode = fake_mode
         self.converted: list[torch.Tensor] = []
+        # counts the recompute's FLOPs and ops at each op while the backward runs
+        self.counter: RecomputeCounter | None = None
         self.blocks: list[str] = []
         """The stack of blocks whose forward is running (innermost last)."""
         self.live: dict[int, tuple[int, str]] = {}
@@ -264,6 +267,12 @@ class StorageLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = self._run_op(func, args, kwargs)
+        if self.counter is not None:
+            self.counter.count(func, args, kwargs, out)
+        return out
+
+    def _run_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.in_place is not None and func is not _PRIM_DEVICE:  # (a query, asked as an op returns)
             self.settle_in_place()
         self.node, node = _backward_node()
@@ -273,7 +282,8 @@ class StorageLedger(TorchDispatchMode):
         # tensor that existed before it (a target the loss closure holds)
         fresh = func in _LIFT_FRESH_OPS
         lifted: list[torch.Tensor] = []
-        for a in tree_flatten((args, kwargs))[0]:
+        flat = tree_leaves((args, kwargs))  # (once per op: this runs at every op)
+        for a in flat:
             if isinstance(a, torch.Tensor):
                 if (
                     self.fake_mode is not None
@@ -307,17 +317,16 @@ class StorageLedger(TorchDispatchMode):
             out = _as_run(func, args, kwargs, out, self.learned)
         if torch.Tag.nondeterministic_seeded in func.tags and _may_draw(func, args, kwargs):
             _draw_like(out)
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         if self.fake_mode is not None:
-            flat, spec = tree_flatten((args, kwargs))
-            carry_known_values(func, flat, spec, [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)])
+            carry_known_values(func, flat, (args, kwargs), outs)
         candidates = self._in_place_candidates(func, args, kwargs, out)
-        spike_key = _transient_key(func, args, kwargs) if candidates else None
+        spike_key = _transient_key(func, flat) if candidates else None
         spiked = (self.spikes.get(spike_key, -1), self.spike_extras.get(spike_key, 0))
         peak = (self.peak, self.peak_extra)
-        self._spike(func, args, kwargs, out, before)
-        for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor):
-                self._see(o, allocated=True)
+        self._spike(func, flat, (args, kwargs), outs, before)
+        for o in outs:
+            self._see(o, allocated=True)
         if candidates:
             self.in_place = (candidates, (spike_key, spiked), peak)
         elif func.overloadpacket.__name__ in _ZEROS_OPS and isinstance(out, FakeTensor) and self.node is not None:
@@ -435,25 +444,23 @@ class StorageLedger(TorchDispatchMode):
             self.spikes[spike_key] = spiked
             self.spike_extras[spike_key] = spike_extra
 
-    def _spike(self, func: Any, args: tuple, kwargs: dict, out: Any, before: int) -> None:
+    def _spike(self, func: Any, flat: list[Any], tree: Any, outs: list[torch.Tensor], before: int) -> None:
         """Note the bytes alive as ``func`` started (``before``), for its real
         kernel's transient peak (outputs and internal temporaries), learned after
         the step. Not for outputs over ``LEARN_CAP`` (a small input expanded, a
-        ``new_zeros`` of any size)."""
+        ``new_zeros`` of any size). ``flat``: the leaves of ``tree``, its
+        ``(args, kwargs)``; ``outs``: its output tensors."""
         if self.fake_mode is None or allocating_host_memory() or self.quiet is not None:
             return
-        key = _transient_key(func, args, kwargs)
+        key = _transient_key(func, flat)
         if key is None:
             return
-        outputs = sum(
-            o.untyped_storage().nbytes() for o in tree_flatten(out)[0]
-            if isinstance(o, torch.Tensor)
-        )
+        outputs = sum(o.untyped_storage().nbytes() for o in outs)
         if outputs > LEARN_CAP:
             return
         if key not in _TRANSIENT and key not in self.pending:
             # The arguments' layouts, not the tensors (kept, they would not be freed)
-            flat, spec = tree_flatten((args, kwargs))
+            spec = tree_flatten(tree)[1]
             layouts = [_ArgumentLayout(a) if isinstance(a, torch.Tensor) else a for a in flat]
             self.pending[key] = (func, layouts, spec, torch.is_grad_enabled())
         if before > self.spikes.get(key, -1):
@@ -793,10 +800,11 @@ def outputs_of_known_values(func: Any, args: tuple, kwargs: dict) -> Any:
     return tree_map(fake_of, real_out)
 
 
-def carry_known_values(func: Any, flat: list[Any], spec: Any, outs: list[Any]) -> None:
-    """After an op ran on fakes (``flat``, ``spec``: its arguments, flattened;
-    ``outs``: its output tensors): carry the real values of its outputs where the
-    fake run can know them; forget those of the arguments it wrote otherwise."""
+def carry_known_values(func: Any, flat: list[Any], tree: Any, outs: list[Any]) -> None:
+    """After an op ran on fakes (``tree``: its ``(args, kwargs)``; ``flat``: their
+    leaves; ``outs``: its output tensors): carry the real values of its outputs
+    where the fake run can know them; forget those of the arguments it wrote
+    otherwise."""
     name = func.overloadpacket.__name__
     if not _KNOWN and name not in _VALUE_FACTORIES and name not in _SHAPE_FACTORIES:
         return  # (nothing known yet: no argument's value is)
@@ -830,7 +838,7 @@ def carry_known_values(func: Any, flat: list[Any], spec: Any, outs: list[Any]) -
     real_out = None
     if knowable:
         try:
-            real_out = _on_worker(func, real, spec)
+            real_out = _on_worker(func, real, tree_flatten(tree)[1])
         except Exception:  # noqa: BLE001 (the values stay unknown)
             knowable = False
     if not knowable:
@@ -848,7 +856,7 @@ def carry_known_values(func: Any, flat: list[Any], spec: Any, outs: list[Any]) -
         # of the other tensors in those storages (views of one another there as
         # here) changed with them. Autograd bumps the version those views share once
         # the op has returned: expected one higher.
-        for a in _written_arguments(func, flat, spec):
+        for a in _written_arguments(func, tree):
             key = storage_key(a.untyped_storage())
             for i in list(_BY_STORAGE.get(key, ())):
                 entry = _KNOWN.get(i)
@@ -858,9 +866,10 @@ def carry_known_values(func: Any, flat: list[Any], spec: Any, outs: list[Any]) -
                     _KNOWN[i] = (entry[0], entry[1], None if version is None else version + 1)
 
 
-def _written_arguments(func: Any, flat: list[Any], spec: Any) -> list[torch.Tensor]:
-    """The fake tensors an op writes in place (its schema's written arguments)."""
-    args, kwargs = tree_unflatten(flat, spec)
+def _written_arguments(func: Any, tree: tuple[tuple, dict]) -> list[torch.Tensor]:
+    """The fake tensors an op writes in place (its schema's written arguments;
+    ``tree``: its ``(args, kwargs)``)."""
+    args, kwargs = tree
     out = []
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
@@ -1030,16 +1039,17 @@ was alive when it started (its outputs and internal temporaries: a copy of a
 strided operand, a library's workspace); None: not learnable (the run failed)."""
 
 
-def _transient_key(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The signature under which an op's transient bytes are learned, or None for an
-    op that is not learned: a view, an op not of aten, an op on anything but CPU
-    fakes, one with no tensor argument, one over ``LEARN_CAP``."""
+def _transient_key(func: Any, flat: list[Any]) -> Any:
+    """The signature under which an op's transient bytes are learned (``flat``: its
+    arguments' leaves), or None for an op that is not learned: a view, an op not of
+    aten, an op on anything but CPU fakes, one with no tensor argument, one over
+    ``LEARN_CAP``."""
     if func.namespace != "aten" or func.is_view:
         return None
     meta = []
     size = 0
     tensors = 0
-    for a in tree_flatten((args, kwargs))[0]:
+    for a in flat:
         if isinstance(a, torch.Tensor):
             if not isinstance(a, FakeTensor) or a.device.type != "cpu":
                 return None
@@ -1565,9 +1575,11 @@ def measure_fake(
             for key, n in ledger.real_live.items():
                 followed[ledger.real_blocks.get(key, BASE)] += n
             ledger.replay_numbers = {b: max(0, n - followed[b]) for b, n in real.items()}
-            counter = RecomputeCounter()
-            with counter:
+            counter = ledger.counter = RecomputeCounter()  # (counted by the ledger)
+            try:
                 loss.backward()
+            finally:
+                ledger.counter = None
             del loss
             gradient_bytes = storage_bytes([p.grad for p in model.parameters()])
         learn_transients(ledger.pending)

@@ -50,8 +50,8 @@ def test_with_offload_the_plan_moves_kept_tensors_to_host_and_trains_as_without(
     profile.write_text(json.dumps(OFFLOAD_FAVOURED))
     runs = {}
     for extra in ((), ("--offload", "0", "--device-profile", str(profile))):
-        proc = run_sh("--parallel", "fsdp2", "--remat", "budget=0.1", "--steps", "2",
-                      "--no-report", *extra)
+        proc = run_sh("--parallel", "fsdp2", "--remat", "budget=0.15", "--steps", "2",
+                      "--no-report", *SMALL, *extra)
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
         runs[extra] = proc.stdout
     out = runs[("--offload", "0", "--device-profile", str(profile))]

@@ -321,7 +321,7 @@ def test_an_attention_mask_of_ones_is_skipped_in_the_forecast_as_in_a_real_run(n
     # mask (and for grouped-query attention repeated K/V): the forecast kept 10,240 B
     # more than a real run (Llama, no remat), 2,048 B (BART), 512 B (T5).
     model, args, loss = _stock(name)
-    forecast = forecast_remat(model, args, loss, 1.0)
+    forecast = _stock_forecast(name)
     _assert_each_policy_as_run(model, args, loss, forecast)
 
 
@@ -728,6 +728,20 @@ def _stock(name: str):
     return conv, (torch.randn(4, 8, 32),), lambda o: o.sum()
 
 
+_FORECASTS: dict[str, object] = {}
+
+
+def _stock_forecast(name: str):
+    """``forecast_remat(*_stock(name), 1.0)``, run once per model in this module (its
+    own instance: the tests' models, built alike by ``_stock``, stay untouched by it).
+    The forecast of a stock model takes 10-30 s on fake tensors; three tests check
+    the same one against other real runs."""
+    if name not in _FORECASTS:
+        model, args, loss = _stock(name)
+        _FORECASTS[name] = forecast_remat(model, args, loss, 1.0)
+    return _FORECASTS[name]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "bert", "lstm", "bn_conv"])
 def test_stock_models_forecast_every_option_as_measured(name):
@@ -737,7 +751,7 @@ def test_stock_models_forecast_every_option_as_measured(name):
 
     model, args, loss = _stock(name)
     plan = plan_remat(model, args, loss, 1.0)
-    forecast = forecast_remat(model, args, loss, 1.0)
+    forecast = _stock_forecast(name)
     _same_table(plan, forecast)  # every option of every block, bytes, FLOPs and ops
     for policy in forecast.policies.values():  # and each policy as a real run keeps it
         install(model, policy.config)
@@ -771,7 +785,7 @@ def test_stock_models_forecast_each_policys_step_peak_as_a_real_step(name):
     # workspace: 31,032 B, 1.36x; the convolutions' temporaries: 1.27x), or below it
     # by each checkpoint's RNG state (GPT2's Megatron-style: 30,384 B over, 4 %)
     model, args, loss = _stock(name)
-    forecast = forecast_remat(model, args, loss, 1.0)
+    forecast = _stock_forecast(name)
     real = _real_peaks(model, args, loss, forecast)
     for n, policy in forecast.policies.items():
         assert 0 <= policy.peak_bytes - real[n] <= policy.peak_margin <= 64, (
