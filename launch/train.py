@@ -121,12 +121,28 @@ def usage_error(message: str, rank: int | None = None) -> NoReturn:
         print(f"train.py: error: {message}", file=sys.stderr, flush=True)
     else:
         # Under torchrun the first rank to exit ends the others: let rank 0 be the
-        # one, so that its message is printed.
+        # one, so that its message is printed. The signal that then ends this rank
+        # interrupts no training: it exits with the same status, printing nothing.
+        _exit_2_on_signals()
         time.sleep(10)
     if dist.is_initialized():
         sys.stdout.flush()
         os._exit(2)  # no teardown of the process group (see the end of main)
     sys.exit(2)
+
+
+def _exit_2_on_signals() -> None:
+    """From now on SIGINT and SIGTERM end this process with status 2, printing
+    nothing: it is exiting after an error already, and waits only so that rank 0's
+    message is the one printed."""
+
+    def exit_2(signum: int, frame) -> None:
+        sys.stdout.flush()
+        os._exit(2)
+
+    if threading_main():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, exit_2)
 
 
 def peer_left(e: BaseException) -> bool:
@@ -146,6 +162,7 @@ def rank_error(message: str, rank: int) -> NoReturn:
     if not dist.is_initialized():
         usage_error(message, rank)
     if rank != 0:
+        _exit_2_on_signals()  # (ended by torchrun meanwhile: rank 0's message stands)
         time.sleep(3)
     print(f"train.py: error: rank {rank}: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()

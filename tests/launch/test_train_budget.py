@@ -78,7 +78,9 @@ def test_a_plan_mismatch_on_one_rank_stops_every_rank_with_one_message():
     assert err.count("train.py: error: --remat budget=0.5: rank 1 ") == 1, err[-3000:]
     assert "Differing: blocks.0 (" in err and "(+4 B)" in err, err[-3000:]
     assert "--no-verify-plan" in err
-    for noise in ("Traceback", "gloo", "Connection closed", "ChildFailedError"):
+    # (rank 1, waiting for rank 0 to print and exit, is ended by torchrun: no
+    # "interrupted by SIGTERM" line)
+    for noise in ("Traceback", "gloo", "Connection closed", "ChildFailedError", "interrupted"):
         assert noise not in err, err[-3000:]
     assert "step " not in proc.stdout  # no rank trained
 
