@@ -84,6 +84,7 @@ from ._oom_dump import (
     user_site,
     write_atomically,
 )
+from ._stderr import write_line
 from .rng import local_device
 
 __all__ = ["install", "installed", "uninstall", "OOMDumps", "OOMGuard", "is_out_of_memory", "main"]
@@ -402,7 +403,7 @@ def _location(active: remat_diagnostics.ActiveCheckpoint | None) -> dict[str, An
 
 def _warn(message: str) -> None:
     try:
-        print(f"torch_remat: {message}", file=sys.stderr, flush=True)
+        write_line(f"torch_remat: {message}")
     except BaseException:
         pass
 

@@ -44,6 +44,7 @@ from torch_remat.integrations import (
     oom,
     parallelize_with_remat,
 )
+from torch_remat.integrations._stderr import write_line
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -118,7 +119,7 @@ def usage_error(message: str, rank: int | None = None) -> NoReturn:
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
-        print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+        write_line(f"train.py: error: {message}")
     else:
         # Under torchrun the first rank to exit ends the others: let rank 0 be the
         # one, so that its message is printed. The signal that then ends this rank
@@ -164,7 +165,7 @@ def rank_error(message: str, rank: int) -> NoReturn:
     if rank != 0:
         _exit_2_on_signals()  # (ended by torchrun meanwhile: rank 0's message stands)
         time.sleep(3)
-    print(f"train.py: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    write_line(f"train.py: error: rank {rank}: {message}")
     sys.stdout.flush()
     os._exit(2)
 
@@ -946,10 +947,9 @@ def save_checkpoint(directory: pathlib.Path, model, opt, step: int, rank: int, k
             free = f"; {shutil.disk_usage(directory).free:,} B free there"
         except OSError:
             free = ""
-        print(f"torch_remat train: rank {rank}: saving step {step} to {directory} failed: "
-              f"{reason}{free}. Free space there or choose another --checkpoint-dir; the "
-              "checkpoints saved before are kept and a restart resumes from the newest",
-              file=sys.stderr, flush=True)
+        write_line(f"torch_remat train: rank {rank}: saving step {step} to {directory} failed: "
+                   f"{reason}{free}. Free space there or choose another --checkpoint-dir; the "
+                   "checkpoints saved before are kept and a restart resumes from the newest")
         if dist.is_initialized():
             sys.stdout.flush()
             os._exit(SAVE_FAILED)  # the other ranks wait in a collective: torchrun ends them
@@ -1420,7 +1420,7 @@ def main(argv=None) -> None:
         rank = None
         if "WORLD_SIZE" in os.environ and (dist.is_initialized() or "RANK" in os.environ):
             rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
-        print(interrupted_line(_run, rank), file=sys.stderr, flush=True)
+        write_line(interrupted_line(_run, rank))
         status = 128 + _run.signum
         if dist.is_initialized():
             sys.stdout.flush()
