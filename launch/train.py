@@ -1170,7 +1170,7 @@ def parse_args(argv=None):
     # no abbreviations: run.sh reads --parallel (one process for none) by its full name
     p = ArgumentParser(description="Train a small GPT with torch_remat.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none", help="how the ranks share the model (all but none need torchrun, e.g. launch/run.sh); fsdp2+tp: tensor parallelism over pairs of ranks, FSDP2 across the pairs")
+    p.add_argument("--parallel", choices=["none", "ddp", "fsdp2", "tp", "fsdp2+tp"], default="none", help="how the ranks share the model (all but none need torchrun, e.g. launch/run.sh; none trains in one process); fsdp2+tp: tensor parallelism over pairs of ranks, FSDP2 across the pairs")
     p.add_argument("--remat", default="selective", help="none, full, selective (keep the matmuls' outputs), keep=NAMES (sub-layers of a block to keep, e.g. keep=up,down), or budget=F|BYTES|auto: plan on the first step the cheapest policy within F of the no-remat activation bytes, within BYTES, or (CUDA) within the free memory")
     p.add_argument("--forecast", action="store_true", help="with --remat budget=F|BYTES: before training, print rank 0's forecast for the --parallel layout on the launch's ranks (every hand policy and the plan, run on fake tensors over a fake process group: nothing allocated), with the largest micro-batch fitting --device-memory")
     p.add_argument("--offload", nargs="?", const="", default=None, metavar="MIN_BYTES", help="with --remat budget=F|BYTES: a block's plan may also move what its SAVE regions keep to host memory (an ActivationOffloader, copying back one block ahead) where that is predicted to cost less step time than recomputing; tensors under MIN_BYTES stay on the device (default: 1 MiB, the offloader's)")
@@ -1269,6 +1269,18 @@ def check_layout(args, world: int, rank: int) -> None:
         usage_error(f"--parallel {args.parallel} on {world} ranks: --heads {args.heads} must be "
                     f"a multiple of the {tp} tensor-parallel ranks (each rank takes heads/{tp} "
                     "of them); change the number of ranks (NPROC) or --heads", rank)
+
+
+def check_one_process_per_run(args, world: int, rank: int) -> None:
+    """Usage error where torchrun started ``world`` > 1 processes for ``--parallel
+    none``: each would train the whole model alone as rank 0, printing every line
+    the others print and saving over their --log-json and --checkpoint-dir."""
+    if args.parallel != "none" or world <= 1:
+        return
+    usage_error(f"--parallel none under torchrun with {world} processes: each would train the "
+                "whole model alone, writing the same files as the others. Pass --parallel fsdp2, "
+                "ddp, tp or fsdp2+tp to train one model on all of them (launch/run.sh passes "
+                "fsdp2), or start one process (--nproc-per-node 1)", rank)
 
 
 def layout_line(args, world: int) -> str | None:
@@ -1445,6 +1457,7 @@ def _main(argv=None) -> None:
     use_cuda = torch.cuda.is_available()
     launch_rank = int(os.environ.get("RANK", "0"))
     check_layout(args, int(os.environ.get("WORLD_SIZE", "1")) if distributed else 1, launch_rank)
+    check_one_process_per_run(args, int(os.environ.get("WORLD_SIZE", "1")), launch_rank)
     check_log_json(args.log_json, launch_rank)
     if args.forecast:
         forecast_before_launch(

@@ -215,6 +215,24 @@ def test_a_parallel_mode_without_torchrun_is_a_usage_error(capsys, monkeypatch):
     assert "train.py: error: --parallel fsdp2 needs torchrun" in capsys.readouterr().err
 
 
+def test_parallel_none_under_torchrun_with_several_processes_is_a_usage_error(capsys, monkeypatch, tmp_path):
+    # Before: each of torchrun's processes trained the whole model alone as rank 0,
+    # printing every line twice and writing one --log-json; with --checkpoint-dir the
+    # second found the folder locked ("another run is writing there") and exited
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    log = tmp_path / "log.json"
+    with pytest.raises(SystemExit) as info:
+        train.main(["--steps", "1", "--layers", "1", "--dim", "16", "--seq-len", "8", "--log-json", str(log)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "train.py: error: --parallel none under torchrun with 2 processes" in err
+    assert "--parallel fsdp2" in err and "--nproc-per-node 1" in err
+    assert not log.exists()
+    # one process under torchrun is one run: no error
+    assert train.check_one_process_per_run(train.parse_args(["--steps", "1"]), 1, 0) is None
+
+
 def test_a_checkpoint_saves_the_model_config_and_the_log_up_to_its_step(tmp_path):
     log = train.Log(str(tmp_path / "log.json"), 0, 1)
     log.losses.update({1: 4.0, 2: 3.5})
