@@ -9,8 +9,12 @@ are left out). So does a checkpoint save the system refused (a full disk), with
 status 3 and one line per rank. SIGINT (Ctrl-C) or SIGTERM to the launch ends it with
 the conventional status (130, 143), each worker saying in one line where it was
 stopped and which checkpoint a restart resumes from (torchrun's traceback and its
-notices that it stops the workers are left out). Any other failure is reported as
-torchrun reports it, but for its notice that it ends the other workers.
+notices that it stops the workers are left out). So does SIGINT or SIGTERM to one
+worker alone (``kill`` of one rank's process): that worker says where it stopped,
+exits with the same status, torchrun stops the others, which say so too, and the
+launch ends with that status. Any other failure (a worker killed outright, by
+SIGKILL say, reports a negative exit code) is reported as torchrun reports it, but
+for its notice that it ends the other workers.
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from torch.distributed.run import main
 USAGE_ERROR = 2
 SAVE_FAILED = 3
 """A checkpoint the system refused to write (a full disk): each rank said why."""
-REPORTED = (USAGE_ERROR, SAVE_FAILED)
+INTERRUPTED = (128 + 2, 128 + 15)
+"""SIGINT or SIGTERM reached a worker, which said in one line where it stopped."""
+REPORTED = (USAGE_ERROR, SAVE_FAILED, *INTERRUPTED)
 
 
 class _UsageErrorLines(logging.Filter):
-    """torchrun's own log lines around a worker's usage error: its notice that it
-    ends the other workers, and its report of the failed one."""
+    """torchrun's own log lines around a failure a worker reported itself (a usage
+    error, a refused save, an interruption): its notice that it ends the other
+    workers, and its report of the failed one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

@@ -144,8 +144,8 @@ def test_the_last_step_is_saved_between_save_every_steps(tmp_path):
 @pytest.mark.parametrize(
     "launcher, signum, whom",
     [("run.sh", signal.SIGINT, "group"), ("run.sh", signal.SIGTERM, "launcher"),
-     ("one process", signal.SIGINT, "launcher")],
-    ids=["ctrl-c-under-torchrun", "sigterm-to-torchrun", "ctrl-c-one-process"],
+     ("run.sh", signal.SIGTERM, "one rank"), ("one process", signal.SIGINT, "launcher")],
+    ids=["ctrl-c-under-torchrun", "sigterm-to-torchrun", "sigterm-to-one-rank", "ctrl-c-one-process"],
 )
 def test_a_signal_ends_each_rank_with_one_line_and_the_run_resumes_exactly(tmp_path, launcher, signum, whom):
     # Before: every rank printed a KeyboardInterrupt (or torchrun's SignalException)
@@ -165,6 +165,11 @@ def test_a_signal_ends_each_rank_with_one_line_and_the_run_resumes_exactly(tmp_p
         assert proc.poll() is None, proc.communicate()
         if whom == "group":
             os.killpg(proc.pid, signum)  # Ctrl-C: the terminal signals every process of the job
+        elif whom == "one rank":
+            # a worker ended alone (kill PID of one rank): torchrun then stops the others
+            # (run.sh execs launch/torchrun.py, whose children are the workers)
+            children = pathlib.Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            os.kill(int(children[-1]), signum)
         else:
             proc.send_signal(signum)  # kill PID, or a scheduler ending the job
         out, err = proc.communicate(timeout=120)
@@ -185,6 +190,8 @@ def test_a_signal_ends_each_rank_with_one_line_and_the_run_resumes_exactly(tmp_p
                 "resumes from it") in line, line
     assert not list(ckpt.glob("*.tmp")) or all(not (p / ".metadata").exists() for p in ckpt.glob("*.tmp"))
 
+    if whom == "one rank":
+        return  # (the resume is that of the signal to the launch)
     # resumed, the run is the uninterrupted one, bit for bit
     steps = ["--steps", str(saved + 2)]
     resumed = subprocess.run([*cmd, *steps, *common], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
