@@ -1205,6 +1205,11 @@ def parse_args(argv=None):
         value = getattr(args, name)
         if value < 1:
             p.error(f"--{name.replace('_', '-')} {value}: expected an integer >= 1")
+    characters = len(load_text())
+    if args.seq_len > characters - 2:
+        p.error(f"--seq-len {args.seq_len}: the training text (launch/data/corpus.txt) has "
+                f"{characters:,} characters; a sequence and its targets (the same sequence one "
+                f"character on) take at most {characters - 2:,} of them")
     if args.dim % args.heads:
         p.error(f"--heads {args.heads}: --dim {args.dim} must be a multiple of it (each head "
                 "takes dim/heads channels)")

@@ -215,6 +215,19 @@ def test_a_parallel_mode_without_torchrun_is_a_usage_error(capsys, monkeypatch):
     assert "train.py: error: --parallel fsdp2 needs torchrun" in capsys.readouterr().err
 
 
+def test_a_sequence_longer_than_the_training_text_is_a_usage_error(capsys):
+    # Before: a RuntimeError traceback from torch.randint at the first batch
+    characters = len(train.load_text())
+    train.parse_args(["--seq-len", str(characters - 2)])
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(["--seq-len", str(characters - 1)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--seq-len {characters - 1}: the training text (launch/data/corpus.txt) has {characters:,} characters" in err
+    x, y = train.Batches(train.load_text(), characters - 2, 2, 0, 0)(1)
+    assert x.shape == y.shape == (2, characters - 2)
+
+
 def test_parallel_none_under_torchrun_with_several_processes_is_a_usage_error(capsys, monkeypatch, tmp_path):
     # Before: each of torchrun's processes trained the whole model alone as rank 0,
     # printing every line twice and writing one --log-json; with --checkpoint-dir the
