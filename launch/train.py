@@ -1205,6 +1205,8 @@ def parse_args(argv=None):
         value = getattr(args, name)
         if value < 1:
             p.error(f"--{name.replace('_', '-')} {value}: expected an integer >= 1")
+    if not math.isfinite(args.lr) or args.lr < 0:
+        p.error(f"--lr {args.lr}: expected a finite learning rate >= 0, e.g. --lr 3e-3")
     characters = len(load_text())
     if args.seq_len > characters - 2:
         p.error(f"--seq-len {args.seq_len}: the training text (launch/data/corpus.txt) has "

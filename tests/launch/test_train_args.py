@@ -215,6 +215,16 @@ def test_a_parallel_mode_without_torchrun_is_a_usage_error(capsys, monkeypatch):
     assert "train.py: error: --parallel fsdp2 needs torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("lr", ["nan", "-1", "inf"])
+def test_a_learning_rate_adamw_refuses_is_a_usage_error(capsys, lr):
+    # Before: AdamW's ValueError traceback after the model was built
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(["--lr", lr])
+    assert info.value.code == 2
+    assert f"train.py: error: --lr {float(lr)}: expected a finite learning rate >= 0" in capsys.readouterr().err
+    assert train.parse_args(["--lr", "0"]).lr == 0.0
+
+
 def test_a_sequence_longer_than_the_training_text_is_a_usage_error(capsys):
     # Before: a RuntimeError traceback from torch.randint at the first batch
     characters = len(train.load_text())
