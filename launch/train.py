@@ -390,6 +390,10 @@ def forecast_before_launch(args, vocab: int, rank: int, world: int) -> None:
         n = logits.shape[0]
         return F.cross_entropy(logits, y.flatten() if n == y.numel() else y.new_zeros(n))
 
+    where = f" for rank 0 of --parallel {args.parallel} on {world} ranks" if world > 1 else ""
+    print(f"torch_remat train: --forecast{where}: running each option of a block once on fake "
+          "tensors (nothing allocated), then the largest micro-batch of each policy; the table "
+          "follows", flush=True)
     try:
         forecast = forecast_remat(
             model, (x,), loss_fn, budget, blocks=Block, candidates=[nn.Linear],

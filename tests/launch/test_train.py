@@ -130,6 +130,8 @@ def test_forecast_prints_the_forecast_before_training_and_then_the_measured_plan
     # first step, at the start of a line
     forecast, plan = out.index("remat forecast for 2 blocks"), out.index("\nremat plan for 2 blocks")
     assert forecast < plan
+    # a line first, so that the wait for the fake runs is not silent
+    assert out.startswith("torch_remat train: --forecast: running each option of a block once on fake tensors")
     assert "device memory 1.00 GiB" in out and "largest micro-batch" in out
     # the forecast plans the policy the first step then measures, to the byte
     forecast_plan = out[forecast:plan].split("remat plan for 2 blocks")[1]

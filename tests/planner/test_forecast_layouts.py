@@ -184,6 +184,7 @@ def test_train_py_forecasts_rank_0_of_its_fsdp2_layout_before_any_group_starts()
         train.forecast_before_launch(args, vocab, rank=0, world=2)
     text = out.getvalue()
     assert "remat forecast for 2 blocks at micro-batch 4 on rank 0 of FSDP2 2 (2 ranks)" in text
+    assert text.startswith("torch_remat train: --forecast for rank 0 of --parallel fsdp2 on 2 ranks: running")
     with torch.device("meta"):
         model = train.GPT(train.GPTConfig(vocab, 32, 2, 32, 4))
     storage, _ = _fsdp2_shard_bytes(model, 2)
