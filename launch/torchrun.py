@@ -20,6 +20,7 @@ for its notice that it ends the other workers.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -29,7 +30,7 @@ from torch.distributed.run import main
 USAGE_ERROR = 2
 SAVE_FAILED = 3
 """A checkpoint the system refused to write (a full disk): each rank said why."""
-INTERRUPTED = (128 + 2, 128 + 15)
+INTERRUPTED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 """SIGINT or SIGTERM reached a worker, which said in one line where it stopped."""
 REPORTED = (USAGE_ERROR, SAVE_FAILED, *INTERRUPTED)
 

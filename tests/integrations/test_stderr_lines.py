@@ -15,28 +15,25 @@ WRITER = textwrap.dedent(
     import sys
     import time
     from torch_remat.integrations._stderr import write_line
-    how, who, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    who, start = sys.argv[1], float(sys.argv[2])
     line = f"torch_remat train: rank {who}: interrupted by SIGTERM at step 3 of 9; " + "x" * 200
     time.sleep(max(0.0, start - time.time()))
     n = 0
     while time.time() < start + 0.3 or n < 200:  # both writers at once
         n += 1
-        if how == "print":
-            print(line, file=sys.stderr, flush=True)
-        else:
-            write_line(line)
+        write_line(line)
     """
 )
 
 
-def _lines_from_two_writers(how: str) -> list[str]:
+def _lines_from_two_writers() -> list[str]:
     """Two processes writing lines to one stderr pipe at the same time, as torchrun's
     ranks do."""
     read, write = os.pipe()
     start = time.time() + 5  # after both have imported torch_remat
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, how, str(r), str(start)], stderr=write, env=env)
+        subprocess.Popen([sys.executable, "-c", WRITER, str(r), str(start)], stderr=write, env=env)
         for r in (0, 1)
     ]
     os.close(write)
@@ -48,7 +45,7 @@ def _lines_from_two_writers(how: str) -> list[str]:
 
 
 def test_lines_from_two_ranks_on_one_pipe_are_never_interleaved():
-    lines = _lines_from_two_writers("write_line")
+    lines = _lines_from_two_writers()
     whole = [f"torch_remat train: rank {r}: interrupted by SIGTERM at step 3 of 9; " + "x" * 200 for r in (0, 1)]
     assert [line for line in lines if line not in whole] == []
     assert lines.count(whole[0]) > 100 and lines.count(whole[1]) > 100
