@@ -52,6 +52,26 @@ def losses(log: pathlib.Path) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(log.read_text())["losses"].items()}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_run_sh(tmp_path_factory):
+    """``uninterrupted_run_sh(n)``: the losses of steps 1-n of ``run.sh SMALL`` without
+    interruption (FSDP2 on 2 ranks), from one run of at least 8 steps shared by the
+    tests (steps 1-n of a longer run are those of an n-step run: no schedule depends
+    on --steps)."""
+    runs: dict[int, dict[int, float]] = {}
+
+    def losses_to(n: int) -> dict[int, float]:
+        longest = max(runs, default=0)
+        if n > longest:
+            log = tmp_path_factory.mktemp("uninterrupted") / "log.json"
+            run_sh("--no-report", "--steps", str(max(n, 8)), "--log-json", str(log))
+            longest = max(n, 8)
+            runs[longest] = losses(log)
+        return {k: v for k, v in runs[longest].items() if k <= n}
+
+    return losses_to
+
+
 def test_checkpoints_keep_k_refuse_a_rerun_and_skip_corrupt_ones(tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
     uninterrupted = tmp_path / "uninterrupted.json"
@@ -81,13 +101,12 @@ def test_checkpoints_keep_k_refuse_a_rerun_and_skip_corrupt_ones(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest.json", "step4", "step6", "step8"]
 
 
-def test_a_checkpoint_missing_or_with_a_damaged_rng_file_of_rank_1_is_skipped_naming_it(tmp_path):
+def test_a_checkpoint_missing_or_with_a_damaged_rng_file_of_rank_1_is_skipped_naming_it(tmp_path, uninterrupted_run_sh):
     # Before: a folder without rank 1's rng/rank1.pt was resumed (rank 1's generator
     # not restored, the losses after it not the uninterrupted run's) with a line
     # blaming "this number of ranks"; one with a truncated file was skipped, but rank 0
     # said only that it failed "on another rank".
-    ckpt, log, uninterrupted = tmp_path / "ckpt", tmp_path / "log.json", tmp_path / "full.json"
-    run_sh("--no-report", "--steps", "7", "--log-json", str(uninterrupted))
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
     common = ["--no-report", "--save-every", "2", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
     run_sh("--steps", "6", *common)
     (ckpt / "step6" / "rng" / "rank1.pt").unlink()
@@ -101,7 +120,7 @@ def test_a_checkpoint_missing_or_with_a_damaged_rng_file_of_rank_1_is_skipped_na
             in resumed.stdout), resumed.stdout
     assert "no random generator states" not in resumed.stdout
     assert "(resumed at step 2)" in resumed.stdout
-    assert losses(log) == losses(uninterrupted)  # bitwise: the same floats
+    assert losses(log) == uninterrupted_run_sh(7)  # bitwise: the same floats
 
 
 def test_a_shard_of_rank_1_whose_bytes_changed_on_disk_is_refused_with_one_line(tmp_path):
@@ -147,7 +166,8 @@ def test_the_last_step_is_saved_between_save_every_steps(tmp_path):
      ("run.sh", signal.SIGTERM, "one rank"), ("one process", signal.SIGINT, "launcher")],
     ids=["ctrl-c-under-torchrun", "sigterm-to-torchrun", "sigterm-to-one-rank", "ctrl-c-one-process"],
 )
-def test_a_signal_ends_each_rank_with_one_line_and_the_run_resumes_exactly(tmp_path, launcher, signum, whom):
+def test_a_signal_ends_each_rank_with_one_line_and_the_run_resumes_exactly(tmp_path, launcher, signum, whom,
+                                                                          uninterrupted_run_sh):
     # Before: every rank printed a KeyboardInterrupt (or torchrun's SignalException)
     # traceback, and the launch ended with torchrun's status 1 or its own traceback.
     ckpt, log, uninterrupted = tmp_path / "ckpt", tmp_path / "log.json", tmp_path / "full.json"
@@ -196,6 +216,9 @@ def test_a_signal_ends_each_rank_with_one_line_and_the_run_resumes_exactly(tmp_p
     steps = ["--steps", str(saved + 2)]
     resumed = subprocess.run([*cmd, *steps, *common], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0 and f"(resumed at step {saved})" in resumed.stdout, resumed.stderr[-3000:]
+    if launcher == "run.sh":
+        assert losses(log) == uninterrupted_run_sh(saved + 2)
+        return
     full = subprocess.run([*cmd, *steps, "--no-report", "--log-json", str(uninterrupted)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert full.returncode == 0, full.stderr[-3000:]

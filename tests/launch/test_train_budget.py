@@ -1,7 +1,7 @@
 """The main job with ``--remat budget=...`` under torchrun, on every --parallel
 layout: planning ends in the same plan on every rank and the run exits 0, every
-time; a planning failure on one rank ends every rank with status 2 and one
-message, without a collective's traceback."""
+time, with the report across ranks and no warning; a planning failure on one rank
+ends every rank with status 2 and one message, without a collective's traceback."""
 
 import json
 import subprocess
@@ -31,15 +31,18 @@ BUDGETS = {
 
 
 @pytest.mark.parametrize("parallel", list(BUDGETS))
-def test_main_job_with_a_budget_exits_0_every_time(parallel):
+def test_main_job_with_a_budget_exits_0_every_time_and_warns_of_nothing(parallel):
     for budget in BUDGETS[parallel]:
         proc = run_sh("--parallel", parallel, "--remat", f"budget={budget}", "--steps", "2",
-                      "--no-report", *(SMALL if parallel != "fsdp2" else ()))
+                      *(SMALL if parallel != "fsdp2" else ()))
         out = proc.stdout
         assert f"parallel={parallel} remat=budget={budget} ranks=2" in out
         assert "measured " in out and "(equal)" in out, out[-3000:]
         assert "step    2/2" in out, out[-3000:]
+        assert "saved for backward r0=" in out and " r1=" in out
+        assert "torch_remat memory across 2 ranks" in out  # run.sh passes --report
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "Warning" not in out + proc.stderr, proc.stderr[-3000:]
         # (DDP's buckets, rebuilt before the planner profiles)
         assert "Memory block of unknown size" not in proc.stderr, proc.stderr[-3000:]
 
