@@ -8,6 +8,7 @@ remat."""
 import collections
 import functools
 import random
+import threading
 import types
 
 import numpy as np
@@ -1458,3 +1459,67 @@ def test_a_tensor_switched_to_require_grad_or_not_before_backward_is_replayed_as
 
 
 _SCALE = None
+
+
+class _LocalConfig(threading.local):
+    """A subclass of threading.local: each thread its own attributes."""
+
+
+THREAD_LOCAL = threading.local()  # a module-level one the function reads
+
+
+@pytest.mark.parametrize("backward_on", ["same thread", "another thread"])
+@pytest.mark.parametrize("kind", ["threading.local attribute", "threading.local subclass", "module-level threading.local"])
+def test_thread_local_state_is_replayed_as_the_forward_saw_it_on_any_thread(kind, backward_on):
+    # Before: a threading.local's attribute, changed between the forward and backward,
+    # was read anew by the replay (silently different gradients); a backward on
+    # another thread (CUDA's runs on autograd's device threads) raised
+    # AttributeError there, where the thread's own dict lacks the attribute.
+    local = THREAD_LOCAL if kind.startswith("module-level") else (
+        _LocalConfig() if "subclass" in kind else threading.local()
+    )
+    lin = _linear(80)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+            if not kind.startswith("module-level"):
+                self.local = local
+
+        def forward(self, x):
+            scale = THREAD_LOCAL.scale if kind.startswith("module-level") else self.local.scale
+            return (self.lin(x) * scale).sin()
+
+    def run(ckpt):
+        m = Block()
+        fn = remat.checkpoint(region_name="local")(m) if ckpt else m
+        local.scale = 2.0
+        x = _x(81)
+        out = fn(x)
+        local.scale = 3.0  # set for the next step before this one's backward
+        errors = []
+
+        def backward():
+            try:
+                out.sum().backward()
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        if backward_on == "same thread":
+            backward()
+        else:
+            worker = threading.Thread(target=backward)
+            worker.start()
+            worker.join()
+        assert not errors, errors
+        grads = [x.grad] + [p.grad.clone() for p in lin.parameters()]
+        lin.zero_grad()
+        return grads
+
+    expected = run(False)
+    with recorded_replays() as replayed:
+        got = run(True)
+    assert replayed == ["local"]
+    _same(expected, got)
+    assert local.scale == 3.0  # the caller's value after the replay

@@ -95,6 +95,7 @@ import functools
 import itertools
 import operator
 import sys
+import threading
 import types
 import weakref
 from typing import Any
@@ -233,7 +234,7 @@ _LIBRARY_MODULES = frozenset({
     "torchtitan", "torchtune", "torchao", "torchmetrics", "torchrec", "triton",
     "builtins", "numpy", "scipy", "logging", "threading", "weakref", "collections",
     "functools", "typing", "enum", "abc", "accelerate", "transformers", "peft", "lightning",
-    "pytorch_lightning", "_pytest", "pytest",
+    "pytorch_lightning", "_pytest", "pytest", "_thread",
 })
 # the standard library's containers that keep their contents in a container of
 # their own (``data``, ``maps``): recorded as plain objects, through those
@@ -281,7 +282,7 @@ def _is_plain(cls: type) -> bool:
     or in ``__slots__``."""
     plain = _PLAIN.get(cls)
     if plain is None:
-        plain = (
+        plain = cls is threading.local or (
             (getattr(cls, "__dictoffset__", 0) != 0 or bool(_slot_names(cls)))
             and not issubclass(cls, _NOT_PLAIN)
             and not _from_library(cls)
@@ -385,14 +386,31 @@ class _SlotValues(_AttributeView):
         return out
 
 
+class _ThreadLocalValues(_AttributeView):
+    """A ``threading.local``'s attributes as the thread asking sees them: a replay
+    run by another thread than its forward (CUDA's backward runs on autograd's
+    device threads) reads and sets them in its own thread's dict."""
+
+    __slots__ = ()
+
+    def _now(self) -> dict:
+        return self.target.__dict__
+
+
 def _attributes(obj: Any) -> list[Any]:
-    """A plain object's attributes as ``dict``s: its ``__dict__``, and its slots
-    through :class:`_SlotValues`."""
+    """A plain object's attributes as ``dict``s: its ``__dict__``, its slots
+    through :class:`_SlotValues`, a ``threading.local``'s through
+    :class:`_ThreadLocalValues`."""
+    names = _slot_names(type(obj))
+    if isinstance(obj, threading.local):
+        out: list[Any] = [_ThreadLocalValues(obj)]
+        if names:
+            out.append(_SlotValues(obj, names))
+        return out
     try:
         d = getattr(obj, "__dict__", None)
     except Exception:  # a __getattr__ of the user's that raises otherwise
         d = None
-    names = _slot_names(type(obj))
     out = [d] if type(d) is dict else []
     if names:
         out.append(_SlotValues(obj, names))
