@@ -6,6 +6,7 @@ saw, and the module, the closure and the generators end where they would without
 remat."""
 
 import collections
+import contextvars
 import functools
 import random
 import threading
@@ -1523,3 +1524,120 @@ def test_thread_local_state_is_replayed_as_the_forward_saw_it_on_any_thread(kind
     assert replayed == ["local"]
     _same(expected, got)
     assert local.scale == 3.0  # the caller's value after the replay
+
+
+SCALE_VAR = contextvars.ContextVar("scale")  # module-level, read by the forward
+SCALE_VAR_WITH_DEFAULT = contextvars.ContextVar("scale_with_default", default=1.5)
+
+
+@pytest.mark.parametrize("backward_on", ["same thread", "another thread"])
+@pytest.mark.parametrize("how", ["set, then set again before backward", "set in a scope around the forward"])
+@pytest.mark.parametrize("kind", ["module-level ContextVar", "ContextVar with a default, as an attribute"])
+def test_a_context_variable_is_replayed_with_the_value_the_forward_read(kind, how, backward_on):
+    # Before: the replay read the variable's value at backward time (silently
+    # different gradients after the caller set another value, or once a scope set
+    # around the forward alone had ended); a backward on another thread, whose
+    # context lacks the value, raised LookupError.
+    var = SCALE_VAR if kind.startswith("module-level") else SCALE_VAR_WITH_DEFAULT
+    lin = _linear(82)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+            if not kind.startswith("module-level"):
+                self.var = var
+
+        def forward(self, x):
+            scale = SCALE_VAR.get() if kind.startswith("module-level") else self.var.get()
+            return (self.lin(x) * scale).sin()
+
+    def run(ckpt):
+        m = Block()
+        fn = remat.checkpoint(region_name="context")(m) if ckpt else m
+        x = _x(83)
+        if how.startswith("set, then"):
+            var.set(2.0)
+            out = fn(x)
+            var.set(3.0)
+        else:
+            token = var.set(2.5)
+            out = fn(x)
+            var.reset(token)
+        caller = var.get(None)
+        errors = []
+
+        def backward():
+            try:
+                out.sum().backward()
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        if backward_on == "same thread":
+            backward()
+        else:
+            worker = threading.Thread(target=backward)
+            worker.start()
+            worker.join()
+        assert not errors, errors
+        assert var.get(None) == caller  # the caller's value after the replay
+        grads = [x.grad] + [p.grad.clone() for p in lin.parameters()]
+        lin.zero_grad()
+        return grads
+
+    expected = run(False)
+    with recorded_replays() as replayed:
+        got = run(True)
+    assert replayed == ["context"]
+    _same(expected, got)
+
+
+def test_a_context_variable_without_a_value_in_the_forward_and_one_in_backward_is_refused_by_name():
+    var = contextvars.ContextVar("unset_in_forward")
+    lin = _linear(84)
+
+    def block(x):
+        return (lin(x) * var.get(1.0)).sin()
+
+    def forward_then_backward():
+        out = remat.checkpoint(region_name="unset")(block)(_x(85))
+        var.set(4.0)  # the replay would read 4.0, where the forward read the default 1.0
+        out.sum().backward()
+
+    context = contextvars.Context()  # (one where the variable was never set)
+    with pytest.raises(remat.RecomputeMismatchError, match="ContextVar 'unset_in_forward', which had no value"):
+        context.run(forward_then_backward)
+    assert context[var] == 4.0  # the caller's value stands
+
+
+@pytest.mark.parametrize("kind", ["ContextVar", "threading.local"])
+def test_context_and_thread_local_values_changed_before_each_backward_are_replayed_every_step(kind):
+    # (the later steps reuse the first step's capture of the module's state)
+    var, local = contextvars.ContextVar("step_scale"), threading.local()
+    lin = _linear(86)
+
+    def block(x):
+        return (lin(x) * (var.get() if kind == "ContextVar" else local.scale)).sin()
+
+    def set_scale(value):
+        if kind == "ContextVar":
+            var.set(value)
+        else:
+            local.scale = value
+
+    def run(fn):
+        grads = []
+        for step in range(4):
+            set_scale(1.0 + step)
+            out = fn(_x(87 + step))
+            set_scale(10.0 + step)
+            out.sum().backward()
+            grads.extend(p.grad.clone() for p in lin.parameters())
+            lin.zero_grad()
+        return grads
+
+    expected = run(block)
+    with recorded_replays() as replayed:
+        got = run(remat.checkpoint(region_name="steps")(block))
+    assert replayed == ["steps"] * 4
+    _same(expected, got)

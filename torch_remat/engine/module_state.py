@@ -89,6 +89,7 @@ forwards set it, so names are qualified in the whole model).
 from __future__ import annotations
 
 import collections
+import contextvars
 import dis
 import enum
 import functools
@@ -106,7 +107,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
 from .._compat import INFERENCE_VERSION, any_version, version_of
-from .._errors import modified_in_place
+from .._errors import RecomputeMismatchError, modified_in_place
 from .rng import default_generators, forked, is_generator_type
 
 PARAMETER = "parameter"
@@ -234,7 +235,7 @@ _LIBRARY_MODULES = frozenset({
     "torchtitan", "torchtune", "torchao", "torchmetrics", "torchrec", "triton",
     "builtins", "numpy", "scipy", "logging", "threading", "weakref", "collections",
     "functools", "typing", "enum", "abc", "accelerate", "transformers", "peft", "lightning",
-    "pytorch_lightning", "_pytest", "pytest", "_thread",
+    "pytorch_lightning", "_pytest", "pytest", "_thread", "_contextvars",
 })
 # the standard library's containers that keep their contents in a container of
 # their own (``data``, ``maps``): recorded as plain objects, through those
@@ -282,7 +283,7 @@ def _is_plain(cls: type) -> bool:
     or in ``__slots__``."""
     plain = _PLAIN.get(cls)
     if plain is None:
-        plain = cls is threading.local or (
+        plain = cls is threading.local or cls is contextvars.ContextVar or (
             (getattr(cls, "__dictoffset__", 0) != 0 or bool(_slot_names(cls)))
             and not issubclass(cls, _NOT_PLAIN)
             and not _from_library(cls)
@@ -397,10 +398,57 @@ class _ThreadLocalValues(_AttributeView):
         return self.target.__dict__
 
 
+class _ContextVarValue(_AttributeView):
+    """A ``contextvars.ContextVar``'s value in the context asking, as a dict of one
+    key, ``"value"`` (absent where the variable has none there): the replay sets the
+    forward's value in the context that runs it, and the caller's back after."""
+
+    __slots__ = ("tokens",)
+
+    def __init__(self, var: contextvars.ContextVar) -> None:
+        super().__init__(var)
+        self.tokens: list[contextvars.Token] = []
+
+    def _now(self) -> dict:
+        value = self.target.get(_MISSING)
+        return {} if value is _MISSING else {"value": value}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        tokens = self.tokens
+        if tokens and tokens[-1].old_value is value:
+            # putting back the value this view's last set replaced: reset it, so the
+            # context ends exactly as it was (and no token is left behind)
+            self.target.reset(tokens.pop())
+        else:
+            tokens.append(self.target.set(value))
+
+    def __delitem__(self, key: str) -> None:
+        if not self.tokens or self.tokens[-1].old_value is not contextvars.Token.MISSING:
+            # The forward ran where the variable had no value, the replay where it
+            # has one: a variable cannot be unset, so the replay cannot see what the
+            # forward saw.
+            raise RecomputeMismatchError(
+                f"torch_remat: the checkpointed code reads the contextvars.ContextVar "
+                f"'{self.target.name}', which had no value when its forward ran and has one "
+                "when backward recomputes it; a replay cannot unset it. Set it before the "
+                "forward (var.set(...)), or pass its value to the checkpointed function as "
+                "an argument."
+            )
+        self.target.reset(self.tokens.pop())  # (the value it had before this replay set it)
+
+    def pop(self, key: str) -> Any:
+        value = self._now()[key]
+        del self[key]
+        return value
+
+
 def _attributes(obj: Any) -> list[Any]:
     """A plain object's attributes as ``dict``s: its ``__dict__``, its slots
     through :class:`_SlotValues`, a ``threading.local``'s through
-    :class:`_ThreadLocalValues`."""
+    :class:`_ThreadLocalValues`, a ``ContextVar``'s value through
+    :class:`_ContextVarValue`."""
+    if type(obj) is contextvars.ContextVar:
+        return [_ContextVarValue(obj)]
     names = _slot_names(type(obj))
     if isinstance(obj, threading.local):
         out: list[Any] = [_ThreadLocalValues(obj)]
