@@ -1462,6 +1462,26 @@ def test_a_tensor_switched_to_require_grad_or_not_before_backward_is_replayed_as
 _SCALE = None
 
 
+def _backward_on(where: str, out: torch.Tensor) -> None:
+    """``out.sum().backward()`` on this thread or on another one (as CUDA's backward
+    runs on autograd's device threads); an error there is raised here."""
+    errors = []
+
+    def backward():
+        try:
+            out.sum().backward()
+        except Exception as e:  # noqa: BLE001 (raised below)
+            errors.append(e)
+
+    if where == "same thread":
+        backward()
+    else:
+        worker = threading.Thread(target=backward)
+        worker.start()
+        worker.join()
+    assert not errors, errors
+
+
 class _LocalConfig(threading.local):
     """A subclass of threading.local: each thread its own attributes."""
 
@@ -1499,21 +1519,7 @@ def test_thread_local_state_is_replayed_as_the_forward_saw_it_on_any_thread(kind
         x = _x(81)
         out = fn(x)
         local.scale = 3.0  # set for the next step before this one's backward
-        errors = []
-
-        def backward():
-            try:
-                out.sum().backward()
-            except Exception as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
-
-        if backward_on == "same thread":
-            backward()
-        else:
-            worker = threading.Thread(target=backward)
-            worker.start()
-            worker.join()
-        assert not errors, errors
+        _backward_on(backward_on, out)
         grads = [x.grad] + [p.grad.clone() for p in lin.parameters()]
         lin.zero_grad()
         return grads
@@ -1565,21 +1571,7 @@ def test_a_context_variable_is_replayed_with_the_value_the_forward_read(kind, ho
             out = fn(x)
             var.reset(token)
         caller = var.get(None)
-        errors = []
-
-        def backward():
-            try:
-                out.sum().backward()
-            except Exception as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
-
-        if backward_on == "same thread":
-            backward()
-        else:
-            worker = threading.Thread(target=backward)
-            worker.start()
-            worker.join()
-        assert not errors, errors
+        _backward_on(backward_on, out)
         assert var.get(None) == caller  # the caller's value after the replay
         grads = [x.grad] + [p.grad.clone() for p in lin.parameters()]
         lin.zero_grad()
