@@ -155,6 +155,21 @@ def fsdp2_8_steps(tmp_path_factory):
                         nproc=2)[0])
 
 
+def test_with_offload_the_plan_moves_kept_tensors_to_host_and_trains_as_without(tmp_path, fsdp2_8_steps):
+    # --offload 0: every tensor may move (the launcher's model has none of 1 MiB). The
+    # same model, seed and layout as fsdp2_8_steps, whose remat policy offloads nothing:
+    # the losses of its first two steps are those of this run, bit for bit.
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(OFFLOAD_FAVOURED))
+    result, out, err = train(tmp_path, "--parallel", "fsdp2", "--remat", "budget=0.15", "--steps", "2",
+                             "--offload", "0", "--device-profile", str(profile), nproc=2)
+    assert "Traceback" not in err, err[-3000:]
+    assert "offloaded to host: blocks." in out and "OFFLOAD: what it keeps" in out, out[-3000:]
+    assert "measured " in out and "(equal)" in out, out[-3000:]
+    assert "nothing offloaded" not in out
+    assert losses(result) == fsdp2_8_steps[:2]
+
+
 @pytest.mark.slow
 def test_crashed_rank_restarts_and_resumes_exactly_from_checkpoint(tmp_path, fsdp2_8_steps):
     ckpt = tmp_path / "ckpt"
