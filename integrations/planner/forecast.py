@@ -412,7 +412,7 @@ def forecast_remat(
                     return _peaks[b]
 
                 p.max_batch = _largest(lambda b, _peak=peak: fixed + _peak(b) <= memory,
-                                       _affine_guess(peak, batch, memory - fixed), max_batch)
+                                       _affine_guess(peak, batch, memory - fixed, max_batch), max_batch)
     return Forecast(
         plan, policies, parameter_bytes, optimizer_bytes, batch, memory,
         layout=layout, gradient_bytes=gradient_bytes, bucket_bytes=bucket_bytes,
@@ -489,46 +489,57 @@ def _unsharded(
         yield model, mode, fargs
 
 
-def _affine_guess(peak: Any, batch: int, room: int) -> int:
+def _affine_guess(peak: Any, batch: int, room: int, limit: int, refinements: int = 2) -> int:
     """The batch at which the step peak, taken as affine in the batch (through the
-    peaks at ``batch`` and ``2 * batch``), reaches ``room``."""
-    low, high = peak(batch), peak(2 * batch)
-    per_sample = (high - low) / batch
-    if per_sample <= 0:
-        return batch
-    return max(1, batch + int((room - low) // per_sample))
+    peaks at ``batch`` and ``2 * batch``), reaches ``room``; then again through the
+    last two batches tried, ``refinements`` times (the peak per sample at a large
+    batch differs from a small one's by a few percent: the first guess can be
+    hundreds of samples off, the next within a few). ``limit`` where the guess
+    reaches it: the search goes no further."""
+    a, b = batch, 2 * batch
+    low, high = peak(a), peak(b)
+    guess = b
+    for i in range(refinements + 1):
+        per_sample = (high - low) / (b - a)
+        if per_sample <= 0:
+            return batch if i == 0 else guess
+        guess = max(1, b + int((room - high) // per_sample))
+        if guess >= limit:
+            return limit
+        if i == refinements or guess in (a, b):
+            return guess
+        a, low, b, high = b, high, guess, peak(guess)
+    return guess
 
 
 def _largest(fits: Any, guess: int, limit: int) -> int:
     """The largest ``b`` in ``[1, limit]`` with ``fits(b)`` (``fits`` is monotone:
-    a larger batch never needs less), 0 if none. Tries ``guess`` and its neighbour
-    first (the peak is close to affine in the batch), then doubles or halves to a
-    bracket and bisects it."""
+    a larger batch never needs less), 0 if none. Starts at ``guess`` (the peak is
+    close to affine in the batch, so the answer is near it) and steps away from it
+    by 1, 2, 4, ... to a bracket, then bisects it: about twice the logarithm of the
+    guess's error in calls, not of the batch."""
     guess = min(max(1, guess), limit)
+    step = 1
     if fits(guess):
-        if guess == limit or not fits(guess + 1):
-            return guess
-        lo, hi = guess + 1, None
-        while hi is None:
-            b = min(2 * lo, limit)
-            if fits(b):
-                if b == limit:
-                    return limit
-                lo = b
-            else:
+        lo = guess
+        while True:
+            if lo == limit:
+                return limit
+            b = min(lo + step, limit)
+            if not fits(b):
                 hi = b
+                break
+            lo, step = b, 2 * step
     else:
-        if guess == 1:
-            return 0
-        if fits(guess - 1):
-            return guess - 1
-        hi, lo = guess - 1, 0
-        b = hi // 2
-        while b >= 1 and not fits(b):
-            hi, b = b, b // 2
-        if b < 1:
-            return 0
-        lo = b
+        hi = guess
+        while True:
+            if hi == 1:
+                return 0
+            b = max(hi - step, 1)
+            if fits(b):
+                lo = b
+                break
+            hi, step = b, 2 * step
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):

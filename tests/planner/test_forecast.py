@@ -18,7 +18,7 @@ from torch_remat.integrations import plan_remat, remove_remat
 from torch_remat.integrations.planner import activation_bytes, forecast_remat
 from torch_remat.integrations.planner._fake import faked, measure_fake, resized
 from torch_remat.integrations.planner._measure import Placement, install
-from torch_remat.integrations.planner.forecast import _largest, parse_bytes
+from torch_remat.integrations.planner.forecast import _affine_guess, _largest, parse_bytes
 
 TINY = GPTConfig(d_model=32, n_heads=4, seq_len=32, batch=2, n_layers=2, attention_dropout=0.1)
 """W1's GPT stack, small: matmul attention with its s x s scores and dropout."""
@@ -281,6 +281,39 @@ def test_the_largest_batch_search_finds_the_boundary_from_any_guess():
         for largest in range(limit + 1):
             for guess in range(1, limit + 3):
                 assert _largest(lambda b, n=largest: b <= n, guess, limit) == largest
+
+
+def test_the_largest_batch_search_near_its_guess_takes_calls_by_the_guesss_error():
+    # Before: a guess 3 too high halved to 2,000 and bisected up again: 14 calls
+    # where 5 do (each call is a fake step of the whole model)
+    for error in (-40, -3, -1, 0, 1, 3, 40):
+        calls = []
+
+        def fits(b, calls=calls):
+            calls.append(b)
+            return b <= 4_000
+
+        assert _largest(fits, 4_000 + error, 1 << 16) == 4_000
+        assert len(calls) <= 2 * max(1, abs(error)).bit_length() + 2, (error, calls)
+
+
+def test_the_micro_batch_search_finds_a_slightly_convex_peaks_boundary_in_a_few_steps():
+    # The step peak per sample at a batch of thousands is a few percent above the one
+    # at batches 4 and 8 (the launcher's model: the first affine guess was 172 samples
+    # too high at 3,948); before, the search took 16 fake steps per policy there.
+    calls = []
+
+    def peak(b):
+        calls.append(b)
+        return 100_000 + 240 * b + b * b // 100  # bytes
+
+    room = peak(3_948) + 50
+    calls.clear()
+    guess = _affine_guess(peak, 4, room, 1 << 16)
+    found = _largest(lambda b: peak(b) <= room, guess, 1 << 16)
+    assert found == 3_948 and len(calls) <= 8, calls
+    calls.clear()  # a guess beyond the search's limit is the limit, at no further step
+    assert _affine_guess(peak, 4, 10 * room, 1_000) == 1_000 and len(calls) == 2
 
 
 _Pair = collections.namedtuple("_Pair", "a b")
