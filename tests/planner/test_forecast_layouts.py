@@ -175,8 +175,7 @@ def test_train_py_forecasts_rank_0_of_its_fsdp2_layout_before_any_group_starts()
     sys.path.insert(0, str(ROOT / "launch"))
     import train
 
-    # (16 MiB: micro-batches of 60 to 117 fit; a search up to thousands, at 1 GiB,
-    # took 20 s longer and checked nothing more)
+    # (16 MiB: micro-batches of 60 to 117 fit)
     args = train.parse_args(["--layers", "2", "--dim", "32", "--heads", "4", "--seq-len", "32",
                              "--batch-size", "4", "--parallel", "fsdp2", "--remat",
                              "budget=0.6", "--forecast", "--device-memory", "16MiB"])
