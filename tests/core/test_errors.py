@@ -177,16 +177,21 @@ def test_checkpoint_input_modified_in_place_by_the_function():
         remat.checkpoint(region_name="blk")(fn)(x)
 
 
-def test_save_output_modified_in_place_before_replay_reads_it():
+def test_a_save_output_its_own_op_saved_then_updated_in_place_is_refused_in_backward_as_without_remat():
+    # exp saves its result: updating it in place makes exp's gradient wrong, which
+    # autograd refuses without remat; the SAVE region's kept save says so by name
     def fn(x):
         y = remat.region(torch.exp, "exp", recompute=False)(x)
         remat.recompute_needs_tensor(y)
-        y.mul_(2)  # replayed on the kept y: would double again
+        y.mul_(2)
         return y.sin()
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(remat.SavedTensorModifiedError, match="SAVE region 'exp'.*after the region returned"):
-        remat.checkpoint(region_name="blk")(fn)(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        fn(x).sum().backward()
+    out = remat.checkpoint(region_name="blk")(fn)(x)
+    with pytest.raises(remat.SavedTensorModifiedError, match="'saved.0'.*SAVE region 'exp'.*modified in place"):
+        out.sum().backward()
 
 
 def test_recompute_region_nested_in_save_region_is_refused():

@@ -4,6 +4,8 @@ the gradients of the plain program; replayed code that updates in place a SAVE o
 the checkpoint did not keep gets an error naming the checkpoint, the region and the
 fix."""
 
+import copy
+
 import pytest
 import torch
 from helpers import recorded_replays
@@ -214,3 +216,103 @@ def test_a_save_region_writing_a_view_of_a_replayed_tensor_in_place():
     got = _grads(fn, True)
     _same(expected, got)
     assert BODY_RUNS == ["relu"]
+
+
+# ---- an output updated in place by the forward's code after its region returned
+
+
+class AddsIntoItsMLP(nn.Module):
+    """Falcon's layer: the MLP's output gets the attention's added in place."""
+
+    def __init__(self, d=6, p=0.0, norm="layer"):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, dtype=D) if norm == "layer" else nn.BatchNorm1d(d, dtype=D)
+        self.attn = nn.Linear(d, d, dtype=D)
+        self.mlp = nn.Sequential(nn.Linear(d, d, dtype=D), nn.Dropout(p))
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = self.attn(h).tanh()
+
+        def mlp(t):
+            BODY_RUNS.append("mlp")
+            self.calls += 1
+            return self.mlp(t)
+
+        m = remat.region(mlp, "mlp", recompute=False)(h)
+        remat.recompute_needs_tensor(m)
+        m += a
+        return x + m.sigmoid()
+
+
+def _train_step(model, x, ckpt):
+    torch.manual_seed(7)
+    blk = remat.checkpoint(region_name="blk", recompute_state_hooks=(remat.DeviceRNGStateHook(x.device),))(model) if ckpt else model
+    x = x.detach().clone().requires_grad_()
+    with recorded_replays() as replayed:
+        blk(x).pow(2).sum().backward()
+    assert replayed == (["blk"] if ckpt else [])
+    grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads, torch.get_rng_state(), [b.clone() for b in model.buffers()], model.calls
+
+
+@pytest.mark.parametrize("p, norm", [(0.0, "layer"), (0.5, "layer"), (0.5, "batch")])
+def test_an_output_updated_in_place_after_its_region_returned_is_made_again_by_its_body(p, norm):
+    # Before: the forward raised SavedTensorModifiedError (the kept output would have
+    # been updated a second time in the replay). Now the replay runs that SAVE
+    # region's body again, from the state it started in: the same dropout mask,
+    # the same batch statistics, and the running statistics, the generator and the
+    # body's counter end as without remat.
+    torch.manual_seed(0)
+    model = AddsIntoItsMLP(p=p, norm=norm)
+    twin = copy.deepcopy(model)
+    x = _x(shape=(5, 6))
+    BODY_RUNS.clear()
+    plain, rng, buffers, calls = _train_step(model, x, ckpt=False)
+    assert BODY_RUNS == ["mlp"] and calls == 1
+    BODY_RUNS.clear()
+    remat_, rng_r, buffers_r, calls_r = _train_step(twin, x, ckpt=True)
+    assert BODY_RUNS == ["mlp", "mlp"]  # the forward, then the replay
+    _same(plain, remat_)
+    assert torch.equal(rng, rng_r) and calls_r == 1
+    assert len(buffers) == (3 if norm == "batch" else 0)
+    for b, br in zip(buffers, buffers_r):
+        assert torch.equal(b, br)
+
+
+def test_a_region_inside_a_body_made_again_runs_as_in_its_forward():
+    def body(t):
+        BODY_RUNS.append("outer")
+        inner = remat.region(lambda u: u.sin() * 2, "inner", recompute=False)(t)
+        return inner.cos()  # (saves its input, not the output updated below)
+
+    def fn(x, w):
+        y = remat.region(body, "outer", recompute=False)(x @ w)
+        remat.recompute_needs_tensor(y)
+        y.mul_(3)
+        return y.tanh()
+
+    BODY_RUNS.clear()
+    plain = _grads(fn, ckpt=False)
+    BODY_RUNS.clear()
+    _same(plain, _grads(fn, ckpt=True))
+    assert BODY_RUNS == ["outer", "outer"]
+
+
+def test_an_output_of_a_save_region_that_is_never_updated_is_kept_not_made_again():
+    def body(t):
+        BODY_RUNS.append("body")
+        return t * 2
+
+    def fn(x, w):
+        y = remat.region(body, "body", recompute=False)(x @ w)
+        remat.recompute_needs_tensor(y)
+        return (y + 1).tanh()
+
+    BODY_RUNS.clear()
+    plain = _grads(fn, ckpt=False)
+    BODY_RUNS.clear()
+    _same(plain, _grads(fn, ckpt=True))
+    assert BODY_RUNS == ["body"]  # skipped by the replay

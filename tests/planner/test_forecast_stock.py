@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import kept_bytes
 from torch import nn
 
+import torch_remat as remat
 from tests.helpers import plugin_env, recorded_replays
 from torch_remat.integrations import plan_remat
 from torch_remat.integrations.planner import forecast_remat
@@ -899,32 +900,66 @@ class AddsIntoItsMLP(nn.Module):
         return x + m.sigmoid()
 
 
-def test_options_whose_save_regions_the_engine_refuses_are_left_out_and_named():
-    # Saving 'mlp' keeps its output for the replay, which would add into it a second
-    # time: the engine refuses it in backward. Such an option made plan_remat and
-    # forecast_remat raise on stock Falcon; now they are left out of the table and
-    # named in the report, and the hand policies that save it are too.
+def test_saving_a_module_whose_output_its_block_adds_into_in_place_is_an_option_like_any():
+    # Before: saving 'mlp' was refused (the kept output would have been added into a
+    # second time in the replay) and left out of the table; the replay now runs
+    # that body again, so every option is measured and the forecast equals the plan.
     torch.manual_seed(0)
     model = nn.Sequential(AddsIntoItsMLP(), AddsIntoItsMLP())
     x = torch.randn(4, 8)
     plan = plan_remat(model, (x,), budget=1.0)
     forecast = forecast_remat(model, (x,), budget=1.0)
     _same_table(plan, forecast)
+    assert plan.refused == {} and forecast.refused == {}
+    assert [[m.option.label for m in options] for options in plan.table] == [
+        ["no checkpoint", "full checkpoint", "checkpoint, save norm", "checkpoint, save attn, mlp",
+         "checkpoint, save norm, attn, mlp"]] * 2
+
+
+class ReadsItsMLPAnotherWayInTheReplay(nn.Module):
+    """The same values in the replay, but without calling ``self.mlp`` there: a SAVE
+    region of it is missing from the replay, which the engine refuses."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        a = self.attn(h).tanh()
+        m = F.linear(h, self.mlp.weight, self.mlp.bias) if remat.is_recomputing() else self.mlp(h)
+        return x + (m + a).sigmoid()
+
+
+def test_options_whose_save_regions_the_engine_refuses_are_left_out_and_named():
+    # An option the engine refuses on a model (here: a replay that takes another path
+    # than its forward where 'mlp' is a SAVE region) made plan_remat and
+    # forecast_remat raise; it is left out of the table and named in the report,
+    # and so are the hand policies that save it.
+    torch.manual_seed(0)
+    model = nn.Sequential(ReadsItsMLPAnotherWayInTheReplay(), ReadsItsMLPAnotherWayInTheReplay())
+    x = torch.randn(4, 8)
+    plan = plan_remat(model, (x,), budget=1.0)
+    forecast = forecast_remat(model, (x,), budget=1.0)
+    _same_table(plan, forecast)
     # attn and mlp read the same input: one unit, saved together
     assert {k: v.split(":")[0] for k, v in plan.refused.items()} == {
-        "0: checkpoint, save attn, mlp": "SavedTensorModifiedError",
-        "0: checkpoint, save norm, attn, mlp": "SavedTensorModifiedError",
+        "0: checkpoint, save attn, mlp": "RecomputeMismatchError",
+        "0: checkpoint, save norm, attn, mlp": "RecomputeMismatchError",
     }
     assert [[m.option.label for m in options] for options in plan.table] == [
         ["no checkpoint", "full checkpoint", "checkpoint, save norm"]] * 2
-    assert ("refused on this model: 0: checkpoint, save attn, mlp and 1 more option(s) with "
-            "that region (SavedTensorModifiedError: torch_remat: output 0 of SAVE region 'mlp' "
-            "of checkpoint '0' was modified in place after the region returned)") in plan.format()
+    for option in ("save attn, mlp", "save norm, attn, mlp"):
+        assert (f"refused on this model: 0: checkpoint, {option} (RecomputeMismatchError: "
+                "torch_remat: the recompute of checkpoint '1' saved more tensors for backward "
+                "than its forward did") in plan.format()
     from torch_remat.integrations.planner import RematPlan
 
     assert RematPlan.from_json(plan.to_json()).refused == plan.refused
     assert set(forecast.refused) == {"save linears", "Megatron-style"}
-    assert "save linears: refused on this model (SavedTensorModifiedError" in str(forecast)
+    assert "save linears: refused on this model (RecomputeMismatchError" in str(forecast)
     assert list(forecast.policies) == ["no remat", "full checkpoint", "plan"]
 
 

@@ -713,6 +713,9 @@ class CheckpointFrame:
                 self.rng_end = end
         if self.module_state is not None:
             self.module_state.finish(self.name, self.checkpointed.unwritten_buffers)
+        updated = [s for s in scratch.output_sources if s.updated_after_return()]
+        if updated:
+            self._replay_bodies_of(updated)
         candidates = []
         for s in self.inputs:
             if not s.keep:
@@ -750,6 +753,24 @@ class CheckpointFrame:
         self.scratch = None
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in self.leaves]
         self.forward_done = True
+
+    def _replay_bodies_of(self, updated: list[TensorSource]) -> None:
+        """SAVE outputs the forward's code updated in place after their regions
+        returned (Falcon's ``mlp_output += attention_output``): what the regions
+        returned is gone, so the replay runs their bodies again rather than hand
+        back the updated tensors (which it would update a second time). Nothing is
+        kept of those outputs, and the checkpoint's inputs a SAVE region read are
+        kept, as the bodies read them again."""
+        region_of = {
+            id(o): record for record in self.replay_regions for o in record.outputs
+            if type(o) is TensorSource
+        }
+        for s in updated:
+            s.not_kept()
+            region_of[id(s)].replay_body()
+        for s in self.inputs:
+            if s.save_consumed and not s.keep:
+                s.mark_kept(s.ref)
 
     # ----------------------------------------------------------------- backward
 

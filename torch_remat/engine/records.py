@@ -326,6 +326,7 @@ class RegionRecord:
         "pending_keep",
         "raised",
         "modes_exit",
+        "rerun",
     )
 
     def __init__(self, checkpoint: str | None, name: str, qualname: str, recompute: bool) -> None:
@@ -353,6 +354,9 @@ class RegionRecord:
         self.raised: BaseException | None = None
         # a SAVE region's: (grad mode, default dtype) its body left switched, else None
         self.modes_exit: tuple[bool, torch.dtype] | None = None
+        # a SAVE region whose output the forward's code updated in place after it
+        # returned: the replay runs its body again for the values it returned
+        self.rerun = False
 
     @property
     def kind(self) -> str:
@@ -378,6 +382,13 @@ class RegionRecord:
 
     def add_saved(self, saved: RegionSaved) -> None:
         self.saved.append(weakref.ref(saved))
+
+    def replay_body(self) -> None:
+        """The forward's code updated an output of this SAVE region in place after it
+        returned (``out += residual``): the value it returned is gone, so the replay
+        runs the body again where it would skip it (its saves stay those of the
+        forward)."""
+        self.rerun = True
 
     def needs_kept(self, root: torch.Tensor) -> None:
         """``recompute_needs_tensor(root)`` was called inside this SAVE region."""
@@ -522,6 +533,21 @@ class TensorSource:
                 self.kept_tensor = storage_root(alias)
                 self.kept_is_root = True
 
+    def updated_after_return(self) -> bool:
+        """A SAVE output the forward's code updated in place after its region
+        returned (not by a later SAVE region: :meth:`overwrite`), at the forward's end."""
+        if self.kind != OUTPUT or self.written_by is not None:
+            return False
+        t = self.kept_tensor if self.kept_tensor is not None else self.ref()
+        # (a kept storage root shares the output's version counter)
+        return t is not None and any_version(t) != self.version
+
+    def not_kept(self) -> None:
+        """Hold nothing of this output: its region's body runs again in the replay."""
+        self.keep = False
+        self.kept_tensor = None
+        self.kept_is_root = False
+
     def overwrite(self, by: str) -> None:
         """A later SAVE region ``by`` wrote this output in place: its value as the
         region returned it is gone, so it is not kept (the replay gets a placeholder
@@ -580,14 +606,10 @@ class TensorSource:
                 "input. Clone the input before modifying it (x = x.clone()) or modify "
                 "it outside the checkpoint.",
             )
+        # (an output updated after its region returned is not kept: the replay runs
+        # the region's body again, CheckpointFrame._replay_bodies_of)
         return modified_in_place(
-            what,
-            "after the region returned",
-            "torch_remat keeps that output for the recompute, which would then see the "
-            "modified value. Clone it before modifying it, or do the in-place op "
-            "inside the region; if the region is a module that apply_remat's "
-            "save_modules selected in code you cannot change (Falcon's MLP, whose "
-            "output its layer adds to in place), leave that module out of save_modules.",
+            what, "after the region returned", "Clone it before modifying it."
         )
 
     def _modified_before_replay(self, checkpoint: str) -> Exception:

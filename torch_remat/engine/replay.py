@@ -97,6 +97,9 @@ class ReplayPass:
         # a skipped SAVE region set the default dtype its body left: the caller's is
         # set back when the replay ends (CheckpointFrame.replay)
         self.set_dtype = False
+        # > 0 while the body of a SAVE region runs again (RegionRecord.rerun): its
+        # saves and the regions inside it are the body's own, not the forward's
+        self.rerun_depth = 0
 
     def release(self) -> None:
         """The replay is over: drop what it refers to (see its end in ``frame.replay``)."""
@@ -110,6 +113,8 @@ class ReplayPass:
         self.module_undo = undo
 
     def pack(self, t: torch.Tensor) -> Any:
+        if self.rerun_depth:  # (the forward's saves of that body are kept: RegionSaved)
+            return _REPLAYED
         if self.unchecked and self.unchecked[-1][3] != _compat.autograd_sequence_nr():
             self.check_saved()
         if self.stop_after is not None and _compat.autograd_sequence_nr() != self.stop_after:
@@ -220,6 +225,8 @@ class ReplayPass:
         return f"Regions in forward: [{fwd}]; regions in the recompute so far: [{rec}]."
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
+        if self.rerun_depth:  # inside a SAVE body run again: a plain call, as in its forward
+            return fn(*args, **kwargs)
         if self.unchecked:  # their ops have run: compared before the region's own checks
             self.check_saved()
         if self.stop_after is not None:
@@ -242,6 +249,8 @@ class ReplayPass:
             if frame.rng_checks and expected.rng_entry is not None:
                 check_position(frame.name, frame.state_hooks, frame.rng_checks, expected.rng_entry,
                                f"SAVE region '{qualname}'")
+            if expected.rerun:
+                return self._rerun_body(fn, pos, qualname, args, kwargs)
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
             if expected.host_exit is not None and frame.host_entry is not None:
@@ -264,11 +273,7 @@ class ReplayPass:
                 # replay's traceback, and with it the replay's tensors.
                 raise detached_copy(expected.raised)
             if frame.rebuilds.by_pos:
-                filled = frame.rebuilds.refill(self, pos, args, kwargs)
-                if filled:
-                    self.filled += filled
-                    if self.filled == self.needed and frame.early_stop and not self.run_to_end:
-                        self.stop()
+                self._refill_arguments(pos, args, kwargs)
             if expected.written:
                 # after the refills above: those are the arguments as the body got them
                 write_arguments(frame.name, expected.written, args, kwargs)
@@ -295,6 +300,34 @@ class ReplayPass:
             raise
         finally:
             self.region_stack.pop()
+
+    def _refill_arguments(self, pos: int, args, kwargs) -> None:
+        """The saves of SAVE region ``pos``'s arguments that the replay rebuilds,
+        from the arguments as its body gets them; stops the replay once every
+        tensor this backward needs is back."""
+        frame = self.frame
+        filled = frame.rebuilds.refill(self, pos, args, kwargs)
+        if filled:
+            self.filled += filled
+            if self.filled == self.needed and frame.early_stop and not self.run_to_end:
+                self.stop()
+
+    def _rerun_body(self, fn: Callable[..., Any], pos: int, qualname: str, args, kwargs) -> Any:
+        """Run the body of SAVE region ``pos`` again (RegionRecord.rerun): it draws,
+        updates and rebinds what it did in the forward, from the same state, so
+        nothing is set for it; its arguments' rebuilt saves are refilled first."""
+        frame = self.frame
+        if frame.rebuilds.by_pos:
+            self._refill_arguments(pos, args, kwargs)
+        self.rerun_depth += 1
+        try:
+            with profiler_range("remat.region:", frame.name, "::", qualname):
+                return fn(*args, **kwargs)
+        except Exception as e:
+            note_exception(e)
+            raise
+        finally:
+            self.rerun_depth -= 1
 
     def keep(self, t: torch.Tensor) -> bool:
         return True
