@@ -900,31 +900,31 @@ class AddsIntoItsMLP(nn.Module):
         return x + m.sigmoid()
 
 
-def test_saving_a_module_whose_output_its_block_adds_into_in_place_is_an_option_like_any():
-    # Before: saving 'mlp' was refused (the kept output would have been added into a
-    # second time in the replay) and left out of the table; the replay now runs
-    # that body again, so every option is measured and the forecast equals the plan.
+def _plan_and_forecast_two(block: type) -> tuple:
+    """plan_remat and forecast_remat of two of ``block`` (their tables equal)."""
     torch.manual_seed(0)
-    model = nn.Sequential(AddsIntoItsMLP(), AddsIntoItsMLP())
+    model = nn.Sequential(block(), block())
     x = torch.randn(4, 8)
     plan = plan_remat(model, (x,), budget=1.0)
     forecast = forecast_remat(model, (x,), budget=1.0)
     _same_table(plan, forecast)
+    return plan, forecast
+
+
+def test_saving_a_module_whose_output_its_block_adds_into_in_place_is_an_option_like_any():
+    # Before: saving 'mlp' was refused (the kept output would have been added into a
+    # second time in the replay) and left out of the table; the replay now runs
+    # that body again, so every option is measured and the forecast equals the plan.
+    plan, forecast = _plan_and_forecast_two(AddsIntoItsMLP)
     assert plan.refused == {} and forecast.refused == {}
     assert [[m.option.label for m in options] for options in plan.table] == [
         ["no checkpoint", "full checkpoint", "checkpoint, save norm", "checkpoint, save attn, mlp",
          "checkpoint, save norm, attn, mlp"]] * 2
 
 
-class ReadsItsMLPAnotherWayInTheReplay(nn.Module):
+class ReadsItsMLPAnotherWayInTheReplay(AddsIntoItsMLP):
     """The same values in the replay, but without calling ``self.mlp`` there: a SAVE
     region of it is missing from the replay, which the engine refuses."""
-
-    def __init__(self, d: int = 8) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.attn = nn.Linear(d, d)
-        self.mlp = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -938,12 +938,7 @@ def test_options_whose_save_regions_the_engine_refuses_are_left_out_and_named():
     # than its forward where 'mlp' is a SAVE region) made plan_remat and
     # forecast_remat raise; it is left out of the table and named in the report,
     # and so are the hand policies that save it.
-    torch.manual_seed(0)
-    model = nn.Sequential(ReadsItsMLPAnotherWayInTheReplay(), ReadsItsMLPAnotherWayInTheReplay())
-    x = torch.randn(4, 8)
-    plan = plan_remat(model, (x,), budget=1.0)
-    forecast = forecast_remat(model, (x,), budget=1.0)
-    _same_table(plan, forecast)
+    plan, forecast = _plan_and_forecast_two(ReadsItsMLPAnotherWayInTheReplay)
     # attn and mlp read the same input: one unit, saved together
     assert {k: v.split(":")[0] for k, v in plan.refused.items()} == {
         "0: checkpoint, save attn, mlp": "RecomputeMismatchError",

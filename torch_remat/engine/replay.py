@@ -293,13 +293,17 @@ class ReplayPass:
             return tree_unflatten(leaves, expected.output_spec)
         self.region_stack.append(expected)
         try:
-            with profiler_range("remat.region:", frame.name, "::", qualname):
+            return self._run_body(fn, qualname, args, kwargs)
+        finally:
+            self.region_stack.pop()
+
+    def _run_body(self, fn: Callable[..., Any], qualname: str, args, kwargs) -> Any:
+        try:
+            with profiler_range("remat.region:", self.frame.name, "::", qualname):
                 return fn(*args, **kwargs)
         except Exception as e:
             note_exception(e)
             raise
-        finally:
-            self.region_stack.pop()
 
     def _refill_arguments(self, pos: int, args, kwargs) -> None:
         """The saves of SAVE region ``pos``'s arguments that the replay rebuilds,
@@ -316,16 +320,11 @@ class ReplayPass:
         """Run the body of SAVE region ``pos`` again (RegionRecord.rerun): it draws,
         updates and rebinds what it did in the forward, from the same state, so
         nothing is set for it; its arguments' rebuilt saves are refilled first."""
-        frame = self.frame
-        if frame.rebuilds.by_pos:
+        if self.frame.rebuilds.by_pos:
             self._refill_arguments(pos, args, kwargs)
         self.rerun_depth += 1
         try:
-            with profiler_range("remat.region:", frame.name, "::", qualname):
-                return fn(*args, **kwargs)
-        except Exception as e:
-            note_exception(e)
-            raise
+            return self._run_body(fn, qualname, args, kwargs)
         finally:
             self.rerun_depth -= 1
 
