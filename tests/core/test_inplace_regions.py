@@ -1,8 +1,9 @@
 """In-place writes around SAVE regions: a SAVE region whose body writes its argument
 in place (``nn.ReLU(inplace=True)``, a custom Function with ``mark_dirty``) runs with
-the gradients of the plain program; replayed code that updates in place a SAVE output
-the checkpoint did not keep gets an error naming the checkpoint, the region and the
-fix."""
+the gradients of the plain program; so does replayed code that updates a SAVE output
+in place after its region returned (the replay runs that body again), and where that
+output is gone by the forward's end the error names the checkpoint, the region and
+the fix."""
 
 import copy
 
