@@ -276,6 +276,47 @@ def test_a_lazy_module_first_called_inside_a_checkpoint_is_told_to_run_a_forward
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
 
 
+class LookUp(torch.nn.Module):
+    """An embedding with max_norm (renormalizes the rows it looks up, in place, in
+    every forward) and a Linear after it."""
+
+    def __init__(self, bag: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        cls = torch.nn.EmbeddingBag if bag else torch.nn.Embedding
+        self.emb = cls(20, 6, max_norm=1.0)
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids)).tanh()
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["Embedding", "EmbeddingBag"])
+def test_an_embedding_with_max_norm_is_told_to_renormalize_before_the_checkpoint(bag):
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(1))
+    model = LookUp(bag)
+    with pytest.raises(remat.SavedTensorModifiedError) as e:
+        remat.checkpoint(region_name="lookup")(model)(ids).sum().backward()
+    text = str(e.value)
+    assert "the parameter 'emb.weight' read by checkpoint 'lookup'" in text
+    assert "nn.Embedding or nn.EmbeddingBag with max_norm" in text
+    assert "torch.embedding_renorm_(emb.weight, ids, emb.max_norm, emb.norm_type)" in text
+    assert "register it as a buffer" not in text  # (the advice for other parameters)
+    # the advice, taken: bitwise what the embedding with max_norm gives without remat
+    plain, fixed = LookUp(bag), LookUp(bag)
+    expected = torch.autograd.grad(plain(ids).sum(), list(plain.parameters()))
+    with torch.no_grad():
+        torch.embedding_renorm_(fixed.emb.weight, ids, fixed.emb.max_norm, fixed.emb.norm_type)
+    fixed.emb.max_norm = None
+    with recorded_replays() as replays:
+        got = torch.autograd.grad(
+            remat.checkpoint(region_name="lookup")(fixed)(ids).sum(), list(fixed.parameters())
+        )
+    assert replays == ["lookup"]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert torch.equal(plain.emb.weight, fixed.emb.weight)  # renormalized alike
+
+
 def test_a_forward_on_dual_tensors_is_named_when_its_replay_differs():
     import torch.autograd.forward_ad as fwAD
 

@@ -1978,9 +1978,11 @@ class ModuleState:
                 for s in group:
                     s.copy = None
                 unwritten[id(module)] = weakref.ref(module)
-        for _, key, t, version, prefix, _ in self.params:
+        for owner, key, t, version, prefix, _ in self.params:
             if version_of(t) != version:
-                raise _modified_in_forward(PARAMETER, prefix + key, checkpoint, version, t)
+                raise _modified_in_forward(
+                    PARAMETER, prefix + key, checkpoint, version, t, _renorms(self.others, owner, key)
+                )
         for s in self.slots:
             t = s.tensor
             if s.kind is ATTRIBUTE and s.owner.get(s.key) is not t:
@@ -2403,14 +2405,38 @@ def _install_attributes(d: dict, entry: dict, undo: list[tuple[Any, Any, Any]]) 
             undo.append((d, key, d.pop(key)))
 
 
-def _modified_in_forward(kind: str, name: str, checkpoint: str, version: int, t) -> Exception:
+def _renorms(others: list[tuple], owner: dict, key: str) -> bool:
+    """Whether ``owner[key]`` is the weight of an ``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``max_norm``, which renormalizes the rows it looks up
+    in place in every forward (``torch.embedding_renorm_``)."""
+    if key != "weight":
+        return False
+    for d, *_ in others:
+        if d.get("_parameters") is owner:
+            return d.get("max_norm") is not None and "num_embeddings" in d
+    return False
+
+
+def _modified_in_forward(
+    kind: str, name: str, checkpoint: str, version: int, t, renormed: bool = False
+) -> Exception:
     advice = (
         "The recompute in backward would read the updated value. Update "
         "it outside the checkpoint, or register it as a buffer of the "
         "checkpointed module (buffers updated in forward are replayed "
         "from a copy)."
     )
-    if kind == PARAMETER:
+    if renormed:
+        advice = (
+            "It is the weight of an nn.Embedding or nn.EmbeddingBag with max_norm, "
+            "which renormalizes the rows it looks up in place in every forward: the "
+            "recompute in backward would read and renormalize the updated weight. "
+            "Renormalize before the checkpoint and look up without max_norm inside "
+            "it (with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, "
+            "emb.max_norm, emb.norm_type); then emb.max_norm = None), or keep the "
+            "embedding outside the checkpoint."
+        )
+    elif kind == PARAMETER:
         # a lazy module (nn.LazyLinear) fills its parameters in its first forward
         advice += (
             " A lazy module (nn.LazyLinear, nn.LazyConv2d) materializes its parameters "
