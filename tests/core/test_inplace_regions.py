@@ -283,10 +283,24 @@ def test_an_output_updated_in_place_after_its_region_returned_is_made_again_by_i
         assert torch.equal(b, br)
 
 
+def _where() -> tuple:
+    active = remat.active_checkpoint()
+    return active and (active.phase, active.region)
+
+
 def test_a_region_inside_a_body_made_again_runs_as_in_its_forward():
+    # Each body runs under its own region's name in the replay as in the forward
+    # (remat.active_checkpoint().region; before: None in the replay).
+    seen = []
+
+    def inner_body(u):
+        seen.append(_where())
+        return u.sin() * 2
+
     def body(t):
         BODY_RUNS.append("outer")
-        inner = remat.region(lambda u: u.sin() * 2, "inner", recompute=False)(t)
+        seen.append(_where())
+        inner = remat.region(inner_body, "inner", recompute=False)(t)
         return inner.cos()  # (saves its input, not the output updated below)
 
     def fn(x, w):
@@ -298,8 +312,12 @@ def test_a_region_inside_a_body_made_again_runs_as_in_its_forward():
     BODY_RUNS.clear()
     plain = _grads(fn, ckpt=False)
     BODY_RUNS.clear()
+    seen.clear()
     _same(plain, _grads(fn, ckpt=True))
     assert BODY_RUNS == ["outer", "outer"]
+    assert seen == [
+        ("forward", "outer"), ("forward", "outer.inner"), ("recompute", "outer"), ("recompute", "outer.inner")
+    ]
 
 
 def test_an_output_of_a_save_region_that_is_never_updated_is_kept_not_made_again():

@@ -161,13 +161,20 @@ def saves_activations(prog, params, x, y):
     return alive
 
 
-def check_region_runs(prog, kept):
-    """Each region body ran as that region; the replay never ran a SAVE body; the
-    checkpoint kept nothing for a RECOMPUTE region (its inputs and the entry copies of
-    buffers the forward updates are the checkpoint's own)."""
+def check_region_runs(prog, kept, reruns=False):
+    """Each region body ran as that region; the replay never ran a SAVE body (with
+    ``reruns``, only one whose output the program updates in place after it returned,
+    as many times as in the forward, RegionRecord.rerun); the checkpoint kept nothing
+    for a RECOMPUTE region (its inputs and the entry copies of buffers the forward
+    updates are the checkpoint's own)."""
     for qualname, active, save, replaying in prog.runs:
         assert active == qualname, prog.runs
-        assert not (save and replaying), prog.runs
+        assert reruns or not (save and replaying), prog.runs
+    if reruns:
+        for qualname in {q for q, _, save, replaying in prog.runs if save and replaying}:
+            forward = [r for r in prog.runs if r[0] == qualname and not r[3]]
+            replayed = [r for r in prog.runs if r[0] == qualname and r[3]]
+            assert len(replayed) <= len(forward), prog.runs
     save_regions = {q for q, _, save, _ in prog.runs if save}
     assert set(kept) <= save_regions | {"(inputs)", "(state snapshots)"}, (kept, prog.runs)
 
@@ -316,7 +323,9 @@ def _stateful_run(plan, checkpointed, repeated, swap):
     kept = kept_bytes(loss).get("prog", {}) if checkpointed else None
     loss.backward()
     if checkpointed:
-        check_region_runs(model, kept)
+        # a SAVE output updated in place after its region returned: the replay runs
+        # that region's body again
+        check_region_runs(model, kept, reruns=_has(plan, "inplace"))
     return [p.grad for p in model.parameters()] + [x.grad, model.stat.clone()]
 
 
@@ -326,6 +335,12 @@ def _has(plan, kind):
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plan=stateful_steps(), repeated=st.booleans(), swap=st.booleans())
+# A SAVE output updated in place after its region returned: its body runs again in the
+# replay, named as its region (remat.active_checkpoint().region)
+@example(plan=[("region", True, True, [("op", "sin", 0)]), ("buffer", 0), ("inplace", 2)],
+         repeated=False, swap=False)
+@example(plan=[("region", True, True, [("region", True, True, [("op", "sin", 0)])]), ("inplace", 2)],
+         repeated=False, swap=False)
 # A later SAVE region writes an earlier SAVE region's output in place, and bare code
 # reads it after: refused, naming both regions (was a message that did not say why).
 @example(plan=[("region", True, True, [("buffer", 0)]), ("op", "sin", 0),

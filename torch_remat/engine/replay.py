@@ -225,8 +225,16 @@ class ReplayPass:
         return f"Regions in forward: [{fwd}]; regions in the recompute so far: [{rec}]."
 
     def run_region(self, fn: Callable[..., Any], name: str, recompute: bool, args, kwargs) -> Any:
-        if self.rerun_depth:  # inside a SAVE body run again: a plain call, as in its forward
-            return fn(*args, **kwargs)
+        if self.rerun_depth:
+            # inside a SAVE body run again: a plain call, as in its forward, under its
+            # name (remat.active_checkpoint() names it as the forward did)
+            self.region_stack.append(
+                RegionRecord(self.frame.name, name, qualified_name(self.region_stack, name), recompute)
+            )
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.region_stack.pop()
         if self.unchecked:  # their ops have run: compared before the region's own checks
             self.check_saved()
         if self.stop_after is not None:
@@ -250,7 +258,7 @@ class ReplayPass:
                 check_position(frame.name, frame.state_hooks, frame.rng_checks, expected.rng_entry,
                                f"SAVE region '{qualname}'")
             if expected.rerun:
-                return self._rerun_body(fn, pos, qualname, args, kwargs)
+                return self._rerun_body(fn, pos, expected, args, kwargs)
             for hook, state in zip(frame.state_hooks, expected.exit_states):
                 hook.restore(state)
             if expected.host_exit is not None and frame.host_entry is not None:
@@ -316,16 +324,18 @@ class ReplayPass:
             if self.filled == self.needed and frame.early_stop and not self.run_to_end:
                 self.stop()
 
-    def _rerun_body(self, fn: Callable[..., Any], pos: int, qualname: str, args, kwargs) -> Any:
+    def _rerun_body(self, fn: Callable[..., Any], pos: int, record: RegionRecord, args, kwargs) -> Any:
         """Run the body of SAVE region ``pos`` again (RegionRecord.rerun): it draws,
         updates and rebinds what it did in the forward, from the same state, so
         nothing is set for it; its arguments' rebuilt saves are refilled first."""
         if self.frame.rebuilds.by_pos:
             self._refill_arguments(pos, args, kwargs)
         self.rerun_depth += 1
+        self.region_stack.append(record)
         try:
-            return self._run_body(fn, qualname, args, kwargs)
+            return self._run_body(fn, record.qualname, args, kwargs)
         finally:
+            self.region_stack.pop()
             self.rerun_depth -= 1
 
     def keep(self, t: torch.Tensor) -> bool:
