@@ -1488,14 +1488,37 @@ BufferMemo = dict
 of one checkpointed function did not write (``CheckpointedFunction`` holds it)."""
 
 
+class _Tagged:
+    """A plain dict's contents (a copy) with its version tag then."""
+
+    __slots__ = ("tag", "contents")
+
+    def __init__(self, tag: int, contents: dict) -> None:
+        self.tag = tag
+        self.contents = contents
+
+
+def _container_tag_views(containers: list[tuple[Any, Any]]) -> list[Any]:
+    """A view of the version tag of each container that is a plain dict (see
+    :func:`dict_version_views`), None for the others or where there are no tags.
+    (The state holds the containers, so each view's dict lives while it does.)"""
+    dicts = [c for c, _ in containers if type(c) is dict]
+    views = iter(dict_version_views(dicts) or [None] * len(dicts))
+    return [next(views) if type(c) is dict else None for c, _ in containers]
+
+
 class CaptureMemo:
     """What a checkpointed function keeps of its last capture (``CheckpointedFunction``
     holds one): a :class:`_Reuse`, or None."""
 
-    __slots__ = ("reuse",)
+    __slots__ = ("reuse", "views")
 
     def __init__(self) -> None:
         self.reuse: _Reuse | None = None
+        # (the attribute dicts of the last walked capture, a view of each one's
+        # version tag): a walk that finds the same dicts again reads its entry tags
+        # through them (see ModuleState.note_entry_tags)
+        self.views: tuple[list[dict], list[Any]] | None = None
 
 
 _values = dict.values
@@ -1524,7 +1547,7 @@ class _Reuse:
     __slots__ = (
         "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
         "params", "slots", "groups", "others", "global_values", "class_values", "versions",
-        "containers", "tags_valid",
+        "containers", "tags_valid", "container_views",
     )
 
     def __init__(self, fn: nn.Module, modules: list[nn.Module], state: ModuleState) -> None:
@@ -1562,6 +1585,7 @@ class _Reuse:
         # (container, its contents) of the private containers of the modules (their
         # items walked no further): reused while each holds the same objects
         self.containers = state.containers
+        self.container_views: list[Any] | None = None  # (see ModuleState.containers_now)
         # the version tags of every dict compared, modules' attributes first (one per
         # module, in ``others`` order), then their parameters', buffers' and
         # submodules', then the classes' (kept alive by ``dicts`` and ``class_values``)
@@ -1641,12 +1665,25 @@ class _Reuse:
         state.class_values = self.class_values
         state.containers = self.containers
         state.contained = _contained_tensors(self.containers)
+        if self.containers:
+            # (the same containers: their tag views are shared)
+            if self.container_views is None:
+                self.container_views = _container_tag_views(self.containers)
+            state.container_views = self.container_views
+            state.containers_tagged = [None] * len(self.containers)
         if tags is not None:
             state.versions = self.versions
             state.versions_at_entry = tags
             n = len(self.others)
             state.attr_versions = self.versions[:n]
             state.versions_seen = state.versions_at_entry[:n]
+            k = len(self.class_values)
+            if k:
+                # the classes' dicts hold what they held at the capture (checked
+                # above): their entry copies and tags are those of this call
+                state.classes_seen = [entry for _, entry in self.class_values]
+                state.class_tags = self.versions[-k:]
+                state.class_tags_seen = tags[-k:]
         return state
 
 
@@ -1657,7 +1694,8 @@ class ModuleState:
         "params", "slots", "buffer_groups", "others", "cell_values", "seen", "generators",
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
         "hooks_at_entry", "versions", "versions_at_entry", "attr_versions", "versions_seen",
-        "contained", "classes_seen", "class_tags", "class_tags_seen",
+        "contained", "classes_seen", "class_tags", "class_tags_seen", "container_views",
+        "containers_tagged",
     )
 
     def __init__(
@@ -1687,6 +1725,11 @@ class ModuleState:
         self.generators: tuple[Any, ...] = ()
         # (list, dict or set, its contents when the checkpoint started)
         self.containers: list[tuple[Any, Any]] = []
+        # per container: a view of a plain dict's version tag, else None (built at
+        # the first SAVE region), and the _Tagged contents of that dict at the last
+        # region's start (containers_now)
+        self.container_views: list[Any] | None = None
+        self.containers_tagged: list[_Tagged | None] = []
         # (tensor, its version, container, key) of the tensors those contents hold
         # (_contained_tensors): refused by the replay if updated in place since
         self.contained: list[tuple[torch.Tensor, int, Any, Any]] = []
@@ -1943,6 +1986,8 @@ class ModuleState:
                 state.generators = tuple(
                     {id(g): g for g in generators if id(g) not in defaults and forked(g)}.values()
                 )
+        if state is not None and (others or class_values):
+            state.note_entry_tags(memo)
         if memo is not None:
             memo.reuse = None
             if (
@@ -2036,14 +2081,41 @@ class ModuleState:
                 _compat.set_version_counters((value,), (version,))
             s.owner[s.key] = value
 
+    def note_entry_tags(self, memo: CaptureMemo | None) -> None:
+        """Right after a walk: the version tags of the attribute dicts it copied
+        (``others``) and of the user's classes' dicts, so that the first SAVE
+        region's return compares tags rather than every dict with its copy
+        (:meth:`attributes_rebound`). The views come
+        from ``memo`` where the walk found the same dicts as the last one (they are
+        held there, so none of them is freed while its view stands)."""
+        if _DICT_VERSION_AT is None:
+            return
+        if self.class_values:
+            # (the same for the user's classes' attributes: _classes_rebound)
+            tags = [_class_tag(d.target) for d, _ in self.class_values]
+            if all(t is not None for t in tags):
+                self.classes_seen = [entry for _, entry in self.class_values]
+                self.class_tags = tags
+                self.class_tags_seen = list(map(_tag_of, tags))
+        dicts = [o[0] for o in self.others]
+        if not dicts or not all(type(d) is dict for d in dicts):
+            return
+        known = memo.views if memo is not None else None
+        if known is not None and len(known[0]) == len(dicts) and all(map(operator.is_, known[0], dicts)):
+            views = known[1]
+        else:
+            views = dict_version_views(dicts)
+            if memo is not None:
+                memo.views = (dicts, views)
+        self.attr_versions = views
+        self.versions_seen = list(map(_tag_of, views))
+
     def attributes_rebound(self) -> list[tuple[dict, Any, Any]] | None:
         """In the forward, where a SAVE region returns: the module attributes rebound
         (or added, or deleted) since the last look, as ``(__dict__, key, value)``. The
         replay skips the region's body and sets them (:meth:`skip_attributes`), so the
         code after it reads what the body left (``self.calls += 1`` in the body).
         None when nothing changed: one identity comparison per module in C."""
-        if self.seen is None:
-            self.seen = [entry for _, entry, _, _ in self.others]
         changes = None
         versions = self.attr_versions
         if versions is not None:
@@ -2064,6 +2136,8 @@ class ModuleState:
                 self.attr_versions = dict_version_views([o[0] for o in others])
                 self.versions_seen = list(map(_tag_of, self.attr_versions))
         others = self.others
+        if check and self.seen is None:
+            self.seen = [entry for _, entry, _, _ in others]
         for i in check:
             d = others[i][0]
             found = _rebound_since(d, d, self.seen[i])
@@ -2126,12 +2200,26 @@ class ModuleState:
 
     def containers_now(self) -> list[Any]:
         """Where a top-level SAVE region's body starts: the contents of the
-        containers (see :meth:`containers_changed`)."""
-        return [
-            None if container is entry or len(container) > _MAX_TRACKED_ITEMS
-            else container.copy() if type(container) in _CONTAINERS else _contents(container)
-            for container, entry in self.containers
-        ]
+        containers (see :meth:`containers_changed`). A plain dict's contents come
+        with its version tag (:class:`_Tagged`), and are copied again only where
+        the tag moved since the last region's start."""
+        views = self.container_views
+        if views is None:
+            views = self.container_views = _container_tag_views(self.containers)
+            self.containers_tagged = [None] * len(views)
+        out: list[Any] = []
+        for i, ((container, entry), view) in enumerate(zip(self.containers, views)):
+            if container is entry or len(container) > _MAX_TRACKED_ITEMS:
+                out.append(None)
+            elif view is not None:
+                tag = view.value
+                last = self.containers_tagged[i]
+                if last is None or last.tag != tag:
+                    last = self.containers_tagged[i] = _Tagged(tag, container.copy())
+                out.append(last)
+            else:
+                out.append(container.copy() if type(container) in _CONTAINERS else _contents(container))
+        return out
 
     def containers_changed(self, before: list[Any]) -> list[tuple[Any, Any, Any]] | None:
         """Where that body returned: what it changed in each container
@@ -2140,9 +2228,13 @@ class ModuleState:
         loss to, a dict of counters it incremented. None when it changed none."""
         changes = None
         is_ = operator.is_
-        for (container, entry), was in zip(self.containers, before):
+        for (container, entry), was, view in zip(self.containers, before, self.container_views):
             if was is None:
                 continue
+            if type(was) is _Tagged:
+                if view.value == was.tag:  # (a dict whose tag did not move changed nothing)
+                    continue
+                was = was.contents
             if type(was) is list:  # (_holds, inlined: this runs at every SAVE region)
                 if len(container) == len(was) and all(map(is_, container, was)):
                     continue
