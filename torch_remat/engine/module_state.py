@@ -2504,7 +2504,7 @@ def _renorms(others: list[tuple], owner: dict, key: str) -> bool:
     if key != "weight":
         return False
     for d, *_ in others:
-        if d.get("_parameters") is owner:
+        if type(d) is dict and d.get("_parameters") is owner:
             return d.get("max_norm") is not None and "num_embeddings" in d
     return False
 
