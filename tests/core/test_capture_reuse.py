@@ -163,7 +163,10 @@ def test_a_change_between_forward_and_backward_of_a_reused_call_is_undone_for_th
 def test_buffers_updated_in_forward_are_copied_at_every_reused_call():
     # BatchNorm in training mode: its running statistics replayed from a copy taken
     # at each call's start, so they advance once per step
-    _compare([None] * 4)
+    with recorded_replays() as replayed:
+        _, ckpt = _compare([None] * 4)
+    assert replayed == ["block"] * 4
+    assert ckpt.capture_memo.reuse is not None  # (calls 2 to 4 reused the capture)
 
 
 def test_a_module_among_the_arguments_is_walked_at_every_call(monkeypatch):
@@ -406,6 +409,8 @@ def test_a_module_given_a_new_dict_object_is_walked_again():
         call = remat.checkpoint(region_name="block")(m) if wrap else m
         call(_x(0)).sum().backward()
         m.__dict__ = dict(m.__dict__)
-        results.append(step(m, call, lambda m: setattr(m, "temperature", 2.0)))
+        with recorded_replays() as replayed:
+            results.append(step(m, call, lambda m: setattr(m, "temperature", 2.0)))
+        assert replayed == (["block"] if wrap else [])  # (replayed at the forward's temperature)
     for a, b in zip(*results):
         assert torch.equal(a, b)

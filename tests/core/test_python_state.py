@@ -1372,10 +1372,12 @@ def test_a_window_deque_holds_the_callers_entries_after_the_replay():
 
         fn = remat.checkpoint(region_name="window")(body) if ckpt else body
         grads = []
-        for i in range(3):
-            x = _x(130 + i)
-            fn(x).sum().backward()
-            grads.append(x.grad)
+        with recorded_replays() as replayed:
+            for i in range(3):
+                x = _x(130 + i)
+                fn(x).sum().backward()
+                grads.append(x.grad)
+        assert replayed == (["window"] * 3 if ckpt else [])  # (the replay appends too)
         return grads, list(window)
 
     (expected, expected_window), (got, got_window) = run(False), run(True)

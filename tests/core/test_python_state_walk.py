@@ -304,10 +304,12 @@ def test_counts_and_logs_the_forward_keeps_in_stdlib_containers_are_left_as_with
         m = CountsCalls()
         f = remat.checkpoint(region_name="blk")(m) if ckpt else m
         grads = []
-        for i in range(3):
-            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(i), requires_grad=True)
-            f(x).sum().backward()
-            grads.append(x.grad)
+        with recorded_replays() as replayed:
+            for i in range(3):
+                x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+                f(x).sum().backward()
+                grads.append(x.grad)
+        assert replayed == (["blk"] * 3 if ckpt else [])  # (each replay counts and logs too)
         got[ckpt] = (grads, dict(m.calls), list(m._log.items()))
     assert got[True][1] == got[False][1] == {"forward": 3}
     assert got[True][2] == got[False][2]

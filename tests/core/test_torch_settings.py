@@ -136,9 +136,11 @@ def test_a_mode_active_only_in_backward_is_not_seen_by_the_replay():
     x = torch.randn(3, 5, requires_grad=True)
     expected = grads([], [x], lambda t: sine(t).square().sum())
     x.grad = None
-    out = remat.checkpoint(region_name="c")(sine)(x)
-    with DoubledSine():
-        out.square().sum().backward()
+    with recorded_replays() as replayed:
+        out = remat.checkpoint(region_name="c")(sine)(x)
+        with DoubledSine():
+            out.square().sum().backward()
+    assert replayed == ["c"]  # (a replay under the mode would have doubled its sine)
     assert torch.equal(x.grad, expected[1][0])
 
 
@@ -155,10 +157,11 @@ def test_a_backward_inside_the_forwards_block_replays_as_it_is():
 
     expected = grads([], [x], in_block(sine))
     x.grad = None
-    with DoubledSine():
+    with DoubledSine(), recorded_replays() as replayed:
         loss = remat.checkpoint(region_name="c")(sine)(x).square().sum()
         loss.backward()
         assert len(torch.overrides._get_current_function_mode_stack()) == 1
+    assert replayed == ["c"]
     assert torch.equal(x.grad, expected[1][0])
 
 
@@ -210,12 +213,14 @@ def test_the_settings_are_back_exactly_as_the_caller_had_them():
         return [torch._C._get_fp32_precision_getter(b, o) for b, o in names], torch.get_default_dtype()
 
     x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
-    with matmul_precision("medium"), default_dtype(torch.float64):
-        out = remat.checkpoint(region_name="c")(lambda t: scaled(matmul(t)))(x)
-    with oneDNN_matmul_precision("none"):  # inherit the generic setting, as untouched
-        caller = now()
-        out.sum().backward()
-        assert now() == caller
+    with recorded_replays() as replayed:
+        with matmul_precision("medium"), default_dtype(torch.float64):
+            out = remat.checkpoint(region_name="c")(lambda t: scaled(matmul(t)))(x)
+        with oneDNN_matmul_precision("none"):  # inherit the generic setting, as untouched
+            caller = now()
+            out.sum().backward()
+            assert now() == caller
+    assert replayed == ["c"]  # (the replay ran under the forward's settings, then gave these back)
 
 
 def test_flushing_denormals_is_back_as_the_caller_had_it_after_the_replay():
