@@ -228,11 +228,10 @@ class ReplayPass:
         if self.rerun_depth:
             # inside a SAVE body run again: a plain call, as in its forward, under its
             # name (remat.active_checkpoint() names it as the forward did)
-            self.region_stack.append(
-                RegionRecord(self.frame.name, name, qualified_name(self.region_stack, name), recompute)
-            )
+            qualname = qualified_name(self.region_stack, name)
+            self.region_stack.append(RegionRecord(self.frame.name, name, qualname, recompute))
             try:
-                return fn(*args, **kwargs)
+                return self._run_body(fn, qualname, args, kwargs)
             finally:
                 self.region_stack.pop()
         if self.unchecked:  # their ops have run: compared before the region's own checks
