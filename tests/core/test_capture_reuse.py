@@ -5,6 +5,8 @@ read: compared with the same calls run without remat, with torch.equal."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers import recorded_replays
@@ -414,3 +416,198 @@ def test_a_module_given_a_new_dict_object_is_walked_again():
         assert replayed == (["block"] if wrap else [])  # (replayed at the forward's temperature)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+# A layer whose forward a decorator wraps, as transformers wraps its layers' forwards
+# (deprecate_kwarg, can_return_tuple): the walk reads the decorator's closure (flags,
+# names, the wrapped function). Such a capture is reused while every closure cell
+# holds the same object, every function read has the same code, defaults and
+# __wrapped__, and the class's forward is the same function.
+
+OFFSET = 0.0  # read by _offset_forward, the code swapped into a decorated forward
+
+
+def _scaled_by(factor):
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(self, x):
+            return f(self, x * factor)
+
+        return wrapper
+
+    return decorate
+
+
+def _decorated_class(library: bool = False):
+    """A fresh module class whose forward ``_scaled_by(1.0)`` wraps; ``library``: named
+    as a library's class (transformers'), whose attributes the walk does not copy."""
+
+    class Decorated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.fc1 = nn.Linear(5, 7, dtype=D)
+            self.fc2 = nn.Linear(7, 5, dtype=D)
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, dtype=D, generator=g))
+
+        @_scaled_by(1.0)
+        def forward(self, x):
+            # (tanh saves its output: the replay recomputes it from the factor)
+            return self.fc2(torch.tanh(self.fc1(x)))
+
+    if library:
+        Decorated.__module__ = "transformers.models.decorated"
+    return Decorated
+
+
+def _offset_forward(self, x):
+    return self.fc2(torch.tanh(self.fc1(x) + OFFSET))
+
+
+def _cell(fn, name):
+    return fn.__closure__[fn.__code__.co_freevars.index(name)]
+
+
+def _run_decorated(cls, changes, betweens, monkeypatch):
+    """Steps of ``cls()`` with and without remat (``changes[i](cls)`` before step i,
+    ``betweens[i](cls)`` between its forward and backward), compared with torch.equal;
+    returns the walks and replays of the run with remat."""
+    results, walks, replayed = [], None, None
+    for wrap in (False, True):
+        model = cls()
+        call = remat.checkpoint(region_name="decorated")(model) if wrap else model
+        saved = [(c, c.cell_contents) for c in cls.forward.__closure__]
+        inner = cls.forward.__wrapped__
+        code = inner.__code__
+        forward = cls.forward
+        if wrap:
+            walks = _walks(monkeypatch)
+        out = []
+        try:
+            with recorded_replays() as names:
+                for i, (change, between) in enumerate(zip(changes, betweens)):
+                    if change is not None:
+                        change(cls)
+                    out.append(_step(_Call(model, call), _x(i), between and (lambda _, b=between: b(cls)))[0])
+        finally:
+            for c, v in saved:
+                c.cell_contents = v
+            inner.__code__ = code
+            cls.forward = forward
+            _set_offset(0.0)
+        results.append(out)
+        if wrap:
+            replayed = list(names)
+    for i, (e, g) in enumerate(zip(*results)):
+        for j, (a, b) in enumerate(zip(e, g)):
+            assert torch.equal(a, b), f"step {i} grad {j}"
+    return walks, replayed
+
+
+def _set_offset(value):
+    global OFFSET
+    OFFSET = value
+
+
+def _rebind_factor(value):
+    return lambda cls: setattr(_cell(cls.forward, "factor"), "cell_contents", value)
+
+
+def test_a_forward_a_decorator_wraps_reuses_its_capture(monkeypatch):
+    walks, replayed = _run_decorated(_decorated_class(), [None] * 3, [None] * 3, monkeypatch)
+    assert replayed == ["decorated"] * 3
+    assert len(walks) == 1
+
+
+@pytest.mark.parametrize("library", [False, True], ids=["user-class", "library-class"])
+def test_a_decorators_closure_value_rebound_between_calls_is_walked_again(monkeypatch, library):
+    # the forward then scales by 2.0; a reused capture would replay at 1.0
+    walks, replayed = _run_decorated(
+        _decorated_class(library), [None, None, _rebind_factor(2.0), None], [None] * 4, monkeypatch
+    )
+    assert replayed == ["decorated"] * 4
+    assert len(walks) == 2
+
+
+@pytest.mark.parametrize("library", [False, True], ids=["user-class", "library-class"])
+def test_a_decorators_closure_value_rebound_before_a_reused_calls_backward_is_undone(monkeypatch, library):
+    walks, replayed = _run_decorated(
+        _decorated_class(library), [None, None], [None, _rebind_factor(3.0)], monkeypatch
+    )
+    assert replayed == ["decorated"] * 2
+    assert len(walks) == 1  # (the second call reused the capture, then replayed at 1.0)
+
+
+def test_code_swapped_into_a_decorated_forward_is_walked_again(monkeypatch):
+    # the new code reads OFFSET, a module-level variable the first walk never saw: the
+    # replay of the last call must use the forward's value, not the one set before
+    # its backward
+    def swap(cls):
+        cls.forward.__wrapped__.__code__ = _offset_forward.__code__
+
+    walks, replayed = _run_decorated(
+        _decorated_class(), [None, None, swap, None], [None, None, None, lambda cls: _set_offset(0.5)],
+        monkeypatch,
+    )
+    assert replayed == ["decorated"] * 4
+    assert len(walks) == 2
+
+
+def test_a_library_classs_forward_replaced_between_calls_is_walked_again(monkeypatch):
+    # (as a kernel library patches a transformers class's forward): the new
+    # decorator's closure is read by a new walk, so the replay of the last call sets
+    # its value back to the forward's
+    replacement = _scaled_by(1.0)(_decorated_class().forward.__wrapped__)
+
+    def patch(cls):
+        _cell(replacement, "factor").cell_contents = 1.0  # (each run rebinds it)
+        cls.forward = replacement
+
+    def rebind(cls):
+        _cell(cls.forward, "factor").cell_contents = 4.0
+
+    try:
+        walks, replayed = _run_decorated(
+            _decorated_class(library=True), [None, None, patch, None], [None, None, None, rebind],
+            monkeypatch,
+        )
+    finally:
+        _cell(replacement, "factor").cell_contents = 1.0
+    assert replayed == ["decorated"] * 4
+    assert len(walks) == 2
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "apply_remat"])
+def test_a_transformers_layer_reuses_its_capture(monkeypatch, how):
+    # transformers wraps LlamaDecoderLayer.forward in decorators whose closures hold
+    # flags, names and the wrapped function: the capture is walked once, reused by
+    # the later calls, and every step is exact
+    transformers = pytest.importorskip("transformers")
+    from torch_remat.integrations import apply_remat
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, use_cache=False, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config)
+    wrapped = transformers.LlamaForCausalLM(config)
+    wrapped.load_state_dict(plain.state_dict())
+    if how == "apply_remat":
+        apply_remat(wrapped, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer")
+    else:
+        for i, layer in enumerate(wrapped.model.layers):
+            wrapped.model.layers[i].forward = remat.checkpoint(region_name=f"layers.{i}")(layer.forward)
+    walks = _walks(monkeypatch)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with recorded_replays() as replayed:
+        for _ in range(3):
+            for model in (plain, wrapped):
+                model.zero_grad(set_to_none=True)
+                model(ids).logits.sum().backward()
+            for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+                assert torch.equal(a.grad, b.grad), name
+    assert len(replayed) == 6
+    assert len(walks) == 2  # (one per layer: the first call of each)

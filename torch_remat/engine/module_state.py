@@ -1526,19 +1526,66 @@ _from_iterables = itertools.chain.from_iterable
 _dict_of = operator.attrgetter("__dict__")
 
 
+_IMMUTABLE_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _fixed_value(v: Any) -> bool:
+    """Whether a closure value or a default the walk met is one a reused capture
+    need only compare by identity: an immutable atom, a tuple of fixed values, or a
+    plain function (its code, defaults and ``__wrapped__``: :attr:`_Reuse.functions`;
+    what it holds and reads is among what the walk found)."""
+    cls = type(v)
+    return cls in _IMMUTABLE_ATOMS or cls is types.FunctionType or (
+        cls is tuple and all(map(_fixed_value, v))
+    )
+
+
+def _function_parts(f: Any) -> tuple[Any, ...]:
+    """What a walk reads of a plain function besides its closure's cells (compared
+    one by one) and its globals (the variables it reads are compared by name)."""
+    return (f.__code__, f.__defaults__, f.__kwdefaults__, f.__dict__.get("__wrapped__"))
+
+
+def _named_module(fn: Any, module: nn.Module) -> tuple[str, nn.Module] | None:
+    """``fn.__remat_module__`` where ``fn`` is this package's forward of ``module``
+    (``apply_remat``'s): a callable the walk reads as the module alone."""
+    if not _own_code(type(fn).__module__):
+        return None
+    named = getattr(fn, "__remat_module__", None)
+    if type(named) is tuple and len(named) == 2 and named[1] is module:
+        return named
+    return None
+
+
+def _called_module(fn: Any, module: nn.Module) -> bool:
+    """Whether calling ``fn`` calls ``module`` and reads nothing else: the module
+    itself, a method bound to it (``layer.forward``: its function is read with the
+    class's, see :attr:`_Reuse.functions`) or ``apply_remat``'s forward of it."""
+    return (
+        fn is module
+        or (type(fn) is types.MethodType and fn.__self__ is module)
+        or _named_module(fn, module) is not None
+    )
+
+
 class _Reuse:
     """A capture of a module called on tensors, for the calls after it: where every
     dict the walk read (each module's ``__dict__``, ``_parameters``, ``_buffers`` and
     ``_modules``, the user's classes' attributes) holds the same keys and the same
     objects, every module still has that ``__dict__`` and is of the same class, its forward hook dicts are still
     empty, no global forward hook is registered and the module-level variables read
-    are bound as they were, a walk would find what this one found. Then the
+    are bound as they were, the closure cells read (the module class's forward's,
+    a decorator's) hold the same objects and the plain functions read have the same
+    code, defaults and ``__wrapped__``, a walk would find what this one found. Then the
     attribute copies, module-level variables and class copies are shared with the
     new state (none of them is changed after the capture) and only the tensors'
     versions, ``requires_grad`` and the buffer copies are taken anew.
 
-    Only captures made from the modules alone are reused: no closure, plain object,
-    container, generator, forward hook or callable among what was read, and no
+    Only captures made from the modules alone are reused (the module called, or
+    ``apply_remat``'s forward of it): no closure value other than immutable atoms,
+    tuples of them and plain functions (``transformers``' decorators around a
+    layer's ``forward``), no plain object, container, generator, forward hook or
+    callable in a module-level variable among what was read, and no
     module-level variable missing or read through another module. The containers in
     the modules' private attributes are the exception when nothing they hold is
     walked in turn (a table of functions): the capture is reused while each holds
@@ -1547,13 +1594,27 @@ class _Reuse:
     __slots__ = (
         "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
         "params", "slots", "groups", "others", "global_values", "class_values", "versions",
-        "containers", "tags_valid", "container_views",
+        "containers", "tags_valid", "container_views", "named", "cells", "functions",
+        "forwards",
     )
 
-    def __init__(self, fn: nn.Module, modules: list[nn.Module], state: ModuleState) -> None:
+    def __init__(
+        self, fn: Any, modules: list[nn.Module], state: ModuleState,
+        roots: list[nn.Module] = (), functions: list[Any] = (),
+    ) -> None:
         # (holds the objects it compares by identity: none of them can be freed and
         # its id reused while the comparison stands)
         self.fn = fn
+        # apply_remat's forward: the (name, module) it named at the capture
+        self.named = _named_module(fn, roots[0]) if roots else None
+        # (cell, value) of the closure cells read, compared by identity
+        self.cells = state.cell_values
+        # (and those among the module-level variables read: a helper the code calls,
+        # whose own reads the walk followed)
+        functions = [*functions, *(v for _, _, v in state.global_values if type(v) is types.FunctionType)]
+        self.functions = [(f, _function_parts(f)) for f in dict.fromkeys(functions)]
+        # the root module's class's forward, whose closure the walk read (_roots)
+        self.forwards = [(type(m), getattr(type(m), "forward", None)) for m in roots]
         self.modules = tuple(modules)
         self.types = tuple(map(type, modules))
         dicts: list[Any] = []
@@ -1634,6 +1695,23 @@ class _Reuse:
             or any(_GLOBAL_HOOKS)
         ):
             return None
+        named = self.named
+        if named is not None:
+            now = self.fn.__remat_module__
+            if now[1] is not named[1] or now[0] != named[0]:
+                return None
+        for cls, forward in self.forwards:
+            if getattr(cls, "forward", None) is not forward:
+                return None
+        for cell, value in self.cells:
+            try:
+                if cell.cell_contents is not value:
+                    return None
+            except ValueError:  # (emptied)
+                return None
+        for f, parts in self.functions:
+            if not all(map(operator.is_, _function_parts(f), parts)):
+                return None
         for g, name, value in self.global_values:
             if g.get(name, _MISSING) is not value:
                 return None
@@ -1660,7 +1738,7 @@ class _Reuse:
             next_buffer() if spec is None else _Slot(*spec[:3], any_version(spec[2]), *spec[3:])
             for spec in self.slots
         ]
-        state = ModuleState(params, slots, groups, self.others)
+        state = ModuleState(params, slots, groups, self.others, self.cells)
         state.global_values = self.global_values
         state.class_values = self.class_values
         state.containers = self.containers
@@ -1812,9 +1890,9 @@ class ModuleState:
             )
         # what the modules alone gave (see _Reuse)
         plain_call = (
-            memo is not None and isinstance(fn, nn.Module) and len(modules) == 1 and not cells
-            and not values and not functions and not objects and len(in_modules) == len(private)
-            and not hooks and not in_args
+            memo is not None and len(modules) == 1
+            and _called_module(fn, modules[0][1])
+            and not cells and len(in_modules) == len(private) and not hooks and not in_args
         )
         n_others, n_slots = len(others), len(slots)
         # module-level variables the code reads: the functions', each module class's
@@ -1997,8 +2075,11 @@ class ModuleState:
                 and len(slots) == n_slots and _NAME_MISSED not in read
                 and _MODULE_ATTRIBUTES_READ not in read
                 and not _held_callables(global_values)
+                # (the lists as the walk left them: visit_callables extends them)
+                and not cells and all(_fixed_value(v) for _, v in values)
+                and all(map(_fixed_value, objects))
             ):
-                memo.reuse = _Reuse(fn, visited, state)
+                memo.reuse = _Reuse(fn, visited, state, [m for _, m in modules], functions)
         return state
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
