@@ -1028,3 +1028,123 @@ def test_a_class_attribute_a_save_body_rebinds_is_rebound_where_the_replay_skips
         return Counted()
 
     _same_as_without_remat(make, lambda m: None, calls=3)
+
+
+# A module-level helper a decorator wraps, whose decorator holds a value in its
+# closure (a scale) and the function it wraps: the replay runs with the closure
+# values the forward read, and a capture reused by the next call sees a closure
+# cell pointed at another function (which reads another module-level variable).
+
+
+def _scaled_by(scale):
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(x):
+            return fn(x) * scale
+
+        return wrapper
+
+    return decorate
+
+
+@_scaled_by(1.0)
+def _scaled_helper(x):
+    return torch.tanh(x)
+
+
+OTHER_SCALE = 1.0
+
+
+def _other_helper(x):
+    # (sigmoid saves its output: the replay recomputes it from OTHER_SCALE)
+    return torch.sigmoid(x * OTHER_SCALE)
+
+
+def _helper_cell(name):
+    return _scaled_helper.__closure__[_scaled_helper.__code__.co_freevars.index(name)]
+
+
+class CallsAScaledHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.out = nn.Linear(8, 8, dtype=D)
+
+    def forward(self, x):
+        # (the product feeds a Linear, which saves it: the replay recomputes it)
+        return self.out(_scaled_helper(self.lin(x)))
+
+
+def _reset_helper():
+    _helper_cell("scale").cell_contents = 1.0
+    _helper_cell("fn").cell_contents = _scaled_helper.__wrapped__
+    globals()["OTHER_SCALE"] = 1.0
+
+
+def test_a_closure_value_of_a_decorated_module_level_helper_is_replayed_as_the_forward_saw_it():
+    def between(m):
+        _helper_cell("scale").cell_contents = 7.0
+
+    try:
+        _same_as_without_remat(CallsAScaledHelper, between, reset=lambda m: _reset_helper(), calls=3)
+    finally:
+        _reset_helper()
+
+
+def test_a_decorated_helper_pointed_at_another_function_between_calls_is_walked_again():
+    # from the second call on, the forward runs _other_helper, which reads
+    # OTHER_SCALE: a capture reused from the first call would not know it, and the
+    # replay would read the value set before the backward
+    calls: dict[int, int] = {}  # (per module; an attribute would be module state)
+
+    def reset(m):
+        n = calls[id(m)] = calls.get(id(m), 0) + 1
+        _reset_helper()
+        if n > 1:
+            _helper_cell("fn").cell_contents = _other_helper
+
+    def between(m):
+        globals()["OTHER_SCALE"] = 3.0
+
+    try:
+        _same_as_without_remat(CallsAScaledHelper, between, reset=reset, calls=3)
+    finally:
+        _reset_helper()
+
+
+PROJECTION = None
+NORM = None
+
+
+class CallsModuleLevelModules(nn.Module):
+    """Calls a Linear and a BatchNorm held in module-level variables."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=D)
+        self.out = nn.Linear(8, 8, dtype=D)
+
+    def forward(self, x):
+        return self.out(torch.tanh(PROJECTION(NORM(self.lin(x)))))
+
+
+def _module_level_modules():
+    torch.manual_seed(1)
+    globals()["PROJECTION"] = nn.Linear(8, 8, dtype=D)
+    globals()["NORM"] = nn.BatchNorm1d(8, dtype=D)
+    return CallsModuleLevelModules()
+
+
+def test_modules_a_forward_reads_from_module_level_variables_are_replayed_as_the_forward_saw_them():
+    # the BatchNorm's running statistics advance once per step, and a weight replaced
+    # before the backward is not the one the replay uses
+    def between(m):
+        PROJECTION.weight = nn.Parameter(PROJECTION.weight.detach() * 2)
+
+    results = []
+    for ckpt in (False, True):
+        steps = _steps(_module_level_modules, between, calls=3, ckpt=ckpt)
+        results.append([*steps, [NORM.num_batches_tracked.clone(), NORM.running_mean.clone()]])
+    for i, (a, b) in enumerate(zip(*results)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"step {i} item {j}"

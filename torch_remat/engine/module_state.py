@@ -736,6 +736,49 @@ def _read_wrapped(func: Any, out: list[tuple[dict, str, Any]], seen: set[Any], d
             _read_wrapped(f, out, seen, depth + 1)
 
 
+def _wrapper_cells(fs: list[Any], cells: list[tuple[str, Any]], values: list[tuple[Any, Any]]) -> None:
+    """Add to ``cells`` (those holding a tensor: ``(name, cell)``) and ``values``
+    (``(cell, value)``) the closure cells of the functions ``fs`` and of the functions
+    behind them (``__wrapped__``, the functions in their closures: what
+    :func:`_read_wrapped` follows), torch's and this package's own cells aside, and
+    none already there."""
+    known = {id(c) for c, _ in values}
+    known.update(id(c) for _, c in cells)
+    seen: set[int] = set()
+    stack = list(fs)
+    while stack and len(seen) < _MAX_WRAPPED:
+        f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        wrapped = f.__dict__.get("__wrapped__")
+        if type(wrapped) is types.FunctionType:
+            stack.append(wrapped)
+        closure = f.__closure__
+        if not closure:
+            continue
+        own = _own_code(getattr(f, "__module__", None) or "")
+        for name, cell in zip(f.__code__.co_freevars, closure):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if type(value) is types.FunctionType:
+                stack.append(value)
+            if own or id(cell) in known:
+                continue
+            known.add(id(cell))
+            if isinstance(value, torch.Tensor):
+                cells.append((name, cell))
+            else:
+                values.append((cell, value))
+
+
+_MAX_WRAPPED = 256
+"""How many functions behind the module-level functions a call reads
+:func:`_wrapper_cells` looks at."""
+
+
 _HELD_CALLABLES = (types.MethodType, functools.partial)
 _SMALL = 64
 
@@ -1609,9 +1652,14 @@ class _Reuse:
         self.named = _named_module(fn, roots[0]) if roots else None
         # (cell, value) of the closure cells read, compared by identity
         self.cells = state.cell_values
-        # (and those among the module-level variables read: a helper the code calls,
-        # whose own reads the walk followed)
-        functions = [*functions, *(v for _, _, v in state.global_values if type(v) is types.FunctionType)]
+        # (and those among the module-level variables read, a helper the code calls,
+        # and in the closure cells read, the function a decorator wraps: the walk
+        # followed their reads)
+        functions = [
+            *functions,
+            *(v for _, _, v in state.global_values if type(v) is types.FunctionType),
+            *(v for _, v in state.cell_values if type(v) is types.FunctionType),
+        ]
         self.functions = [(f, _function_parts(f)) for f in dict.fromkeys(functions)]
         # the root module's class's forward, whose closure the walk read (_roots)
         self.forwards = [(type(m), getattr(type(m), "forward", None)) for m in roots]
@@ -1966,6 +2014,18 @@ class ModuleState:
             if users:
                 user_classes.extend(users)
         named = named_classes(global_values[start:])
+        # the modules, bound methods and partials among the variables the classes'
+        # methods read (a module-level BatchNorm a forward calls): walked like those
+        # a function reads
+        callables = _held_callables(global_values[start:])
+        if callables:
+            visit_callables(callables)
+        # the closure values of the decorated module-level functions read, and of the
+        # functions behind them: the replay runs with the forward's, as with the
+        # checkpointed function's own closure
+        n_values = len(values)
+        _wrapper_cells([v for _, _, v in global_values if type(v) is types.FunctionType], cells, values)
+        reached.update(id(v) for _, v in values[n_values:])
         # values that hold further state: generator objects (forked), plain objects
         # (their attributes), lists, dicts and sets (their contents)
         held: list[Any] = [v for _, v in values]
@@ -2027,6 +2087,9 @@ class ModuleState:
                 more_held, n_more, seen, slots, others, containers, generators, user_classes, found,
                 found_callables, reached,
             )
+            # (modules and callables in the variables those classes' methods read:
+            # visited in the next round)
+            found_callables.extend(_held_callables(global_values[start:]))
         class_values: list[tuple[_ClassDict, dict]] = []
         in_classes: list[Any] = []  # the lists, dicts and sets class attributes hold
         for c in user_classes:
