@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from .. import _compat
@@ -70,7 +71,7 @@ from .context import (
     note_exception,
     profiler_range,
 )
-from .module_state import ModuleState
+from .module_state import ModuleState, entry_known, local_changed, local_watch
 from .module_state import restore as restore_module_state
 from .observers import observers_for_new_checkpoint
 from .rebuild import Rebuilds, RebuiltSave, describe_rebuilt
@@ -179,7 +180,7 @@ class ForwardScratch:
         "region_stack", "save_depth", "region_names", "sources", "walk_roots",
         "save_output_seqs", "last_states", "host_last", "start_seq", "rng_start",
         "rng_entry", "outer_hooks", "kept_hooks", "output_sources", "unsummed",
-        "last_needed_seq", "nested_tag",
+        "last_needed_seq", "nested_tag", "entry_known",
     )
 
     def __init__(self) -> None:
@@ -212,6 +213,9 @@ class ForwardScratch:
         # whose nested checkpoints keep other tensors than in the forward is refused
         # rather than misaligned
         self.nested_tag: tuple | None = None
+        # the ids of what the module state recorded at entry (module_state.entry_known),
+        # built at the first SAVE region whose body may hold locals
+        self.entry_known: set[int] | None = None
 
 
 class CheckpointFrame:
@@ -573,6 +577,15 @@ class CheckpointFrame:
             buffers = module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
             contents = module_state.containers_now() if module_state is not None and module_state.containers else None
             modes = (_grad_enabled(), _default_dtype())
+            # the body's closure and arguments, which may hold this forward's own
+            # Python state: changed there, the replay runs the body again
+            passed = [*args, *kwargs.values()] if kwargs else args
+            local = None
+            # (not while Dynamo traces this eager path: it cannot trace the look)
+            if _may_hold_locals(fn, passed) and not torch.compiler.is_compiling():
+                if scratch.entry_known is None:
+                    scratch.entry_known = entry_known(module_state)
+                local = local_watch(fn, passed, scratch.entry_known)
         written: list[tuple[int, torch.Tensor]] = []
         scratch.region_stack.append(record)
         rebuild = None
@@ -598,6 +611,8 @@ class CheckpointFrame:
                 # (nn.ReLU(inplace=True), a Function that marks its input dirty)
                 written = [(i, t) for i, t, version in versions if any_version(t) != version]
                 _note_modes_left(record, modes)
+                if local is not None and local_changed(local):
+                    record.replay_body()
             ok = True
         except Exception as e:
             note_exception(e)
@@ -1108,6 +1123,12 @@ class CheckpointFrame:
 
 
 _compat.mark_internal_pack_hook(CheckpointFrame, "scratch.outer_hooks")  # pushed only while the forward runs
+
+
+def _may_hold_locals(fn: Any, arguments: Any) -> bool:
+    """Whether a SAVE body could reach Python state of the forward's own through its
+    closure or its arguments (a module called on tensors cannot: :func:`local_watch`)."""
+    return not isinstance(fn, nn.Module) or any(not isinstance(x, torch.Tensor) for x in arguments)
 
 
 def _note_modes_left(record: RegionRecord, entry: tuple[bool, torch.dtype]) -> None:

@@ -2715,6 +2715,192 @@ def restore(undo: list[tuple[Any, Any, Any]]) -> None:
     caller's tensor back."""
     for owner, key, value in reversed(undo):
         if value is _MISSING:
-            del owner[key]
+            try:
+                del owner[key]
+            except KeyError:  # (the replayed code deleted it already: del self.cache)
+                pass
         else:
             owner[key] = value
+
+
+# ------------------------------------------------- state local to one forward
+
+_WATCHED_ARRAY_ITEMS = 1 << 16
+"""A NumPy array in a SAVE body's reach with more items is not compared (see
+:func:`local_watch`)."""
+
+
+# (run eagerly where torch.compile is active around the eager engine)
+@_compat.disable_dynamo
+def entry_known(state: ModuleState | None) -> set[int]:
+    """The ids of the closure cells, containers, attribute dicts, generators and
+    values the checkpoint's module state recorded when it started: the engine sets
+    those where the replay skips a SAVE body (:meth:`ModuleState.attributes_rebound`,
+    :meth:`ModuleState.containers_changed`), so :func:`local_watch` leaves them out."""
+    if state is None:
+        return set()
+    known = {id(c) for c, _ in state.cell_values}
+    known.update(id(v) for _, v in state.cell_values)
+    known.update(id(s.owner.cell) for s in state.slots if type(s.owner) is _CellSlot)
+    known.update(id(c) for c, _ in state.containers)
+    known.update(id(d) for d, *_ in state.others)
+    known.update(id(v) for _, _, v in state.global_values)
+    known.update(map(id, state.generators))
+    return known
+
+
+# (run eagerly where torch.compile is active around the eager engine)
+@_compat.disable_dynamo
+def local_watch(fn: Any, arguments: Any, known: set[int]) -> list[tuple[int, Any, Any]] | None:
+    """What the body ``fn`` of a top-level SAVE region may change that the replay
+    cannot set where it skips the body: the closure cells of the body (and of the
+    functions it holds there), which hold the checkpointed function's locals (a
+    counter it rebinds with ``nonlocal``, a dict, a list an aux loss is appended to, a
+    generator made in this forward), and the values the cells hold and the
+    ``arguments`` (as passed, not flattened) that are not tensors, which the engine
+    tracks otherwise (an object, a container, a generator, a NumPy array). Their state as the body starts, for
+    :func:`local_changed`; None where there is nothing to compare.
+
+    One level deep: a container's items are compared by identity, an object's
+    attributes likewise, a tensor by its version. Modules are not looked at here
+    (their state is the checkpoint's, :class:`ModuleState`), nor what the module
+    state recorded at the checkpoint's start (``known``: :func:`entry_known`)."""
+    cells: list[Any] = []
+    values: list[Any] = []
+    seen: set[int] = set()
+    stack = [fn]
+    while stack:
+        f = stack.pop()
+        if id(f) in seen or isinstance(f, nn.Module):
+            continue
+        seen.add(id(f))
+        cls = type(f)
+        if cls is types.FunctionType:
+            wrapped = f.__dict__.get("__wrapped__")
+            if wrapped is not None and _own_code(f.__module__ or ""):
+                stack.append(wrapped)  # (remat.name_scope's wrapper of the body)
+            for cell in f.__closure__ or ():
+                if id(cell) in known:
+                    continue
+                cells.append(cell)
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if type(v) is types.FunctionType or type(v) is functools.partial:
+                    stack.append(v)
+                else:
+                    values.append(v)
+        elif cls is types.MethodType:
+            stack.append(f.__func__)
+            values.append(f.__self__)
+        elif cls is functools.partial:
+            stack.append(f.func)
+            values.extend(f.args)
+            values.extend(f.keywords.values())
+        elif _is_plain(cls):
+            values.append(f)  # a callable object: its attributes
+    values.extend(x for x in arguments if not isinstance(x, torch.Tensor))
+    watch: list[tuple[int, Any, Any]] = [(_CELL, c, _cell_value(c)) for c in cells]
+    done: set[int] = set()
+    for v in values:
+        if id(v) in done or id(v) in known:
+            continue
+        done.add(id(v))
+        entry = _watched_unless(v, known)
+        if entry is not None:
+            watch.append(entry)
+    return watch or None
+
+
+# (run eagerly where torch.compile is active around the eager engine)
+@_compat.disable_dynamo
+def local_changed(watch: list[tuple[int, Any, Any]]) -> bool:
+    """Whether anything :func:`local_watch` noted differs now."""
+    for kind, obj, before in watch:
+        if kind == _CELL:
+            if _cell_value(obj) is not before:
+                return True
+        elif not _same_now(kind, obj, before):
+            return True
+    return False
+
+
+_CELL, _TENSOR, _SEQUENCE, _MAPPING, _SET, _BYTES, _OBJECT, _TORCH_GENERATOR, _STATE = range(9)
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
+
+
+def _watched(v: Any) -> tuple[int, Any, Any] | None:
+    cls = type(v)
+    if isinstance(v, torch.Tensor):
+        return (_TENSOR, v, any_version(v))
+    if isinstance(v, nn.Module) or cls in _IMMUTABLE_ATOMS or cls is tuple or cls is frozenset:
+        return None
+    if isinstance(v, (list, collections.deque)):
+        return (_SEQUENCE, v, list(v))
+    if isinstance(v, dict):
+        return (_MAPPING, v, dict(v))
+    if isinstance(v, set):
+        return (_SET, v, set(v))
+    if cls is bytearray:
+        return (_BYTES, v, bytes(v))
+    if cls is torch.Generator:
+        return (_TORCH_GENERATOR, v, v.get_state())
+    state = _rng_state_of(v)
+    if state is not None:
+        return (_STATE, v, state)
+    if _is_plain(cls) and hasattr(v, "__dict__"):
+        return (_OBJECT, v, dict(vars(v)))
+    return None
+
+
+def _watched_unless(v: Any, known: set[int]) -> tuple[int, Any, Any] | None:
+    entry = _watched(v)
+    if entry is not None and entry[0] == _OBJECT and id(vars(v)) in known:
+        return None  # (its attributes are the module state's)
+    return entry
+
+
+def _rng_state_of(v: Any) -> bytes | None:
+    """A comparable snapshot of Python's and NumPy's random generators and of a
+    small NumPy array; None for anything else."""
+    import pickle
+    import random
+
+    if isinstance(v, random.Random):
+        return pickle.dumps(v.getstate())
+    np = sys.modules.get("numpy")
+    if np is None:
+        return None
+    if isinstance(v, np.ndarray):
+        return v.tobytes() if v.size <= _WATCHED_ARRAY_ITEMS else None
+    if isinstance(v, np.random.Generator):
+        return pickle.dumps(v.bit_generator.state)
+    if isinstance(v, np.random.RandomState):
+        return pickle.dumps(v.get_state())
+    return None
+
+
+def _same_now(kind: int, v: Any, before: Any) -> bool:
+    if kind == _TENSOR:
+        return any_version(v) == before
+    if kind == _SEQUENCE:
+        return len(v) == len(before) and all(map(operator.is_, v, before))
+    if kind == _MAPPING:
+        return len(v) == len(before) and all(k in before and before[k] is x for k, x in v.items())
+    if kind == _SET:
+        return v == before
+    if kind == _BYTES:
+        return bytes(v) == before
+    if kind == _TORCH_GENERATOR:
+        return torch.equal(v.get_state(), before)
+    if kind == _STATE:
+        return _rng_state_of(v) == before
+    now = vars(v)
+    return len(now) == len(before) and all(k in before and before[k] is x for k, x in now.items())
