@@ -207,3 +207,49 @@ def test_an_attribute_a_save_body_adds_and_the_code_after_it_deletes():
     assert replayed == ["blk"]
     for u, v in zip(run(False), got):
         assert torch.equal(u, v)
+
+
+class LazyNoise(nn.Module):
+    """Makes its noise generator on its first forward, inside the checkpoint; a SAVE
+    region's body (a lambda over ``self``) draws from it, and so does the code after."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = Layers()
+
+    def forward(self, x):
+        if not hasattr(self, "gen"):
+            self.gen = torch.Generator().manual_seed(5)
+        h = self.layers.l1(x)
+        o = remat.region(
+            lambda t: self.layers.l2(t) * torch.rand(t.shape, dtype=D, generator=self.gen),
+            "noisy", recompute=False,
+        )(h)
+        remat.recompute_needs_tensor(o)
+        return torch.tanh(o * torch.rand(o.shape, dtype=D, generator=self.gen))
+
+
+def test_a_generator_a_module_makes_in_its_first_forward_and_a_save_body_draws_from(monkeypatch):
+    # the first replay starts from the module as the call found it (no generator),
+    # makes one anew and runs the body again; the module keeps the forward's
+    # generator, drawn as often as without remat
+    def run(ckpt):
+        m = LazyNoise()
+        call = remat.checkpoint(region_name="blk")(m) if ckpt else m
+        out = []
+        for i in range(2):
+            x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(i), requires_grad=True)
+            call(x).pow(2).sum().backward()
+            out.append([x.grad, *(p.grad.clone() for p in m.parameters()), m.gen.get_state()])
+            m.zero_grad()
+        return out
+
+    expected = run(False)
+    reruns = _reruns(monkeypatch)
+    with recorded_replays() as replayed:
+        got = run(True)
+    assert replayed == ["blk"] * 2
+    _assert_equal(expected, got)
+    # (the second call finds the generator at its start: the module state forks it,
+    # and the replay skips the body as usual)
+    assert reruns == ["noisy"]

@@ -2762,9 +2762,10 @@ def local_watch(fn: Any, arguments: Any, known: set[int]) -> list[tuple[int, Any
     :func:`local_changed`; None where there is nothing to compare.
 
     One level deep: a container's items are compared by identity, an object's
-    attributes likewise, a tensor by its version. Modules are not looked at here
-    (their state is the checkpoint's, :class:`ModuleState`), nor what the module
-    state recorded at the checkpoint's start (``known``: :func:`entry_known`)."""
+    attributes likewise, a tensor by its version. Of a module there (``self`` in a
+    lambda), the values in its public attributes; not what the module state
+    recorded at the checkpoint's start (``known``: :func:`entry_known`), which the
+    engine sets where the replay skips the body."""
     cells: list[Any] = []
     values: list[Any] = []
     seen: set[int] = set()
@@ -2803,10 +2804,18 @@ def local_watch(fn: Any, arguments: Any, known: set[int]) -> list[tuple[int, Any
     values.extend(x for x in arguments if not isinstance(x, torch.Tensor))
     watch: list[tuple[int, Any, Any]] = [(_CELL, c, _cell_value(c)) for c in cells]
     done: set[int] = set()
-    for v in values:
+    i = 0
+    while i < len(values):
+        v = values[i]
+        i += 1
         if id(v) in done or id(v) in known:
             continue
         done.add(id(v))
+        if isinstance(v, nn.Module):
+            # (the body's module, `self` in a lambda: what this forward put in its
+            # public attributes, a generator made on the first call)
+            values.extend(x for k, x in v.__dict__.items() if k[0] != "_")
+            continue
         entry = _watched_unless(v, known)
         if entry is not None:
             watch.append(entry)
