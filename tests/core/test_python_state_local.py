@@ -229,13 +229,15 @@ class LazyNoise(nn.Module):
         return torch.tanh(o * torch.rand(o.shape, dtype=D, generator=self.gen))
 
 
-def test_a_generator_a_module_makes_in_its_first_forward_and_a_save_body_draws_from(monkeypatch):
+@pytest.mark.parametrize("how", ["module", "function over the module"])
+def test_a_generator_a_module_makes_in_its_first_forward_and_a_save_body_draws_from(monkeypatch, how):
     # the first replay starts from the module as the call found it (no generator),
     # makes one anew and runs the body again; the module keeps the forward's
     # generator, drawn as often as without remat
     def run(ckpt):
         m = LazyNoise()
-        call = remat.checkpoint(region_name="blk")(m) if ckpt else m
+        fn = m if how == "module" else (lambda x: m(x))
+        call = remat.checkpoint(region_name="blk")(fn) if ckpt else fn
         out = []
         for i in range(2):
             x = torch.randn(4, 8, dtype=D, generator=torch.Generator().manual_seed(i), requires_grad=True)

@@ -108,7 +108,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import _compat
 from .._compat import INFERENCE_VERSION, any_version, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
-from .rng import default_generators, forked, is_generator_type
+from .rng import MAX_FORKED_ARRAY_BYTES, default_generators, forked, is_generator_type
 
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -2725,11 +2725,6 @@ def restore(undo: list[tuple[Any, Any, Any]]) -> None:
 
 # ------------------------------------------------- state local to one forward
 
-_WATCHED_ARRAY_ITEMS = 1 << 16
-"""A NumPy array in a SAVE body's reach with more items is not compared (see
-:func:`local_watch`)."""
-
-
 # (run eagerly where torch.compile is active around the eager engine)
 @_compat.disable_dynamo
 def entry_known(state: ModuleState | None) -> set[int]:
@@ -2742,6 +2737,7 @@ def entry_known(state: ModuleState | None) -> set[int]:
     known = {id(c) for c, _ in state.cell_values}
     known.update(id(v) for _, v in state.cell_values)
     known.update(id(s.owner.cell) for s in state.slots if type(s.owner) is _CellSlot)
+    known.update(id(s.tensor) for s in state.slots)  # (version-checked there)
     known.update(id(c) for c, _ in state.containers)
     known.update(id(d) for d, *_ in state.others)
     known.update(id(v) for _, _, v in state.global_values)
@@ -2808,13 +2804,20 @@ def local_watch(fn: Any, arguments: Any, known: set[int]) -> list[tuple[int, Any
     while i < len(values):
         v = values[i]
         i += 1
-        if id(v) in done or id(v) in known:
+        if id(v) in done:
             continue
         done.add(id(v))
         if isinstance(v, nn.Module):
-            # (the body's module, `self` in a lambda: what this forward put in its
-            # public attributes, a generator made on the first call)
-            values.extend(x for k, x in v.__dict__.items() if k[0] != "_")
+            # (the body's module, `self` in a lambda, known or not: a generator this
+            # forward put in its public attributes, made on the first call; one there
+            # at the start is the module state's, forked, so known)
+            for k, x in v.__dict__.items():
+                if k[0] != "_" and id(x) not in known and is_generator_type(type(x)):
+                    entry = _watched(x)
+                    if entry is not None:
+                        watch.append(entry)
+            continue
+        if id(v) in known:
             continue
         entry = _watched_unless(v, known)
         if entry is not None:
@@ -2888,7 +2891,8 @@ def _rng_state_of(v: Any) -> bytes | None:
     if np is None:
         return None
     if isinstance(v, np.ndarray):
-        return v.tobytes() if v.size <= _WATCHED_ARRAY_ITEMS else None
+        # (as a held array is forked: one the module state holds is known)
+        return v.tobytes() if v.nbytes <= MAX_FORKED_ARRAY_BYTES else None
     if isinstance(v, np.random.Generator):
         return pickle.dumps(v.bit_generator.state)
     if isinstance(v, np.random.RandomState):
