@@ -759,9 +759,8 @@ def _wrapper_cells(fs: list[Any], cells: list[tuple[str, Any]], values: list[tup
             continue
         own = _own_code(getattr(f, "__module__", None) or "")
         for name, cell in zip(f.__code__.co_freevars, closure):
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
+            value = _cell_value(cell)
+            if value is _MISSING:  # (an empty cell)
                 continue
             if type(value) is types.FunctionType:
                 stack.append(value)
@@ -2780,9 +2779,8 @@ def local_watch(fn: Any, arguments: Any, known: set[int]) -> list[tuple[int, Any
                 if id(cell) in known:
                     continue
                 cells.append(cell)
-                try:
-                    v = cell.cell_contents
-                except ValueError:
+                v = _cell_value(cell)
+                if v is _MISSING:
                     continue
                 if type(v) is types.FunctionType or type(v) is functools.partial:
                     stack.append(v)
