@@ -108,7 +108,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import _compat
 from .._compat import INFERENCE_VERSION, any_version, version_of
 from .._errors import RecomputeMismatchError, modified_in_place
-from .rng import MAX_FORKED_ARRAY_BYTES, default_generators, forked, is_generator_type
+from .rng import default_generators, forked, generator_states, is_generator_type
 
 PARAMETER = "parameter"
 BUFFER = "buffer"
@@ -2836,7 +2836,7 @@ def local_changed(watch: list[tuple[int, Any, Any]]) -> bool:
     return False
 
 
-_CELL, _TENSOR, _SEQUENCE, _MAPPING, _SET, _BYTES, _OBJECT, _TORCH_GENERATOR, _STATE = range(9)
+_CELL, _TENSOR, _SEQUENCE, _MAPPING, _SET, _BYTES, _OBJECT, _STATE = range(8)
 
 
 def _cell_value(cell: Any) -> Any:
@@ -2860,11 +2860,10 @@ def _watched(v: Any) -> tuple[int, Any, Any] | None:
         return (_SET, v, set(v))
     if cls is bytearray:
         return (_BYTES, v, bytes(v))
-    if cls is torch.Generator:
-        return (_TORCH_GENERATOR, v, v.get_state())
-    state = _rng_state_of(v)
-    if state is not None:
-        return (_STATE, v, state)
+    if is_generator_type(cls):
+        # generators and small arrays, read as a forked one is (a larger array: not
+        # compared, as it is not forked)
+        return (_STATE, v, generator_states((v,))) if forked(v) else None
     if _is_plain(cls) and hasattr(v, "__dict__"):
         return (_OBJECT, v, dict(vars(v)))
     return None
@@ -2875,27 +2874,6 @@ def _watched_unless(v: Any, known: set[int]) -> tuple[int, Any, Any] | None:
     if entry is not None and entry[0] == _OBJECT and id(vars(v)) in known:
         return None  # (its attributes are the module state's)
     return entry
-
-
-def _rng_state_of(v: Any) -> bytes | None:
-    """A comparable snapshot of Python's and NumPy's random generators and of a
-    small NumPy array; None for anything else."""
-    import pickle
-    import random
-
-    if isinstance(v, random.Random):
-        return pickle.dumps(v.getstate())
-    np = sys.modules.get("numpy")
-    if np is None:
-        return None
-    if isinstance(v, np.ndarray):
-        # (as a held array is forked: one the module state holds is known)
-        return v.tobytes() if v.nbytes <= MAX_FORKED_ARRAY_BYTES else None
-    if isinstance(v, np.random.Generator):
-        return pickle.dumps(v.bit_generator.state)
-    if isinstance(v, np.random.RandomState):
-        return pickle.dumps(v.get_state())
-    return None
 
 
 def _same_now(kind: int, v: Any, before: Any) -> bool:
@@ -2909,9 +2887,7 @@ def _same_now(kind: int, v: Any, before: Any) -> bool:
         return v == before
     if kind == _BYTES:
         return bytes(v) == before
-    if kind == _TORCH_GENERATOR:
-        return torch.equal(v.get_state(), before)
     if kind == _STATE:
-        return _rng_state_of(v) == before
+        return generator_states((v,)) == before
     now = vars(v)
     return len(now) == len(before) and all(k in before and before[k] is x for k, x in now.items())
