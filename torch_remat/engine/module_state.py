@@ -277,6 +277,24 @@ def _own_code(module: str) -> bool:
     return top == "torch" or top == "torch_remat" or module.startswith("integrations.")
 
 
+_KV_CACHE_MODULE = "transformers.cache_utils"
+
+
+def _kv_cache_class(cls: type) -> bool:
+    """Whether ``cls`` is one of transformers' key/value caches or their layers: a
+    forward appends to them (a layer rebinds its ``keys``), which a replay must see
+    as at the checkpoint's entry, and the caller as the forward left them."""
+    found = any(getattr(c, "__module__", None) == _KV_CACHE_MODULE for c in cls.__mro__)
+    if found:
+        _KV_CACHE_NAMES.add(cls.__name__)
+    return found
+
+
+# the names of the key/value cache classes met (the walk's names for their attributes
+# start with them): a cache written in place (StaticCache) is refused naming the fix
+_KV_CACHE_NAMES: set[str] = set()
+
+
 def _is_plain(cls: type) -> bool:
     """Whether values of ``cls`` are plain objects of the user's whose attributes
     the checkpointed code may read (a config, a callable object), in a ``__dict__``
@@ -286,7 +304,7 @@ def _is_plain(cls: type) -> bool:
         plain = cls is threading.local or cls is contextvars.ContextVar or (
             (getattr(cls, "__dictoffset__", 0) != 0 or bool(_slot_names(cls)))
             and not issubclass(cls, _NOT_PLAIN)
-            and not _from_library(cls)
+            and (not _from_library(cls) or _kv_cache_class(cls))
             and not is_generator_type(cls)  # forked whole (ModuleState.generators)
         )
         _PLAIN[cls] = plain
@@ -2661,7 +2679,15 @@ def _modified_in_forward(
         "checkpointed module (buffers updated in forward are replayed "
         "from a copy)."
     )
-    if renormed:
+    if name.partition(".")[0] in _KV_CACHE_NAMES:
+        advice = (
+            "It belongs to a transformers key/value cache that the forward writes in "
+            "place (StaticCache and its kind): a replay cannot see the cache as the "
+            "forward did. Pass use_cache=False (or a DynamicCache, which a replay "
+            "sees as at the checkpoint's entry), or run a forward that needs no "
+            "backward under torch.no_grad()."
+        )
+    elif renormed:
         advice = (
             "It is the weight of an nn.Embedding or nn.EmbeddingBag with max_norm, "
             "which renormalizes the rows it looks up in place in every forward: the "
