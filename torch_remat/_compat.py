@@ -106,6 +106,9 @@ oneDNN, SDPA backends, deterministic algorithms   change what an op computes or 
 ``_C._len_torch_function_stack``, ``_get_         run the replay under the TorchFunctionModes
 function_stack_at``, ``_push_on/_pop_torch_       of its forward (a ``torch.device`` block)
 function_stack``
+``_C._len_torch_dispatch_stack``                  tell a replay under other TorchDispatchModes
+                                                  than its forward (composite ops' out-of-place
+                                                  variants: saves at other versions)
 ``_C._is_any_autocast_enabled``                  skip reading each device's autocast state at
                                                   every checkpoint call when none is on
 the memory layout of ``CPUGeneratorImpl``        tell whether a random number was drawn from
@@ -824,6 +827,10 @@ call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", None) or (l
 """``operator.call`` (3.11), a C function: reading the settings runs no Python frame."""
 
 function_mode_count = torch._C._len_torch_function_stack
+dispatch_mode_count = torch._C._len_torch_dispatch_stack
+"""How many TorchDispatchModes are active. Under one, torch's composite ops take
+their out-of-place variants (``at::linear`` adds the bias with ``add``, not
+``add_``): equal values, other version counters."""
 """How many TorchFunctionModes are active (``torch.device`` as a context manager
 is one, and so is ``torch.set_default_device``)."""
 

@@ -144,6 +144,66 @@ def test_a_mode_active_only_in_backward_is_not_seen_by_the_replay():
     assert torch.equal(x.grad, expected[1][0])
 
 
+class AttentionOverThreeInputs(torch.nn.Module):
+    """nn.MultiheadAttention on distinct query, key and value, batch first: its input
+    projections run at::linear on transposed (non-contiguous) inputs, which adds the
+    bias in place, and out of place under a TorchDispatchMode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.attention(self.norm(x), self.norm(x) * 2, self.norm(x) * 3, need_weights=False)[0]
+
+
+def test_a_flop_counter_around_backward_only_sees_the_replay_and_the_gradients_are_exact():
+    # Before: the replay's projections, made out of place under the counter, were at
+    # version 0 where the forward's were at 1, and were refused as modified in place
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    block = AttentionOverThreeInputs()
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    params = list(block.parameters())
+
+    def run(fn):
+        for p in [*params, x]:
+            p.grad = None
+        out = fn(x).square().sum()
+        with FlopCounterMode(display=False) as counter:
+            out.backward()
+        return [p.grad.clone() for p in [*params, x]], counter.get_total_flops()
+
+    expected, backward_flops = run(block)
+    with recorded_replays() as replayed:
+        got, flops = run(remat.checkpoint(region_name="attention")(block))
+    assert replayed == ["attention"]
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    assert flops > backward_flops  # the counter saw the replay's matmuls
+
+
+def test_a_closure_tensor_modified_in_place_is_still_refused_with_a_dispatch_mode_around_backward():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # a tensor with history made before the checkpoint, read through a closure and
+    # modified in place before backward: refused as without the mode
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    table = w * 2
+
+    def f(t):
+        return (t * table).sin()
+
+    out = remat.checkpoint(region_name="scaled")(f)(x).sum()
+    with torch.no_grad():
+        table.mul_(2)
+    with pytest.raises(remat.SavedTensorModifiedError, match="scaled"), FlopCounterMode(display=False):
+        out.backward()
+
+
 def test_a_backward_inside_the_forwards_block_replays_as_it_is():
     torch.manual_seed(0)
     x = torch.randn(3, 5, requires_grad=True)

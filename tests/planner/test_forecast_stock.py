@@ -637,6 +637,47 @@ class RecurrentBlock(nn.Module):
         return x + self.fc(self.rnn(x)[0])
 
 
+class CrossInputAttentionBlock(nn.Module):
+    """A pre-norm block whose nn.MultiheadAttention gets three distinct tensors
+    (batch first): its projections run at::linear on transposed inputs, which adds
+    the bias in place, out of place under the planner's FLOP-counting mode."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(d, 4, dropout=0.1, batch_first=True)
+        self.norm = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.norm(x)
+        h = x + self.attention(n, n * 0.5, n * 2.0, need_weights=False)[0]
+        return h + self.mlp(self.norm(h))
+
+
+def test_attention_over_three_distinct_inputs_is_planned_and_forecast_as_run():
+    # Before: plan_remat raised SavedTensorModifiedError measuring the full checkpoint
+    # (its replay, under the FLOP counter, made the projections at version 0, the
+    # forward at 1)
+    from torch_remat.integrations import remove_remat
+    from torch_remat.integrations.planner import activation_bytes
+    from torch_remat.integrations.planner._measure import install
+
+    torch.manual_seed(0)
+    model = nn.Sequential(CrossInputAttentionBlock(), CrossInputAttentionBlock())
+    x = torch.randn(2, 6, 16)
+    with recorded_replays() as replayed:
+        plan = plan_remat(model, x, budget=1.0)
+    assert replayed  # its measurements replayed the checkpoints
+    forecast = forecast_remat(model, x, budget=1.0)
+    _same_table(plan, forecast)
+    for policy in forecast.policies.values():
+        install(model, policy.config)
+        try:
+            assert activation_bytes(model, (x,), lambda o: o.sum()) == policy.kept_bytes, policy.name
+        finally:
+            remove_remat(model)
+
+
 def _small_stack(name: str) -> nn.Module:
     if name == "rnn":
         return nn.Sequential(RecurrentBlock("rnn"), RecurrentBlock("rnn"))

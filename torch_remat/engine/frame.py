@@ -258,6 +258,9 @@ class CheckpointFrame:
         # forward started: the replay runs under the same
         self.torch_settings: tuple[Any, ...] | None = ()
         self.function_modes: tuple[Any, ...] = ()
+        # how many TorchDispatchModes were active when the forward started (a replay
+        # under another count may take composite ops' other variants: ReplayPass.pack)
+        self.dispatch_modes = 0
         # whether the forward ran inside a forward-mode AD dual level (for messages)
         self.dual_level = False
         # parametrize.cached()'s entries when the forward ran under it (None: off)
@@ -346,6 +349,7 @@ class CheckpointFrame:
         except Exception:  # a getter this torch refuses in some state: not replayed
             self.torch_settings = None
         self.function_modes = _compat.function_modes() if _function_mode_count() else ()
+        self.dispatch_modes = _compat.dispatch_mode_count()
         self.dual_level = _compat.forward_ad_level() >= 0
         self.parametrize_cache = _compat.parametrize_cache()
         around = top_hooks(False)

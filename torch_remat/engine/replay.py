@@ -80,6 +80,9 @@ class ReplayPass:
         self.needed = needed
         self.counter = 0
         self.filled = 0
+        # the autograd sequence number when the replay started: nodes numbered from
+        # it on are the replay's own (see other_variant)
+        self.start_seq = _compat.autograd_sequence_nr()
         self.run_to_end = False  # set by stop()
         # the autograd sequence number of the op whose save completed the set, when
         # the stop waits for that op to run (see pack)
@@ -147,7 +150,7 @@ class ReplayPass:
                 "remat.recompute_needs_tensor the same way in both (recompute_needs_tensor "
                 f"costs nothing in a recompute). {self.region_sequences()}"
             )
-        if version_of(t) != version:
+        if version_of(t) != version and not self.other_variant(t):
             # The replay recreates fresh tensors with the versions the forward saw;
             # a differing version means a tensor both passes share (a closure tensor,
             # a buffer) was modified in place after the forward saved it.
@@ -187,6 +190,18 @@ class ReplayPass:
             else:
                 self.stop()
         return _REPLAYED
+
+    def other_variant(self, t: torch.Tensor) -> bool:
+        """Whether ``t``, saved at another version than in the forward, is a tensor
+        this replay made, under another number of TorchDispatchModes than the
+        forward ran under (a FLOP counter around backward only): torch's composite
+        ops then take their out-of-place variants (``at::linear`` adds its bias with
+        ``add``, not ``add_``), which compute the same values. A tensor both passes
+        share, modified in place since the forward saved it, was made before."""
+        if _compat.dispatch_mode_count() == self.frame.dispatch_modes or t.is_leaf:
+            return False
+        node = t.grad_fn
+        return node is not None and _compat.sequence_nr(node) >= self.start_seq
 
     # The pass is pushed as its own pack hook, as the frame is: nothing is handed to
     # user hooks during a replay, so torch's checkpoint sees none under it.
