@@ -120,6 +120,50 @@ def test_bare_op_reading_a_placeholder_names_region_and_fix():
     assert "remat.recompute_needs_tensor(t)" in msg and "before the bare op" in msg
 
 
+def test_a_dropout_on_an_output_not_kept_names_the_op_that_reads_its_values():
+    # dropout makes its mask with empty_like, which reads only the shape; the
+    # multiplication after it reads the values (the message named empty_like)
+    lin = _lin()
+
+    def fn(x):
+        h = remat.region(lin, "proj", recompute=False)(x)
+        return torch.nn.functional.dropout(h, 0.3, training=True).sin()
+
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    out = remat.checkpoint(region_name="blk", recompute_state_hooks=(remat.CPURNGStateHook(),))(fn)(x)
+    with pytest.raises(remat.PlaceholderReadError, match=r"the op aten\.mul\.Tensor read output 0 of SAVE region 'proj'"):
+        out.sum().backward()
+
+
+def test_tensors_made_like_an_output_not_kept_are_replayed_exactly():
+    # zeros_like, randn_like, full_like and new_ones take only an output's shape, dtype
+    # and device: the replay makes them from the placeholder (it raised before)
+    lin = _lin()
+
+    def fn(x):
+        h = remat.region(lin, "proj", recompute=False)(x)
+        other = (torch.zeros_like(h) + x).pow(2).sum() + (torch.randn_like(h) * x).sin().sum()
+        other = other + h.new_ones(3).sum() + torch.full_like(h, 2.0).mul(x).tanh().sum()
+        return h, other
+
+    def loss(out):
+        return out[0].pow(2).sum() + out[1]
+
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(0)
+    loss(fn(x)).backward()
+    expected = [x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()]
+    generator_after = torch.get_rng_state()
+    x.grad = lin.weight.grad = lin.bias.grad = None
+    torch.manual_seed(0)
+    with recorded_replays() as replayed:
+        loss(remat.checkpoint(region_name="blk", recompute_state_hooks=(remat.CPURNGStateHook(),))(fn)(x)).backward()
+    assert replayed == ["blk"]
+    for got, want in zip([x.grad, lin.weight.grad, lin.bias.grad], expected):
+        assert torch.equal(got, want)
+    assert torch.equal(torch.get_rng_state(), generator_after)
+
+
 def test_saved_tensor_modified_in_place_after_save_in_save_region():
     def fn(x):
         y = remat.region(torch.exp, "exp", recompute=False)(x)  # exp saves its result y

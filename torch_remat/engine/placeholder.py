@@ -3,8 +3,10 @@
 During a recompute, a skipped SAVE region returns its outputs. Outputs that were
 not kept are returned as placeholders: tensors with the right shape, strides, dtype,
 device and ``requires_grad`` but no storage. Metadata queries and view ops work on
-them (a view of a placeholder is a placeholder), so replayed code that only reshapes
-or slices the output runs unchanged. Any op that reads data raises
+them (a view of a placeholder is a placeholder), and so do the factories that take
+only their argument's shape, dtype and device (``torch.zeros_like``, the mask
+dropout makes with ``empty_like``), so replayed code that only reshapes or slices the
+output, or makes a tensor like it, runs unchanged. Any op that reads data raises
 :class:`~torch_remat.PlaceholderReadError` naming where the tensor came from.
 
 Placeholders are a tensor subclass, not a dispatch mode: only ops that touch a
@@ -169,8 +171,28 @@ class Placeholder(torch.Tensor):
                 lambda m: _from_meta(m, device, origin) if isinstance(m, torch.Tensor) else m,
                 meta_out,
             )
+        if func.overloadpacket in _READ_NO_DATA:
+            # (a factory taking only the shape, dtype, device and layout: dropout's
+            # empty_like for its mask, zeros_like for an accumulator) on a real
+            # uninitialized stand-in of the same strides: the same result
+            return func(*tree_map(_as_uninitialized, args), **tree_map(_as_uninitialized, kwargs))
         _settle_stop()
         raise PlaceholderReadError(read_error_message(origin, f"the op {func}"))
+
+
+_aten = torch.ops.aten
+# ops whose result depends on their tensor argument's metadata only
+_READ_NO_DATA = frozenset({
+    _aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like,
+    _aten.randn_like, _aten.randint_like, _aten.new_empty, _aten.new_empty_strided,
+    _aten.new_zeros, _aten.new_ones, _aten.new_full,
+})
+
+
+def _as_uninitialized(x):
+    if isinstance(x, Placeholder):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    return x
 
 
 def _settle_stop() -> None:
