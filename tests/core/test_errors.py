@@ -164,6 +164,23 @@ def test_tensors_made_like_an_output_not_kept_are_replayed_exactly():
     assert torch.equal(torch.get_rng_state(), generator_after)
 
 
+def test_a_factory_reading_the_value_of_an_output_not_kept_names_that_output():
+    # randint_like(h, high) reads h's shape only, but high's value: refused, naming
+    # the region that made high
+    lin = _lin()
+
+    def fn(x):
+        h = remat.region(lin, "proj", recompute=False)(x)
+        high = remat.region(lambda t: (t.abs().sum() * 10 + 2).long(), "bound", recompute=False)(x)
+        drawn = torch.ops.aten.randint_like.Tensor(h, high)
+        return h, (drawn.to(x.dtype) * x).sum()
+
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    out = remat.checkpoint(region_name="blk", recompute_state_hooks=(remat.CPURNGStateHook(),))(fn)(x)
+    with pytest.raises(remat.PlaceholderReadError, match=r"aten\.randint_like\.Tensor read output 0 of SAVE region 'bound'"):
+        (out[0].sum() + out[1]).backward()
+
+
 def test_saved_tensor_modified_in_place_after_save_in_save_region():
     def fn(x):
         y = remat.region(torch.exp, "exp", recompute=False)(x)  # exp saves its result y

@@ -171,11 +171,18 @@ class Placeholder(torch.Tensor):
                 lambda m: _from_meta(m, device, origin) if isinstance(m, torch.Tensor) else m,
                 meta_out,
             )
-        if func.overloadpacket in _READ_NO_DATA:
+        if _reads_no_data(func, args, kwargs):
             # (a factory taking only the shape, dtype, device and layout: dropout's
             # empty_like for its mask, zeros_like for an accumulator) on a real
             # uninitialized stand-in of the same strides: the same result
-            return func(*tree_map(_as_uninitialized, args), **tree_map(_as_uninitialized, kwargs))
+            p = args[0]
+            stand_in = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+            return func(stand_in, *args[1:], **kwargs)
+        if func.overloadpacket in _READ_NO_DATA and args and isinstance(args[0], Placeholder):
+            # (the first argument's metadata is all it reads: name the one whose value it reads)
+            rest = [x for x in _compat.tree_leaves((args[1:], kwargs)) if isinstance(x, Placeholder)]
+            if rest:
+                origin = rest[0]._origin
         _settle_stop()
         raise PlaceholderReadError(read_error_message(origin, f"the op {func}"))
 
@@ -189,10 +196,17 @@ _READ_NO_DATA = frozenset({
 })
 
 
-def _as_uninitialized(x):
-    if isinstance(x, Placeholder):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    return x
+def _reads_no_data(func, args, kwargs) -> bool:
+    """Whether ``func`` reads only its first argument's metadata, and that argument
+    is the only placeholder it is given (``randint_like(x, high)`` with a tensor
+    ``high`` reads ``high``'s value; an ``out=`` variant writes its output)."""
+    if func.overloadpacket not in _READ_NO_DATA or func._overloadname.endswith("out"):
+        return False
+    if not args or not isinstance(args[0], Placeholder):
+        return False
+    return not any(
+        isinstance(x, Placeholder) for x in _compat.tree_leaves((args[1:], kwargs))
+    )
 
 
 def _settle_stop() -> None:
