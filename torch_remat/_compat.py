@@ -827,12 +827,13 @@ call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", None) or (l
 """``operator.call`` (3.11), a C function: reading the settings runs no Python frame."""
 
 function_mode_count = torch._C._len_torch_function_stack
+"""How many TorchFunctionModes are active (``torch.device`` as a context manager
+is one, and so is ``torch.set_default_device``)."""
+
 dispatch_mode_count = torch._C._len_torch_dispatch_stack
 """How many TorchDispatchModes are active. Under one, torch's composite ops take
 their out-of-place variants (``at::linear`` adds the bias with ``add``, not
 ``add_``): equal values, other version counters."""
-"""How many TorchFunctionModes are active (``torch.device`` as a context manager
-is one, and so is ``torch.set_default_device``)."""
 
 
 def function_modes() -> tuple[Any, ...]:
