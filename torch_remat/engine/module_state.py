@@ -2862,7 +2862,7 @@ def local_changed(watch: list[tuple[int, Any, Any]]) -> bool:
     return False
 
 
-_CELL, _TENSOR, _SEQUENCE, _MAPPING, _SET, _BYTES, _OBJECT, _STATE = range(8)
+_CELL, _TENSOR, _CONTENTS, _BYTES, _STATE = range(5)
 
 
 def _cell_value(cell: Any) -> Any:
@@ -2873,17 +2873,16 @@ def _cell_value(cell: Any) -> Any:
 
 
 def _watched(v: Any) -> tuple[int, Any, Any] | None:
+    """``(kind, what is compared, its state now)`` for ``v``; None: nothing to compare.
+    A container's items and an object's attributes are compared as the module
+    state compares its containers (:func:`_contents`, :func:`_holds`)."""
     cls = type(v)
     if isinstance(v, torch.Tensor):
         return (_TENSOR, v, any_version(v))
     if isinstance(v, nn.Module) or cls in _IMMUTABLE_ATOMS or cls is tuple or cls is frozenset:
         return None
-    if isinstance(v, (list, collections.deque)):
-        return (_SEQUENCE, v, list(v))
-    if isinstance(v, dict):
-        return (_MAPPING, v, dict(v))
-    if isinstance(v, set):
-        return (_SET, v, set(v))
+    if isinstance(v, (list, collections.deque, dict, set)):
+        return (_CONTENTS, v, _contents(v))
     if cls is bytearray:
         return (_BYTES, v, bytes(v))
     if is_generator_type(cls):
@@ -2891,29 +2890,23 @@ def _watched(v: Any) -> tuple[int, Any, Any] | None:
         # compared, as it is not forked)
         return (_STATE, v, generator_states((v,))) if forked(v) else None
     if _is_plain(cls) and hasattr(v, "__dict__"):
-        return (_OBJECT, v, dict(vars(v)))
+        d = vars(v)
+        return (_CONTENTS, d, dict(d))
     return None
 
 
 def _watched_unless(v: Any, known: set[int]) -> tuple[int, Any, Any] | None:
     entry = _watched(v)
-    if entry is not None and entry[0] == _OBJECT and id(vars(v)) in known:
-        return None  # (its attributes are the module state's)
+    if entry is not None and entry[1] is not v and id(entry[1]) in known:
+        return None  # (an object whose attributes are the module state's)
     return entry
 
 
 def _same_now(kind: int, v: Any, before: Any) -> bool:
     if kind == _TENSOR:
         return any_version(v) == before
-    if kind == _SEQUENCE:
-        return len(v) == len(before) and all(map(operator.is_, v, before))
-    if kind == _MAPPING:
-        return len(v) == len(before) and all(k in before and before[k] is x for k, x in v.items())
-    if kind == _SET:
-        return v == before
+    if kind == _CONTENTS:
+        return _holds(v, before)
     if kind == _BYTES:
         return bytes(v) == before
-    if kind == _STATE:
-        return generator_states((v,)) == before
-    now = vars(v)
-    return len(now) == len(before) and all(k in before and before[k] is x for k, x in now.items())
+    return generator_states((v,)) == before  # (_STATE)

@@ -171,18 +171,20 @@ class Placeholder(torch.Tensor):
                 lambda m: _from_meta(m, device, origin) if isinstance(m, torch.Tensor) else m,
                 meta_out,
             )
-        if _reads_no_data(func, args, kwargs):
-            # (a factory taking only the shape, dtype, device and layout: dropout's
-            # empty_like for its mask, zeros_like for an accumulator) on a real
-            # uninitialized stand-in of the same strides: the same result
-            p = args[0]
-            stand_in = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
-            return func(stand_in, *args[1:], **kwargs)
         if func.overloadpacket in _READ_NO_DATA and args and isinstance(args[0], Placeholder):
-            # (the first argument's metadata is all it reads: name the one whose value it reads)
-            rest = [x for x in _compat.tree_leaves((args[1:], kwargs)) if isinstance(x, Placeholder)]
-            if rest:
-                origin = rest[0]._origin
+            # A factory that reads only its first argument's shape, dtype, device and
+            # layout (dropout's empty_like for its mask, zeros_like for an
+            # accumulator) runs on a real uninitialized stand-in of the same strides:
+            # the same result. Not where it reads another placeholder's value
+            # (randint_like(x, high) with a tensor high: named below) or writes an
+            # out= argument.
+            others = [x for x in _compat.tree_leaves((args[1:], kwargs)) if isinstance(x, Placeholder)]
+            if others:
+                origin = others[0]._origin
+            elif not func._overloadname.endswith("out"):
+                p = args[0]
+                stand_in = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=p.device)
+                return func(stand_in, *args[1:], **kwargs)
         _settle_stop()
         raise PlaceholderReadError(read_error_message(origin, f"the op {func}"))
 
@@ -194,19 +196,6 @@ _READ_NO_DATA = frozenset({
     _aten.randn_like, _aten.randint_like, _aten.new_empty, _aten.new_empty_strided,
     _aten.new_zeros, _aten.new_ones, _aten.new_full,
 })
-
-
-def _reads_no_data(func, args, kwargs) -> bool:
-    """Whether ``func`` reads only its first argument's metadata, and that argument
-    is the only placeholder it is given (``randint_like(x, high)`` with a tensor
-    ``high`` reads ``high``'s value; an ``out=`` variant writes its output)."""
-    if func.overloadpacket not in _READ_NO_DATA or func._overloadname.endswith("out"):
-        return False
-    if not args or not isinstance(args[0], Placeholder):
-        return False
-    return not any(
-        isinstance(x, Placeholder) for x in _compat.tree_leaves((args[1:], kwargs))
-    )
 
 
 def _settle_stop() -> None:
