@@ -123,6 +123,32 @@ def test_gradients_equal_no_checkpointing_and_transformers_checkpointing_with_dr
     assert sorted(replayed) == sorted(LAYERS)
 
 
+def _switched_kernel_step(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A step whose attention kernel is switched between the forward and backward."""
+    model.zero_grad(set_to_none=True)
+    ids = input_ids()
+    model.config._attn_implementation = "eager"
+    torch.manual_seed(2)
+    loss = model(input_ids=ids, labels=ids).loss
+    model.config._attn_implementation = "sdpa"  # e.g. set for the next step's forward
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_a_config_setting_changed_before_backward_is_replayed_as_the_forward_read_it():
+    # The layers read config._attn_implementation at every call: the replay must run
+    # the eager kernel the forward ran (with its dropout), not SDPA's.
+    expected = _switched_kernel_step(tiny_llama(attention_dropout=0.1))
+    model = tiny_llama(attention_dropout=0.1)
+    enable_remat(model)
+    with recorded_replays() as replayed:
+        assert_same(_switched_kernel_step(model), expected)
+    assert sorted(replayed) == sorted(LAYERS)
+    assert model.config._attn_implementation == "sdpa"  # the caller's setting after backward
+    # and the step after it, on the caller's setting
+    assert_same(loss_and_grads(model), loss_and_grads(tiny_llama(attention_dropout=0.1)))
+
+
 def test_attention_as_save_region_keeps_gradients_exact():
     expected = loss_and_grads(tiny_llama(attention_dropout=0.1))
     model = tiny_llama(attention_dropout=0.1)

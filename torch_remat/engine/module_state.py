@@ -295,6 +295,23 @@ def _kv_cache_class(cls: type) -> bool:
 _KV_CACHE_NAMES: set[str] = set()
 
 
+_MODEL_CONFIG_MODULE = "transformers.configuration_utils"
+_MODEL_CONFIG: dict[type, bool] = {}
+
+
+def _model_config_class(cls: type) -> bool:
+    """Whether ``cls`` is a transformers model configuration (``PreTrainedConfig``):
+    a layer reads its settings at every call (``config._attn_implementation`` picks
+    the attention kernel), so a setting changed between a forward and its backward
+    would send the replay down another path."""
+    found = _MODEL_CONFIG.get(cls)
+    if found is None:
+        found = _MODEL_CONFIG[cls] = any(
+            getattr(c, "__module__", None) == _MODEL_CONFIG_MODULE for c in cls.__mro__
+        )
+    return found
+
+
 def _is_plain(cls: type) -> bool:
     """Whether values of ``cls`` are plain objects of the user's whose attributes
     the checkpointed code may read (a config, a callable object), in a ``__dict__``
@@ -1405,6 +1422,7 @@ def _module_slots(
     hooks: list[Any],
     visited: list[nn.Module] | None = None,
     private: list[Any] | None = None,
+    configs: dict[int, Any] | None = None,
 ) -> None:
     # Runs at every checkpoint call: plain loops, names built only for messages.
     # Parameters, the most numerous, are plain tuples (ModuleState.params).
@@ -1439,6 +1457,8 @@ def _module_slots(
                     slots.append(_Slot(d, k, t, any_version(t), p, ATTRIBUTE))
                 elif _is_plain(type(t)) or is_generator_type(type(t)):
                     objects.append(t)  # (never in _non_tensor_types: always looked at)
+                elif configs is not None and _model_config_class(type(t)):
+                    configs[id(t)] = t  # (never in _non_tensor_types: always looked at)
                 else:
                     if isinstance(t, tuple) and _is_tuple_type(type(t)):
                         _HOLDERS.add(type(t))
@@ -1655,7 +1675,7 @@ class _Reuse:
         "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
         "params", "slots", "groups", "others", "global_values", "class_values", "versions",
         "containers", "tags_valid", "container_views", "named", "cells", "functions",
-        "forwards",
+        "forwards", "configs",
     )
 
     def __init__(
@@ -1706,6 +1726,9 @@ class _Reuse:
             for m, group in state.buffer_groups
         ]
         self.others = state.others
+        # the model configurations' attribute dicts: copied at every call (they are
+        # held by the modules' attributes, compared above, but are not walked)
+        self.configs = [d for d, _ in state.configs]
         self.global_values = state.global_values
         self.class_values = state.class_values
         # (container, its contents) of the private containers of the modules (their
@@ -1806,6 +1829,8 @@ class _Reuse:
         state = ModuleState(params, slots, groups, self.others, self.cells)
         state.global_values = self.global_values
         state.class_values = self.class_values
+        if self.configs:
+            state.configs = [(d, d.copy()) for d in self.configs]
         state.containers = self.containers
         state.contained = _contained_tensors(self.containers)
         if self.containers:
@@ -1838,7 +1863,7 @@ class ModuleState:
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
         "hooks_at_entry", "versions", "versions_at_entry", "attr_versions", "versions_seen",
         "contained", "classes_seen", "class_tags", "class_tags_seen", "container_views",
-        "containers_tagged",
+        "containers_tagged", "configs",
     )
 
     def __init__(
@@ -1895,6 +1920,10 @@ class ModuleState:
         # classes (not looked at where a SAVE region returns: rebound in the forward
         # itself, a class attribute is replayed from its entry value)
         self.class_values: list[tuple[_ClassDict, dict]] = []
+        # (a model configuration's __dict__, a copy of it) of the configurations the
+        # modules hold (transformers' PreTrainedConfig): set as the forward started
+        # them around the replay; their attributes' values are not looked into
+        self.configs: list[tuple[dict, dict]] = []
         # a reused capture's (_Reuse) views of the version tags of the dicts it
         # compared, modules' attributes first, and their values at entry and at the
         # last look (attributes_rebound); None where unknown (then every dict is
@@ -1944,6 +1973,7 @@ class ModuleState:
         hooks: list[Any] = []
         visited: list[nn.Module] = []
         private: list[Any] = []  # those of in_modules in private attributes
+        configs: dict[int, Any] = {}  # the model configurations the modules hold
         # what the checkpointed code holds itself: its closure values, its arguments
         # (see _held_state)
         reached = {id(v) for _, v in values}
@@ -1951,7 +1981,7 @@ class ModuleState:
         for prefix, module in modules:
             _module_slots(
                 prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
-                classes, objects, hooks, visited, private,
+                classes, objects, hooks, visited, private, configs,
             )
         # what the modules alone gave (see _Reuse)
         plain_call = (
@@ -1978,7 +2008,7 @@ class ModuleState:
             for prefix, module in more[0]:
                 _module_slots(
                     prefix, module, params, slots, groups, seen, others, unwritten, in_modules,
-                    classes, objects, [],
+                    classes, objects, [], configs=configs,
                 )
             cells, values = cells + more[1], values + more[2]
             functions, objects = functions + more[3], objects + more[4]
@@ -2084,7 +2114,7 @@ class ModuleState:
             for m in found:
                 _module_slots(
                     f"{type(m).__name__}.", m, params, slots, groups, seen, others, unwritten,
-                    more_held, more_classes, more_objects, [],
+                    more_held, more_classes, more_objects, [], configs=configs,
                 )
             n_more = len(more_held)
             start = len(global_values)
@@ -2139,6 +2169,7 @@ class ModuleState:
             state.contained = _contained_tensors(containers)
             state.global_values = global_values
             state.class_values = class_values
+            state.configs = [(c.__dict__, c.__dict__.copy()) for c in configs.values()]
             if generators:
                 defaults = default_generators()
                 state.generators = tuple(
@@ -2462,6 +2493,10 @@ class ModuleState:
                     else:
                         slot[None] = value
             for d, entry in () if unchanged else self.class_values:
+                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                    _install_attributes(d, entry, undo)
+            for d, entry in self.configs:
+                # a setting changed since the forward started (the attention kernel)
                 if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
                     _install_attributes(d, entry, undo)
             for g, name, value in self.global_values:
