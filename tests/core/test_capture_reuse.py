@@ -66,11 +66,11 @@ def _step(model, x, between=None):
     return [x.grad, *(p.grad for p in model.parameters())], [b.clone() for b in model.buffers()]
 
 
-def _compare(changes, betweens=None):
+def _compare(changes, betweens=None, make=None):
     """Runs the steps with and without remat: ``changes[i](model)`` before step i,
     ``betweens[i](model)`` between its forward and its backward."""
     betweens = betweens or [None] * len(changes)
-    plain, wrapped = Block(), Block()
+    plain, wrapped = (make or Block)(), (make or Block)()
     ckpt = remat.checkpoint(region_name="block")(wrapped)
     results = []
     for model, call in ((plain, plain), (wrapped, ckpt)):
@@ -611,3 +611,97 @@ def test_a_transformers_layer_reuses_its_capture(monkeypatch, how):
                 assert torch.equal(a.grad, b.grad), name
     assert len(replayed) == 6
     assert len(walks) == 2  # (one per layer: the first call of each)
+
+
+# ------------------------------------------------- a plain object holding settings
+
+
+class Settings:
+    """A config of the user's that a module keeps (``self.settings = settings``)."""
+
+    def __init__(self, scale: float = 1.0, dtype: torch.dtype = D, shape: tuple = (4, 5)):
+        self.scale = scale
+        self.dtype = dtype
+        self.shape = shape
+
+
+class Configured(Block):
+    def __init__(self, settings: Settings | None = None):
+        super().__init__()
+        self.settings = settings or Settings()
+
+    def forward(self, x):
+        return super().forward(x).to(self.settings.dtype) * self.settings.scale
+
+
+def test_a_module_keeping_a_settings_object_reuses_its_capture(monkeypatch):
+    walks = _walks(monkeypatch)
+    with recorded_replays() as replayed:
+        _, ckpt = _compare([None, None, None], make=Configured)
+    assert replayed == ["block"] * 3
+    assert ckpt.capture_memo.reuse is not None
+    assert len(walks) == 1
+
+
+@pytest.mark.parametrize(
+    "change, walked",
+    [
+        pytest.param(lambda m: setattr(m.settings, "scale", 2.0), 2, id="setting-rebound"),
+        pytest.param(lambda m: setattr(m, "settings", Settings(3.0)), 2, id="settings-replaced"),
+        pytest.param(lambda m: setattr(m.settings, "extra", 1), 2, id="setting-added"),
+        # not settings alone any more: walked at every call from then on
+        pytest.param(lambda m: setattr(m.settings, "table", [1.0]), 3, id="list-added"),
+        pytest.param(
+            lambda m: setattr(m.settings, "offset", torch.zeros(1, dtype=D)), 3, id="tensor-added"
+        ),
+    ],
+)
+def test_a_settings_change_between_calls_is_walked_again_and_replayed_exactly(monkeypatch, change, walked):
+    walks = _walks(monkeypatch)
+    _compare([None, None, change, None], make=Configured)
+    assert len(walks) == walked
+
+
+def test_a_setting_changed_before_a_reused_calls_backward_is_undone_for_the_replay(monkeypatch):
+    walks = _walks(monkeypatch)
+    seen = []
+
+    def swap(m):
+        seen.append(len(walks))
+        m.settings.scale = 5.0
+
+    with recorded_replays() as replayed:
+        _, ckpt = _compare([None, None, None], [None, swap, None], make=Configured)
+    assert replayed == ["block"] * 3
+    assert seen == [0, 1]  # (the second call reused the first one's capture)
+    assert ckpt.__wrapped__.settings.scale == 5.0  # the caller's value after backward
+
+
+class SettingInSave(nn.Module):
+    """A SAVE region's body that rebinds a setting the code after it reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Block()
+        self.settings = Settings()
+
+    def _body(self, x):
+        self.settings.scale = self.settings.scale + 0.5
+        return self.inner.fc1(x)
+
+    def forward(self, x):
+        h = remat.recompute_needs_tensor(remat.region(self._body, "body", recompute=False)(x))
+        return self.inner.fc2(torch.tanh(h)) * self.settings.scale
+
+
+def test_a_setting_a_save_regions_body_rebinds_is_seen_by_the_replay():
+    plain, wrapped = SettingInSave(), SettingInSave()
+    ckpt = remat.checkpoint(region_name="s")(wrapped)
+    with recorded_replays() as replayed:
+        for i in range(3):
+            expected = _step(plain, _x(i))
+            got = _step(_Call(wrapped, ckpt), _x(i))
+            for e, g in zip(expected[0], got[0]):
+                assert (e is None) == (g is None) and (e is None or torch.equal(e, g)), i
+    assert replayed == ["s"] * 3
+    assert wrapped.settings.scale == plain.settings.scale == 2.5

@@ -1611,12 +1611,36 @@ _IMMUTABLE_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes}
 
 def _fixed_value(v: Any) -> bool:
     """Whether a closure value or a default the walk met is one a reused capture
-    need only compare by identity: an immutable atom, a tuple of fixed values, or a
+    need only compare by identity: an immutable atom, a tuple of fixed values, a
     plain function (its code, defaults and ``__wrapped__``: :attr:`_Reuse.functions`;
-    what it holds and reads is among what the walk found)."""
+    what it holds and reads is among what the walk found), or a class (the
+    ``__class__`` cell of a forward that calls ``super()``; a class of the user's
+    has its attributes recorded and compared as the modules' classes' are)."""
     cls = type(v)
     return cls in _IMMUTABLE_ATOMS or cls is types.FunctionType or (
         cls is tuple and all(map(_fixed_value, v))
+    ) or isinstance(v, type)
+
+
+_SETTING_ATOMS = _IMMUTABLE_ATOMS | {torch.dtype, torch.device}
+
+
+def _setting(v: Any) -> bool:
+    """Whether an attribute of a plain object is a setting a reused capture need only
+    compare by identity: an immutable atom, a dtype or device, or a tuple of them."""
+    cls = type(v)
+    return cls in _SETTING_ATOMS or (cls is tuple and all(map(_setting, v)))
+
+
+def _settings_object(obj: Any, d: dict | None) -> bool:
+    """Whether ``obj`` is a plain object of the user's holding only settings in its
+    ``__dict__`` (``d``: the copy the walk took), no slots: a config a module keeps
+    (``self.config = config``), which a reused capture compares like the modules'
+    attributes."""
+    cls = type(obj)
+    return (
+        type(d) is dict and _dict_of(obj) is d and cls is not threading.local
+        and cls not in _STDLIB_PLAIN and not _slot_names(cls) and all(map(_setting, d.values()))
     )
 
 
@@ -1663,9 +1687,10 @@ class _Reuse:
 
     Only captures made from the modules alone are reused (the module called, or
     ``apply_remat``'s forward of it): no closure value other than immutable atoms,
-    tuples of them and plain functions (``transformers``' decorators around a
-    layer's ``forward``), no plain object, container, generator, forward hook or
-    callable in a module-level variable among what was read, and no
+    tuples of them, classes and plain functions (``transformers``' decorators around a
+    layer's ``forward``), no plain object other than one holding settings alone
+    (a config: its ``__dict__`` compared as the modules' are), no container,
+    generator, forward hook or callable in a module-level variable among what was read, and no
     module-level variable missing or read through another module. The containers in
     the modules' private attributes are the exception when nothing they hold is
     walked in turn (a table of functions): the capture is reused while each holds
@@ -1675,12 +1700,12 @@ class _Reuse:
         "fn", "modules", "types", "dicts", "keys", "values", "hook_dicts", "class_dicts",
         "params", "slots", "groups", "others", "global_values", "class_values", "versions",
         "containers", "tags_valid", "container_views", "named", "cells", "functions",
-        "forwards", "configs",
+        "forwards", "configs", "objects", "object_dicts",
     )
 
     def __init__(
         self, fn: Any, modules: list[nn.Module], state: ModuleState,
-        roots: list[nn.Module] = (), functions: list[Any] = (),
+        roots: list[nn.Module] = (), functions: list[Any] = (), objects: list[Any] = (),
     ) -> None:
         # (holds the objects it compares by identity: none of them can be freed and
         # its id reused while the comparison stands)
@@ -1708,6 +1733,10 @@ class _Reuse:
             dicts.extend((m.__dict__, m._parameters, m._buffers, m._modules))
             hook_dicts.extend((m._forward_hooks, m._forward_pre_hooks))
         self.dicts = tuple(dicts)
+        # the plain objects holding settings (a config) and their __dict__s, whose
+        # entries follow the modules' in ``others``
+        self.objects = tuple(objects)
+        self.object_dicts = tuple(map(_dict_of, objects))
         # (the classes' attributes, read through their mappingproxy)
         self.class_dicts = tuple(d.target.__dict__ for d, _ in state.class_values)
         self.keys = self._keys_now()
@@ -1740,7 +1769,7 @@ class _Reuse:
         # submodules', then the classes' (kept alive by ``dicts`` and ``class_values``)
         class_dicts = [_class_dict_of(d) for d, _ in state.class_values]
         self.versions = None if None in class_dicts else dict_version_views(
-            [*self.dicts[0::4], *(d for i, d in enumerate(self.dicts) if i % 4),
+            [*self.dicts[0::4], *self.object_dicts, *(d for i, d in enumerate(self.dicts) if i % 4),
              *self.hook_dicts, *class_dicts]
         )
         # the dicts' version tags when their contents were last found as walked:
@@ -1749,12 +1778,16 @@ class _Reuse:
 
     def _values_now(self) -> list[Any]:
         now = list(_from_iterables(map(_values, self.dicts)))
+        for d in self.object_dicts:
+            now.extend(d.values())
         for d in self.class_dicts:
             now.extend(d.values())
         return now
 
     def _keys_now(self) -> list[Any]:
         now = list(_from_iterables(self.dicts))
+        for d in self.object_dicts:
+            now.extend(d)
         for d in self.class_dicts:
             now.extend(d)
         return now
@@ -1780,6 +1813,7 @@ class _Reuse:
             not all(map(operator.is_, map(type, self.modules), self.types))
             # (a module given a new __dict__ object: the walk would read that one)
             or not all(map(operator.is_, map(_dict_of, self.modules), self.dicts[0::4]))
+            or not all(map(operator.is_, map(_dict_of, self.objects), self.object_dicts))
             or any(_GLOBAL_HOOKS)
         ):
             return None
@@ -2182,15 +2216,22 @@ class ModuleState:
             if (
                 plain_call and state is not None and not state.hooks_at_entry
                 # (private containers holding nothing that is walked in turn)
-                and len(containers) == len(private) and not generators and not found and len(others) == n_others
+                and len(containers) == len(private) and not generators and not found
                 and len(slots) == n_slots and _NAME_MISSED not in read
                 and _MODULE_ATTRIBUTES_READ not in read
                 and not _held_callables(global_values)
                 # (the lists as the walk left them: visit_callables extends them)
                 and not cells and all(_fixed_value(v) for _, v in values)
-                and all(map(_fixed_value, objects))
+                # plain objects only where each holds settings alone (a config),
+                # whose __dict__ is compared as the modules' are
+                and len(others) - n_others == sum(not _fixed_value(o) for o in objects)
+                and all(_fixed_value(o) or _settings_object(o, d) for o, (d, *_) in zip(
+                    [o for o in objects if not _fixed_value(o)], others[n_others:]))
             ):
-                memo.reuse = _Reuse(fn, visited, state, [m for _, m in modules], functions)
+                memo.reuse = _Reuse(
+                    fn, visited, state, [m for _, m in modules], functions,
+                    [o for o in objects if not _fixed_value(o)],
+                )
         return state
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
