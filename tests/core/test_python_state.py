@@ -1604,6 +1604,62 @@ def test_a_context_variable_without_a_value_in_the_forward_and_one_in_backward_i
     assert context[var] == 4.0  # the caller's value stands
 
 
+KERNEL_VAR = contextvars.ContextVar("kernel", default=None)
+
+
+class _SetsAroundItsBody(nn.Module):
+    """Sets a context variable around its body and resets it, as transformers'
+    ``use_kernelized_func`` does around a layer's forward; its Linear is kept."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.lin = _linear(seed)
+
+    def forward(self, x):
+        token = KERNEL_VAR.set({"kernel": "inside"})
+        try:
+            h = remat.recompute_needs_tensor(remat.region(self.lin, "lin", recompute=False)(x))
+            assert KERNEL_VAR.get() is not None
+            return torch.tanh(h)
+        finally:
+            KERNEL_VAR.reset(token)
+
+
+class _ReadsOutside(nn.Module):
+    def forward(self, x):
+        return x * (2.0 if KERNEL_VAR.get() is None else 1.0)
+
+
+def test_a_context_variable_set_around_a_save_region_is_not_left_set_by_the_replay():
+    # Before: where the replay skipped the SAVE body it set the value the forward
+    # had there, and putting the caller's back left the variable set in the
+    # caller's context: the next checkpoint's replay refused it ("had no value when
+    # its forward ran"), and code outside the checkpoints read the leaked value
+    # (the next step's loss and gradients silently differed).
+    def steps(ckpt):
+        blocks = [_SetsAroundItsBody(90 + i) for i in range(2)]
+        calls = [remat.checkpoint(region_name=f"b{i}")(b) if ckpt else b for i, b in enumerate(blocks)]
+        head = _ReadsOutside()
+        grads = []
+        for step in range(2):
+            x = _x(92 + step)
+            h = x
+            for call in calls:
+                h = call(h)
+            head(h).sum().backward()
+            assert KERNEL_VAR.get() is None  # as the forward left it
+            grads.extend([x.grad, *(p.grad.clone() for b in blocks for p in b.parameters())])
+            for b in blocks:
+                b.zero_grad()
+        return grads
+
+    expected = contextvars.Context().run(steps, False)
+    with recorded_replays() as replayed:
+        got = contextvars.Context().run(steps, True)
+    assert replayed == ["b1", "b0"] * 2
+    _same(expected, got)
+
+
 @pytest.mark.parametrize("kind", ["ContextVar", "threading.local"])
 def test_context_and_thread_local_values_changed_before_each_backward_are_replayed_every_step(kind):
     # (the later steps reuse the first step's capture of the module's state)

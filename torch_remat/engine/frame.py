@@ -32,6 +32,7 @@ backward did not use is freed when it ends.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import enum
 import functools
 import types
@@ -917,7 +918,15 @@ class CheckpointFrame:
 
     def replay(self, key: Any) -> Recreated:
         """Replay the function for the backward ``key``: returns the store of what it
-        recreated, which the frame holds until that backward ends."""
+        recreated, which the frame holds until that backward ends.
+
+        The replay runs in a copy of the caller's context: the context variables it
+        sets (the forward's values where it skips a SAVE region, a ``var.set`` of the
+        replayed code) are never seen by the caller, whose context ends the backward
+        as it was."""
+        return contextvars.copy_context().run(self._replay, key)
+
+    def _replay(self, key: Any) -> Recreated:
         if not self.forward_done:
             raise RematError(
                 f"torch_remat: backward reached tensors saved inside checkpoint "
