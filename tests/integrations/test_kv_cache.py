@@ -149,3 +149,28 @@ def test_a_static_cache_written_in_place_is_refused_naming_use_cache_false():
         prompt_then_one_token(model, cache)
     assert "key/value cache" in str(info.value)
     assert "model.layers.0" in str(info.value)
+
+
+def test_a_state_space_layers_cache_written_in_place_is_refused_naming_the_layer():
+    # Mamba's cache holds each layer's convolution and recurrent state, which the
+    # forward updates in place: refused like a StaticCache, naming the cache layer's
+    # class, and without advising a DynamicCache (the cache is one already)
+    config = transformers.MambaConfig(
+        vocab_size=50, hidden_size=16, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
+    )
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(config).double().eval()
+    layer = transformers.models.mamba.modeling_mamba.MambaBlock
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, use_cache=True).logits.sum().backward()
+
+    run()  # without remat: runs
+    apply_remat(model, check_fn=lambda m: isinstance(m, layer))
+    with pytest.raises(remat.SavedTensorModifiedError, match=r"use_cache=False") as info:
+        run()
+    message = str(info.value)
+    assert "key/value cache (" in message and "state-space" in message
+    assert "or a DynamicCache" not in message

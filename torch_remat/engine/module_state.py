@@ -2755,13 +2755,15 @@ def _modified_in_forward(
         "checkpointed module (buffers updated in forward are replayed "
         "from a copy)."
     )
-    if name.partition(".")[0] in _KV_CACHE_NAMES:
+    owner = name.partition(".")[0]
+    if owner in _KV_CACHE_NAMES:
         advice = (
-            "It belongs to a transformers key/value cache that the forward writes in "
-            "place (StaticCache and its kind): a replay cannot see the cache as the "
-            "forward did. Pass use_cache=False (or a DynamicCache, which a replay "
-            "sees as at the checkpoint's entry), or run a forward that needs no "
-            "backward under torch.no_grad()."
+            f"It belongs to a transformers key/value cache ({owner}) that the forward writes in "
+            "place (a StaticCache, the state of a linear-attention or state-space "
+            "layer): a replay cannot see the cache as the forward did. Pass "
+            "use_cache=False, or run a forward that needs no backward under "
+            "torch.no_grad(); a cache that only appends (a DynamicCache of attention "
+            "layers) is replayed as at the checkpoint's entry."
         )
     elif renormed:
         advice = (
