@@ -615,6 +615,59 @@ def test_an_attribute_a_save_region_rebinds_is_read_after_it_as_the_body_left_it
     assert ccalls == calls == 2
 
 
+@pytest.mark.parametrize("where", ["module attribute", "module-level variable", "closure value"])
+def test_a_value_the_code_before_a_save_region_set_and_its_body_set_back_is_replayed(where):
+    # Before: the look where a SAVE body returns compared with the last look (the
+    # checkpoint's entry or the previous region's return), where the value was the
+    # same: nothing recorded, and the replay, skipping the body, read the value the
+    # code before it set (silently different gradients).
+    def run(ckpt):
+        global SET_BEFORE_SCALE
+        one = float("1")  # the value at entry, which the body sets back (the same object)
+        SET_BEFORE_SCALE = one
+        lin = _linear(93)
+        holder = nn.Module()
+        holder.scale = one
+        scale = one
+
+        def set_scale(value):
+            nonlocal scale
+            global SET_BEFORE_SCALE
+            if where == "module attribute":
+                holder.scale = value
+            elif where == "module-level variable":
+                SET_BEFORE_SCALE = value
+            else:
+                scale = value
+
+        def block(x):
+            nonlocal scale
+            set_scale(2.0)
+
+            def body(t):
+                set_scale(one)  # back to the value at the checkpoint's entry
+                return lin(t)
+
+            h = remat.recompute_needs_tensor(remat.region(body, "body", recompute=False)(x))
+            now = {"module attribute": holder.scale, "module-level variable": SET_BEFORE_SCALE,
+                   "closure value": scale}[where]
+            return (h * now).sin()
+
+        fn = remat.checkpoint(region_name="toggling")(block) if ckpt else block
+        x = _x(94)
+        fn(x).sum().backward()
+        return [x.grad, *(p.grad for p in lin.parameters())]
+
+    expected = run(False)
+    with recorded_replays() as replayed:
+        got = run(True)
+    assert replayed == ["toggling"]
+    _same(expected, got)
+
+
+SET_BEFORE_SCALE = 1.0
+
+
 # ---------------------------------------------------------------- tensors in dict attributes
 
 
@@ -1586,78 +1639,56 @@ def test_a_context_variable_is_replayed_with_the_value_the_forward_read(kind, ho
     _same(expected, got)
 
 
-def test_a_context_variable_without_a_value_in_the_forward_and_one_in_backward_is_refused_by_name():
+def test_a_context_variable_without_a_value_in_the_forward_and_one_in_backward_is_replayed_unset():
+    # Before: refused (a variable cannot be unset in a context). The replay runs in a
+    # context of its own, built without that variable, the others as the caller has them.
     var = contextvars.ContextVar("unset_in_forward")
-    lin = _linear(84)
+    other = contextvars.ContextVar("set_throughout")
 
-    def block(x):
-        return (lin(x) * var.get(1.0)).sin()
+    def run(ckpt):
+        lin = _linear(84)
 
-    def forward_then_backward():
-        out = remat.checkpoint(region_name="unset")(block)(_x(85))
+        def block(x):
+            return (lin(x) * var.get(1.0) * other.get()).sin()
+
+        fn = remat.checkpoint(region_name="unset")(block) if ckpt else block
+        x = _x(85)
+        other.set(0.5)
+        out = fn(x)
         var.set(4.0)  # the replay would read 4.0, where the forward read the default 1.0
         out.sum().backward()
+        assert var.get() == 4.0 and other.get() == 0.5  # the caller's values stand
+        return [x.grad, *(p.grad for p in lin.parameters())]
 
-    context = contextvars.Context()  # (one where the variable was never set)
-    with pytest.raises(remat.RecomputeMismatchError, match="ContextVar 'unset_in_forward', which had no value"):
-        context.run(forward_then_backward)
-    assert context[var] == 4.0  # the caller's value stands
-
-
-KERNEL_VAR = contextvars.ContextVar("kernel", default=None)
-
-
-class _SetsAroundItsBody(nn.Module):
-    """Sets a context variable around its body and resets it, as transformers'
-    ``use_kernelized_func`` does around a layer's forward; its Linear is kept."""
-
-    def __init__(self, seed):
-        super().__init__()
-        self.lin = _linear(seed)
-
-    def forward(self, x):
-        token = KERNEL_VAR.set({"kernel": "inside"})
-        try:
-            h = remat.recompute_needs_tensor(remat.region(self.lin, "lin", recompute=False)(x))
-            assert KERNEL_VAR.get() is not None
-            return torch.tanh(h)
-        finally:
-            KERNEL_VAR.reset(token)
-
-
-class _ReadsOutside(nn.Module):
-    def forward(self, x):
-        return x * (2.0 if KERNEL_VAR.get() is None else 1.0)
-
-
-def test_a_context_variable_set_around_a_save_region_is_not_left_set_by_the_replay():
-    # Before: where the replay skipped the SAVE body it set the value the forward
-    # had there, and putting the caller's back left the variable set in the
-    # caller's context: the next checkpoint's replay refused it ("had no value when
-    # its forward ran"), and code outside the checkpoints read the leaked value
-    # (the next step's loss and gradients silently differed).
-    def steps(ckpt):
-        blocks = [_SetsAroundItsBody(90 + i) for i in range(2)]
-        calls = [remat.checkpoint(region_name=f"b{i}")(b) if ckpt else b for i, b in enumerate(blocks)]
-        head = _ReadsOutside()
-        grads = []
-        for step in range(2):
-            x = _x(92 + step)
-            h = x
-            for call in calls:
-                h = call(h)
-            head(h).sum().backward()
-            assert KERNEL_VAR.get() is None  # as the forward left it
-            grads.extend([x.grad, *(p.grad.clone() for b in blocks for p in b.parameters())])
-            for b in blocks:
-                b.zero_grad()
-        return grads
-
-    expected = contextvars.Context().run(steps, False)
+    expected = contextvars.Context().run(run, False)
     with recorded_replays() as replayed:
-        got = contextvars.Context().run(steps, True)
-    assert replayed == ["b1", "b0"] * 2
+        got = contextvars.Context().run(run, True)
+    assert replayed == ["unset"]
     _same(expected, got)
+
+
+def test_a_context_variable_unset_where_a_save_region_returns_and_set_in_backward_is_refused_by_name():
+    # (the replay cannot unset it midway: the code before the region set it)
+    var = contextvars.ContextVar("unset_midway")
+    lin = _linear(88)
+
+    def body(x):
+        var.reset(token[0])
+        return lin(x)
+
+    def block(x):
+        token[0] = var.set(2.0)
+        h = remat.recompute_needs_tensor(remat.region(body, "body", recompute=False)(x))
+        return (h * var.get(1.0)).sin()
+
+    token = [None]
+
+    def forward_then_backward():
+        out = remat.checkpoint(region_name="midway")(block)(_x(89))
+        out.sum().backward()
+
+    with pytest.raises(remat.RecomputeMismatchError, match="ContextVar 'unset_midway', which had no value"):
+        contextvars.Context().run(forward_then_backward)
 
 
 @pytest.mark.parametrize("kind", ["ContextVar", "threading.local"])

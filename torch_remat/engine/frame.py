@@ -72,7 +72,7 @@ from .context import (
     note_exception,
     profiler_range,
 )
-from .module_state import ModuleState, entry_known, local_changed, local_watch
+from .module_state import ContextVarUnset, ModuleState, entry_known, local_changed, local_watch
 from .module_state import restore as restore_module_state
 from .observers import observers_for_new_checkpoint
 from .rebuild import Rebuilds, RebuiltSave, describe_rebuilt
@@ -581,6 +581,11 @@ class CheckpointFrame:
             module_state = self.module_state
             buffers = module_state.buffers_now() if module_state is not None and module_state.buffer_groups else None
             contents = module_state.containers_now() if module_state is not None and module_state.containers else None
+            if module_state is not None:
+                # what the code before the body rebound is replayed: the look where
+                # the body returns compares with the attributes as the body found them
+                # (a body that sets back a value the code before it changed)
+                module_state.attributes_rebound()
             modes = (_grad_enabled(), _default_dtype())
             # the body's closure and arguments, which may hold this forward's own
             # Python state: changed there, the replay runs the body again
@@ -648,7 +653,8 @@ class CheckpointFrame:
         snapshots; Python's random, NumPy's generator and the held generators if they
         moved since the last look (in the body or before it: the replay sets the
         state the forward had here, whatever the body drew); the module attributes,
-        module-level variables and closure values rebound since the last look, and
+        module-level variables and closure values the body rebound (the look
+        before it took them as the body found them), and
         what the body changed in the containers (``contents``: theirs at its start)."""
         # (one call per region: this runs at every SAVE region's return)
         states = self._snapshot_after_region() if self.state_hooks else _NO_STATES
@@ -924,7 +930,21 @@ class CheckpointFrame:
         sets (the forward's values where it skips a SAVE region, a ``var.set`` of the
         replayed code) are never seen by the caller, whose context ends the backward
         as it was."""
-        return contextvars.copy_context().run(self._replay, key)
+        context = contextvars.copy_context()
+        unset: set[contextvars.ContextVar] = set()
+        while True:
+            try:
+                return context.run(self._replay, key)
+            except ContextVarUnset as e:
+                # a variable the forward ran without, set since: the replay runs in
+                # a context holding the caller's values of all the others
+                if not e.installing or e.var in unset:
+                    raise RecomputeMismatchError(*e.args).with_traceback(e.__traceback__) from None
+                unset.add(e.var)
+                context = contextvars.Context()
+                for var, value in contextvars.copy_context().items():
+                    if var not in unset:
+                        context.run(var.set, value)
 
     def _replay(self, key: Any) -> Recreated:
         if not self.forward_done:

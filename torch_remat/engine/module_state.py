@@ -461,8 +461,9 @@ class _ContextVarValue(_AttributeView):
         if not self.tokens or self.tokens[-1].old_value is not contextvars.Token.MISSING:
             # The forward ran where the variable had no value, the replay where it
             # has one: a variable cannot be unset, so the replay cannot see what the
-            # forward saw.
-            raise RecomputeMismatchError(
+            # forward saw in this context (install: the replay runs again in a
+            # context without it, see ContextVarUnset).
+            raise ContextVarUnset(self.target,
                 f"torch_remat: the checkpointed code reads the contextvars.ContextVar "
                 f"'{self.target.name}', which had no value when its forward ran and has one "
                 "when backward recomputes it; a replay cannot unset it. Set it before the "
@@ -475,6 +476,18 @@ class _ContextVarValue(_AttributeView):
         value = self._now()[key]
         del self[key]
         return value
+
+
+class ContextVarUnset(RecomputeMismatchError):
+    """A context variable without a value where the forward started has one where
+    the replay runs. Raised while the replay installs the forward's state, the
+    replay runs again in a context without it (``CheckpointFrame.replay``);
+    raised later (where a replay skips a SAVE region), it is the error."""
+
+    def __init__(self, var: contextvars.ContextVar, message: str) -> None:
+        super().__init__(message)
+        self.var = var
+        self.installing = False  # (raised by ModuleState.install)
 
 
 def _attributes(obj: Any) -> list[Any]:
@@ -2345,7 +2358,9 @@ class ModuleState:
 
     def attributes_rebound(self) -> list[tuple[dict, Any, Any]] | None:
         """In the forward, where a SAVE region returns: the module attributes rebound
-        (or added, or deleted) since the last look, as ``(__dict__, key, value)``. The
+        (or added, or deleted) since the last look (the engine looks where a top-level
+        SAVE region's body starts too, so that only the body's changes are returned),
+        as ``(__dict__, key, value)``. The
         replay skips the region's body and sets them (:meth:`skip_attributes`), so the
         code after it reads what the body left (``self.calls += 1`` in the body).
         None when nothing changed: one identity comparison per module in C."""
@@ -2595,7 +2610,9 @@ class ModuleState:
             # register_hook inside the forward) are removed when it ends: the
             # forward's registration is the one backward runs
             undo.append((_TensorHooks(self), None, None))
-        except BaseException:
+        except BaseException as e:
+            if type(e) is ContextVarUnset:
+                e.installing = True
             restore(undo)
             raise
         return undo
