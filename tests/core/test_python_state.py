@@ -668,6 +668,53 @@ def test_a_value_the_code_before_a_save_region_set_and_its_body_set_back_is_repl
 SET_BEFORE_SCALE = 1.0
 
 
+@pytest.mark.parametrize("case", ["caller resets the counter before backward", "body sets back a value"])
+def test_what_the_replay_writes_is_undone_where_the_caller_holds_the_entry_value(case):
+    # Before: the replay's writes were undone only where the caller's value differed
+    # from the one at the checkpoint's entry; a counter the caller reset to that
+    # value read 1 after backward (and the next step's forward read it).
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.lin = _linear(95), _linear(96)
+            self.calls = 0
+            self.scale = 1.0
+
+        def forward(self, x):
+            self.calls = self.calls + 1
+            h = self.pre(x).tanh() * self.calls * self.scale
+            old = self.scale
+            if case.startswith("body"):
+                self.scale = 2.0
+
+            def body(t):
+                self.scale = old
+                return self.lin(t).tanh()
+
+            return remat.region(body, "lin", recompute=False)(h)
+
+    def run(ckpt):
+        m = Counting()
+        fn = remat.checkpoint(region_name="counting")(m) if ckpt else m
+        out = []
+        for step in range(2):
+            x = _x(97 + step)
+            loss = fn(x).sin().sum()
+            if case.startswith("caller"):
+                m.calls = 0
+            loss.backward()
+            out.extend([x.grad, *(p.grad.clone() for p in m.parameters())])
+            m.zero_grad()
+            assert (m.calls, m.scale) == ((0 if case.startswith("caller") else step + 1), 1.0)
+        return out
+
+    expected = run(False)
+    with recorded_replays() as replayed:
+        got = run(True)
+    assert replayed == ["counting"] * 2
+    _same(expected, got)
+
+
 # ---------------------------------------------------------------- tensors in dict attributes
 
 

@@ -2610,6 +2610,8 @@ class ModuleState:
             # register_hook inside the forward) are removed when it ends: the
             # forward's registration is the one backward runs
             undo.append((_TensorHooks(self), None, None))
+            # (restore applies it first: see _ReplayWrites)
+            undo.append((_ReplayWrites(self, list(map(_tag_of, versions)) if versions is not None else None), None, None))
         except BaseException as e:
             if type(e) is ContextVarUnset:
                 e.installing = True
@@ -2657,6 +2659,54 @@ class _RequiresGrad:
 
     def __setitem__(self, _key: Any, before: bool) -> None:
         self.tensor.requires_grad_(before)
+
+
+class _ReplayWrites:
+    """An undo entry, the first :func:`restore` applies: what the replay wrote to the
+    attributes, class attributes, configurations, module-level variables and closure
+    values the state records is set back to their entry values; the undo entries
+    :meth:`ModuleState.install` made before it then give the caller's values back
+    where they differed. Where the caller's value was the entry's (a counter the
+    caller reset before backward, a value a SAVE body set back), install changed
+    nothing, and only this undoes the replay's write (``self.calls += 1`` again).
+    ``tags``: the version tags of the reused capture's dicts when install ended;
+    equal after the replay, it wrote none of them."""
+
+    __slots__ = ("state", "tags")
+
+    def __init__(self, state: ModuleState, tags: list[int] | None) -> None:
+        self.state = state
+        self.tags = tags
+
+    def __setitem__(self, _key: Any, _before: Any) -> None:
+        state = self.state
+        tags = self.tags
+        if tags is None or list(map(_tag_of, state.versions)) != tags:
+            for d, entry, _, _ in state.others:
+                # (a context variable: the replay's context is dropped with it)
+                if type(d) is not _ContextVarValue and (
+                    len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values()))
+                ):
+                    _install_attributes(d, entry, [])
+            for d, entry in state.class_values:
+                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                    _install_attributes(d, entry, [])
+        for d, entry in state.configs:
+            if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                _install_attributes(d, entry, [])
+        for g, name, value in state.global_values:
+            if g.get(name, _MISSING) is not value:
+                if value is _MISSING:
+                    g.pop(name, None)
+                else:
+                    g[name] = value
+        for cell, value in state.cell_values:
+            if _cell_contents(cell) is not value:
+                slot = _CellSlot(cell)
+                if value is _MISSING:
+                    del slot[None]
+                else:
+                    slot[None] = value
 
 
 class _TensorHooks:
