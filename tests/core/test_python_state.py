@@ -1738,6 +1738,67 @@ def test_a_context_variable_unset_where_a_save_region_returns_and_set_in_backwar
         contextvars.Context().run(forward_then_backward)
 
 
+TOGGLED_VAR = contextvars.ContextVar("toggled", default=1.0)
+
+
+class _TogglesAroundRegions(nn.Module):
+    """Sets a context variable before each SAVE region (once with a token reset
+    after it), each body setting it back to the value the code before it replaced."""
+
+    def __init__(self):
+        super().__init__()
+        self.r0, self.r1, self.tail = _linear(98), _linear(99), _linear(100)
+
+    def forward(self, x):
+        old0 = TOGGLED_VAR.get()
+        TOGGLED_VAR.set(0.5)
+        token = TOGGLED_VAR.set(0.5)
+
+        def body0(t):
+            TOGGLED_VAR.set(old0)
+            return self.r0(t).tanh()
+
+        h = remat.recompute_needs_tensor(remat.region(body0, "r0", recompute=False)(x.sin()))
+        TOGGLED_VAR.reset(token)
+        old1 = TOGGLED_VAR.get()
+        TOGGLED_VAR.set(2.0)
+
+        def body1(t):
+            TOGGLED_VAR.set(old1)
+            return self.r1(t).tanh()
+
+        h = remat.recompute_needs_tensor(remat.region(body1, "r1", recompute=False)(h))
+        TOGGLED_VAR.set(TOGGLED_VAR.get() + 1.0)
+        return self.tail(h) * TOGGLED_VAR.get()
+
+
+@pytest.mark.parametrize("backward", ["twice, retaining the graph", "on another thread"])
+def test_a_context_variable_toggled_around_save_regions_replays_in_any_context(backward):
+    # Before: the tokens a replay made in its own context were used by the next
+    # replay (ValueError: created in a different Context), and putting the caller's
+    # value back after a replay on a thread whose context lacks the variable was
+    # refused as if the forward had had none.
+    def run(ckpt):
+        TOGGLED_VAR.set(1.5)  # the caller's value when the forward starts
+        m = _TogglesAroundRegions()
+        fn = remat.checkpoint(region_name="toggled")(m) if ckpt else m
+        x = _x(101)
+        loss = fn(x).sum()
+        if backward.startswith("twice"):
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:
+            _backward_on("another thread", loss)
+        assert TOGGLED_VAR.get() == 1.5  # as the forward left it (0.5 + 1)
+        return [x.grad, *(p.grad for p in m.parameters())]
+
+    expected = contextvars.copy_context().run(run, False)
+    with recorded_replays() as replayed:
+        got = contextvars.copy_context().run(run, True)
+    assert replayed == ["toggled"] * (2 if backward.startswith("twice") else 1)
+    _same(expected, got)
+
+
 @pytest.mark.parametrize("kind", ["ContextVar", "threading.local"])
 def test_context_and_thread_local_values_changed_before_each_backward_are_replayed_every_step(kind):
     # (the later steps reuse the first step's capture of the module's state)

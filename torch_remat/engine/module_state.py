@@ -1910,7 +1910,7 @@ class ModuleState:
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
         "hooks_at_entry", "versions", "versions_at_entry", "attr_versions", "versions_seen",
         "contained", "classes_seen", "class_tags", "class_tags_seen", "container_views",
-        "containers_tagged", "configs",
+        "containers_tagged", "configs", "context_vars",
     )
 
     def __init__(
@@ -1971,6 +1971,9 @@ class ModuleState:
         # modules hold (transformers' PreTrainedConfig): set as the forward started
         # them around the replay; their attributes' values are not looked into
         self.configs: list[tuple[dict, dict]] = []
+        # the views of the context variables among ``others``: each replay runs in a
+        # context of its own, so the tokens a view holds are dropped as one starts
+        self.context_vars: list[_ContextVarValue] = []
         # a reused capture's (_Reuse) views of the version tags of the dicts it
         # compared, modules' attributes first, and their values at entry and at the
         # last look (attributes_rebound); None where unknown (then every dict is
@@ -2217,6 +2220,7 @@ class ModuleState:
             state.global_values = global_values
             state.class_values = class_values
             state.configs = [(c.__dict__, c.__dict__.copy()) for c in configs.values()]
+            state.context_vars = [d for d, *_ in others if type(d) is _ContextVarValue]
             if generators:
                 defaults = default_generators()
                 state.generators = tuple(
@@ -2504,7 +2508,8 @@ class ModuleState:
             current = d.get(key, _MISSING)
             if current is value:
                 continue
-            undo.append((d, key, current))
+            if type(d) is not _ContextVarValue:  # (the replay's context is dropped)
+                undo.append((d, key, current))
             if value is _MISSING:
                 del d[key]
             else:
@@ -2515,6 +2520,8 @@ class ModuleState:
         them, fresh copies of updated buffers in place of the buffers. Returns what
         :meth:`restore` puts back."""
         undo: list[tuple[Any, Any, Any]] = []
+        for view in self.context_vars:
+            view.tokens = []  # (an earlier replay's, made in its own context)
         # a reused capture whose dicts all kept their version tags since the forward
         # started, with no global forward hook: every attribute, submodule, parameter
         # slot, hook dict and class attribute is as it was (the versions of the
@@ -2530,7 +2537,9 @@ class ModuleState:
                 # (self.calls += 1) or by the caller (model.eval(), a temperature set
                 # per micro-batch), and attributes added since: as at entry
                 if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
-                    _install_attributes(d, entry, undo)
+                    # (a context variable's value is set in the replay's own context,
+                    # dropped with it: nothing to put back)
+                    _install_attributes(d, entry, undo if type(d) is not _ContextVarValue else [])
                 if kids:
                     for key, child in kids:
                         current = children[key] if key in children else _MISSING
