@@ -2230,6 +2230,7 @@ class ModuleState:
             state.note_entry_tags(memo)
         if memo is not None:
             memo.reuse = None
+            held_objects = [o for o in objects if not _fixed_value(o)]
             if (
                 plain_call and state is not None and not state.hooks_at_entry
                 # (private containers holding nothing that is walked in turn)
@@ -2241,14 +2242,10 @@ class ModuleState:
                 and not cells and all(_fixed_value(v) for _, v in values)
                 # plain objects only where each holds settings alone (a config),
                 # whose __dict__ is compared as the modules' are
-                and len(others) - n_others == sum(not _fixed_value(o) for o in objects)
-                and all(_fixed_value(o) or _settings_object(o, d) for o, (d, *_) in zip(
-                    [o for o in objects if not _fixed_value(o)], others[n_others:]))
+                and len(others) - n_others == len(held_objects)
+                and all(map(_settings_object, held_objects, [o[0] for o in others[n_others:]]))
             ):
-                memo.reuse = _Reuse(
-                    fn, visited, state, [m for _, m in modules], functions,
-                    [o for o in objects if not _fixed_value(o)],
-                )
+                memo.reuse = _Reuse(fn, visited, state, [m for _, m in modules], functions, held_objects)
         return state
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
@@ -2536,7 +2533,7 @@ class ModuleState:
                 # attributes rebound since the forward started, by the forward itself
                 # (self.calls += 1) or by the caller (model.eval(), a temperature set
                 # per micro-batch), and attributes added since: as at entry
-                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                if _rebound(d, entry):
                     # (a context variable's value is set in the replay's own context,
                     # dropped with it: nothing to put back)
                     _install_attributes(d, entry, undo if type(d) is not _ContextVarValue else [])
@@ -2558,11 +2555,11 @@ class ModuleState:
                     else:
                         slot[None] = value
             for d, entry in () if unchanged else self.class_values:
-                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                if _rebound(d, entry):
                     _install_attributes(d, entry, undo)
             for d, entry in self.configs:
                 # a setting changed since the forward started (the attention kernel)
-                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                if _rebound(d, entry):
                     _install_attributes(d, entry, undo)
             for g, name, value in self.global_values:
                 # a module-level variable rebound since (a scale set per step)
@@ -2693,15 +2690,13 @@ class _ReplayWrites:
         if tags is None or list(map(_tag_of, state.versions)) != tags:
             for d, entry, _, _ in state.others:
                 # (a context variable: the replay's context is dropped with it)
-                if type(d) is not _ContextVarValue and (
-                    len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values()))
-                ):
+                if type(d) is not _ContextVarValue and _rebound(d, entry):
                     _install_attributes(d, entry, [])
             for d, entry in state.class_values:
-                if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+                if _rebound(d, entry):
                     _install_attributes(d, entry, [])
         for d, entry in state.configs:
-            if len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values())):
+            if _rebound(d, entry):
                 _install_attributes(d, entry, [])
         for g, name, value in state.global_values:
             if g.get(name, _MISSING) is not value:
@@ -2795,6 +2790,12 @@ def _rebound_since(d: Any, now: Any, last: dict) -> list[tuple[Any, Any, Any]] |
     found = [(d, key, value) for key, value in now.items() if last.get(key, _MISSING) is not value]
     found.extend((d, key, _MISSING) for key in last if key not in now)
     return found
+
+
+def _rebound(d: Any, entry: dict) -> bool:
+    """Whether the attributes ``d`` differ from their copy ``entry`` (a value rebound,
+    added or deleted): one identity comparison per value, in C."""
+    return len(d) != len(entry) or not all(map(operator.is_, d.values(), entry.values()))
 
 
 def _install_attributes(d: dict, entry: dict, undo: list[tuple[Any, Any, Any]]) -> None:
