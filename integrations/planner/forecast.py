@@ -339,7 +339,7 @@ def forecast_remat(
             target, fargs, names, forward=lambda: run.warm_up(target, fargs, loss_fn, names),
             order=order,
         ))
-        names = in_call_order(names, order)
+        names = in_call_order(names, order, "forecast_remat")
         base, checkpoint_base, table, refused = measure_table(
             target, fargs, loss_fn, names, groups, rng_free, measure=run,
             offload=offload_options, peaks=peaks,

@@ -1051,12 +1051,32 @@ def plan_remat(
     return plan
 
 
-def in_call_order(names: Sequence[str], order: Sequence[str]) -> list[str]:
-    """``names`` in the order the forward first called them (``order``); blocks it did
-    not call last, as listed. The plan's blocks are in forward order: the last
-    ``prefetch`` offloaded blocks, which stay on the device, are the last called."""
+def in_call_order(names: Sequence[str], order: Sequence[str], where: str = "plan_remat") -> list[str]:
+    """``names`` in the order the forward first called them (``order``). The plan's
+    blocks are in forward order: the last ``prefetch`` offloaded blocks, which stay
+    on the device, are the last called. A block the forward did not call is refused:
+    every option of it measures nothing, so a plan could not say what it holds in a
+    step that calls it, nor which offloaded block is really the last called."""
+    uncalled = [n for n in names if n not in order]
+    if uncalled:
+        raise ValueError(uncalled_blocks_message(where, uncalled, [n for n in order if n in names]))
     rank = {n: i for i, n in enumerate(order)}
-    return sorted(names, key=lambda n: (rank.get(n, len(rank)), names.index(n)))
+    return sorted(names, key=rank.__getitem__)
+
+
+def uncalled_blocks_message(where: str, uncalled: Sequence[str], called: Sequence[str]) -> str:
+    listed = ", ".join(repr(n) for n in uncalled[:8]) + (f" and {len(uncalled) - 8} more" if len(uncalled) > 8 else "")
+    return (
+        f"{where}: the example forward never called block{'s' if len(uncalled) > 1 else ''} {listed} "
+        f"({len(called)} of {len(called) + len(uncalled)} blocks ran). Each block's options are "
+        "measured in that forward, so a block it skips cannot be planned: the plan would not "
+        "say what the block holds in a step that calls it, and an offloaded plan would leave the "
+        "wrong block on the device. A block skipped at random (layerdrop: a config's `layerdrop` "
+        "or `encoder_layerdrop` above 0 in training mode) is planned with the skipping off (set "
+        "it to 0 for the planning call: a step that skips blocks then holds less than the plan); "
+        "a block this forward never calls is left out, with a predicate naming the called ones: "
+        f"blocks=lambda m: m in {{model.get_submodule(n) for n in {list(called)!r}}}."
+    )
 
 
 def block_groups(names: Sequence[str], groups: Sequence[Group]) -> list[list[int]]:
