@@ -266,6 +266,8 @@ class RematPlan:
             return self._peak_from_transients(staying, ahead)
         held = self.base_for(self.choices)
         worst = 0
+        k = self.offload.prefetch if self.offload is not None else 0
+        moved_ahead = {b for b, m in enumerate(chosen) if k and m.option.offload and b not in staying}
         for b, m in enumerate(chosen):
             backward = self._resident_twin(b) if b in staying else m
             forward = max(m.forward_rise, backward.forward_rise or 0)
@@ -274,7 +276,12 @@ class RematPlan:
             # frozen block's or one run without gradients; what the backward does
             # after it is in the phase of the block before)
             if backward.rise is not None:
-                worst = max(worst, held + backward.rise + ahead[b])
+                rise = backward.rise
+                if b in moved_ahead:
+                    twin = self._resident_twin(b)
+                    if twin.rise is not None:
+                        rise = max(rise, twin.rise + m.host_bytes - m.staying)
+                worst = max(worst, held + rise + ahead[b])
             held += m.bytes + (m.staying if b in staying else 0)
         worst = max(worst, held + max(m.head for m in chosen))
         if staying or any(ahead):
