@@ -1066,12 +1066,12 @@ def in_call_order(names: Sequence[str], order: Sequence[str], where: str = "plan
     step that calls it, nor which offloaded block is really the last called."""
     uncalled = [n for n in names if n not in order]
     if uncalled:
-        raise ValueError(uncalled_blocks_message(where, uncalled, [n for n in order if n in names]))
+        raise ValueError(_uncalled_blocks_message(where, uncalled, [n for n in order if n in names]))
     rank = {n: i for i, n in enumerate(order)}
     return sorted(names, key=rank.__getitem__)
 
 
-def uncalled_blocks_message(where: str, uncalled: Sequence[str], called: Sequence[str]) -> str:
+def _uncalled_blocks_message(where: str, uncalled: Sequence[str], called: Sequence[str]) -> str:
     listed = ", ".join(repr(n) for n in uncalled[:8]) + (f" and {len(uncalled) - 8} more" if len(uncalled) > 8 else "")
     return (
         f"{where}: the example forward never called block{'s' if len(uncalled) > 1 else ''} {listed} "
