@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import math
 import os
+import queue
 import sys
 
 import torch
@@ -153,6 +154,62 @@ class UnseenCounter:
         self.box.value = v
 
 
+class UnseenLog:
+    """A list of entries kept in a ``queue.SimpleQueue``: state remat does not record
+    (the contents of a list, dict or set the checkpointed code holds, it does, and
+    sets them around the replay), so the log holds what the forward and the replay
+    logged, in the order they ran. Compares equal to a list of the same entries."""
+
+    __slots__ = ("_queue",)
+    __hash__ = None
+
+    def __init__(self, entries=()) -> None:
+        self._queue = queue.SimpleQueue()
+        self.extend(entries)
+
+    def append(self, entry) -> None:
+        self._queue.put(entry)
+
+    def extend(self, entries) -> None:
+        for entry in entries:
+            self._queue.put(entry)
+
+    def clear(self) -> None:
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    def pop(self):
+        """Remove and return the last entry."""
+        entries = self._entries()
+        self.clear()
+        self.extend(entries[:-1])
+        return entries[-1]
+
+    def _entries(self) -> list:
+        entries = []
+        while not self._queue.empty():
+            entries.append(self._queue.get_nowait())
+        self.extend(entries)
+        return entries
+
+    def __iter__(self):
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return self._queue.qsize()
+
+    def __getitem__(self, index):
+        return self._entries()[index]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, UnseenLog):
+            other = other._entries()
+        return isinstance(other, list) and self._entries() == other
+
+    def __repr__(self) -> str:
+        return f"UnseenLog({self._entries()!r})"
+
+
 class CounterHook:
     """A user RecomputeStateHook for state other than RNG (an int counter)."""
 
@@ -167,11 +224,11 @@ class CounterHook:
 
 
 class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
-    """``save_on_cpu`` that records the shapes it offloads."""
+    """``save_on_cpu`` that records the shapes it offloads (the replay's too)."""
 
     def __init__(self):
         super().__init__()
-        self.offloaded = []
+        self.offloaded = UnseenLog()
         pack = self.pack_hook
 
         def counting_pack(t):
@@ -208,8 +265,8 @@ class Block(nn.Module):
         )
         self.dropout = dropout
         self.save = {name: False for name in BLOCK_REGIONS}
-        # A list to log region bodies into: (the region remat says is running, whether
-        # backward is replaying) per body run. None: no logging.
+        # An UnseenLog to log region bodies into: (the region remat says is running,
+        # whether backward is replaying) per body run. None: no logging.
         self.runs = None
 
     def attention(self, qkv):

@@ -6,13 +6,13 @@ import weakref
 
 import pytest
 import torch
-from helpers import Block, UnseenCounter, assert_bitwise_equal, grads, recorded_replays
+from helpers import Block, UnseenCounter, UnseenLog, assert_bitwise_equal, grads, recorded_replays
 
 import torch_remat as remat
 
 
 def test_save_bodies_run_once_and_recompute_regions_twice():
-    runs = {"save": [], "recompute": []}
+    runs = {"save": UnseenLog(), "recompute": UnseenLog()}
 
     def save_body(x):
         runs["save"].append(remat.is_recomputing())
@@ -34,7 +34,7 @@ def test_save_bodies_run_once_and_recompute_regions_twice():
 
 
 def test_is_recomputing_only_inside_recompute():
-    seen = []
+    seen = UnseenLog()
 
     def fn(x):
         seen.append(remat.is_recomputing())
@@ -60,7 +60,7 @@ def test_regions_outside_a_checkpoint_are_plain_calls():
 
 
 def test_no_grad_and_inference_mode_run_the_function_once():
-    calls = []
+    calls = UnseenLog()
 
     def fn(x):
         calls.append(1)
@@ -113,7 +113,7 @@ def _counter_fn(counter, seen, body_runs=None):
 
 
 def test_state_hook_makes_recompute_see_forward_values():
-    counter, seen, body_runs = CounterHook(), [], []
+    counter, seen, body_runs = CounterHook(), UnseenLog(), UnseenLog()
     fn = _counter_fn(counter, seen, body_runs)
     x = torch.randn(3, requires_grad=True)
     with recorded_replays() as replayed:
@@ -137,7 +137,7 @@ def test_state_hook_makes_recompute_see_forward_values():
 
 
 def test_without_state_hook_recompute_sees_other_values():
-    counter, seen = CounterHook(), []
+    counter, seen = CounterHook(), UnseenLog()
     x = torch.randn(3, requires_grad=True)
     out = remat.checkpoint(region_name="c")(_counter_fn(counter, seen))(x)
     out.sum().backward()
@@ -147,7 +147,7 @@ def test_without_state_hook_recompute_sees_other_values():
 
 
 def test_second_backward_with_retain_graph_replays_identically():
-    counter, seen = CounterHook(), []
+    counter, seen = CounterHook(), UnseenLog()
     x = torch.randn(3, requires_grad=True)
     out = remat.checkpoint(region_name="c", recompute_state_hooks=(counter,))(_counter_fn(counter, seen))(x)
     out.sum().backward(retain_graph=True)
@@ -160,7 +160,7 @@ def test_second_backward_with_retain_graph_replays_identically():
 
 def test_several_state_hooks_are_independent():
     a, b = CounterHook(), CounterHook()
-    seen = []
+    seen = UnseenLog()
 
     def fn(x):
         seen.append((a.value, b.value))
@@ -179,7 +179,7 @@ def test_several_state_hooks_are_independent():
 
 def test_early_stop_skips_trailing_ops_that_save_nothing():
     def runs(**opts):
-        leading, trailing = [], []
+        leading, trailing = UnseenLog(), UnseenLog()
 
         def fn(x):
             leading.append(remat.is_recomputing())
@@ -243,7 +243,7 @@ def test_a_replay_waiting_to_stop_stops_at_a_read_of_an_output_nothing_kept():
 
 
 def test_early_stop_false_replays_everything():
-    trailing = []
+    trailing = UnseenLog()
 
     def fn(x):
         h = x.sin().exp()
@@ -267,7 +267,7 @@ def test_early_stop_false_replays_everything():
 
 def test_all_saves_kept_means_no_recompute():
     def calls_with(recompute_exp):
-        calls = []
+        calls = UnseenLog()
 
         def fn(x):
             calls.append(remat.is_recomputing())
@@ -319,7 +319,7 @@ def test_nothing_is_retained_after_backward():
     block = Block(dim=8, heads=2, dropout=0.0)
     block.save.update(qkv=True, mlp=True)
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
-    refs = []
+    refs = UnseenLog()
 
     # every region output (kept or not) and the block output
     for name in ("attn_norm", "qkv", "out_proj", "mlp_norm", "mlp"):

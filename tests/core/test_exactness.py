@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from helpers import recorded_replays
+from helpers import UnseenLog, recorded_replays
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -57,7 +57,7 @@ def _x(*shape):
 
 
 def test_a_tensor_passed_twice_is_one_object_in_the_replay_too():
-    seen = []
+    seen = UnseenLog()
 
     def fn(a, b):
         seen.append(a is b)

@@ -4,7 +4,7 @@ remat, or a RematError naming what went wrong."""
 
 import pytest
 import torch
-from helpers import kept_bytes, recorded_replays
+from helpers import UnseenLog, kept_bytes, recorded_replays
 
 import torch_remat as remat
 from torch_remat.offload import ActivationOffloader
@@ -370,7 +370,7 @@ def test_a_forward_that_draws_after_its_last_save_replays_to_the_end_exactly():
     # rand draws after dropout's mask, the last tensor backward refills: the replay
     # does not stop there (the generator is not where the forward ended) but runs
     # to the end, whose position matches
-    ends = []
+    ends = UnseenLog()
 
     def body(x):
         y = torch.nn.functional.dropout(x, 0.5) * 3

@@ -9,13 +9,13 @@ import copy
 
 import pytest
 import torch
-from helpers import recorded_replays
+from helpers import UnseenLog, recorded_replays
 from torch import nn
 
 import torch_remat as remat
 
 D = torch.float64
-BODY_RUNS: list[str] = []
+BODY_RUNS = UnseenLog()
 
 
 def _x(seed=0, shape=(3, 6)):
@@ -144,7 +144,7 @@ def test_an_output_that_is_the_regions_argument_is_the_same_object_in_the_replay
     # A nested checkpoint receiving (a, h) where a is h: the replay hands back the
     # argument itself, so the nested one sees one tensor twice in both runs (it
     # kept one input in the forward and two in the replay: a count mismatch).
-    seen = []
+    seen = UnseenLog()
 
     def inner(a, b):
         seen.append(a is b)
@@ -291,7 +291,7 @@ def _where() -> tuple:
 def test_a_region_inside_a_body_made_again_runs_as_in_its_forward():
     # Each body runs under its own region's name in the replay as in the forward
     # (remat.active_checkpoint().region; before: None in the replay).
-    seen = []
+    seen = UnseenLog()
 
     def inner_body(u):
         seen.append(_where())

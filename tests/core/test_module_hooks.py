@@ -5,7 +5,7 @@ computes, and the caller's hooks are back afterwards."""
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, grads
+from helpers import UnseenLog, assert_bitwise_equal, grads
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -91,7 +91,7 @@ def test_hooks_changed_between_forward_and_backward_do_not_reach_the_replay(scen
 
 def test_the_callers_hooks_are_back_after_the_replay_and_run_next_forward():
     block = Block()
-    calls = []
+    calls = UnseenLog()
     removed = block.a.register_forward_hook(lambda m, a, o: calls.append("removed"))
     x = torch.randn(2, 4, requires_grad=True)
     out = remat.checkpoint(region_name="b")(block)(x)
@@ -109,7 +109,7 @@ def test_the_callers_hooks_are_back_after_the_replay_and_run_next_forward():
 
 def test_hooks_present_in_forward_and_backward_run_in_the_replay_too():
     block = Block()
-    calls = []
+    calls = UnseenLog()
     block.a.register_forward_hook(lambda m, a, o: calls.append(remat.is_recomputing()))
     x = torch.randn(2, 4, requires_grad=True)
     remat.checkpoint(region_name="b")(block)(x).sum().backward()

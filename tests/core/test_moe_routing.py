@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import recorded_replays
+from helpers import UnseenLog, recorded_replays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -27,9 +27,10 @@ D = 8
 E = 4
 F64 = torch.float64
 
-# What every call of each MoE dispatched, replays too, by id of the MoE. Module-level:
-# the replay puts a module's Python attributes back as the forward saw them.
-ROUTING: dict[int, list[list[torch.Tensor]]] = {}
+# What every call of each MoE dispatched, replays too, by id of the MoE, in an
+# UnseenLog: remat sets a module's attributes, and the lists and dicts its code
+# reads, around the replay.
+ROUTING: dict[int, UnseenLog] = {}
 DROPPED: dict[int, int] = {}
 
 
@@ -82,8 +83,11 @@ class MoE(nn.Module):
         DROPPED.pop(id(self), None)
 
     @property
-    def routing(self) -> list[list[torch.Tensor]]:
-        return ROUTING.setdefault(id(self), [])
+    def routing(self) -> UnseenLog:
+        log = ROUTING.get(id(self))
+        if log is None:
+            log = ROUTING[id(self)] = UnseenLog()
+        return log
 
     @property
     def dropped(self) -> int:
@@ -305,7 +309,7 @@ def test_apply_remat_with_the_router_as_save_module_is_exact_and_does_not_rerun_
     net = Net(jitter=0.3, keep_router=False)  # the router's SAVE region comes from apply_remat
     x = _x(8)
     ref = _net_grads(net, x)
-    calls = []
+    calls = UnseenLog()
     for layer in net.layers:
         layer.moe.router.gate.register_forward_hook(lambda *a: calls.append(1))
     apply_remat(net, check_fn=lambda m: isinstance(m, Block),

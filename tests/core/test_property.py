@@ -8,7 +8,7 @@ import os
 import weakref
 
 import torch
-from helpers import kept_bytes, recorded_replays
+from helpers import UnseenLog, kept_bytes, recorded_replays
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -59,7 +59,7 @@ class Program:
         self.params = params
         # Each region body run: (its qualified name, the region remat says is
         # running, whether it is a SAVE region, whether backward is replaying).
-        self.runs = []
+        self.runs = UnseenLog()
         self._names = []
 
     def unary(self, op, t, w):

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from helpers import recorded_replays
+from helpers import UnseenLog, recorded_replays
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -31,8 +31,9 @@ def base_input():
 
 
 def logged(fn, runs):
-    """``fn``, appending to ``runs`` at each call whether backward is replaying it: a
-    SAVE region's body runs in the forward only, a recomputed one in the replay too."""
+    """``fn``, appending to ``runs`` (an UnseenLog: the replay's entries stay) at each
+    call whether backward is replaying it: a SAVE region's body runs in the forward
+    only, a recomputed one in the replay too."""
 
     def body(*args):
         runs.append(remat.is_recomputing())
@@ -80,7 +81,7 @@ def test_save_of_an_argument_computed_by_replayed_code_is_rebuilt_not_kept(memor
 
 def test_view_of_an_argument_saved_by_the_region_is_rebuilt(memory_probe):
     lin = linear()
-    runs = []
+    runs = UnseenLog()
 
     def fn(x):
         h = x.exp()  # (8, 32) -> the region reshapes it to (64, 4)... and back
@@ -163,7 +164,7 @@ def test_save_output_consumed_by_a_later_save_region_is_held_once(memory_probe):
 
 def test_replay_stops_exactly_at_the_last_region_whose_saves_it_rebuilds():
     lin = linear()
-    log = []
+    log = UnseenLog()
 
     def mark(name, t):
         if remat.is_recomputing():
@@ -260,7 +261,7 @@ def test_argument_whose_replay_needs_a_matmul_is_kept(memory_probe):
 def test_without_early_stop_an_argument_whose_replay_needs_a_matmul_is_rebuilt(memory_probe):
     w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
     lin = linear()
-    runs = []
+    runs = UnseenLog()
 
     def fn(x):
         h = x.exp() @ w  # the full replay runs the mm anyway: rebuilding h is free
@@ -278,7 +279,7 @@ def test_without_early_stop_an_argument_whose_replay_needs_a_matmul_is_rebuilt(m
 def test_rebuild_always_rebuilds_an_argument_whose_replay_needs_a_matmul(memory_probe):
     w = torch.randn(32, 32, dtype=torch.float64, requires_grad=True)
     lin = linear()
-    runs = []
+    runs = UnseenLog()
 
     def fn(x):
         h = x.exp() @ w  # the replay now runs the mm, which early stop would skip
@@ -351,7 +352,7 @@ def test_input_read_only_by_code_backward_never_replays_is_not_kept(memory_probe
 
 def test_rebuilt_saves_are_refilled_again_for_a_second_backward(memory_probe):
     lin = linear()
-    runs = []
+    runs = UnseenLog()
 
     def fn(x):
         return save(logged(lin, runs), "proj")(x.tanh())
@@ -429,7 +430,7 @@ def test_forward_raising_after_a_save_region_frees_its_rebuilt_saves_without_gc(
     import gc
     import weakref
 
-    seen, runs = [], []
+    seen, runs = [], UnseenLog()
 
     def body(x):
         h = x * 2

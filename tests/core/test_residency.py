@@ -7,7 +7,7 @@ x 256 B, p 512 B, y 32 B, q 96 B, z 48 B (and w 32 B, a leaf weight of the argum
 
 import pytest
 import torch
-from helpers import kept_bytes, recorded_replays
+from helpers import UnseenLog, kept_bytes, recorded_replays
 
 import torch_remat as remat
 
@@ -74,7 +74,7 @@ def check_chain(memory_probe, fn, log, resident, recreated):
 
 @pytest.mark.parametrize("a_saves,b_saves,resident,recreated", ROWS)
 def test_residency_table(memory_probe, a_saves, b_saves, resident, recreated):
-    log = []
+    log = UnseenLog()
     fn = make_chain(a_saves, b_saves, log)
     check_chain(memory_probe, fn, log, resident, recreated)
 
@@ -88,7 +88,7 @@ ARGUMENT_ROWS = [
 
 @pytest.mark.parametrize("a_saves,resident,recreated", ARGUMENT_ROWS)
 def test_save_region_saving_its_argument(memory_probe, a_saves, resident, recreated):
-    log = []
+    log = UnseenLog()
     w = torch.ones(4, dtype=torch.float64, requires_grad=True)  # a leaf: not counted
     chain = make_chain(a_saves, True, log)
 

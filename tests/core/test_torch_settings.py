@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bitwise_equal, grads, recorded_replays
+from helpers import UnseenLog, assert_bitwise_equal, grads, recorded_replays
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
@@ -111,7 +111,7 @@ def test_the_replay_runs_under_the_settings_of_the_forward(case):
 
 
 def test_the_callers_settings_and_modes_are_back_after_the_replay():
-    seen = []
+    seen = UnseenLog()
 
     def body(t):
         if remat.is_recomputing():
@@ -291,7 +291,7 @@ def test_flushing_denormals_is_back_as_the_caller_had_it_after_the_replay():
     def flushing():
         return SETTING_GETTERS[-1]()[1] == 0
 
-    seen = []
+    seen = UnseenLog()
 
     def body(t):
         if remat.is_recomputing():

@@ -4,6 +4,7 @@ import io
 import re
 
 import torch
+from helpers import UnseenLog
 
 import torch_remat as remat
 
@@ -177,7 +178,7 @@ def test_outside_a_checkpoint_and_during_recompute_it_says_so():
     assert remat.format_current_memory_report().startswith(
         "torch_remat: no checkpoint forward is running in this thread"
     )
-    seen = []
+    seen = UnseenLog()
 
     def block(x):
         seen.append(remat.format_current_memory_report())

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import UnseenLog
 
 import torch_remat as remat
 from torch_remat.diagnostics import ActiveCheckpoint
@@ -53,7 +54,7 @@ def read(path):
 
 
 def test_active_checkpoint_names_the_region_running_in_forward_and_recompute():
-    seen = []
+    seen = UnseenLog()
 
     def body(t):
         seen.append(remat.active_checkpoint())

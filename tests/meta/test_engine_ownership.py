@@ -140,7 +140,7 @@ import random  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
-from helpers import recorded_replays  # noqa: E402
+from helpers import UnseenLog, recorded_replays  # noqa: E402
 from torch import nn  # noqa: E402
 
 import torch_remat as remat  # noqa: E402
@@ -289,7 +289,7 @@ def test_the_forward_scratch_is_apart_from_the_record_and_gone_when_the_forward_
     from torch_remat.engine.context import current_pass
     from torch_remat.engine.frame import CheckpointFrame, ForwardScratch
 
-    seen = []
+    seen = UnseenLog()
 
     def block(x):
         seen.append(current_pass().frame)

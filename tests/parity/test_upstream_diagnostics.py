@@ -9,6 +9,7 @@ import io
 
 import pytest
 import torch
+from helpers import UnseenLog
 
 import torch_remat as remat
 
@@ -175,7 +176,7 @@ def test_discovered_roots_skip_fake_tensors_and_the_reports_never_touch_them():
 
 
 def test_is_placeholder_is_true_for_a_skipped_save_output_and_its_views_during_the_replay():
-    seen = []
+    seen = UnseenLog()
 
     def fn(x):
         y = remat.region(lambda t: t * 2, "mul", recompute=False)(x)  # y is not kept

@@ -7,7 +7,7 @@ torch's ``saved_tensors_hooks``, exposes the captured context on
 from __future__ import annotations
 
 import torch
-from helpers import kept_bytes
+from helpers import UnseenLog, kept_bytes
 
 import torch_remat as remat
 from torch_remat import SavedTensorKind
@@ -16,10 +16,11 @@ D = torch.float64
 
 
 class Log:
-    """A pack/unpack pair of one argument each (torch's shape) that records."""
+    """A pack/unpack pair of one argument each (torch's shape) that records (the
+    packs of a replay too)."""
 
     def __init__(self) -> None:
-        self.packed: list[tuple] = []
+        self.packed = UnseenLog()
         self.unpacked = 0
 
     def pack(self, t):
