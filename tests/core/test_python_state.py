@@ -17,7 +17,9 @@ import pytest
 import python_state_config as config
 import state_pkg
 import torch
-from helpers import recorded_replays
+from helpers import UnseenLog, recorded_replays
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import torch_remat as remat
@@ -25,7 +27,8 @@ from torch_remat.integrations import apply_remat
 
 D = torch.float64
 
-REPLAYS: list[str] = []  # what ran while recomputing (not a module attribute: that is state too)
+# what ran while recomputing (an UnseenLog: what a replay appends to a list is undone)
+REPLAYS = UnseenLog()
 
 
 def _x(seed, requires_grad=True):
@@ -799,12 +802,12 @@ def test_a_list_a_dict_and_a_set_the_forward_changes_are_replayed_from_their_ent
     plain, expected = _two_steps(_History, False, 70)
     m, got = _two_steps(_History, True, 70)
     _same(expected, got)
-    # a counter counts once per call and a set holds what the forward added...
+    # a counter counts once per call, a set holds what the forward added and a list
+    # the forward's entries: what the replay changed is undone, as without remat
     assert m.counts == plain.counts == {"calls": 2}
     assert m.steps == plain.steps == {1, 2}
-    # ...and a list keeps the replay's entries after the forward's, as under torch
-    assert len(plain.hist) == 3 and len(m.hist) == 5
-    assert m.hist[1] is not m.hist[2] and torch.equal(m.hist[1], m.hist[2])
+    assert len(plain.hist) == len(m.hist) == 3
+    assert all(torch.equal(a, b) for a, b in zip(plain.hist, m.hist))
 
 
 def test_a_closure_list_the_forward_reads_and_extends_is_replayed_from_its_entry_contents():
@@ -822,10 +825,10 @@ def test_a_closure_list_the_forward_reads_and_extends_is_replayed_from_its_entry
         assert replayed == (["closure_list"] if ckpt else [])
         return seen, [x.grad, lin.weight.grad]
 
-    _, expected = run(False)
+    expected_seen, expected = run(False)
     seen, got = run(True)
     _same(expected, got)
-    assert seen == [False, True]  # the replay's entry is kept after the forward's
+    assert seen == expected_seen == [False]  # the replay's entry is undone
 
 
 def test_contents_the_caller_changes_after_the_forward_are_kept_through_the_replay():
@@ -839,10 +842,247 @@ def test_contents_the_caller_changes_after_the_forward_are_kept_through_the_repl
         m.counts["logged"] = True
         out.sum().backward()
     assert replayed == ["hist"]
-    # the replay read the entry contents, appended one state, and left the
-    # caller's values where the caller put them
-    assert m.hist[0] is mine and len(m.hist) == 2 and entry is not mine
+    # the replay read the entry contents; what it appended is undone and the
+    # caller's values are where the caller put them
+    assert len(m.hist) == 1 and m.hist[0] is mine and entry is not mine
     assert m.counts == {"calls": 10, "logged": True}
+
+
+# ------------------------------------- containers end as the caller left them when backward starts
+#
+# Without remat, backward changes no container: each holds what the caller left in
+# it. The replay's changes (the forward's code run again on the entry contents, a
+# SAVE body's changes done again where the replay skips it) are undone as its
+# attribute writes are. Before, they were merged into the caller's contents: a key
+# or member the caller removed before backward was back, an entry a SAVE body
+# appended was there twice, and the next step read it (silently different gradients).
+
+# (where a SAVE region's body appends to the list, and what the code around it does)
+BODY_CASES = ("body appends, the code after it rebinds that entry", "body sets an entry back and appends",
+              "body appends and is run again by the replay")
+CALLER_CASES = ("caller pops the key the forward set", "caller discards the member the forward added",
+                "caller appends to the list", "caller clears the dict")
+
+
+class _Kept(nn.Module):
+    """Reads and changes a dict, a set and a list it holds, around a SAVE region."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        self.pre, self.r0 = _linear(31), _linear(32)
+        self.cache = {"k": 1.0}
+        self.flags = {"base"}
+        self.aux = [1.0]
+
+    def forward(self, x):
+        case = self.case
+        scale = (len(self.aux) + self.aux[-1] + self.cache.get("bias", 0.5) + len(self.cache)
+                 + (2.0 if "warm" in self.flags else 0.5))
+        h = self.pre(x).tanh() * scale
+        self.cache["bias"] = 2.0
+        self.flags.add("warm")
+        if case not in BODY_CASES:
+            self.aux.append(float(len(self.aux)))
+        gen = torch.Generator().manual_seed(3)
+        old = self.aux[-1]
+        if case == "body sets an entry back and appends":
+            self.aux[-1] = 0.5
+
+        def body(t):
+            if case == "body sets an entry back and appends":
+                self.aux[-1] = old
+            if case == "body appends and is run again by the replay":
+                # (a draw from a generator the forward made: the replay runs the body)
+                t = t * torch.rand((), dtype=D, generator=gen)
+            if case in BODY_CASES:
+                self.aux.append(2.0)
+            return self.r0(t).tanh()
+
+        out = remat.recompute_needs_tensor(remat.region(body, "r0", recompute=False)(h))
+        if case == "body appends, the code after it rebinds that entry":
+            self.aux[-1] = self.aux[-1] * 3.0
+        return (out * 1.5).sin()  # (saves a dropped tensor: the replay runs past the region)
+
+
+def _caller_changes(m, case):
+    """What the caller does between the forward and backward."""
+    if case == "caller pops the key the forward set":
+        m.cache.pop("bias", None)
+    elif case == "caller discards the member the forward added":
+        m.flags.discard("warm")
+    elif case == "caller appends to the list":
+        m.aux.append(-1.0)
+    elif case == "caller clears the dict":
+        m.cache.clear()
+
+
+def _contents_of(m):
+    return dict(m.cache), set(m.flags), list(m.aux)
+
+
+def _kept_steps(case, ckpt, steps=2):
+    """``steps`` forwards and backwards of a fresh :class:`_Kept`: per step the loss,
+    the gradients and the containers' contents after backward."""
+    m = _Kept(case)
+    fn = remat.checkpoint(region_name="kept")(m) if ckpt else m
+    out = []
+    with recorded_replays() as replayed:
+        for step in range(steps):
+            x = _x(33 + step)
+            m.zero_grad(set_to_none=True)
+            loss = fn(x).sum()
+            _caller_changes(m, case)
+            loss.backward()
+            out.append((loss.detach(), [x.grad, *(p.grad for p in m.parameters())], _contents_of(m)))
+    assert replayed == (["kept"] * steps if ckpt else [])
+    return out
+
+
+def _same_steps(expected, got):
+    assert len(expected) == len(got)
+    for step, ((loss_e, grads_e, contents_e), (loss_g, grads_g, contents_g)) in enumerate(zip(expected, got)):
+        assert contents_g == contents_e, f"step {step}: the containers differ"
+        assert torch.equal(loss_e, loss_g), f"step {step}: the loss differs"
+        _same(grads_e, grads_g)
+
+
+@pytest.mark.parametrize("case", CALLER_CASES + BODY_CASES)
+def test_containers_end_as_the_caller_left_them_when_backward_started(case):
+    _same_steps(_kept_steps(case, False), _kept_steps(case, True))
+
+
+@pytest.mark.parametrize("backward", ["twice, retaining the graph", "on another thread"])
+def test_containers_the_caller_changes_before_each_backward_end_as_the_caller_left_them(backward):
+    def run(ckpt):
+        m = _Kept("caller appends to the list")
+        fn = remat.checkpoint(region_name="kept")(m) if ckpt else m
+        x = _x(35)
+        loss = fn(x).sum()
+        m.cache.pop("bias")
+        m.aux.append(-1.0)
+        seen = []
+        if backward.startswith("twice"):
+            loss.backward(retain_graph=True)
+            seen.append(_contents_of(m))
+            m.flags.discard("warm")
+            m.aux.append(-2.0)
+            loss.backward()
+        else:
+            _backward_on("another thread", loss)
+        seen.append(_contents_of(m))
+        return seen, [x.grad, *(p.grad for p in m.parameters())]
+
+    expected_contents, expected = run(False)
+    with recorded_replays() as replayed:
+        got_contents, got = run(True)
+    assert replayed == ["kept"] * (2 if backward.startswith("twice") else 1)
+    assert got_contents == expected_contents
+    _same(expected, got)
+
+
+# (an op on one of the containers: a list, a dict or a set)
+_CONTAINER_OPS = st.sampled_from((
+    "list append", "list pop", "list set last", "list clear", "list extend",
+    "dict set", "dict pop", "dict clear", "set add", "set discard",
+))
+
+
+def _container_op(m, op, n):
+    """Do ``op`` with the number ``n`` (a key, a value) to ``m``'s containers."""
+    aux, cache, flags = m.aux, m.cache, m.flags
+    if op == "list append":
+        aux.append(float(n))
+    elif op == "list pop":
+        if aux:
+            aux.pop()
+    elif op == "list set last":
+        if aux:
+            aux[-1] = float(n)
+    elif op == "list clear":
+        aux.clear()
+    elif op == "list extend":
+        aux.extend([float(n), float(n + 1)])
+    elif op == "dict set":
+        cache[n % 3] = float(n)
+    elif op == "dict pop":
+        cache.pop(n % 3, None)
+    elif op == "dict clear":
+        cache.clear()
+    elif op == "set add":
+        flags.add(n % 4)
+    else:
+        flags.discard(n % 4)
+
+
+class _RandomlyKept(nn.Module):
+    """Reads its containers and changes them with ``ops``: before a SAVE region, in
+    its body (``rerun``: one the replay runs again) and after it."""
+
+    def __init__(self, ops, rerun):
+        super().__init__()
+        self.ops, self.rerun = ops, rerun
+        self.pre, self.r0 = _linear(36), _linear(37)
+        self.aux, self.cache, self.flags = [1.0], {0: 1.0}, {0}
+
+    def _read(self):
+        return 1.0 + 0.1 * (len(self.aux) + sum(self.aux) + sum(self.cache.values()) + sum(self.flags))
+
+    def _do(self, where):
+        for op, n in self.ops[where]:
+            _container_op(self, op, n)
+
+    def forward(self, x):
+        h = self.pre(x).tanh() * self._read()
+        self._do("before")
+        gen = torch.Generator().manual_seed(5)
+
+        def body(t):
+            if self.rerun:
+                t = t * torch.rand((), dtype=D, generator=gen)
+            t = t * self._read()
+            self._do("body")
+            return self.r0(t).tanh()
+
+        out = remat.recompute_needs_tensor(remat.region(body, "r0", recompute=False)(h))
+        out = out * self._read()
+        self._do("after")
+        return (out * self._read()).sin()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.fixed_dictionaries({
+        where: st.lists(st.tuples(_CONTAINER_OPS, st.integers(0, 5)), max_size=4)
+        for where in ("before", "body", "after", "caller")
+    }),
+    rerun=st.booleans(),
+    twice=st.booleans(),
+)
+def test_random_container_changes_end_as_without_remat(ops, rerun, twice):
+    def run(ckpt):
+        m = _RandomlyKept(ops, rerun)
+        fn = remat.checkpoint(region_name="random_kept")(m) if ckpt else m
+        out = []
+        for step in range(2):
+            x = _x(38 + step)
+            m.zero_grad(set_to_none=True)
+            loss = fn(x).sum()
+            for op, n in ops["caller"]:
+                _container_op(m, op, n + step)
+            if twice:
+                loss.backward(retain_graph=True)
+                out.append((loss.detach(), [], _contents_of(m)))
+                _container_op(m, "list append", 9)
+            loss.backward()
+            out.append((loss.detach(), [x.grad, *(p.grad for p in m.parameters())], _contents_of(m)))
+        return out
+
+    expected = run(False)
+    with recorded_replays() as replayed:
+        got = run(True)
+    assert len(replayed) == (4 if twice else 2)
+    _same_steps(expected, got)
 
 
 # ------------------------------------------- generator objects, nested and slotted state, hooks

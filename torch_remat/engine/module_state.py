@@ -42,17 +42,17 @@ tensor it holds and that tensor's version. Around the replay:
   1,024 items) a module-level variable (a carried state ``self.state["h"] = h``,
   a history the forward reads ``self.hist[-1]`` and extends, a dict of counters)
   are recorded too (a shallow copy each; see :func:`_held_state`). The replay runs on the contents
-  the forward started from. Afterwards each holds what it held before the replay,
-  plus what the replay added: entries it appended to a list, keys and set members
-  it added, and keys whose value it changed where neither the forward nor the
-  caller had changed them. So a counter the forward increments in a dict counts
-  once, a list the code appends to in forward and replay alike (to see both run)
-  shows both, and a list the forward appends to gets the replay's entry too, as
-  under ``torch.utils.checkpoint``. A tensor in such a container is version-checked
-  like a tensor attribute (updated in place during the forward or before the replay,
-  it is refused, named by its container and key), and where the replay skips a SAVE
-  region's body, what the body did to a container (entries appended, keys set or
-  removed, members added or removed) is done again there (:class:`_ContentsLeft`);
+  the forward started from. Afterwards each holds again what it held when the
+  replay began, the caller's contents, whatever the replay added, changed or
+  removed (:class:`_Contents`), as the replay's attribute writes are undone: a list
+  the forward appends to holds the forward's entry once, a counter the forward
+  increments in a dict counts once, and a key or member the caller removed before
+  backward stays removed, as without remat. A tensor in such a container is
+  version-checked like a tensor attribute (updated in place during the forward or
+  before the replay, it is refused, named by its container and key), and where the
+  replay skips a SAVE region's body, what the body did to a container (entries
+  appended, keys set or removed, members added or removed) is done again there, for
+  the replay's later code to read, and undone with the rest (:class:`_ContentsLeft`);
 * a buffer the forward itself updated in place (BatchNorm's running statistics,
   spectral norm's power iteration) is copied when the checkpoint starts, and the
   replay runs on a fresh copy of that value, so it computes what the forward did
@@ -916,69 +916,48 @@ def _contained_name(container: Any, key: Any, t: torch.Tensor) -> str:
 
 
 class _Contents:
-    """Adapts a list, dict or set to the ``dict`` protocol of the undo entries:
-    ``restore`` sets it back to the contents it held before the replay, and it
-    keeps what the replay added to ``entry``, the contents the replay ran on
-    (:func:`_merged`)."""
+    """Adapts a list, dict, set or deque to the ``dict`` protocol of the undo
+    entries: ``restore`` gives it back the contents it held when the replay began
+    (the caller's), whatever the replay added, changed or removed; one that holds
+    them still is left alone (a dict's version tag does not move)."""
 
-    __slots__ = ("container", "entry", "skipped")
+    __slots__ = ("container",)
 
-    def __init__(self, container: Any, entry: Any) -> None:
+    def __init__(self, container: Any) -> None:
         self.container = container
-        self.entry = entry
-        # ids of the items (a dict's (key, id(value))) the replay put in where it
-        # skipped a SAVE region's body (_ContentsLeft): the caller has them already
-        self.skipped: set[Any] = set()
 
     def __setitem__(self, _key: Any, before: Any) -> None:
-        if isinstance(self.container, collections.deque):
-            # a window (maxlen): the replay's entries would push out the caller's
+        if not _holds(self.container, before):
             _fill(self.container, before)
-            return
-        _fill(self.container, _merged(self.entry, before, _contents(self.container), self.skipped))
 
 
 class _ContentsLeft:
-    """A container a top-level SAVE region's body changed (``entry``: its contents
-    when the checkpoint started), as a change the replay makes where it skips that
-    body (:meth:`ModuleState.skip_attributes`): the body's change (:func:`_change`)
-    is made again to what the replay's container holds there."""
+    """A container a top-level SAVE region's body changed, as a change the replay
+    makes where it skips that body (:meth:`ModuleState.skip_attributes`): the
+    body's change (:func:`_change`) is made again to what the replay's container
+    holds there, so the replay's later code reads it. :meth:`ModuleState.install`
+    recorded the container's contents before the replay, which it gets back after."""
 
-    __slots__ = ("container", "entry")
+    __slots__ = ("container",)
 
-    def __init__(self, container: Any, entry: Any) -> None:
+    def __init__(self, container: Any) -> None:
         self.container = container
-        self.entry = entry
 
-    def skip(self, change: tuple, undo: list[tuple[Any, Any, Any]]) -> None:
+    def skip(self, change: tuple) -> None:
         container = self.container
-        contents = None
-        for owner, _, _ in undo:
-            if type(owner) is _Contents and owner.container is container:
-                contents = owner
-                break
-        if contents is None:
-            # (ModuleState.install left it alone: it held its entry contents)
-            contents = _Contents(container, self.entry)
-            undo.append((contents, None, _contents(self.entry)))
         kind = change[0]
         if kind == "appended":
-            items = _alive(change[1])
-            container.extend(items)
-            contents.skipped.update(map(id, items))
+            container.extend(_alive(change[1]))
         elif kind == "keys":
             for key, ref in change[1].items():
                 value = _deref(ref)
                 if value is not _MISSING:
                     container[key] = value
-                    contents.skipped.add((key, id(value)))
             for key in change[2]:
                 container.pop(key, None)
         elif kind == "members":
-            items = _alive(change[1])
-            container |= set(items)
+            container |= set(_alive(change[1]))
             container -= change[2]
-            contents.skipped.update(map(id, items))
         else:  # "contents": a list reordered or shortened
             _fill(container, change[1])
 
@@ -1063,37 +1042,6 @@ def _holds(container: Any, entry: Any) -> bool:
     if type(entry) is set:
         return container == entry
     return all(map(operator.is_, container, entry))
-
-
-def _merged(entry: Any, before: Any, after: Any, skipped: set[Any]) -> Any:
-    """The contents after a replay: ``before`` (what the container held when the
-    replay began) with the changes the replay made to ``entry`` (what it started
-    from). A list gets the entries the replay appended (none if the replay did more
-    than append); a dict the keys the replay added or changed where ``before``
-    still held the entry's value; a set the members the replay added or removed.
-    What it put in for a skipped SAVE region's body (``skipped``) is not added."""
-    if type(before) is list:
-        n = len(entry)
-        if len(after) >= n and all(map(operator.is_, after[:n], entry)):
-            added = after[n:]
-            if skipped:
-                added = [x for x in added if id(x) not in skipped]
-            return before + added
-        return before
-    if type(before) is dict:
-        out = dict(before)
-        for k, v in after.items():
-            old = entry.get(k, _MISSING)
-            if v is not old and out.get(k, _MISSING) is old and (k, id(v)) not in skipped:
-                out[k] = v
-        for k, old in entry.items():
-            if k not in after and out.get(k, _MISSING) is old:
-                del out[k]
-        return out
-    added = after - entry
-    if skipped:
-        added = {x for x in added if id(x) not in skipped}
-    return (before | added) - (entry - after)
 
 
 class _CellSlot:
@@ -2477,7 +2425,7 @@ class ModuleState:
         loss to, a dict of counters it incremented. None when it changed none."""
         changes = None
         is_ = operator.is_
-        for (container, entry), was, view in zip(self.containers, before, self.container_views):
+        for (container, _), was, view in zip(self.containers, before, self.container_views):
             if was is None:
                 continue
             if type(was) is _Tagged:
@@ -2490,17 +2438,18 @@ class ModuleState:
             elif _holds(container, was):
                 continue
             changes = changes or []
-            changes.append((_ContentsLeft(container, entry), None, _change(was, _contents(container))))
+            changes.append((_ContentsLeft(container), None, _change(was, _contents(container))))
         return changes
 
     @staticmethod
     def skip_attributes(changes: list[tuple[dict, Any, Any]], undo: list[tuple[Any, Any, Any]]) -> None:
         """In the replay, at a skipped SAVE region: the attributes its body rebound, as
         it left them, and the changes it made to containers; ``undo`` (from
-        :meth:`install`) gets the values to put back."""
+        :meth:`install`, which holds every container's contents already) gets the
+        attributes' values to put back."""
         for d, key, value in changes:
             if type(d) is _ContentsLeft:
-                d.skip(value, undo)
+                d.skip(value)
                 continue
             current = d.get(key, _MISSING)
             if current is value:
@@ -2574,13 +2523,16 @@ class ModuleState:
                         CONTAINED, _contained_name(container, key, t), checkpoint, version, t
                     )
             for container, entry in self.containers:
-                # the contents the forward started from; afterwards, the caller's
-                # and what the replay added (a dict or set holding them still is
-                # left as the replay leaves it: that is what the merge would give)
-                if type(entry) is not list and _holds(container, entry):
+                # the contents the forward started from; afterwards, the caller's,
+                # whatever the replay (or a skipped SAVE body's change done again)
+                # put in or took out
+                if container is entry:  # (a tuple: its tensors are checked above)
                     continue
-                undo.append((_Contents(container, entry), None, _contents(container)))
-                _fill(container, entry)
+                if _holds(container, entry):
+                    undo.append((_Contents(container), None, entry))
+                else:
+                    undo.append((_Contents(container), None, _contents(container)))
+                    _fill(container, entry)
             for owner, key, t, version, prefix, requires_grad in self.params:
                 if version_of(t) != version:
                     raise _modified_before_replay(PARAMETER, prefix + key, checkpoint, version, t)
