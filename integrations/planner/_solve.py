@@ -14,14 +14,37 @@ Frontier entries point back to the entry they extend instead of carrying their
 choice sequence, so a step costs (frontier size x options), not x depth too. Ties
 are broken by position in the previous frontier, then option index: the same
 measurements always give the same plan.
+
+A tensor one block makes and several blocks' options may keep (T5's position
+bias: made by the first block, kept by a later block's checkpoint as an input and
+by a SAVE region of the first block) is held once however many of the chosen
+options keep it: a plan's bytes are then its options' sums plus those tensors'
+bytes once each (:class:`Shared`). The frontier is then one per set of such
+tensors kept so far (only those a block still to come may keep too): an option
+adds the bytes of those it keeps that are not in its state's set. Without such
+tensors it is the plain frontier above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 Cost = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Shared:
+    """Tensors that several blocks' options may keep, counted once per plan."""
+
+    bytes: Mapping[Hashable, int]
+    """Each such tensor's bytes, by its key."""
+    keeps: Sequence[Sequence[frozenset]]
+    """Per block and option, the keys of those the option keeps."""
+    staying_keeps: Sequence[Sequence[frozenset | None]] | None = None
+    """Per block and option, for an offloaded option: the keys it keeps when it is
+    one of the last ``keep`` offloaded blocks, left on the device (None: not
+    offloaded)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +75,7 @@ def frontier(
     options: Sequence[Sequence[tuple[int, Cost] | None]],
     staying: Sequence[Sequence[int | None]] | None = None,
     keep: int = 0,
+    shared: Shared | None = None,
 ) -> list[Point]:
     """The Pareto frontier of plans for blocks whose options are ``options[i]``
     (an entry None: that option may not be chosen), the blocks in forward order.
@@ -60,8 +84,14 @@ def frontier(
     over ``options[i][j]``'s when it is one of the last ``keep`` offloaded blocks of
     the plan (None: not offloaded). The plan's bytes then include them exactly: the
     blocks are taken from the last, with the number of offloaded blocks chosen after
-    the current one (up to ``keep``) as a state, one frontier per state."""
-    if staying is not None and keep > 0 and any(x is not None for row in staying for x in row):
+    the current one (up to ``keep``) as a state, one frontier per state.
+
+    ``shared``: tensors several options may keep, each counted once in a plan's
+    bytes (see :class:`Shared`)."""
+    staying_on = staying is not None and keep > 0 and any(x is not None for row in staying for x in row)
+    if shared is not None and shared.bytes:
+        return _frontier_with_shared(options, staying if staying_on else None, keep, shared)
+    if staying_on:
         return _frontier_with_staying(options, staying, keep)
     layers: list[list[tuple]] = []
     width = next((len(o[1]) for opts in options for o in opts if o is not None), 2)
@@ -120,6 +150,78 @@ def _frontier_with_staying(
             state, k = before, back
         points.append(Point(bytes_, cost, tuple(choices)))
     return points
+
+
+def _frontier_with_shared(
+    options: Sequence[Sequence[tuple[int, Cost] | None]],
+    staying: Sequence[Sequence[int | None]] | None,
+    keep: int,
+    shared: Shared,
+) -> list[Point]:
+    """:func:`frontier` with :class:`Shared` tensors, the staying blocks too where
+    ``staying`` is given. A state is (the keys of the shared tensors the options
+    chosen so far keep that a block still to come may keep too, the number of
+    offloaded blocks chosen so far, up to ``keep``). The blocks are taken in forward
+    order, as :func:`frontier` takes them (the same ties broken the same way),
+    or from the last where blocks stay (which ones do depends on the blocks after)."""
+    width = next((len(o[1]) for opts in options for o in opts if o is not None), 2)
+    order = list(range(len(options)))
+    if staying is not None:
+        order.reverse()
+    step_of = {i: step for step, i in enumerate(order)}
+    # the last step at which a block may keep each tensor: past it, the tensor
+    # leaves the state
+    last: dict[Hashable, int] = {}
+    for rows in (shared.keeps, shared.staying_keeps or ()):
+        for i, row in enumerate(rows):
+            for keys in row:
+                for key in keys or ():
+                    last[key] = max(last.get(key, -1), step_of[i])
+    nothing: frozenset = frozenset()
+    # per state: entries (bytes, cost, rank of the previous state, index in its
+    # list, option, previous state); the rank breaks ties before the state is compared
+    current: dict[tuple[frozenset, int], list[tuple]] = {(nothing, 0): [(0, (0,) * width, -1, -1, -1, None)]}
+    layers: list[dict[tuple[frozenset, int], list[tuple]]] = []
+    for step, i in enumerate(order):
+        grown: dict[tuple[frozenset, int], list[tuple]] = {}
+        for rank, (state, entries) in enumerate(sorted(current.items(), key=_state_order)):
+            kept, count = state
+            for k, (pb, pc, *_) in enumerate(entries):
+                for j, o in enumerate(options[i]):
+                    if o is None:
+                        continue
+                    extra, after, keys = 0, count, shared.keeps[i][j]
+                    if staying is not None and staying[i][j] is not None:
+                        if count < keep:
+                            extra = staying[i][j]
+                            if shared.staying_keeps is not None and shared.staying_keeps[i][j] is not None:
+                                keys = shared.staying_keeps[i][j]
+                        after = min(count + 1, keep)
+                    added = sum(shared.bytes[key] for key in keys if key not in kept)
+                    held = frozenset(key for key in kept | keys if last[key] > step)
+                    grown.setdefault((held, after), []).append(
+                        (pb + o[0] + extra + added, _add(pc, o[1]), rank, k, j, state)
+                    )
+        current = {s: _pareto(e) for s, e in grown.items()}
+        layers.append(current)
+    finals = _pareto([
+        (e[0], e[1], rank, k, s)
+        for rank, (s, es) in enumerate(sorted(current.items(), key=_state_order))
+        for k, e in enumerate(es)
+    ])
+    points = []
+    for bytes_, cost, _, k, state in finals:
+        choices = [0] * len(options)
+        for i, layer in zip(reversed(order), reversed(layers)):
+            _, _, _, back, choices[i], before = layer[state][k]
+            state, k = before, back
+        points.append(Point(bytes_, cost, tuple(choices)))
+    return points
+
+
+def _state_order(item: tuple[tuple[frozenset, int], list]) -> tuple:
+    (kept, count), _ = item
+    return (sorted(kept), count)
 
 
 def cheapest_within(points: Sequence[Point], budget: int) -> Point | None:
