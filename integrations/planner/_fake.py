@@ -70,6 +70,7 @@ from ..apply import remove_remat
 from ._measure import (
     BASE,
     RANGE_PREFIX,
+    BlockOutputs,
     LossFn,
     Measurement,
     PhaseTracker,
@@ -77,8 +78,10 @@ from ._measure import (
     RecomputeCounter,
     _profiled,
     blocks_drawing_no_random_numbers,
+    checkpoint_holders,
     held_bytes_by_block,
     install,
+    output_holders,
 )
 from ._offload import allocating_host_memory
 
@@ -1322,8 +1325,21 @@ def storage_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
+def fake_storage_keys(t: torch.Tensor) -> list[int]:
+    """Keys of the fake storages under ``t`` (a wrapper's inner ones; none for a
+    real tensor)."""
+    if isinstance(t, FakeTensor):
+        return [storage_key(t.untyped_storage())]
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    return [k for name in flatten()[0] for k in fake_storage_keys(getattr(t, name))]
+
+
 @contextlib.contextmanager
-def _block_ranges(ledger: StorageLedger, model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+def _block_ranges(
+    ledger: StorageLedger, model: nn.Module, names: Sequence[str], returned: BlockOutputs | None = None
+) -> Iterator[None]:
     handles = []
     ranges: list[Any] = []
     phases = PhaseTracker(names, ledger.enter_phase)
@@ -1345,6 +1361,8 @@ def _block_ranges(ledger: StorageLedger, model: nn.Module, names: Sequence[str])
             with _disable_current_modes():
                 ranges.pop().__exit__(None, None, None)
             phases.left(_name, out)
+            if returned is not None:
+                returned.left(_name, out)
 
         handles.append(block.register_forward_pre_hook(enter))
         handles.append(block.register_forward_hook(leave, always_call=True))
@@ -1564,12 +1582,21 @@ def measure_fake(
             ledger.replay_started, ledger.replay_ended
         ):
             ledger.see_existing([*model.parameters(), *model.buffers(), *leaves])
-            with _profiled() as prof, _block_ranges(ledger, model, block_names):
+            returned = BlockOutputs(fake_storage_keys)
+            with _profiled() as prof, _block_ranges(ledger, model, block_names, returned):
                 loss = loss_fn(model(*args))
+            report = remat.saved_tensors_report(loss)
+            holders = checkpoint_holders(report, fake_storage_keys)
+            del report  # (its rows hold tensors: the backward must free them)
+            parameters = _parameter_storages(model)
+            outputs = output_holders(
+                {key: n for key, (n, _) in ledger.live.items() if key not in parameters},
+                {key: block for key, (_, block) in ledger.live.items()}, returned, holders,
+            )
             real = held_bytes_by_block(prof)
             for block, n in ledger.shadows_by_block().items():  # counted as fakes
                 real[block] = max(0, real.get(block, 0) - n)
-            fake = ledger.held_by_block(excluding=_parameter_storages(model))
+            fake = ledger.held_by_block(excluding=parameters)
             host: dict[str, int] = {}
             if offloader is not None and hasattr(offloader, "host"):
                 host = dict(offloader.host)
@@ -1606,6 +1633,7 @@ def measure_fake(
         flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
         host_by_block={n: host.get(n, 0) for n in block_names},
+        outputs=outputs,
     )
     result.peak_bytes = peak
     result.phase_peaks = phases

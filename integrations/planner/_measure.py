@@ -71,6 +71,12 @@ block: the head, the loss and their backward."""
 
 LossFn = Callable[[Any], torch.Tensor]
 
+OutputKey = tuple[str, int]
+"""A storage a block returned, named the same in every run: the block that
+allocated it and returned it, and its position among the tensors of the block's
+output (``tree_flatten``). A block that passes it on returns the same storage;
+the name is its maker's."""
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -109,6 +115,10 @@ class Measurement:
     phase_peaks: dict[tuple[str, str], int] | None = None
     """The most bytes alive at once in each phase of the step (keys: see
     :class:`PhaseTracker`; None: not measured)."""
+    outputs: dict[OutputKey, tuple[int, frozenset[str]]] = field(default_factory=dict)
+    """The kept storages that a block returned from its forward and allocated in it
+    (in :attr:`bytes_by_block`, under that block), by :data:`OutputKey`: their
+    bytes, and the blocks keeping them (see :func:`output_holders`)."""
 
     @property
     def total_bytes(self) -> int:
@@ -320,6 +330,85 @@ class PhaseTracker:
             self.switch(key)
 
 
+class BlockOutputs:
+    """The storages each block's forward returned (a replay's call excepted), by
+    ``ident(tensor)`` (the ids of the storages under a tensor: addresses on real
+    tensors, storage keys on fake ones), to name a kept storage the same in every
+    run (see :data:`OutputKey`)."""
+
+    def __init__(self, ident: Callable[[torch.Tensor], list[int]]) -> None:
+        self.ident = ident
+        self.returned: dict[int, dict[str, int]] = {}
+        """Storage id -> block -> position of the first tensor on it in the output
+        of that block's latest call."""
+
+    def left(self, name: str, out: Any) -> None:
+        if remat.is_recomputing():
+            return
+        seen: set[int] = set()
+        for i, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor):
+                for sid in self.ident(t):
+                    if sid not in seen:
+                        seen.add(sid)
+                        self.returned.setdefault(sid, {})[name] = i
+
+    def key(self, sid: int, allocated_by: str) -> OutputKey | None:
+        """The name of storage ``sid`` allocated in block ``allocated_by``'s forward,
+        if that block returned it (a block passing it on returns it too: the maker's
+        is the name); None otherwise. The allocation tells an address handed out
+        again apart: the block returning the earlier storage there did not make
+        this one."""
+        i = self.returned.get(sid, {}).get(allocated_by)
+        return None if i is None else (allocated_by, i)
+
+
+def checkpoint_holders(report: Any, ident: Callable[[torch.Tensor], list[int]]) -> dict[int, set[str]]:
+    """Storage id -> names of the checkpoints (the blocks: ``apply_remat`` names a
+    checkpoint by its module's qualified name) whose holdings in ``report`` (a
+    saved-tensors report) include it: its inputs, SAVE outputs and saves, each
+    checkpoint's whole list, a storage another checkpoint counted included. Ids as
+    the storages' addresses; a row without them (fake tensors) by ``ident`` of its
+    tensor."""
+    out: dict[int, set[str]] = defaultdict(set)
+    for block in report.checkpoints:
+        for row in block.rows():
+            ids = [st.data_ptr for st in row.storages if st.nbytes > 0]
+            if not ids and row.tensor is not None:
+                ids = ident(row.tensor)
+            for sid in ids:
+                out[sid].add(block.name)
+    return dict(out)
+
+
+def output_holders(
+    kept: dict[int, int], allocated: dict[int, str], returned: BlockOutputs, holders: dict[int, set[str]]
+) -> dict[OutputKey, tuple[int, frozenset[str]]]:
+    """:attr:`Measurement.outputs` of a run: of the ``kept`` storages (id -> bytes),
+    those a block allocated (``allocated``: id -> block) and returned, with the
+    checkpoints holding each (``holders``, see :func:`checkpoint_holders`); one
+    that no checkpoint holds is held by the graph, and its maker counts as its
+    holder. (A block called twice names its calls' outputs alike: they are
+    counted together.)"""
+    out: dict[OutputKey, tuple[int, frozenset[str]]] = {}
+    for sid, nbytes in kept.items():
+        block = allocated.get(sid)
+        if not block:  # (outside every block, or before the forward)
+            continue
+        key = returned.key(sid, block)
+        if key is not None:
+            before, others = out.get(key, (0, frozenset()))
+            out[key] = (before + nbytes, others | frozenset(holders.get(sid) or (block,)))
+    return out
+
+
+def storage_ptrs(t: torch.Tensor) -> list[int]:
+    """Addresses of the storages under a real tensor (a wrapper's inner ones)."""
+    found: dict[int, int] = {}
+    _root_storages(t, found)
+    return list(found)
+
+
 def _mark_phase(key: tuple[str, str]) -> None:
     """An instant profiler range naming the phase that begins now."""
     r = torch.profiler.record_function(PHASE_PREFIX + "::".join(key))
@@ -328,9 +417,12 @@ def _mark_phase(key: tuple[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def _block_ranges(model: nn.Module, block_names: Sequence[str]) -> Iterator[None]:
+def _block_ranges(
+    model: nn.Module, block_names: Sequence[str], returned: BlockOutputs | None = None
+) -> Iterator[None]:
     """A profiler range around each block's forward (outside its checkpoint), and a
-    mark where each phase of :class:`PhaseTracker` begins."""
+    mark where each phase of :class:`PhaseTracker` begins; ``returned`` records
+    what each forward returns."""
     handles = []
     open_ranges: dict[nn.Module, list[Any]] = defaultdict(list)
     phases = PhaseTracker(block_names, _mark_phase)
@@ -346,6 +438,8 @@ def _block_ranges(model: nn.Module, block_names: Sequence[str]) -> Iterator[None
         def leave(module: nn.Module, _args: Any, out: Any, _name: str = name) -> None:
             open_ranges[module].pop().__exit__(None, None, None)
             phases.left(_name, out)
+            if returned is not None:
+                returned.left(_name, out)
 
         handles.append(block.register_forward_pre_hook(enter))
         handles.append(block.register_forward_hook(leave, always_call=True))
@@ -437,14 +531,16 @@ def _root_storages(t: Any, out: dict[int, int]) -> None:
         out[st.data_ptr()] = st.nbytes()
 
 
-def kept_storages(loss: Any) -> dict[int, int]:
+def kept_storages(loss: Any, report: Any = None) -> dict[int, int]:
     """Address -> bytes of every storage the step keeps for the backward of ``loss``
     (a tensor or a sequence of them): those :func:`torch_remat.saved_tensors_report`
-    counts, and the loss's own. Found by walking the graph and the checkpoints'
-    holdings, so the answer depends only on what the program holds, not on when
-    another thread drops a buffer it shared."""
+    counts (``report``: that report of ``loss``, made already), and the loss's own.
+    Found by walking the graph and the checkpoints' holdings, so the answer depends
+    only on what the program holds, not on when another thread drops a buffer it
+    shared."""
     out: dict[int, int] = {}
-    report = remat.saved_tensors_report(loss)
+    if report is None:
+        report = remat.saved_tensors_report(loss)
     for block in report.checkpoints:
         for row in block.rows():
             for s in row.storages:
@@ -459,11 +555,15 @@ def kept_storages(loss: Any) -> dict[int, int]:
     return out
 
 
-def kept_bytes_by_block(prof: Any, loss: Any, kept: dict[int, int] | None = None) -> dict[str, int]:
+def kept_bytes_by_block(
+    prof: Any, loss: Any, kept: dict[int, int] | None = None, allocated: dict[int, str] | None = None
+) -> dict[str, int]:
     """Bytes the forward profiled by ``prof`` (inside :data:`FORWARD_RANGE`)
     allocated and the step keeps for the backward of ``loss``, by block (``kept``:
-    the storages to count, default :func:`kept_storages` of ``loss``)."""
-    allocated = _forward_allocations(prof)
+    the storages to count, default :func:`kept_storages` of ``loss``; ``allocated``:
+    ``_forward_allocations(prof)``, read already)."""
+    if allocated is None:
+        allocated = _forward_allocations(prof)
     held: dict[str, int] = defaultdict(int)
     for ptr, nbytes in (kept_storages(loss) if kept is None else kept).items():
         block = allocated.get(ptr)
@@ -519,18 +619,21 @@ def phase_peaks(
 
 
 @contextlib.contextmanager
-def _profiled(block_names: Sequence[str] = (), model: nn.Module | None = None) -> Iterator[Any]:
-    """Profile with the block ranges on and the cycle collector off, so that what the
-    forward allocates is freed by reference counting alone, the same in every run.
-    (Frees of older garbage do not count: only storages allocated under the
-    profiler are paired. No collection first: a full one costs seconds in a
-    process with compiled code.)"""
+def _profiled(
+    block_names: Sequence[str] = (), model: nn.Module | None = None, returned: BlockOutputs | None = None
+) -> Iterator[Any]:
+    """Profile with the block ranges on (``returned``: recording what the blocks
+    return) and the cycle collector off, so that what the forward allocates is
+    freed by reference counting alone, the same in every run. (Frees of older
+    garbage do not count: only storages allocated under the profiler are paired.
+    No collection first: a full one costs seconds in a process with compiled
+    code.)"""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         with contextlib.ExitStack() as stack:
             if model is not None:
-                stack.enter_context(_block_ranges(model, block_names))
+                stack.enter_context(_block_ranges(model, block_names, returned))
             yield stack.enter_context(_profiler())
     finally:
         if was_enabled:
@@ -595,19 +698,26 @@ def measure(
     tensor moves as it is packed); False: the offloader a plan installs."""
     offloader = install(model, config, measuring=measuring)
     host: dict[str, int] = {}
+    returned = BlockOutputs(storage_ptrs)
     try:
         with preserved_state(model, args):
             counter = RecomputeCounter()
-            with _profiled(block_names, model) as prof:
+            with _profiled(block_names, model, returned) as prof:
                 with torch.profiler.record_function(FORWARD_RANGE):
                     loss = loss_fn(model(*args))
-                kept = kept_storages(loss)
+                report = remat.saved_tensors_report(loss)
+                kept = kept_storages(loss, report)
+                holders = checkpoint_holders(report, storage_ptrs)
+                del report  # (its rows hold tensors: the backward must free them)
                 if peak:
                     with counter:
                         loss.backward()
                     del loss
             pooled = offloader.pool.addresses() if offloader is not None else frozenset()
-            held = kept_bytes_by_block(prof, None, {p: n for p, n in kept.items() if p not in pooled})
+            on_device = {p: n for p, n in kept.items() if p not in pooled}
+            allocated = _forward_allocations(prof)
+            held = kept_bytes_by_block(prof, None, on_device, allocated)
+            outputs = output_holders(on_device, allocated, returned, holders)
             if hasattr(offloader, "host"):
                 host = dict(offloader.host)  # what its buffers took, by checkpoint (= block)
             if not peak:
@@ -626,6 +736,7 @@ def measure(
         host_by_block={n: host.get(n, 0) for n in block_names},
         peak_bytes=peak_bytes,
         phase_peaks=phases,
+        outputs=outputs,
     )
 
 

@@ -106,6 +106,11 @@ def format_plan(plan: RematPlan) -> str:
     if staying:
         rows.append([f"(the last {plan.offload.prefetch} offloaded, left on the device)", "",
                      f"{staying:,}", "0", "0"])
+    shared = plan.shared_kept()
+    if shared:
+        makers = ", ".join(dict.fromkeys(block for block, _ in shared))
+        rows.append([f"(outputs of {makers} the options above keep, held once)", "",
+                     f"{sum(shared.values()):,}", "0", "0"])
     rows.append(["(outside blocks)", "", f"{plan.base_for(plan.choices):,}", "0", "0"])
     rows.append(["total", "", f"{plan.predicted_bytes:,}", f"{plan.recompute_flops:,}",
                  f"{plan.recompute_ops:,}"])
@@ -183,20 +188,22 @@ def hand_save_sets(candidates: dict[str, str]) -> dict[str, tuple[str, ...]]:
 def hand_policies(plan: RematPlan) -> dict[str, tuple[int, int, int]]:
     """``(bytes, FLOPs, ops)`` of each hand policy applied to every block, from the
     measured table (policies whose save set was not measured are left out)."""
-    results: dict[str, tuple[int, int, int]] = {}
+    choices: dict[str, list[int]] = {}
     names = None
     for block, options in zip(plan.blocks, plan.table):
         sets = hand_save_sets(_candidates_of(plan, block))
         names = list(sets) if names is None else names
         for name in list(names):
-            found = [m for m in options if m.option.checkpoint and m.option.save == sets[name]]
+            found = [i for i, m in enumerate(options) if m.option.checkpoint and m.option.save == sets[name]]
             if not found:
                 names.remove(name)
-                results.pop(name, None)
                 continue
-            b, f, o = results.get(name, (plan.base_for([1]), 0, 0))
-            results[name] = (b + found[0].bytes, f + found[0].flops, o + found[0].ops)
-    return {n: results[n] for n in names or []}
+            choices.setdefault(name, []).append(found[0])
+    out = {}
+    for name in names or []:
+        policy = plan.with_choices(choices[name])
+        out[name] = (policy.predicted_bytes, policy.recompute_flops, policy.recompute_ops)
+    return out
 
 
 def mismatch_message(plan: RematPlan, measured_by_block: dict[str, int] | None = None) -> str:
@@ -206,9 +213,10 @@ def mismatch_message(plan: RematPlan, measured_by_block: dict[str, int] | None =
     differing = ""
     if measured_by_block is not None:
         staying = set(plan.staying_blocks())
+        made = plan._shared_kept_by_maker()  # counted for their makers, as runs count
         rows = [
-            (name, measured_by_block.get(name, 0), m.bytes + (m.staying if b in staying else 0),
-             m.option.label)
+            (name, measured_by_block.get(name, 0),
+             m.bytes + (m.staying if b in staying else 0) + made.get(name, 0), m.option.label)
             for b, (name, m) in enumerate(zip(plan.blocks, plan.chosen))
         ]
         rows.append(("(outside blocks)", measured_by_block.get("", 0), plan.base_for(plan.choices), ""))

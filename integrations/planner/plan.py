@@ -31,6 +31,7 @@ from ._measure import (
     BASE,
     HEAD,
     LossFn,
+    OutputKey,
     Placement,
     blocks_drawing_no_random_numbers,
     install,
@@ -40,7 +41,7 @@ from ._measure import (
 )
 from ._offload import OffloadOptions, compute_dtype, resolve_profile, timed
 from ._offload import resolve as resolve_offload
-from ._solve import Point, frontier
+from ._solve import Point, Shared, frontier
 from ._space import OFF, BlockSelector, Candidates, Group, Option, group_blocks, select_blocks
 
 Budget = float | int | str
@@ -48,9 +49,13 @@ Budget = float | int | str
 AUTO_MARGIN = 0.1
 """``budget="auto"`` keeps this fraction of the device's total memory free."""
 
-FORMAT_VERSION = 2
-"""Written by plans whose table holds offloaded options (others write 1, which
-every version reads)."""
+FORMAT_VERSION = 3
+"""Written by plans whose table holds options keeping outputs several blocks keep
+(``Measured.shared``); 2 by plans whose table holds offloaded options and none of
+those; others write 1, which every version reads. A reader that predates a
+version refuses it rather than predict other bytes."""
+
+_OFFLOAD_FORMAT = 2
 
 
 class InfeasibleBudgetError(remat.RematError, ValueError):
@@ -93,6 +98,12 @@ class Measured:
     head: int | None = None
     """The peak from the last block's forward returning until the backward reaches
     a block, less the bytes held after the forward, in that run."""
+    shared: tuple[tuple[OutputKey, int], ...] = ()
+    """The tensors this option keeps that one block makes and other blocks' options
+    may keep too, with their bytes (see ``_measure.OutputKey``), not in
+    :attr:`bytes`: a plan holds each once if any option it chooses keeps it (T5's
+    position bias, made by the first block: kept by a later block's checkpoint as
+    an input, and by a SAVE region of the first block around its attention)."""
 
     @property
     def level(self) -> int:
@@ -116,6 +127,8 @@ class Measured:
         for key in ("rise", "forward_rise", "head"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.shared:
+            out["shared"] = [[block, index, n] for (block, index), n in self.shared]
         return out
 
     @staticmethod
@@ -124,6 +137,7 @@ class Measured:
             Option.from_json(d), d["bytes"], d["flops"], d["ops"],
             d.get("host_bytes", 0), d.get("transient", 0), d.get("seconds", 0.0), d.get("staying", 0),
             d.get("rise"), d.get("forward_rise"), d.get("head"),
+            tuple(((block, index), n) for block, index, n in d.get("shared", ())),
         )
 
 
@@ -210,7 +224,31 @@ class RematPlan:
         """Activation bytes held after the forward with the plan applied (device
         bytes: what offloaded blocks move to host memory is not in them, except
         for the last ``prefetch`` offloaded blocks, which stay)."""
-        return self.base_for(self.choices) + sum(m.bytes for m in self.chosen) + self._staying()
+        return (
+            self.base_for(self.choices) + sum(m.bytes for m in self.chosen) + self._staying()
+            + sum(self.shared_kept().values())
+        )
+
+    def shared_kept(self) -> dict[OutputKey, int]:
+        """The tensors the chosen options keep that several blocks' options may keep
+        (see :attr:`Measured.shared`), each once, with their bytes. An offloaded
+        block left on the device keeps what its resident twin keeps, too (what its
+        SAVE regions keep stays)."""
+        staying = set(self.staying_blocks())
+        kept: dict[OutputKey, int] = {}
+        for b, m in enumerate(self.chosen):
+            kept.update(m.shared)
+            if b in staying:
+                kept.update(self._resident_twin(b).shared)
+        return kept
+
+    def _shared_kept_by_maker(self) -> dict[str, int]:
+        """Bytes of :meth:`shared_kept` by the block that made each (allocated in
+        its forward, and counted for it when a run measures by block)."""
+        made: dict[str, int] = {}
+        for (block, _), n in self.shared_kept().items():
+            made[block] = made.get(block, 0) + n
+        return made
 
     def _staying(self) -> int:
         """Device bytes the last ``prefetch`` offloaded blocks keep over what their
@@ -265,6 +303,7 @@ class RematPlan:
         if any(m.forward_rise is None or m.head is None for m in chosen):
             return self._peak_from_transients(staying, ahead)
         held = self.base_for(self.choices)
+        made = self._shared_kept_by_maker()
         worst = 0
         k = self.offload.prefetch if self.offload is not None else 0
         moved_ahead = {b for b, m in enumerate(chosen) if k and m.option.offload and b not in staying}
@@ -282,7 +321,7 @@ class RematPlan:
                     if twin.rise is not None:
                         rise = max(rise, twin.rise + m.host_bytes - m.staying)
                 worst = max(worst, held + rise + ahead[b])
-            held += m.bytes + (m.staying if b in staying else 0)
+            held += m.bytes + (m.staying if b in staying else 0) + made.get(self.blocks[b], 0)
         worst = max(worst, held + max(m.head for m in chosen))
         if staying or any(ahead):
             # Copied back ahead, a block's tensors are on the device at the start of
@@ -364,7 +403,8 @@ class RematPlan:
     @property
     def no_remat_bytes(self) -> int:
         """Activation bytes without any checkpoint (what a fraction budget scales)."""
-        return self.base_bytes + sum(options[0].bytes for options in self.table)
+        shared = {key: n for options in self.table for key, n in options[0].shared}
+        return self.base_bytes + sum(options[0].bytes for options in self.table) + sum(shared.values())
 
     @property
     def options(self) -> dict[str, Option]:
@@ -376,7 +416,8 @@ class RematPlan:
         include the base."""
         if self._frontier is None:
             points = frontier(
-                [[(m.bytes, m.cost) for m in opts] for opts in self.table], *self._staying_table()
+                [[(m.bytes, m.cost) for m in opts] for opts in self.table], *self._staying_table(),
+                shared=self._shared_table(),
             )
             # Shared by the plans for_budget derives: they have the same table.
             based = sorted(
@@ -397,6 +438,22 @@ class RematPlan:
         return [
             [m.staying if m.option.offload else None for m in opts] for opts in self.table
         ], self.offload.prefetch
+
+    def _shared_table(self) -> Shared | None:
+        """For the solver: the tensors several blocks' options may keep, and which
+        each option keeps (None: no option keeps one)."""
+        sizes = {key: n for opts in self.table for m in opts for key, n in m.shared}
+        if not sizes:
+            return None
+        keeps = [[frozenset(key for key, _ in m.shared) for m in opts] for opts in self.table]
+        staying = [
+            [
+                frozenset(key for key, _ in (*m.shared, *(_twin(opts, m) or m).shared)) if m.option.offload else None
+                for m in opts
+            ]
+            for opts in self.table
+        ]
+        return Shared(sizes, keeps, staying)
 
     @property
     def minimum_bytes(self) -> int:
@@ -435,8 +492,9 @@ class RematPlan:
 
     def _unlimited(self) -> int:
         """A bytes budget no plan reaches (``budget=None``: only the peak counts)."""
-        return self.base_bytes + (self.checkpoint_base_bytes or 0) + 2 * sum(
-            max(m.bytes for m in opts) for opts in self.table
+        shared = {key: n for opts in self.table for m in opts for key, n in m.shared}
+        return self.base_bytes + (self.checkpoint_base_bytes or 0) + 2 * (
+            sum(max(m.bytes for m in opts) for opts in self.table) + sum(shared.values())
         )
 
     def with_choices(self, choices: Sequence[int]) -> RematPlan:
@@ -476,7 +534,7 @@ class RematPlan:
             points = frontier([
                 [(m.bytes, m.cost) if level is None or m.level <= level else None for m in opts]
                 for opts in self.table
-            ], *self._staying_table())
+            ], *self._staying_table(), shared=self._shared_table())
             for p in points:
                 if p.choices in found:
                     continue
@@ -595,9 +653,11 @@ class RematPlan:
 
     def to_json(self) -> dict:
         offloads = any(m.option.offload for opts in self.table for m in opts)
+        shared = any(m.shared for opts in self.table for m in opts)
         return {
-            # a reader that knows no offloaded option must refuse such a plan
-            "format": FORMAT_VERSION if offloads else 1,
+            # a reader that knows no offloaded option (no shared output) must refuse
+            # such a plan
+            "format": FORMAT_VERSION if shared else _OFFLOAD_FORMAT if offloads else 1,
             "blocks": self.blocks,
             "table": [[m.to_json() for m in opts] for opts in self.table],
             "choices": self.choices,
@@ -620,10 +680,10 @@ class RematPlan:
 
     @staticmethod
     def from_json(data: dict) -> RematPlan:
-        if data.get("format") not in (1, FORMAT_VERSION):
+        if data.get("format") not in (1, _OFFLOAD_FORMAT, FORMAT_VERSION):
             raise ValueError(
-                f"RematPlan.load: format {data.get('format')!r} is not {FORMAT_VERSION}; "
-                "plan again with this version of torch_remat."
+                f"RematPlan.load: format {data.get('format')!r} is not one this version reads "
+                f"(1, {_OFFLOAD_FORMAT} or {FORMAT_VERSION}); plan again with this version of torch_remat."
             )
         return RematPlan(
             list(data["blocks"]),
@@ -812,6 +872,9 @@ def measure_table(
         b: [Measured(OFF, off.bytes_by_block[b], 0, 0, transient=_transient(off), **rises)]
         for b, rises in _rises(off).items()
     }
+    # per block, beside each table entry: what the run that measured it found of the
+    # blocks' kept outputs and who kept them (None: a refused option's)
+    outputs: dict[str, list[dict | None]] = {b: [getattr(off, "outputs", {})] for b in blocks}
     bases: list[int] = []
     refused: dict[str, str] = {}
 
@@ -829,6 +892,7 @@ def measure_table(
             refused[f"{group.blocks[0]}: {option.label}"] = first_line(e)
             for b in group.blocks:
                 table[b].append(_REFUSED)
+                outputs[b].append(None)
             return
         bases.append(got.bytes_by_block[BASE])
         host = getattr(got, "host_by_block", {})
@@ -838,6 +902,7 @@ def measure_table(
                 Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b],
                          host.get(b, 0), _transient(got), **rises[b])
             )
+            outputs[b].append(getattr(got, "outputs", {}))
 
     for group in groups:
         if group.exhaustive:
@@ -859,16 +924,52 @@ def measure_table(
         for option in group.predicted_options(single, summed(1)):
             run(group, option)
     for b in blocks:
-        table[b] = [m for m in table[b] if m is not _REFUSED]
+        pairs = [(m, o) for m, o in zip(table[b], outputs[b]) if m is not _REFUSED]
+        table[b], outputs[b] = [m for m, _ in pairs], [o for _, o in pairs]
     if offload is not None:
         for group in groups:
             for m in list(table[group.blocks[0]][1:]):
                 if m.option.save:  # a full checkpoint keeps nothing that moves
                     run(group, m.option.offloaded())
+    shared = shared_outputs([o for b in blocks for o in outputs[b] if o is not None])
+    if shared:
+        for b in blocks:
+            table[b] = [_with_shared(m, b, o, shared) for m, o in zip(table[b], outputs[b])]
+    if offload is not None:
         for b in blocks:
             table[b] = _staying_as_twins(table[b])
     base = off.bytes_by_block[BASE]
     return base, max(bases, default=base), [table[b] for b in blocks], refused
+
+
+def shared_outputs(runs: Sequence[dict[OutputKey, tuple[int, frozenset[str]]]]) -> dict[OutputKey, int]:
+    """The blocks' outputs that plans hold once however many options keep them,
+    with their bytes, from every run's kept outputs and their holders (``runs``:
+    ``Measurement.outputs``, one per run): those that some run does not keep and
+    that some run has a block other than their maker keep. An output every run
+    keeps (a block's hidden state, which the next block's first op saves or its
+    checkpoint keeps as an input) is held in every plan and counted for its maker,
+    as the runs measured it; one only its maker ever keeps adds as its options do."""
+    seen: dict[OutputKey, int] = {}
+    others: set[OutputKey] = set()
+    for run in runs:
+        for key, (n, holders) in run.items():
+            seen.setdefault(key, n)
+            if any(h != key[0] for h in holders):
+                others.add(key)
+    return {key: n for key, n in seen.items() if key in others and not all(key in run for run in runs)}
+
+
+def _with_shared(
+    m: Measured, block: str, found: dict[OutputKey, tuple[int, frozenset[str]]], shared: dict[OutputKey, int]
+) -> Measured:
+    """``m`` (measured for ``block`` in a run that found ``found``) with the
+    ``shared`` outputs it keeps in :attr:`Measured.shared`, and those ``block``
+    made taken out of its bytes (counted once per plan, through the options that
+    keep them)."""
+    keeps = tuple(sorted((key, n) for key, (n, holders) in found.items() if key in shared and block in holders))
+    made = sum(n for key, (n, _) in found.items() if key in shared and key[0] == block)
+    return dataclasses.replace(m, bytes=m.bytes - made, shared=keeps)
 
 
 # The engine's refusals of an option's SAVE regions on a model (a SAVE region's
