@@ -73,6 +73,15 @@ def _independent_step_peak(model: nn.Module, x: torch.Tensor) -> int:
     return second_step_peak(model, x)
 
 
+def _peak_applied(plan: RematPlan, model: nn.Module, x: torch.Tensor) -> int:
+    """The step peak of ``model`` with ``plan`` installed (removed after)."""
+    plan.apply(model)
+    try:
+        return _independent_step_peak(model, x)
+    finally:
+        remove_remat(model)
+
+
 def test_an_offload_plan_is_exact_and_holds_the_device_bytes_it_predicts():
     model, x = _model_and_input()
     reference = _grads(model, x)
@@ -436,11 +445,7 @@ def test_with_prefetch_the_predicted_peak_bounds_the_measured_one_for_every_plac
     placements = [[moved] * 3] + [[moved if b == k else resident for b in range(3)] for k in range(3)]
     for choices in placements:
         candidate = plan.with_choices(choices)
-        candidate.apply(model)
-        try:
-            measured = _independent_step_peak(model, x)
-        finally:
-            remove_remat(model)
+        measured = _peak_applied(candidate, model, x)
         predicted = candidate.predicted_peak
         if len(candidate.staying_blocks()) == sum(c == moved for c in choices):
             # every offloaded block stays: the plan runs as its resident twin
@@ -630,11 +635,7 @@ def test_on_uneven_blocks_copied_back_ahead_the_predicted_peak_is_never_under_th
     assert len(placements) >= 12
     for choices in placements[:12]:
         candidate = plan.with_choices(choices)
-        candidate.apply(model)
-        try:
-            measured = _independent_step_peak(model, x)
-        finally:
-            remove_remat(model)
+        measured = _peak_applied(candidate, model, x)
         assert measured <= candidate.predicted_peak <= 1.10 * measured, (choices, measured, candidate.predicted_peak)
 
 
