@@ -90,7 +90,23 @@ def frontier(
     bytes (see :class:`Shared`)."""
     staying_on = staying is not None and keep > 0 and any(x is not None for row in staying for x in row)
     if shared is not None and shared.bytes:
-        return _frontier_with_shared(options, staying if staying_on else None, keep, shared)
+        try:
+            return _frontier_with_shared(options, staying if staying_on else None, keep, shared)
+        except _TooManyStates:
+            # each option counts the shared tensors it keeps as its own: a plan's
+            # bytes are then at most this sum over, never under
+            options = [
+                [None if o is None else (o[0] + sum(shared.bytes[k] for k in shared.keeps[i][j]), o[1])
+                 for j, o in enumerate(opts)]
+                for i, opts in enumerate(options)
+            ]
+            if staying_on and shared.staying_keeps is not None:
+                staying = [
+                    [None if x is None else x + sum(
+                        shared.bytes[k] for k in (shared.staying_keeps[i][j] or frozenset()) - shared.keeps[i][j]
+                    ) for j, x in enumerate(row)]
+                    for i, row in enumerate(staying)
+                ]
     if staying_on:
         return _frontier_with_staying(options, staying, keep)
     layers: list[list[tuple]] = []
@@ -202,6 +218,8 @@ def _frontier_with_shared(
                     grown.setdefault((held, after), []).append(
                         (pb + o[0] + extra + added, _add(pc, o[1]), rank, k, j, state)
                     )
+        if len(grown) > MAX_SHARED_STATES:
+            raise _TooManyStates
         current = {s: _pareto(e) for s, e in grown.items()}
         layers.append(current)
     finals = _pareto([
@@ -217,6 +235,17 @@ def _frontier_with_shared(
             state, k = before, back
         points.append(Point(bytes_, cost, tuple(choices)))
     return points
+
+
+MAX_SHARED_STATES = 4096
+"""The most sets of shared tensors kept one step of :func:`_frontier_with_shared`
+follows (2 for T5). Past it (many skip connections that options keep independently)
+:func:`frontier` counts each option's shared tensors as its own, a sum that can lie
+over a plan's bytes, never under; the plan's prediction still counts each once."""
+
+
+class _TooManyStates(Exception):
+    pass
 
 
 def _state_order(item: tuple[tuple[frozenset, int], list]) -> tuple:

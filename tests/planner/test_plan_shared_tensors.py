@@ -313,3 +313,34 @@ def test_the_solver_counts_each_shared_tensor_once_and_finds_every_pareto_plan(s
     pareto = [p for k, p in enumerate(best) if all(q[1] > p[1] for q in best[:k])]
     assert [(p.bytes, p.cost) for p in points] == pareto
     assert all(plans[p.choices] == (p.bytes, p.cost) for p in points)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_with_more_sets_of_shared_tensors_than_the_solver_follows_it_never_counts_under(offload, monkeypatch):
+    # Each block may keep its own skip tensor, the last keeps them all: after block
+    # i any subset of the first i tensors may be kept, 2**i sets to follow. Past
+    # MAX_SHARED_STATES (2 here) each option counts what it keeps as its own.
+    import random
+
+    from torch_remat.integrations.planner import _solve
+    from torch_remat.integrations.planner._solve import Shared, frontier
+
+    monkeypatch.setattr(_solve, "MAX_SHARED_STATES", 2)
+    rng = random.Random(0)
+    blocks = 6
+    keys = [f"skip{i}" for i in range(blocks - 1)]
+    options = [[(rng.randint(0, 40), (rng.randint(0, 9), 0)) for _ in range(3)] for _ in range(blocks)]
+    keeps = [[frozenset(), frozenset({keys[i]}), frozenset()] for i in range(blocks - 1)]
+    keeps.append([frozenset(), frozenset(keys), frozenset()])
+    staying = [[None, None, rng.randint(0, 9)] for _ in range(blocks)] if offload else None
+    staying_keeps = [[None, None, frozenset(keys[:1])] for _ in range(blocks)] if offload else None
+    shared = Shared({k: rng.randint(1, 30) for k in keys}, keeps, staying_keeps)
+    points = frontier(options, staying, 1 if offload else 0, shared)  # (2**5 sets: past the cap)
+    assert points
+    for p in points:
+        assert p.bytes >= _plan_bytes(options, staying, 1 if offload else 0, shared, p.choices)
+    # under the cap, the exact frontier
+    monkeypatch.setattr(_solve, "MAX_SHARED_STATES", 1 << 12)
+    exact = frontier(options, staying, 1 if offload else 0, shared)
+    assert all(p.bytes == _plan_bytes(options, staying, 1 if offload else 0, shared, p.choices) for p in exact)
+    assert exact[0].bytes <= points[0].bytes
