@@ -1598,8 +1598,9 @@ def measure_fake(
                 real[block] = max(0, real.get(block, 0) - n)
             fake = ledger.held_by_block(excluding=parameters)
             host: dict[str, int] = {}
+            back: dict[str, int] = {}
             if offloader is not None and hasattr(offloader, "host"):
-                host = dict(offloader.host)
+                host, back = dict(offloader.host), offloader.back_now()
             # Real storages of the forward the ledger did not follow (it follows the
             # engine's RNG states): alive for the whole step, at most.
             unfollowed = max(0, sum(real.values()) - sum(ledger.real_live.values()))
@@ -1633,6 +1634,7 @@ def measure_fake(
         flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
         host_by_block={n: host.get(n, 0) for n in block_names},
+        back_by_block={n: back.get(n, 0) for n in block_names},
         outputs=outputs,
     )
     result.peak_bytes = peak

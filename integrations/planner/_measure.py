@@ -109,6 +109,9 @@ class Measurement:
     host_by_block: dict[str, int] = field(default_factory=dict)
     """Bytes of host buffers an offloader holds for the backward, by block (not in
     :attr:`bytes_by_block`, which counts device memory)."""
+    back_by_block: dict[str, int] = field(default_factory=dict)
+    """Device bytes those tensors take once copied back, by block (see
+    ``_offload.MeasuringOffloader.back``)."""
     peak_bytes: int | None = None
     """The most device bytes the step's own storages held at once, from just before
     the forward to the end of the backward (None: not measured)."""
@@ -698,6 +701,7 @@ def measure(
     tensor moves as it is packed); False: the offloader a plan installs."""
     offloader = install(model, config, measuring=measuring)
     host: dict[str, int] = {}
+    back: dict[str, int] = {}
     returned = BlockOutputs(storage_ptrs)
     try:
         with preserved_state(model, args):
@@ -709,6 +713,8 @@ def measure(
                 kept = kept_storages(loss, report)
                 holders = checkpoint_holders(report, storage_ptrs)
                 del report  # (its rows hold tensors: the backward must free them)
+                if hasattr(offloader, "back_now"):
+                    back = offloader.back_now()
                 if peak:
                     with counter:
                         loss.backward()
@@ -734,6 +740,7 @@ def measure(
         flops_by_block={n: counter.flops.get(n, 0) for n in block_names},
         ops_by_block={n: counter.ops.get(n, 0) for n in block_names},
         host_by_block={n: host.get(n, 0) for n in block_names},
+        back_by_block={n: back.get(n, 0) for n in block_names},
         peak_bytes=peak_bytes,
         phase_peaks=phases,
         outputs=outputs,

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import glob
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,8 @@ class MeasuringOffloader(ActivationOffloader):
         super().__init__(*args, **kwargs)
         self.host: dict[str, int] = {}
         """Per checkpoint, the bytes of the host buffers its tensors took."""
+        # per moved tensor still held: its checkpoint and the bytes of its copy back
+        self._moved: weakref.WeakKeyDictionary[Any, tuple[str, int]] = weakref.WeakKeyDictionary()
 
     def pack_hook(self, t: torch.Tensor) -> Any:
         if hasattr(type(t), "__tensor_flatten__"):  # a wrapper: DTensor (tensor parallel)
@@ -141,7 +144,20 @@ class MeasuringOffloader(ActivationOffloader):
             if buffer is not None:  # (moved as packed: the measuring run's prefetch is 0)
                 name = info.checkpoint or ""
                 self.host[name] = self.host.get(name, 0) + buffer.numel() * buffer.element_size()
+                self._moved[packed] = (name, packed.layout.back_nbytes(t.element_size()))
         return packed
+
+    def back_now(self) -> dict[str, int]:
+        """Per checkpoint, the device bytes its moved tensors held now (the forward
+        done) take once copied back, as a prefetch copies back every one of a
+        call's (``CopyLayout.back``): more than :attr:`host` where a tensor with
+        gaps (the gates an LSTM or GRU cell chunks from one tensor) moved its
+        elements only and comes back spanning the gaps again; less where a moved
+        tensor was dropped in the forward."""
+        out: dict[str, int] = {}
+        for name, n in list(self._moved.values()):
+            out[name] = out.get(name, 0) + n
+        return out
 
 
 def offloader_for(

@@ -49,13 +49,16 @@ Budget = float | int | str
 AUTO_MARGIN = 0.1
 """``budget="auto"`` keeps this fraction of the device's total memory free."""
 
-FORMAT_VERSION = 3
-"""Written by plans whose table holds options keeping outputs several blocks keep
-(``Measured.shared``); 2 by plans whose table holds offloaded options and none of
-those; others write 1, which every version reads. A reader that predates a
-version refuses it rather than predict other bytes."""
+FORMAT_VERSION = 4
+"""Written by plans whose table holds offloaded options whose copies back take
+more device bytes than they moved (``Measured.back_bytes``); 3 by plans whose
+table holds options keeping outputs several blocks keep (``Measured.shared``) and
+none of those; 2 by plans whose table holds offloaded options and neither; others
+write 1, which every version reads. A reader that predates a version refuses it
+rather than predict other bytes."""
 
 _OFFLOAD_FORMAT = 2
+_SHARED_FORMAT = 3
 
 
 class InfeasibleBudgetError(remat.RematError, ValueError):
@@ -104,6 +107,15 @@ class Measured:
     :attr:`bytes`: a plan holds each once if any option it chooses keeps it (T5's
     position bias, made by the first block: kept by a later block's checkpoint as
     an input, and by a SAVE region of the first block around its attention)."""
+    back_bytes: int = 0
+    """Offloaded: the device bytes its tensors take once copied back, more than
+    :attr:`host_bytes` where a tensor with gaps comes back spanning them (0: not
+    recorded, a plan saved before it was; :attr:`host_bytes` is taken)."""
+
+    @property
+    def fetched_bytes(self) -> int:
+        """The device bytes an offloaded option's copies back take."""
+        return self.back_bytes or self.host_bytes
 
     @property
     def level(self) -> int:
@@ -121,7 +133,7 @@ class Measured:
 
     def to_json(self) -> dict:
         out = {**self.option.to_json(), "bytes": self.bytes, "flops": self.flops, "ops": self.ops}
-        for key in ("host_bytes", "transient", "seconds", "staying"):
+        for key in ("host_bytes", "transient", "seconds", "staying", "back_bytes"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
         for key in ("rise", "forward_rise", "head"):
@@ -138,6 +150,7 @@ class Measured:
             d.get("host_bytes", 0), d.get("transient", 0), d.get("seconds", 0.0), d.get("staying", 0),
             d.get("rise"), d.get("forward_rise"), d.get("head"),
             tuple(((block, index), n) for block, index, n in d.get("shared", ())),
+            d.get("back_bytes", 0),
         )
 
 
@@ -277,16 +290,22 @@ class RematPlan:
         blocks and in the blocks before it plus its option's rise in its forward and
         backward, and the plan's bytes after the forward plus the head's rise.
 
-        With ``prefetch`` >= 1, two things differ from the runs the offloaded
+        With ``prefetch`` >= 1, four things differ from the runs the offloaded
         options were measured in (``prefetch=0``, see ``_offload``):
 
         * the last ``prefetch`` offloaded blocks stay on the device, so in their
           backward nothing is copied back: their rise is their resident twin's
           (same save set, measured holding those bytes);
+        * an offloaded call's tensors leave the device only when the offloaded call
+          ``prefetch`` later starts packing (the offloader copies call ``n - k`` out
+          from call ``n``): in its own forward a block rises as its twin does, and
+          the forward of every block up to that later call's also holds what the
+          twin holds beyond the offloaded option (:attr:`Measured.staying`);
         * in the backward of block ``b`` the groups of up to ``prefetch`` earlier
           offloaded calls have been copied back ahead of use (the offloader issues
-          call ``n - k``'s copy back when backward reaches call ``n``), so their host
-          bytes are on the device too.
+          call ``n - k``'s copy back when backward reaches call ``n``), so their
+          copies back are on the device too (:attr:`Measured.fetched_bytes`: a
+          tensor with gaps moved its elements and comes back spanning the gaps).
 
         Copies back ahead of use make the start of a block's backward differ from
         its measuring run in what is alive with its tensors; such a plan's peak is
@@ -307,19 +326,21 @@ class RematPlan:
         worst = 0
         k = self.offload.prefetch if self.offload is not None else 0
         moved_ahead = {b for b, m in enumerate(chosen) if k and m.option.offload and b not in staying}
+        not_yet_moved = self._moved_late(moved_ahead)
         for b, m in enumerate(chosen):
-            backward = self._resident_twin(b) if b in staying else m
-            forward = max(m.forward_rise, backward.forward_rise or 0)
-            worst = max(worst, held + forward)
+            twin = self._resident_twin(b)
+            # (with prefetch >= 1 nothing of an offloaded call moves in its own forward)
+            rising = twin if (b in staying or b in moved_ahead) else m
+            forward = max(m.forward_rise, rising.forward_rise or 0)
+            worst = max(worst, held + not_yet_moved[b] + forward)
+            backward = twin if b in staying else m
             # (no backward phase: the backward never reached the block's outputs, a
             # frozen block's or one run without gradients; what the backward does
             # after it is in the phase of the block before)
             if backward.rise is not None:
                 rise = backward.rise
-                if b in moved_ahead:
-                    twin = self._resident_twin(b)
-                    if twin.rise is not None:
-                        rise = max(rise, twin.rise + m.host_bytes - m.staying)
+                if b in moved_ahead and twin.rise is not None:
+                    rise = max(rise, twin.rise + m.fetched_bytes - m.staying)
                 worst = max(worst, held + rise + ahead[b])
             held += m.bytes + (m.staying if b in staying else 0) + made.get(self.blocks[b], 0)
         worst = max(worst, held + max(m.head for m in chosen))
@@ -347,8 +368,25 @@ class RematPlan:
                 started = offloaded.index(b)
             # calls whose backward has started: offloaded[started:]; copied back ahead
             # and not yet used: offloaded[started - k : started] that were moved
-            ahead[b] = sum(chosen[j].host_bytes for j in offloaded[max(0, started - k):started] if j in moved)
+            ahead[b] = sum(chosen[j].fetched_bytes for j in offloaded[max(0, started - k):started] if j in moved)
         return ahead
+
+    def _moved_late(self, moved: set[int]) -> list[int]:
+        """Per block, the device bytes earlier offloaded calls still hold in its
+        forward, not yet copied out: call ``n``'s tensors leave when the offloaded
+        call ``n + prefetch`` packs its first, so the forwards of the blocks after
+        call ``n``'s up to that call's (whose first pack may follow its peak) hold
+        them (see :attr:`predicted_peak`)."""
+        chosen = self.chosen
+        k = self.offload.prefetch if self.offload is not None else 0
+        offloaded = [b for b, m in enumerate(chosen) if m.option.offload]
+        late = [0] * len(chosen)
+        for i, b in enumerate(offloaded):
+            if b not in moved or i + k >= len(offloaded):
+                continue
+            for c in range(b + 1, offloaded[i + k] + 1):
+                late[c] += chosen[b].staying
+        return late
 
     def _peak_from_transients(self, staying: set[int], ahead: list[int]) -> int:
         chosen = self.chosen
@@ -652,12 +690,17 @@ class RematPlan:
     # ---------------------------------------------------------------- files
 
     def to_json(self) -> dict:
-        offloads = any(m.option.offload for opts in self.table for m in opts)
-        shared = any(m.shared for opts in self.table for m in opts)
+        entries = [m for opts in self.table for m in opts]
+        # a reader that knows no offloaded option (no shared output, no copy back
+        # larger than its host bytes) must refuse such a plan
+        if any(m.back_bytes for m in entries):
+            version = FORMAT_VERSION
+        elif any(m.shared for m in entries):
+            version = _SHARED_FORMAT
+        else:
+            version = _OFFLOAD_FORMAT if any(m.option.offload for m in entries) else 1
         return {
-            # a reader that knows no offloaded option (no shared output) must refuse
-            # such a plan
-            "format": FORMAT_VERSION if shared else _OFFLOAD_FORMAT if offloads else 1,
+            "format": version,
             "blocks": self.blocks,
             "table": [[m.to_json() for m in opts] for opts in self.table],
             "choices": self.choices,
@@ -680,10 +723,10 @@ class RematPlan:
 
     @staticmethod
     def from_json(data: dict) -> RematPlan:
-        if data.get("format") not in (1, _OFFLOAD_FORMAT, FORMAT_VERSION):
+        if data.get("format") not in (1, _OFFLOAD_FORMAT, _SHARED_FORMAT, FORMAT_VERSION):
             raise ValueError(
                 f"RematPlan.load: format {data.get('format')!r} is not one this version reads "
-                f"(1, {_OFFLOAD_FORMAT} or {FORMAT_VERSION}); plan again with this version of torch_remat."
+                f"(1 to {FORMAT_VERSION}); plan again with this version of torch_remat."
             )
         return RematPlan(
             list(data["blocks"]),
@@ -896,11 +939,14 @@ def measure_table(
             return
         bases.append(got.bytes_by_block[BASE])
         host = getattr(got, "host_by_block", {})
+        back = getattr(got, "back_by_block", {})
         rises = _rises(got)
         for b in group.blocks:  # an offloaded option's staying bytes: _staying_as_twins
             table[b].append(
                 Measured(option, got.bytes_by_block[b], got.flops_by_block[b], got.ops_by_block[b],
-                         host.get(b, 0), _transient(got), **rises[b])
+                         host.get(b, 0), _transient(got), **rises[b],
+                         # (recorded where it differs: host_bytes stands for it otherwise)
+                         back_bytes=back.get(b, 0) if back.get(b, 0) != host.get(b, 0) else 0)
             )
             outputs[b].append(getattr(got, "outputs", {}))
 

@@ -144,6 +144,22 @@ def test_a_tensor_comes_back_with_its_strides_and_one_with_gaps_moves_only_its_e
     assert off.stats.offloaded_bytes[""] == (3 * DIM * B + 2 * DIM * B) * D.itemsize
 
 
+def test_a_tensor_with_gaps_comes_back_spanning_them_and_the_layout_says_how_many_bytes():
+    # (what a prefetch puts on the device: the planner counts it, not the host bytes)
+    from torch_remat.offload.copies import CopyLayout
+
+    off = offloader(prefetch=0, min_bytes=0)
+    dense = torch.randn(B, DIM, dtype=D)
+    gates = torch.randn(B, 3 * DIM, dtype=D).chunk(3, 1)  # an RNN cell's gates: gaps
+    column = torch.randn(2 * DIM, B, dtype=D).t()[:, ::2]
+    expanded = torch.randn(4 * DIM, B, dtype=D)[::4].unsqueeze(0).expand(2, DIM, B)
+    for t in (dense, *gates, column, expanded):
+        layout = CopyLayout(t)
+        back = off.unpack_hook(off.pack_hook(t))
+        assert layout.back_nbytes(t.element_size()) == back.untyped_storage().nbytes()
+    assert CopyLayout(gates[0]).back_nbytes(8) == ((B - 1) * 3 * DIM + DIM) * 8 > CopyLayout(gates[0]).nbytes(gates[0])
+
+
 def test_bad_prefetch_is_refused():
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         ActivationOffloader(1024, prefetch=-1)

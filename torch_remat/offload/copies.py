@@ -39,6 +39,18 @@ class CopyLayout:
     def nbytes(self, t: torch.Tensor) -> int:
         return self.count * t.element_size()
 
+    def back_nbytes(self, element_size: int) -> int:
+        """The bytes of the storage :meth:`back` makes on the device: what moved, or,
+        for a tensor with gaps, the span of its strides again (the gaps included)."""
+        if self.span:
+            return self.count * element_size
+        span = 1
+        for n, st in zip(self.shape, self.stride):
+            if n == 0:
+                return 0
+            span += (n - 1) * st  # (a broadcast dimension, stride 0, adds nothing)
+        return span * element_size
+
     def host_view(self, buffer: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The ``count`` elements of ``buffer`` (bytes) that hold ``t``."""
         return buffer[: self.nbytes(t)].view(t.dtype)
