@@ -329,6 +329,80 @@ def test_a_module_level_variable_rebound_between_forward_and_backward_is_replaye
     _same(_two_micro_batches(ref, ref_params), got)
 
 
+def _activation(h, scale=2.0):
+    return (h * scale).tanh()
+
+
+def _other_activation(h, scale=2.0):
+    return (h * scale).sin()
+
+
+class CallsAHelper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear(11)
+
+    def forward(self, x):
+        return _activation(self.lin(x)) * x
+
+
+@pytest.mark.parametrize("what", ["code", "defaults"])
+@pytest.mark.parametrize("how", ["helper", "checkpointed function", "closure helper", "module", "apply_remat"])
+def test_a_function_given_another_body_or_defaults_before_backward_is_replayed_as_the_forward_ran_it(how, what):
+    # A reloaded module (IPython's autoreload swaps __code__ in place) or a patched
+    # helper between a forward and its backward: the replay ran the new body or
+    # defaults, the gradients silently differed from the graph autograd recorded.
+    # Now it runs the forward's, and the function ends as the caller left it.
+    def change(f):
+        if what == "code":
+            f.__code__ = _other_activation.__code__
+        else:
+            f.__defaults__ = (3.0,)
+
+    def run(ckpt):
+        lin = _linear(11)
+        local = types.FunctionType(_activation.__code__, globals(), "local", _activation.__defaults__)
+        params = list(lin.parameters())
+        if how == "helper":
+            target = _activation
+
+            def fn(x):
+                return _activation(lin(x)) * x
+        elif how == "checkpointed function":
+            fn = target = types.FunctionType(_activation.__code__, globals(), "block", _activation.__defaults__)
+            params = []
+        elif how == "closure helper":
+            target = local
+
+            def fn(x):
+                return local(lin(x)) * x
+        else:
+            model = CallsAHelper() if how == "module" else nn.Sequential(CallsAHelper())
+            target, params = _activation, list(model.parameters())
+            if ckpt and how == "apply_remat":
+                apply_remat(model, check_fn=lambda m: isinstance(m, CallsAHelper))
+            fn = model
+        if ckpt and how != "apply_remat":
+            fn = remat.checkpoint(region_name="helper")(fn)
+        saved = target.__code__, target.__defaults__
+        x = _x(41)
+        try:
+            with recorded_replays() as replayed:
+                out = fn(x)
+                change(target)
+                out.sum().backward()
+            after = target.__code__, target.__defaults__
+        finally:
+            target.__code__, target.__defaults__ = saved
+        return [x.grad] + [p.grad for p in params], replayed, after
+
+    expected, _, expected_after = run(False)
+    got, replayed, after = run(True)
+    assert replayed == ["helper" if how != "apply_remat" else "0"]
+    assert after == expected_after  # as the caller left it
+    _same(expected, got)
+
+
 CALLS = 0  # counted in a SAVE region's body
 
 

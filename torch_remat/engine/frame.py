@@ -987,9 +987,15 @@ class CheckpointFrame:
             self.set_host_state(self.host_entry)
         unrestored = rng.unrestored() if rng is not None else []
         module_undo = []
-        if self.module_state is not None:
+        state = self.module_state
+        if state is not None and (not state.functions_only or not all(
+            # (a plain function reading no state: installed only where the caller
+            # gave one of its functions another body or defaults since)
+            f.__code__ is code and f.__defaults__ is defaults and f.__kwdefaults__ is kwdefaults
+            for f, (code, defaults, kwdefaults, _) in state.function_parts
+        )):
             try:
-                module_undo = self.module_state.install(self.name)
+                module_undo = state.install(self.name)
                 replay.restore_modules_with(module_undo)
             except BaseException:
                 for h, s in zip(hooks, caller_states):

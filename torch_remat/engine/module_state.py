@@ -1611,6 +1611,35 @@ def _function_parts(f: Any) -> tuple[Any, ...]:
     return (f.__code__, f.__defaults__, f.__kwdefaults__, f.__dict__.get("__wrapped__"))
 
 
+def _parts_of_functions(
+    functions: Any, global_values: list[tuple[dict, str, Any]], cell_values: list[tuple[Any, Any]]
+) -> list[tuple[Any, tuple[Any, ...]]]:
+    """``(function, _function_parts(function))`` of the plain functions among
+    ``functions``, the module-level variables read and the closure values read."""
+    found = [
+        *(f for f in functions if type(f) is types.FunctionType),
+        *(v for _, _, v in global_values if type(v) is types.FunctionType),
+        *(v for _, v in cell_values if type(v) is types.FunctionType),
+    ]
+    return [(f, _function_parts(f)) for f in dict.fromkeys(found)]
+
+
+class _FunctionSlot:
+    """Adapts a function to the ``dict`` protocol of the replay's undo list: its
+    ``__code__``, ``__defaults__`` and ``__kwdefaults__`` by name."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self.function, key, value)
+
+
+_FUNCTION_ATTRIBUTES = ("__code__", "__defaults__", "__kwdefaults__")
+
+
 def _named_module(fn: Any, module: nn.Module) -> tuple[str, nn.Module] | None:
     """``fn.__remat_module__`` where ``fn`` is this package's forward of ``module``
     (``apply_remat``'s): a callable the walk reads as the module alone."""
@@ -1678,12 +1707,7 @@ class _Reuse:
         # (and those among the module-level variables read, a helper the code calls,
         # and in the closure cells read, the function a decorator wraps: the walk
         # followed their reads)
-        functions = [
-            *functions,
-            *(v for _, _, v in state.global_values if type(v) is types.FunctionType),
-            *(v for _, v in state.cell_values if type(v) is types.FunctionType),
-        ]
-        self.functions = [(f, _function_parts(f)) for f in dict.fromkeys(functions)]
+        self.functions = _parts_of_functions(functions, state.global_values, state.cell_values)
         # the root module's class's forward, whose closure the walk read (_roots)
         self.forwards = [(type(m), getattr(type(m), "forward", None)) for m in roots]
         self.modules = tuple(modules)
@@ -1823,6 +1847,7 @@ class _Reuse:
         ]
         state = ModuleState(params, slots, groups, self.others, self.cells)
         state.global_values = self.global_values
+        state.function_parts = self.functions  # (each as compared above)
         state.class_values = self.class_values
         if self.configs:
             state.configs = [(d, d.copy()) for d in self.configs]
@@ -1858,7 +1883,7 @@ class ModuleState:
         "containers", "global_values", "class_values", "globals_seen", "cells_seen",
         "hooks_at_entry", "versions", "versions_at_entry", "attr_versions", "versions_seen",
         "contained", "classes_seen", "class_tags", "class_tags_seen", "container_views",
-        "containers_tagged", "configs", "context_vars",
+        "containers_tagged", "configs", "context_vars", "function_parts", "functions_only",
     )
 
     def __init__(
@@ -1898,6 +1923,11 @@ class ModuleState:
         self.contained: list[tuple[torch.Tensor, int, Any, Any]] = []
         # (module globals, name, value) of the module-level variables the code reads
         self.global_values: list[tuple[dict, str, Any]] = []
+        # (function, its code, defaults and keyword defaults) of the plain functions
+        # the code runs, as the forward ran them (_function_parts)
+        self.function_parts: list[tuple[Any, tuple[Any, ...]]] = []
+        # nothing else recorded: the replay installs nothing unless one was changed
+        self.functions_only = False
         # their values as the last SAVE region left them (see attributes_rebound)
         self.globals_seen: list[Any] | None = None
         # the closure values (cell_values) as the last SAVE region left them
@@ -2160,12 +2190,18 @@ class ModuleState:
             if isinstance(v, torch.Tensor):
                 slots.append(_Slot(g, name, v, any_version(v), "", GLOBAL))
         state = None
-        if params or slots or others or values or global_values or class_values:
+        # (a function alone, reading no state, still runs in the replay as the
+        # forward ran it: its code and defaults are state)
+        function_parts = _parts_of_functions(functions, global_values, values)
+        has_state = bool(params or slots or others or values or global_values or class_values)
+        if has_state or function_parts:
             state = ModuleState(params, slots, groups, others, values)
+            state.functions_only = not has_state
             state.hooks_at_entry = _hooks_at_entry(others)
             state.containers = containers
             state.contained = _contained_tensors(containers)
             state.global_values = global_values
+            state.function_parts = function_parts
             state.class_values = class_values
             state.configs = [(c.__dict__, c.__dict__.copy()) for c in configs.values()]
             state.context_vars = [d for d, *_ in others if type(d) is _ContextVarValue]
@@ -2516,6 +2552,14 @@ class ModuleState:
                 if current is not value:
                     undo.append((g, name, current))
                     g[name] = value
+            for f, parts in self.function_parts:
+                # a function given another body or defaults since (a reloaded module,
+                # a patched helper): run as the forward ran it
+                for key, value in zip(_FUNCTION_ATTRIBUTES, parts):
+                    current = getattr(f, key)
+                    if current is not value:
+                        undo.append((_FunctionSlot(f), key, current))
+                        setattr(f, key, value)
             for t, version, container, key in self.contained:
                 # (a scale kept in a list, a dict of masks: what the replay reads)
                 if any_version(t) != version:
