@@ -111,7 +111,7 @@ class Measurement:
     :attr:`bytes_by_block`, which counts device memory)."""
     back_by_block: dict[str, int] = field(default_factory=dict)
     """Device bytes those tensors take once copied back, by block (see
-    ``_offload.MeasuringOffloader.back``)."""
+    ``_offload.MeasuringOffloader.back_now``)."""
     peak_bytes: int | None = None
     """The most device bytes the step's own storages held at once, from just before
     the forward to the end of the backward (None: not measured)."""
