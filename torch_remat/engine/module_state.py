@@ -1695,7 +1695,7 @@ class _Reuse:
 
     def __init__(
         self, fn: Any, modules: list[nn.Module], state: ModuleState,
-        roots: list[nn.Module] = (), functions: list[Any] = (), objects: list[Any] = (),
+        roots: list[nn.Module] = (), objects: list[Any] = (),
     ) -> None:
         # (holds the objects it compares by identity: none of them can be freed and
         # its id reused while the comparison stands)
@@ -1704,10 +1704,11 @@ class _Reuse:
         self.named = _named_module(fn, roots[0]) if roots else None
         # (cell, value) of the closure cells read, compared by identity
         self.cells = state.cell_values
-        # (and those among the module-level variables read, a helper the code calls,
-        # and in the closure cells read, the function a decorator wraps: the walk
-        # followed their reads)
-        self.functions = _parts_of_functions(functions, state.global_values, state.cell_values)
+        # the plain functions walked, with their code and defaults (the capture's,
+        # _parts_of_functions: those among the module-level variables read, a helper
+        # the code calls, and in the closure cells read, the function a decorator
+        # wraps: the walk followed their reads)
+        self.functions = state.function_parts
         # the root module's class's forward, whose closure the walk read (_roots)
         self.forwards = [(type(m), getattr(type(m), "forward", None)) for m in roots]
         self.modules = tuple(modules)
@@ -2229,7 +2230,7 @@ class ModuleState:
                 and len(others) - n_others == len(held_objects)
                 and all(map(_settings_object, held_objects, [o[0] for o in others[n_others:]]))
             ):
-                memo.reuse = _Reuse(fn, visited, state, [m for _, m in modules], functions, held_objects)
+                memo.reuse = _Reuse(fn, visited, state, [m for _, m in modules], held_objects)
         return state
 
     def finish(self, checkpoint: str, unwritten: BufferMemo) -> None:
