@@ -346,15 +346,53 @@ class CallsAHelper(nn.Module):
         return _activation(self.lin(x)) * x
 
 
-@pytest.mark.parametrize("what", ["code", "defaults"])
-@pytest.mark.parametrize("how", ["helper", "checkpointed function", "closure helper", "module", "apply_remat"])
+def _other_method(self, h, scale=2.0):
+    return (h * scale).sin()
+
+
+def _forward_with_sin(self, x):
+    return self.static_activation(self.activation(self.lin(x))).sin() * x
+
+
+class CallsAMethod(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = _linear(11)
+
+    def activation(self, h, scale=2.0):
+        return (h * scale).tanh()
+
+    @staticmethod
+    def static_activation(h, scale=2.0):
+        return (h * scale).tanh()
+
+    def forward(self, x):
+        return self.static_activation(self.activation(self.lin(x))) * x
+
+
+class _Subclass(CallsAMethod):
+    pass
+
+
+@pytest.mark.parametrize(
+    "how,what",
+    [
+        (how, what)
+        for how in ["helper", "checkpointed function", "closure helper", "module", "apply_remat",
+                    "method", "static method", "inherited method", "forward"]
+        for what in ["code", "defaults"]
+        if (how, what) != ("forward", "defaults")  # (a forward has no default that matters)
+    ],
+)
 def test_a_function_given_another_body_or_defaults_before_backward_is_replayed_as_the_forward_ran_it(how, what):
     # A reloaded module (IPython's autoreload swaps __code__ in place) or a patched
     # helper between a forward and its backward: the replay ran the new body or
     # defaults, the gradients silently differed from the graph autograd recorded.
     # Now it runs the forward's, and the function ends as the caller left it.
     def change(f):
-        if what == "code":
+        if what == "code" and f in (CallsAMethod.forward, CallsAMethod.activation):
+            f.__code__ = (_forward_with_sin if f is CallsAMethod.forward else _other_method).__code__
+        elif what == "code":
             f.__code__ = _other_activation.__code__
         else:
             f.__defaults__ = (3.0,)
@@ -376,6 +414,16 @@ def test_a_function_given_another_body_or_defaults_before_backward_is_replayed_a
 
             def fn(x):
                 return local(lin(x)) * x
+        elif how in ("method", "static method", "forward", "inherited method"):
+            # the class's function itself keeps its identity; its body is swapped
+            cls = _Subclass if how == "inherited method" else CallsAMethod
+            model = nn.Sequential(cls())
+            target = {
+                "static method": CallsAMethod.static_activation,
+                "forward": CallsAMethod.forward,
+            }.get(how, CallsAMethod.activation)
+            params = list(model.parameters())
+            fn = model
         else:
             model = CallsAHelper() if how == "module" else nn.Sequential(CallsAHelper())
             target, params = _activation, list(model.parameters())

@@ -522,6 +522,23 @@ def _class_methods(users: tuple[type, ...]) -> list[Any]:
     return [v for c in users for v in list(vars(c).values()) if isinstance(v, _METHOD_TYPES)]
 
 
+def _defined_functions(values: Any) -> list[Any]:
+    """The plain functions among a class's attributes: its methods, the functions of
+    its static and class methods and properties, and those behind their decorators
+    (``__wrapped__``)."""
+    found: dict[int, Any] = {}
+    for v in values:
+        if not isinstance(v, _METHOD_TYPES):
+            continue
+        if isinstance(v, (staticmethod, classmethod)):
+            v = v.__func__
+        for f in (v.fget, v.fset, v.fdel) if isinstance(v, property) else (v,):
+            while type(f) is types.FunctionType and id(f) not in found:
+                found[id(f)] = f
+                f = f.__dict__.get("__wrapped__")
+    return list(found.values())
+
+
 def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
     """The module-level variables of the user's state that the methods of ``cls``
     read (its ``forward`` and the helpers it calls: every plain function the user's
@@ -2168,12 +2185,14 @@ class ModuleState:
             found_callables.extend(_held_callables(global_values[start:]))
         class_values: list[tuple[_ClassDict, dict]] = []
         in_classes: list[Any] = []  # the lists, dicts and sets class attributes hold
+        methods: list[Any] = []  # (their bodies and defaults: _parts_of_functions)
         for c in user_classes:
             if id(c) not in seen:
                 seen.add(id(c))
                 d = _class_dict(c)
                 entry = d.copy()
                 class_values.append((d, entry))
+                methods.extend(_defined_functions(entry.values()))
                 checked = _CONTAINER_CHECKED
                 for k, v in entry.items():
                     if k[0] != "_":
@@ -2193,7 +2212,7 @@ class ModuleState:
         state = None
         # (a function alone, reading no state, still runs in the replay as the
         # forward ran it: its code and defaults are state)
-        function_parts = _parts_of_functions(functions, global_values, values)
+        function_parts = _parts_of_functions([*functions, *methods], global_values, values)
         has_state = bool(params or slots or others or values or global_values or class_values)
         if has_state or function_parts:
             state = ModuleState(params, slots, groups, others, values)
