@@ -755,6 +755,18 @@ def _with_flush_denormal(state: tuple[float, int]) -> None:
     torch.set_flush_denormal(state[1] == 0)
 
 
+def _legacy_matmul_precision() -> str | None:
+    try:
+        return torch._C._get_float32_matmul_precision()
+    except RuntimeError:  # set through the per-backend switches since, and differing
+        return None
+
+
+def _set_legacy_matmul_precision(value: str | None) -> None:
+    if value is not None:
+        torch._C._set_float32_matmul_precision(value)
+
+
 def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
     import warnings
 
@@ -779,6 +791,10 @@ def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], 
     table: list[tuple[Callable[[], Any], Callable[[Any], None]]] = [
         (torch.get_default_dtype, torch.set_default_dtype),
     ]
+    if per_backend and hasattr(C, "_get_float32_matmul_precision"):
+        # what torch.get_float32_matmul_precision reports, set before the
+        # per-backend ones it sets too (None: it refuses, they disagree)
+        table.append((_legacy_matmul_precision, _set_legacy_matmul_precision))
     gpu = torch.version.cuda is not None or torch.version.hip is not None
     if not gpu:  # (a CPU build: its cuDNN and CUDA switches change nothing)
         named = [(g, s) for g, s in named if not g.startswith("_get_cudnn_") or "sdp" in g]
@@ -858,7 +874,9 @@ def torch_settings_as(settings: tuple[Any, ...] | None, modes: tuple[Any, ...]):
     swap_settings = settings is not None
     lock = _SETTINGS_LOCK if swap_settings else contextlib.nullcontext()
     with lock:
-        before = tuple(map(call, SETTING_GETTERS)) if swap_settings else ()
+        # (read whether or not they are swapped: the code run inside may switch one
+        # and stop before it switches it back, a replay that stops early)
+        before = tuple(map(call, SETTING_GETTERS))
         entered: list[Any] = []
         left: list[Any] = []
         try:
@@ -880,9 +898,15 @@ def torch_settings_as(settings: tuple[Any, ...] | None, modes: tuple[Any, ...]):
                 mode.__exit__(None, None, None)
             for mode in reversed(left):
                 mode.__enter__()
-            for (get, set_), value in zip(TORCH_SETTINGS, before):
-                if get() != value:
-                    set_(value)
+            set_torch_settings(before)
+
+
+def set_torch_settings(settings: tuple[Any, ...]) -> None:
+    """Make ``settings`` (read from :data:`SETTING_GETTERS`) current, setting only
+    those that differ."""
+    for (get, set_), value in zip(TORCH_SETTINGS, settings):
+        if get() != value:
+            set_(value)
 
 
 def global_forward_hook_dicts() -> tuple[dict, ...]:
@@ -895,6 +919,13 @@ def global_forward_hook_dicts() -> tuple[dict, ...]:
         "_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called",
     )
     return tuple(getattr(m, n) for n in names if isinstance(getattr(m, n, None), dict))
+
+
+def global_module_hook_dicts() -> tuple[dict, ...]:
+    """Every dict of hooks registered for all modules (forward, backward, and
+    buffer, module and parameter registration), keyed by their handle's id."""
+    m = sys.modules["torch.nn.modules.module"]
+    return tuple(v for k, v in vars(m).items() if k.startswith("_global") and "hook" in k and isinstance(v, dict))
 
 
 local_scalar_dense = torch.ops.aten._local_scalar_dense.default

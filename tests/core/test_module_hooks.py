@@ -5,7 +5,7 @@ computes, and the caller's hooks are back afterwards."""
 
 import pytest
 import torch
-from helpers import UnseenLog, assert_bitwise_equal, grads
+from helpers import UnseenLog, assert_bitwise_equal, grads, recorded_replays
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -165,3 +165,66 @@ def test_a_tensor_hook_the_function_registers_runs_once_as_without_remat(where):
 
 
 scale = None
+
+
+def _hook_count(module):
+    """The hooks registered on ``module`` and the global module hooks."""
+    import torch.nn.modules.module as module_py
+
+    dicts = [v for k, v in vars(module).items() if "hook" in k and isinstance(v, dict)]
+    dicts += [v for k, v in vars(module_py).items() if k.startswith("_global") and isinstance(v, dict)]
+    return sum(map(len, dicts))
+
+
+@pytest.mark.parametrize(
+    "kind", ["forward hook", "forward pre-hook", "full backward hook", "global forward hook", "state_dict hook"]
+)
+def test_a_hook_the_forward_registers_and_removes_itself_is_not_left_by_the_replay(kind):
+    # The forward registers a hook for one call and removes it at its end. The
+    # replay stops at the last save it needs (early stop), before the removal:
+    # the hook stayed, and every later forward ran it once more (gradients
+    # silently wrong from the second step on). The replay's hooks are removed as
+    # it ends, whether or not its code removed them.
+    def register(m):
+        if kind == "forward hook":
+            return m.b.register_forward_hook(lambda mod, i, o: o * 3.0)
+        if kind == "forward pre-hook":
+            return m.b.register_forward_pre_hook(lambda mod, i: (i[0] * 3.0,))
+        if kind == "full backward hook":
+            return m.b.register_full_backward_hook(lambda mod, gi, go: (gi[0] * 3.0,))
+        if kind == "state_dict hook":
+            return m.b.register_state_dict_post_hook(lambda *a: None)
+        return register_module_forward_hook(lambda mod, i, o: o * 1.5 if mod is m.b else o)
+
+    class Registers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(6, 6, dtype=torch.float64), nn.Linear(6, 6, dtype=torch.float64)
+
+        def forward(self, x):
+            h = register(self)
+            out = self.b(self.a(x).tanh()).sin()  # the last save: the replay stops here
+            h.remove()
+            return out
+
+    def run(ckpt):
+        m = Registers()
+        fn = remat.checkpoint(region_name="registers")(m) if ckpt else m
+        out, counts = [], []
+        for step in range(3):
+            x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step),
+                            requires_grad=True)
+            fn(x).pow(2).sum().backward()
+            out.extend([x.grad, *(p.grad.clone() for p in m.parameters())])
+            counts.append(_hook_count(m.b))
+        return out, counts
+
+    expected, expected_counts = run(False)
+    with recorded_replays() as replayed:
+        actual, counts = run(True)
+    assert replayed == ["registers"] * 3
+    assert counts == expected_counts == [0, 0, 0]
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)

@@ -399,3 +399,50 @@ def test_grad_mode_a_save_region_leaves_off_before_raising_is_off_after_it_in_th
 
     x = torch.randn(4, 4, dtype=torch.float64, generator=g, requires_grad=True)
     _assert_exact_and_grad_mode_back(block, w, x)
+
+
+SWITCHED_AND_RESET = {
+    "default dtype": (lambda: torch.set_default_dtype(torch.float32),
+                      lambda: torch.set_default_dtype(torch.float64), torch.get_default_dtype),
+    "deterministic algorithms": (lambda: torch.use_deterministic_algorithms(True),
+                                 lambda: torch.use_deterministic_algorithms(False),
+                                 torch.are_deterministic_algorithms_enabled),
+    "float32 matmul precision": (lambda: torch.set_float32_matmul_precision("medium"),
+                                 lambda: torch.set_float32_matmul_precision("highest"),
+                                 torch.get_float32_matmul_precision),
+    "mkldnn enabled": (lambda: setattr(torch.backends.mkldnn, "enabled", False),
+                       lambda: setattr(torch.backends.mkldnn, "enabled", True),
+                       lambda: torch.backends.mkldnn.enabled),
+}
+
+
+@pytest.mark.parametrize("setting", SWITCHED_AND_RESET)
+def test_a_setting_the_forward_switches_and_resets_at_its_end_is_back_after_a_replay_that_stops_early(setting):
+    # The replay stops at the last save it needs (early stop), before the forward's
+    # own reset: the switch stayed as the replay left it after backward, where the
+    # caller's value was the forward's (nothing to give back, it seemed).
+    switch, reset, read = SWITCHED_AND_RESET[setting]
+    lin = torch.nn.Linear(6, 6, dtype=torch.float64)
+
+    def block(x):
+        switch()
+        out = lin(x.tanh()).sin()  # the last save: the replay stops here
+        reset()
+        return out
+
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        reset()
+        caller = read()
+        x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+        expected = grads([lin.weight, lin.bias], [x], lambda t: block(t).pow(2).sum())
+        assert read() == caller
+        actual = grads([lin.weight, lin.bias], [x],
+                       lambda t: remat.checkpoint(region_name="switches")(block)(t).pow(2).sum())
+        assert actual.replays == ["switches"]
+        assert read() == caller
+        assert_bitwise_equal(actual, expected)
+    finally:
+        reset()
+        torch.set_default_dtype(dtype)

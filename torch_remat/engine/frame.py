@@ -122,6 +122,22 @@ if TYPE_CHECKING:
 tree_flatten = _compat.tree_flatten
 tree_unflatten = _compat.tree_unflatten
 _NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state (also "no autocast change")
+
+
+class _SettingsBack:
+    """Around a replay that runs under the caller's torch settings (they are the
+    forward's): any its code leaves switched are set back to ``settings``."""
+
+    __slots__ = ("settings",)
+
+    def __init__(self, settings: tuple[Any, ...]) -> None:
+        self.settings = settings
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        _compat.set_torch_settings(self.settings)
 _NO_STATES: list[Any] = []  # the snapshots of a checkpoint without state hooks (never written)
 
 
@@ -918,8 +934,11 @@ class CheckpointFrame:
             same = settings is None or tuple(map(_call, _SETTING_GETTERS)) == settings
         except Exception:  # (see run_forward)
             same = True
+            settings = None
         if same and not (self.function_modes or _function_mode_count()):
-            return _NO_RANGE
+            # (the replay may stop early, before the forward's own code switched
+            # back a setting it switched: the caller's are given back)
+            return _SettingsBack(settings) if settings is not None else _NO_RANGE
         return _compat.torch_settings_as(None if same else settings, self.function_modes)
 
     def replay(self, key: Any) -> Recreated:

@@ -2729,13 +2729,21 @@ class _ReplayWrites:
                     slot[None] = value
 
 
+# every hook dict of a module (forward, backward, state_dict, load_state_dict...) and
+# the global module hooks: all keyed by their handle's id
+_MODULE_HOOK_KEYS = tuple(k for k, v in sorted(vars(nn.Module()).items()) if "hook" in k and isinstance(v, dict))
+
+
 class _TensorHooks:
-    """An undo entry that removes the tensor hooks (``register_hook``,
-    ``register_post_accumulate_grad_hook``) registered during the replay on the
-    parameters and the tensors the module state holds. Hooks are keyed by their
-    handle's id, which a class counter hands out in order: the replay's are those
-    from the counter's value at its start on, and where the counter did not move
-    (no hook of any kind registered: the common case) nothing is looked at."""
+    """An undo entry that removes the hooks registered during the replay: tensor
+    hooks (``register_hook``, ``register_post_accumulate_grad_hook``) on the
+    parameters and the tensors the module state holds, and module hooks on the
+    modules it walked and the global ones (a forward that registers a hook for one
+    call and removes it at its end: the replay may stop early, before the removal).
+    Hooks are keyed by their handle's id, which a class counter hands out in order:
+    the replay's are those from the counter's value at its start on, and where the
+    counter did not move (no hook of any kind registered: the common case) nothing
+    is looked at."""
 
     __slots__ = ("state", "start")
 
@@ -2750,11 +2758,15 @@ class _TensorHooks:
         state = self.state
         tensors = [p[2] for p in state.params]
         tensors.extend(s.tensor for s in state.slots if s.copy is None)
-        for t in tensors:
-            for hooks in _compat.tensor_hook_dicts(t):
-                if hooks:
-                    for k in [k for k in hooks if k >= start]:
-                        del hooks[k]
+        dicts = [hooks for t in tensors for hooks in _compat.tensor_hook_dicts(t)]
+        for d, _, _, _ in state.others:
+            if "_forward_hooks" in d:  # (a module's)
+                dicts.extend(d.get(k) for k in _MODULE_HOOK_KEYS)
+        dicts.extend(_compat.global_module_hook_dicts())
+        for hooks in dicts:
+            if hooks:
+                for k in [k for k in hooks if type(k) is int and k >= start]:
+                    del hooks[k]
 
 
 class _Refill:
