@@ -2192,3 +2192,95 @@ def test_context_and_thread_local_values_changed_before_each_backward_are_replay
         got = run(remat.checkpoint(region_name="steps")(block))
     assert replayed == ["steps"] * 4
     _same(expected, got)
+
+
+def _factory(kind):
+    """Classes built inside a function whose methods read its variables (a model
+    factory), and a class with state in a private or plain-object class attribute."""
+    k = 2.0
+    n = 0
+
+    def set_k(v):
+        nonlocal k
+        k = v
+
+    class Sub(nn.Module):
+        def forward(self, h):
+            return h * k
+
+    class Act:
+        def __call__(self, h):
+            return (h * k).sin()
+
+    class Cfg:
+        def __init__(self):
+            self.t, self.n = 2.0, 0
+
+    class Built(nn.Module):
+        _table = {"k": 2.0}
+        cfg = Cfg()
+
+        def __init__(self):
+            super().__init__()
+            self.lin = _linear(13)
+            self.sub, self.act = Sub(), Act()
+
+        def helper(self, h):
+            return (h * k).sin()
+
+        def count(self):
+            nonlocal n
+            n += 1
+            return n
+
+        def forward(self, x):
+            h = self.lin(x)
+            if kind == "helper method":
+                return self.helper(h) * x
+            if kind == "submodule forward":
+                return self.sub(h).sin() * x
+            if kind == "callable object":
+                return self.act(h) * x
+            if kind == "nonlocal counter":
+                return (h * self.count()).sin() * x
+            if kind == "private class dict":
+                return (h * self._table["k"]).sin() * x
+            if kind == "plain object in a class attribute":
+                return (h * self.cfg.t).sin() * x
+            self.cfg.n += 1  # a counter on it
+            return (h * self.cfg.n).sin() * x
+
+    def change():
+        set_k(5.0)
+        Built._table["k"] = 5.0
+        Built.cfg.t = 5.0
+
+    return Built(), change, lambda: (n, Built.cfg.n)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["helper method", "submodule forward", "callable object", "nonlocal counter", "private class dict",
+     "plain object in a class attribute", "counter on a class attribute's object"],
+)
+def test_state_of_a_class_built_in_a_function_or_held_by_its_class_is_replayed_as_the_forward_saw_it(kind):
+    # A variable of the enclosing function read by a method other than the root
+    # module's forward, a submodule's forward or a callable object's __call__; a dict
+    # in a private class attribute; a plain object in a class attribute. Changed
+    # before backward (or advanced by the forward itself: a counter), the replay read
+    # the new value: gradients silently wrong, counters advanced twice.
+    def run(ckpt):
+        model, change, counters = _factory(kind)
+        fn = remat.checkpoint(region_name="built")(model) if ckpt else model
+        x = _x(71)
+        with recorded_replays() as replayed:
+            out = fn(x)
+            change()
+            out.sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters())], replayed, counters()
+
+    expected, _, expected_counters = run(False)
+    got, replayed, counters = run(True)
+    assert replayed == ["built"]
+    assert counters == expected_counters
+    _same(expected, got)

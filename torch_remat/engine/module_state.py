@@ -825,7 +825,7 @@ def _wrapper_cells(fs: list[Any], cells: list[tuple[str, Any]], values: list[tup
         own = _own_code(getattr(f, "__module__", None) or "")
         for name, cell in zip(f.__code__.co_freevars, closure):
             value = _cell_value(cell)
-            if value is _MISSING:  # (an empty cell)
+            if value is _MISSING or name == "__class__":  # (an empty cell; super()'s)
                 continue
             if type(value) is types.FunctionType:
                 stack.append(value)
@@ -2195,10 +2195,15 @@ class ModuleState:
                 methods.extend(_defined_functions(entry.values()))
                 checked = _CONTAINER_CHECKED
                 for k, v in entry.items():
-                    if k[0] != "_":
-                        known = checked.get(type(v))
-                        if known or (known is None and _is_container(type(v))):
+                    if not k.startswith("__"):
+                        cls = type(v)
+                        known = checked.get(cls)
+                        if known or (known is None and (_is_container(cls) or _is_plain(cls))):
                             in_classes.append(v)
+        if methods:
+            # the closures of the classes' methods (a class built in a function,
+            # its methods reading the function's variables)
+            _wrapper_cells(methods, cells, values)
         if in_classes:
             _held_state(in_classes, 0, seen, slots, others, containers, generators, [])
         for name, cell in cells:
