@@ -755,16 +755,20 @@ def _with_flush_denormal(state: tuple[float, int]) -> None:
     torch.set_flush_denormal(state[1] == 0)
 
 
-def _legacy_matmul_precision() -> str | None:
+def legacy_matmul_precision() -> str | None:
+    """What ``torch.get_float32_matmul_precision`` reports where torch also has the
+    per-backend precisions (:data:`TORCH_SETTINGS` holds those), which set it too;
+    None where it has none, or refuses (they were set apart and disagree)."""
+    if not _PER_BACKEND:
+        return None
     try:
         return torch._C._get_float32_matmul_precision()
-    except RuntimeError:  # set through the per-backend switches since, and differing
+    except RuntimeError:
         return None
 
 
-def _set_legacy_matmul_precision(value: str | None) -> None:
-    if value is not None:
-        torch._C._set_float32_matmul_precision(value)
+_PER_BACKEND = hasattr(torch._C, "_get_fp32_precision_getter") and hasattr(torch._C, "_get_float32_matmul_precision")
+set_legacy_matmul_precision = getattr(torch._C, "_set_float32_matmul_precision", None)
 
 
 def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
@@ -791,10 +795,6 @@ def _settings_table() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], 
     table: list[tuple[Callable[[], Any], Callable[[Any], None]]] = [
         (torch.get_default_dtype, torch.set_default_dtype),
     ]
-    if per_backend and hasattr(C, "_get_float32_matmul_precision"):
-        # what torch.get_float32_matmul_precision reports, set before the
-        # per-backend ones it sets too (None: it refuses, they disagree)
-        table.append((_legacy_matmul_precision, _set_legacy_matmul_precision))
     gpu = torch.version.cuda is not None or torch.version.hip is not None
     if not gpu:  # (a CPU build: its cuDNN and CUDA switches change nothing)
         named = [(g, s) for g, s in named if not g.startswith("_get_cudnn_") or "sdp" in g]
@@ -877,6 +877,7 @@ def torch_settings_as(settings: tuple[Any, ...] | None, modes: tuple[Any, ...]):
         # (read whether or not they are swapped: the code run inside may switch one
         # and stop before it switches it back, a replay that stops early)
         before = tuple(map(call, SETTING_GETTERS))
+        legacy = legacy_matmul_precision()
         entered: list[Any] = []
         left: list[Any] = []
         try:
@@ -898,15 +899,19 @@ def torch_settings_as(settings: tuple[Any, ...] | None, modes: tuple[Any, ...]):
                 mode.__exit__(None, None, None)
             for mode in reversed(left):
                 mode.__enter__()
-            set_torch_settings(before)
+            set_torch_settings(before, legacy)
 
 
-def set_torch_settings(settings: tuple[Any, ...]) -> None:
+def set_torch_settings(settings: tuple[Any, ...], legacy: str | None) -> None:
     """Make ``settings`` (read from :data:`SETTING_GETTERS`) current, setting only
-    those that differ."""
-    for (get, set_), value in zip(TORCH_SETTINGS, settings):
-        if get() != value:
-            set_(value)
+    those that differ, and where any did, the legacy matmul precision read with
+    them (:func:`legacy_matmul_precision`) first."""
+    changed = [(set_, value) for (get, set_), value in zip(TORCH_SETTINGS, settings) if get() != value]
+    if changed and legacy is not None:
+        set_legacy_matmul_precision(legacy)  # (it sets per-backend ones: set again below)
+        changed = [(set_, value) for (get, set_), value in zip(TORCH_SETTINGS, settings) if get() != value]
+    for set_, value in changed:
+        set_(value)
 
 
 def global_forward_hook_dicts() -> tuple[dict, ...]:

@@ -54,6 +54,7 @@ from .._autograd_hooks import (
     when_backward_ends,
 )
 from .._compat import SETTING_GETTERS as _SETTING_GETTERS
+from .._compat import TORCH_SETTINGS as _TORCH_SETTINGS
 from .._compat import any_version, autograd_sequence_nr, profiler_enabled, sequence_nr, version_of
 from .._compat import call as _call
 from .._compat import function_mode_count as _function_mode_count
@@ -122,23 +123,8 @@ if TYPE_CHECKING:
 tree_flatten = _compat.tree_flatten
 tree_unflatten = _compat.tree_unflatten
 _NO_RANGE = contextlib.nullcontext()  # reusable: it holds no state (also "no autocast change")
-
-
-class _SettingsBack:
-    """Around a replay that runs under the caller's torch settings (they are the
-    forward's): any its code leaves switched are set back to ``settings``."""
-
-    __slots__ = ("settings",)
-
-    def __init__(self, settings: tuple[Any, ...]) -> None:
-        self.settings = settings
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        _compat.set_torch_settings(self.settings)
 _NO_STATES: list[Any] = []  # the snapshots of a checkpoint without state hooks (never written)
+
 
 
 def _forget(frame_ref: weakref.ref, key: Any) -> None:
@@ -274,6 +260,9 @@ class CheckpointFrame:
         # precision, attention backends...) and the TorchFunctionModes active when the
         # forward started: the replay runs under the same
         self.torch_settings: tuple[Any, ...] | None = ()
+        # what torch.get_float32_matmul_precision reports then (None: refused), set
+        # back with them where the replay's code switched one (_SettingsBack)
+        self.matmul_precision: str | None = None
         self.function_modes: tuple[Any, ...] = ()
         # how many TorchDispatchModes were active when the forward started (a replay
         # under another count may take composite ops' other variants: ReplayPass.pack)
@@ -365,6 +354,7 @@ class CheckpointFrame:
             self.torch_settings = tuple(map(_call, _SETTING_GETTERS))
         except Exception:  # a getter this torch refuses in some state: not replayed
             self.torch_settings = None
+        self.matmul_precision = _compat.legacy_matmul_precision()
         self.function_modes = _compat.function_modes() if _function_mode_count() else ()
         self.dispatch_modes = _compat.dispatch_mode_count()
         self.dual_level = _compat.forward_ad_level() >= 0
@@ -936,9 +926,7 @@ class CheckpointFrame:
             same = True
             settings = None
         if same and not (self.function_modes or _function_mode_count()):
-            # (the replay may stop early, before the forward's own code switched
-            # back a setting it switched: the caller's are given back)
-            return _SettingsBack(settings) if settings is not None else _NO_RANGE
+            return _NO_RANGE
         return _compat.torch_settings_as(None if same else settings, self.function_modes)
 
     def replay(self, key: Any) -> Recreated:
@@ -1031,10 +1019,11 @@ class CheckpointFrame:
         for observer in observers:
             observer.replay_started(self)
         caller_dtype = _default_dtype()  # (before the settings context sets the forward's)
+        settings_context = self._settings_context()
         try:
             push_hooks(replay, replay_unpack)
             try:
-                with torch.enable_grad(), self._autocast_context(), self._settings_context(), (
+                with torch.enable_grad(), self._autocast_context(), settings_context, (
                     torch.profiler.record_function(f"remat.recompute:{self.name}")
                     if profiler_enabled() else _NO_RANGE
                 ), (
@@ -1061,6 +1050,14 @@ class CheckpointFrame:
                 restore_module_state(module_undo)
             if replay.set_dtype:  # a skipped region set the one its body left
                 torch.set_default_dtype(caller_dtype)
+            if settings_context is _NO_RANGE and self.torch_settings:
+                # the replay ran under the caller's settings (the forward's): its
+                # code may have switched one and stopped early, before the
+                # forward's own code switched it back
+                for (get, _), value in zip(_TORCH_SETTINGS, self.torch_settings):
+                    if get() != value:
+                        _compat.set_torch_settings(self.torch_settings, self.matmul_precision)
+                        break
             for record in self.replay_regions:
                 release_traceback(record.raised)
             for h, s in zip(hooks, caller_states):

@@ -2636,7 +2636,7 @@ class ModuleState:
             # hooks the replay registers on tensors it did not create (a parameter's
             # register_hook inside the forward) are removed when it ends: the
             # forward's registration is the one backward runs
-            undo.append((_TensorHooks(self), None, None))
+            undo.append((_ReplayHooks(self), None, None))
             # (restore applies it first: see _ReplayWrites)
             undo.append((_ReplayWrites(self, list(map(_tag_of, versions)) if versions is not None else None), None, None))
         except BaseException as e:
@@ -2739,7 +2739,7 @@ class _ReplayWrites:
 _MODULE_HOOK_KEYS = tuple(k for k, v in sorted(vars(nn.Module()).items()) if "hook" in k and isinstance(v, dict))
 
 
-class _TensorHooks:
+class _ReplayHooks:
     """An undo entry that removes the hooks registered during the replay: tensor
     hooks (``register_hook``, ``register_post_accumulate_grad_hook``) on the
     parameters and the tensors the module state holds, and module hooks on the
@@ -2765,7 +2765,7 @@ class _TensorHooks:
         tensors.extend(s.tensor for s in state.slots if s.copy is None)
         dicts = [hooks for t in tensors for hooks in _compat.tensor_hook_dicts(t)]
         for d, _, _, _ in state.others:
-            if "_forward_hooks" in d:  # (a module's)
+            if d.get("_forward_hooks") is not None:  # (a module's)
                 dicts.extend(d.get(k) for k in _MODULE_HOOK_KEYS)
         dicts.extend(_compat.global_module_hook_dicts())
         for hooks in dicts:
