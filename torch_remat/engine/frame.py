@@ -65,7 +65,7 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
-from .._tensors import CONSTANT_TYPES, describe_tensor, storage_root
+from .._tensors import CONSTANT_TYPES, describe_tensor, storage_ptr, storage_root
 from .context import (
     FORWARD,
     _tls,
@@ -797,9 +797,17 @@ class CheckpointFrame:
             id(o): record for record in self.replay_regions for o in record.outputs
             if type(o) is TensorSource
         }
+        storages = set()
         for s in updated:
+            storages.add(storage_ptr(s.kept_tensor if s.kept_tensor is not None else s.ref()))
             s.not_kept()
             region_of[id(s)].replay_body()
+        # an op after the region saved the output (relu_ its result): the replay
+        # makes it again, held for backward it would be memory no report counts
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.kept is not None and storage_ptr(holder.kept.data) in storages:
+                holder.drop_kept()
         for s in self.inputs:
             if s.save_consumed and not s.keep:
                 s.mark_kept(s.ref)

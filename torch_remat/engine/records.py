@@ -106,6 +106,11 @@ class Holder:
         """Hold ``d``, a tensor the checkpoint keeps anyway: no replay needs to refill it."""
         self.kept = VersionedTensor(d)
 
+    def drop_kept(self) -> None:
+        """What it held is not kept after all (a SAVE output updated in place after
+        its region returned, whose body the replay runs again): the replay refills it."""
+        self.kept = None
+
     def _remat_resident_tensors(self) -> list[torch.Tensor]:
         """What the reports count for a save packed as this holder (by an outer
         checkpoint, when it is the save of a nested one): the kept tensor, or
