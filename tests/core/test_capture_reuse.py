@@ -5,7 +5,10 @@ read: compared with the same calls run without remat, with torch.equal."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
+import typing
 
 import pytest
 import torch
@@ -705,3 +708,45 @@ def test_a_setting_a_save_regions_body_rebinds_is_seen_by_the_replay():
                 assert (e is None) == (g is None) and (e is None or torch.equal(e, g)), i
     assert replayed == ["s"] * 3
     assert wrapped.settings.scale == plain.settings.scale == 2.5
+
+
+class _Mode(enum.Enum):
+    SIN = 1
+    TANH = 2
+
+
+class _Pair(typing.NamedTuple):
+    scale: float = 1.5
+    shift: float = 0.25
+
+
+@dataclasses.dataclass
+class _Settings:
+    power: float = 2.0
+
+
+class _ReadsAnEnumAndANamedTuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(5, 5, dtype=D)
+        self.mode = _Mode.TANH
+        self.pair = _Pair()
+        self.settings = _Settings()
+
+    def forward(self, x):
+        h = self.fc(x) * self.pair.scale + _Pair._field_defaults["shift"]
+        h = h.pow(self.settings.power)
+        return h.tanh() if self.mode is _Mode.TANH else h.sin()
+
+
+def test_a_forward_reading_an_enum_a_named_tuple_and_a_dataclass_reuses_its_capture(monkeypatch):
+    # The private attributes and generated methods of those classes (an enum's
+    # member tables, a named tuple's field defaults, the set in the closure of a
+    # dataclass's __repr__) are their machinery, not state the checkpoint must
+    # record: recorded, every call walked again.
+    walks = _walks(monkeypatch)
+    with recorded_replays() as replayed:
+        _, ckpt = _compare([None, None, None], make=_ReadsAnEnumAndANamedTuple)
+    assert replayed == ["block"] * 3
+    assert len(walks) == 1

@@ -96,6 +96,7 @@ import functools
 import itertools
 import operator
 import sys
+import sysconfig
 import threading
 import types
 import weakref
@@ -536,7 +537,18 @@ def _defined_functions(values: Any) -> list[Any]:
             while type(f) is types.FunctionType and id(f) not in found:
                 found[id(f)] = f
                 f = f.__dict__.get("__wrapped__")
-    return list(found.values())
+    return [f for f in found.values() if _written_by_the_user(f.__code__.co_filename)]
+
+
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+@functools.lru_cache(maxsize=None)
+def _written_by_the_user(filename: str) -> bool:
+    """Whether code from ``filename`` is the user's: not made by ``exec`` (a
+    dataclass's or named tuple's generated methods) nor in the standard library
+    or installed packages (the wrapper ``dataclasses`` puts around ``__repr__``)."""
+    return not filename.startswith("<") and not filename.startswith(_LIBRARY_DIRS)
 
 
 def _class_info(cls: type) -> tuple[tuple[Any, ...], tuple[type, ...]]:
@@ -2192,10 +2204,15 @@ class ModuleState:
                 d = _class_dict(c)
                 entry = d.copy()
                 class_values.append((d, entry))
-                methods.extend(_defined_functions(entry.values()))
                 checked = _CONTAINER_CHECKED
+                # (the private attributes and generated methods of a class another
+                # metaclass makes, an enum's member tables, or of a named tuple are
+                # their machinery)
+                plain_class = type(c) is type and not issubclass(c, tuple)
+                if plain_class:
+                    methods.extend(_defined_functions(entry.values()))
                 for k, v in entry.items():
-                    if not k.startswith("__"):
+                    if k[0] != "_" or (plain_class and k[1:2] != "_"):
                         cls = type(v)
                         known = checked.get(cls)
                         if known or (known is None and (_is_container(cls) or _is_plain(cls))):
