@@ -543,7 +543,7 @@ def _defined_functions(values: Any) -> list[Any]:
 _LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _written_by_the_user(filename: str) -> bool:
     """Whether code from ``filename`` is the user's: not made by ``exec`` (a
     dataclass's or named tuple's generated methods) nor in the standard library
