@@ -228,3 +228,55 @@ def test_a_hook_the_forward_registers_and_removes_itself_is_not_left_by_the_repl
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("kind", ["forward hook", "forward pre-hook with kwargs", "global forward hook"])
+def test_a_hook_a_save_regions_body_registers_runs_after_it_in_the_replay_too(kind):
+    # A SAVE body that installs a hook on a later module once (lazily, on its first
+    # call): the replay skips the body, and the later module ran without the hook
+    # there (hooks registered since the forward started are cleared): gradients
+    # silently wrong. Now the hooks the body added are there after it, as in the forward.
+    handles = []
+
+    class InstallsAHook(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(6, 6, dtype=torch.float64), nn.Linear(6, 6, dtype=torch.float64)
+
+        def body(self, h):
+            if not handles:
+                if kind == "forward hook":
+                    handles.append(self.b.register_forward_hook(lambda mod, i, o: o * 3.0))
+                elif kind == "forward pre-hook with kwargs":
+                    handles.append(self.b.register_forward_pre_hook(
+                        lambda mod, args, kwargs: ((args[0] * args[0],), kwargs), with_kwargs=True))
+                else:
+                    handles.append(register_module_forward_hook(
+                        lambda mod, i, o: o * 1.5 if mod is self.b else o))
+            return self.a(h).tanh()
+
+        def forward(self, x):
+            h = remat.region(self.body, "installs", recompute=False)(x.sin())
+            return self.b(h).sin()
+
+    def run(ckpt):
+        m = InstallsAHook()
+        fn = remat.checkpoint(region_name="installs")(m) if ckpt else m
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        try:
+            with recorded_replays() as replayed:
+                fn(x).pow(2).sum().backward()
+            counts = _hook_count(m.b)
+        finally:
+            for h in handles:
+                h.remove()
+            handles.clear()
+        return [x.grad, *(p.grad for p in m.parameters())], replayed, counts
+
+    expected, _, expected_counts = run(False)
+    actual, replayed, counts = run(True)
+    assert replayed == ["installs"]
+    assert counts == expected_counts
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e)

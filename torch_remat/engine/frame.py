@@ -65,6 +65,8 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
+from torch.utils.hooks import RemovableHandle
+
 from .._tensors import CONSTANT_TYPES, describe_tensor, storage_ptr, storage_root
 from .context import (
     FORWARD,
@@ -593,6 +595,7 @@ class CheckpointFrame:
                 # (a body that sets back a value the code before it changed)
                 module_state.attributes_rebound()
             modes = (_grad_enabled(), _default_dtype())
+            hooks_from = RemovableHandle.next_id  # (the ids of hooks the body registers)
             # the body's closure and arguments, which may hold this forward's own
             # Python state: changed there, the replay runs the body again
             passed = [*args, *kwargs.values()] if kwargs else args
@@ -636,7 +639,7 @@ class CheckpointFrame:
                 _note_modes_left(record, modes)  # (as where it returns: the caller goes on so)
                 # The replay skips this body, so it re-raises the same error for
                 # code that catches it and falls back to another path.
-                self._region_returned(record, contents, raised=detached_copy(e))
+                self._region_returned(record, contents, hooks_from, raised=detached_copy(e))
             raise
         finally:
             scratch.region_stack.pop()
@@ -648,11 +651,12 @@ class CheckpointFrame:
             self._record_region_outputs(record, out, leaves, written)
             if written:
                 self._record_written_arguments(record, written)
-            self._region_returned(record, contents)
+            self._region_returned(record, contents, hooks_from)
         return out
 
     def _region_returned(
-        self, record: RegionRecord, contents: list[Any] | None, raised: BaseException | None = None
+        self, record: RegionRecord, contents: list[Any] | None, hooks_from: int,
+        raised: BaseException | None = None,
     ) -> None:
         """A top-level SAVE region's body returned (or raised ``raised``): note on
         ``record`` what the replay sets where it skips the body. The state hooks'
@@ -676,6 +680,12 @@ class CheckpointFrame:
             changed = module_state.containers_changed(contents)
             if changed:
                 attributes = (attributes or []) + changed
+        if RemovableHandle.next_id != hooks_from and module_state is not None:
+            # module hooks the body registered (on a later module, once): there
+            # after it in the replay too
+            added = module_state.hooks_added_since(hooks_from)
+            if added:
+                attributes = (attributes or []) + added
         record.returned(states, host, attributes, raised)
 
     def host_state(self) -> tuple[Any, ...]:

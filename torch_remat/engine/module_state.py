@@ -2519,6 +2519,16 @@ class ModuleState:
             changes.append((_ContentsLeft(container), None, _change(was, _contents(container))))
         return changes
 
+    def hooks_added_since(self, start: int) -> list[tuple[dict, int, Any]]:
+        """The module hooks registered since the hook-handle counter read ``start``
+        (by a SAVE region's body) on the modules walked and the global ones, as
+        ``(hook dict, handle id, hook)``: the replay adds them where it skips the body
+        (:meth:`skip_attributes`)."""
+        dicts: list[Any] = [d.get(k) for d, _, _, _ in self.others if d.get("_forward_hooks") is not None
+                            for k in _MODULE_HOOK_KEYS]
+        dicts.extend(_compat.global_module_hook_dicts())
+        return [(h, k, v) for h in dicts if h for k, v in h.items() if type(k) is int and k >= start]
+
     @staticmethod
     def skip_attributes(changes: list[tuple[dict, Any, Any]], undo: list[tuple[Any, Any, Any]]) -> None:
         """In the replay, at a skipped SAVE region: the attributes its body rebound, as
