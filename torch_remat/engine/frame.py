@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.utils.hooks import RemovableHandle
 
 from .. import _compat
 from .._autograd_hooks import (
@@ -65,8 +66,6 @@ from .._errors import (
     _StopRecompute,
     modified_in_place,
 )
-from torch.utils.hooks import RemovableHandle
-
 from .._tensors import CONSTANT_TYPES, describe_tensor, storage_ptr, storage_root
 from .context import (
     FORWARD,
