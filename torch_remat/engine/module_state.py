@@ -2524,10 +2524,8 @@ class ModuleState:
         (by a SAVE region's body) on the modules walked and the global ones, as
         ``(hook dict, handle id, hook)``: the replay adds them where it skips the body
         (:meth:`skip_attributes`)."""
-        dicts: list[Any] = [d.get(k) for d, _, _, _ in self.others if d.get("_forward_hooks") is not None
-                            for k in _MODULE_HOOK_KEYS]
-        dicts.extend(_compat.global_module_hook_dicts())
-        return [(h, k, v) for h in dicts if h for k, v in h.items() if type(k) is int and k >= start]
+        return [(h, k, v) for h in _module_hook_dicts(self.others) if h for k, v in h.items()
+                if type(k) is int and k >= start]
 
     @staticmethod
     def skip_attributes(changes: list[tuple[dict, Any, Any]], undo: list[tuple[Any, Any, Any]]) -> None:
@@ -2766,6 +2764,14 @@ class _ReplayWrites:
 _MODULE_HOOK_KEYS = tuple(k for k, v in sorted(vars(nn.Module()).items()) if "hook" in k and isinstance(v, dict))
 
 
+def _module_hook_dicts(others: list[tuple]) -> list[Any]:
+    """Every hook dict of the modules among ``others`` (attribute dicts the capture
+    recorded) and the global module hook dicts: all keyed by handle id."""
+    dicts = [d.get(k) for d, _, _, _ in others if d.get("_forward_hooks") is not None for k in _MODULE_HOOK_KEYS]
+    dicts.extend(_compat.global_module_hook_dicts())
+    return dicts
+
+
 class _ReplayHooks:
     """An undo entry that removes the hooks registered during the replay: tensor
     hooks (``register_hook``, ``register_post_accumulate_grad_hook``) on the
@@ -2791,10 +2797,7 @@ class _ReplayHooks:
         tensors = [p[2] for p in state.params]
         tensors.extend(s.tensor for s in state.slots if s.copy is None)
         dicts = [hooks for t in tensors for hooks in _compat.tensor_hook_dicts(t)]
-        for d, _, _, _ in state.others:
-            if d.get("_forward_hooks") is not None:  # (a module's)
-                dicts.extend(d.get(k) for k in _MODULE_HOOK_KEYS)
-        dicts.extend(_compat.global_module_hook_dicts())
+        dicts.extend(_module_hook_dicts(state.others))
         for hooks in dicts:
             if hooks:
                 for k in [k for k in hooks if type(k) is int and k >= start]:
